@@ -1,0 +1,72 @@
+"""One ``tree_attention`` entry point over several engines, and its transformers registration.
+
+Engines: ``reference`` (dense mask, any dtype: the oracle), ``torch`` (block-sparse, the CPU
+default) and ``triton`` (the GPU kernel; on a machine without a GPU only under
+``TRITON_INTERPRET=1``). Each is registered in transformers' ``AttentionInterface`` as
+``tree_<engine>``; a model built with that ``attn_implementation`` receives ``kv_end`` (and
+``position_ids``) as forward kwargs and runs unchanged otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ds_tree.attention.blocksparse import blocksparse_tree_attention
+from ds_tree.attention.reference import tree_attention_reference
+
+
+def _triton(query, key, value, kv_end, scale=None):
+    from ds_tree.attention.triton import triton_tree_attention  # imports triton: only on demand
+
+    return triton_tree_attention(query, key, value, kv_end, scale)
+
+
+ENGINES: dict[str, Callable[..., torch.Tensor]] = {
+    "reference": tree_attention_reference,
+    "torch": blocksparse_tree_attention,
+    "triton": _triton,
+}
+
+
+def tree_attention(query, key, value, kv_end, scale=None, engine: str = "torch") -> torch.Tensor:
+    """``[B, Hq, N, D]``, ``[B, Hkv, N, D]`` x2, ``kv_end [B, N]`` -> ``[B, N, Hq, D]``."""
+    try:
+        function = ENGINES[engine]
+    except KeyError:
+        raise ValueError(f"unknown attention engine {engine!r}; choose one of {sorted(ENGINES)}") from None
+    return function(query, key, value, kv_end, scale)
+
+
+def implementation_name(engine: str) -> str:
+    """The ``attn_implementation`` string under which ``engine`` is registered."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown attention engine {engine!r}; choose one of {sorted(ENGINES)}")
+    return f"tree_{engine}"
+
+
+def _hf_attention(engine: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        kv_end = kwargs.get("kv_end")
+        if kv_end is None:
+            raise ValueError(
+                f"attention {implementation_name(engine)!r} needs `kv_end` among the model's forward kwargs "
+                "(pass the packed row's kv_end, shape [batch, tokens])"
+            )
+        if dropout:
+            raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
+        for unsupported in ("sliding_window", "softcap"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"tree attention does not support {unsupported} (layer {module.__class__.__name__})")
+        return tree_attention(query, key, value, kv_end.to(query.device), scaling, engine), None
+
+    return attention
+
+
+def register_tree_attention() -> None:
+    """Register every engine with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    for engine in ENGINES:
+        AttentionInterface.register(implementation_name(engine), _hf_attention(engine))

@@ -1,0 +1,392 @@
+"""Triton kernels for tree attention: FlashAttention-2 forward and backward with tile skipping.
+
+Mask (DESIGN section 2): query ``q`` sees key ``k`` iff ``k <= q < kv_end[k]``. Every query sees
+itself, so no row is fully masked.
+
+Algorithm
+- Forward, one program per (query block, batch * query head): loop over key blocks, online
+  softmax in the log2 domain (``exp2`` with ``scale * log2(e)`` folded into the scores), fp32
+  accumulators, then store the output and the per-row log-sum-exp (log2 domain) for the backward.
+- Backward, FlashAttention-2 split: ``delta = rowsum(dO * O)`` (small preprocess kernel); a dK/dV
+  kernel, one program per (key block, batch * kv head), looping over query blocks; a dQ kernel,
+  one program per (query block, batch * query head), looping over key blocks. Probabilities are
+  recomputed from the saved log-sum-exp, so nothing of size N^2 is stored.
+- Tile skipping: key block ``j`` can be visible to query block ``i`` only if it starts at or
+  before the block's last query and ``max(kv_end[block j]) > first query``. The queries that see a
+  key block form the contiguous range ``[first key, max kv_end)``, so the dK/dV loop covers only
+  those query blocks. A tile whose keys all precede its first query and whose ``min(kv_end)``
+  exceeds its last row is fully visible and skips the element mask. The per-key-block max/min of
+  ``kv_end`` come from the host (``block_stats.key_block_end_bounds``), which also reports how
+  many tiles these rules visit.
+- GQA: query head ``h`` uses kv head ``h // group`` (HF ``repeat_kv`` order). K/V are never
+  repeated in memory; the dK/dV program loops over the ``group`` query heads of its kv head and
+  accumulates their contributions in registers, so no atomics are needed.
+
+Limits
+- ``HEAD_DIM`` must be a power of two >= 16 (``tl.arange`` and ``tl.dot`` shapes); the autograd
+  wrapper pads other head dims with zeros, which changes neither scores nor the real outputs.
+- Any N: the ragged last blocks are masked on load and store. Tensors are indexed with int32
+  offsets, so one batch row of q/k/v must hold fewer than 2**31 elements.
+- fp32 inputs use IEEE fp32 dots (not TF32) so an fp32 caller gets fp32 accuracy; fp16/bf16
+  inputs feed the tensor cores directly and accumulate in fp32.
+
+Caveats
+- The Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) computes bf16 ``tl.dot`` wrongly,
+  so under the interpreter bf16 operands are upcast to fp32 (``UPCAST``). The CPU tests therefore
+  do not see the rounding of the probabilities to bf16 that the GPU does before ``P @ V``.
+- The running max starts at -1e30 rather than -inf: a row can meet tiles where all its keys are
+  masked before it meets a visible one, and ``-inf - -inf`` would poison it with NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ds_tree.attention.block_stats import key_block_end_bounds
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = math.log2(math.e)
+
+
+def block_sizes(head_dim: int) -> dict:
+    """Tile shapes and launch options; small tiles under the interpreter keep CPU tests fast.
+
+    GPU values follow the FlashAttention-2 Triton tutorial: 128x64 forward tiles, 64x64 backward
+    tiles (the dK/dV program holds k, v, dk and dv for its whole key block), 8 warps for D=128.
+    """
+    if INTERPRET:
+        return {"forward": (16, 16), "backward": (16, 16), "num_warps": 1, "num_stages": 1}
+    return {
+        "forward": (128, 64),
+        "backward": (64, 64),
+        "num_warps": 4 if head_dim <= 64 else 8,
+        "num_stages": 2,
+    }
+
+
+@triton.jit
+def _operand(x, UPCAST: tl.constexpr):
+    """A ``tl.dot`` operand: upcast to fp32 under the interpreter (its bf16 dot is broken)."""
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_rows(base, rows, n, stride_row, offs_d, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+    """Load ``[len(rows), HEAD_DIM]``; rows past ``n`` read as zero when ``MASKED``."""
+    pointers = base + rows[:, None] * stride_row + offs_d[None, :]
+    if MASKED:
+        block = tl.load(pointers, mask=(rows < n)[:, None], other=0.0)
+    else:
+        block = tl.load(pointers)
+    return _operand(block, UPCAST)
+
+
+@triton.jit
+def _tile_is_full(key_start, query_start, min_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """All keys precede the first query and are visible past the last row (both blocks whole)."""
+    return (key_start + BLOCK_N - 1 <= query_start) & (min_end > query_start + BLOCK_M - 1)
+
+
+@triton.jit
+def _visible(query_index, key_index, key_end):
+    """The tree mask ``k <= q < kv_end[k]`` for a ``[queries, keys]`` tile."""
+    return (key_index[None, :] <= query_index[:, None]) & (query_index[:, None] < key_end[None, :])
+
+
+@triton.jit
+def _forward_tile(
+    acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
+    qk_scale, offs_n, offs_d,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    key_index = key_start + offs_n
+    k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
+    v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # Keys past n read kv_end = 0 and so are invisible to every query.
+        key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
+        scores = tl.where(_visible(query_index, key_index, key_end), scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    correction = tl.exp2(row_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])
+    row_sum = row_sum * correction + tl.sum(p, 1)
+    acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, new_max, row_sum
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, OUT, LSE,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
+    n, heads_q, group, num_key_blocks, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    query_start = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // heads_q
+    head = tl.program_id(1) % heads_q
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    query_index = query_start + offs_m
+    q = _load_rows(Q + batch * stride_qb + head * stride_qh, query_index, n, stride_qn, offs_d, True, UPCAST)
+    k_base = K + batch * stride_kb + (head // group) * stride_kh
+    v_base = V + batch * stride_kb + (head // group) * stride_kh
+    end_base = KV_END + batch * n
+    bounds = batch * num_key_blocks
+
+    row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
+    for key_block in range(0, last_key_block + 1):
+        key_start = key_block * BLOCK_N
+        if tl.load(BLOCK_MAX_END + bounds + key_block) > query_start:
+            min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
+            if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
+                acc, row_max, row_sum = _forward_tile(
+                    acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
+                    stride_kn, qk_scale, offs_n, offs_d, False, UPCAST, DOT_PRECISION)
+            else:
+                acc, row_max, row_sum = _forward_tile(
+                    acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
+                    stride_kn, qk_scale, offs_n, offs_d, True, UPCAST, DOT_PRECISION)
+
+    # Rows past n never saw a key; keep them finite (they are not stored).
+    row_sum = tl.where(row_sum > 0, row_sum, 1.0)
+    out = acc / row_sum[:, None]
+    in_range = query_index < n
+    out_pointers = OUT + batch * stride_ob + head * stride_oh + query_index[:, None] * stride_on + offs_d[None, :]
+    tl.store(out_pointers, out.to(OUT.dtype.element_ty), mask=in_range[:, None])
+    tl.store(LSE + (batch * heads_q + head) * n + query_index, row_max + tl.log2(row_sum), mask=in_range)
+
+
+@triton.jit
+def _delta_kernel(
+    OUT, GRAD_OUT, DELTA, stride_ob, stride_oh, stride_on, n, heads_q,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """``delta = rowsum(dO * O)`` in fp32: the softmax-backward term shared by dQ and dK."""
+    query_index = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    batch = tl.program_id(1) // heads_q
+    head = tl.program_id(1) % heads_q
+    offset = batch * stride_ob + head * stride_oh
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = _load_rows(OUT + offset, query_index, n, stride_on, offs_d, True, False).to(tl.float32)
+    grad_out = _load_rows(GRAD_OUT + offset, query_index, n, stride_on, offs_d, True, False).to(tl.float32)
+    tl.store(DELTA + (batch * heads_q + head) * n + query_index, tl.sum(out * grad_out, 1), mask=query_index < n)
+
+
+@triton.jit
+def _key_value_tile(
+    grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
+    n, stride_qn, stride_on, qk_scale, offs_m, offs_d,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add one query block's contribution to dK and dV, in transposed ``[keys, queries]`` form."""
+    query_index = query_start + offs_m
+    q = _load_rows(q_base, query_index, n, stride_qn, offs_d, MASKED, UPCAST)
+    grad_out = _load_rows(do_base, query_index, n, stride_on, offs_d, MASKED, UPCAST)
+    if MASKED:
+        lse = tl.load(lse_base + query_index, mask=query_index < n, other=0.0)
+        delta = tl.load(delta_base + query_index, mask=query_index < n, other=0.0)
+    else:
+        lse = tl.load(lse_base + query_index)
+        delta = tl.load(delta_base + query_index)
+    p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
+    if MASKED:
+        p_t = tl.where(tl.trans(_visible(query_index, key_index, key_end)), p_t, 0.0)
+    grad_v += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=DOT_PRECISION)
+    grad_p_t = tl.dot(v, tl.trans(grad_out), input_precision=DOT_PRECISION)
+    grad_s_t = p_t * (grad_p_t - delta[None, :])
+    grad_k += tl.dot(grad_s_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return grad_k, grad_v
+
+
+@triton.jit
+def _key_value_kernel(
+    Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_K, GRAD_V,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
+    n, heads_q, heads_kv, group, num_key_blocks, scale, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    key_block = tl.program_id(0)
+    batch = tl.program_id(1) // heads_kv
+    head_kv = tl.program_id(1) % heads_kv
+    key_start = key_block * BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_index = key_start + tl.arange(0, BLOCK_N)
+    kv_offset = batch * stride_kb + head_kv * stride_kh
+    k = _load_rows(K + kv_offset, key_index, n, stride_kn, offs_d, True, UPCAST)
+    v = _load_rows(V + kv_offset, key_index, n, stride_kn, offs_d, True, UPCAST)
+    key_end = tl.load(KV_END + batch * n + key_index, mask=key_index < n, other=0)
+    max_end = tl.load(BLOCK_MAX_END + batch * num_key_blocks + key_block)
+    min_end = tl.load(BLOCK_MIN_END + batch * num_key_blocks + key_block)
+
+    grad_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    grad_v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    # Only queries in [key_start, max_end) see this key block; max_end > key_start always.
+    first_query_block = key_start // BLOCK_M
+    last_query_block = (max_end - 1) // BLOCK_M
+    for member in range(0, group):
+        head = head_kv * group + member
+        q_base = Q + batch * stride_qb + head * stride_qh
+        do_base = GRAD_OUT + batch * stride_ob + head * stride_oh
+        lse_base = LSE + (batch * heads_q + head) * n
+        delta_base = DELTA + (batch * heads_q + head) * n
+        for query_block in range(first_query_block, last_query_block + 1):
+            query_start = query_block * BLOCK_M
+            if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
+                grad_k, grad_v = _key_value_tile(
+                    grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
+                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, False, UPCAST, DOT_PRECISION)
+            else:
+                grad_k, grad_v = _key_value_tile(
+                    grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
+                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, True, UPCAST, DOT_PRECISION)
+
+    in_range = (key_index < n)[:, None]
+    pointers = kv_offset + key_index[:, None] * stride_kn + offs_d[None, :]
+    # dS is the gradient of the scaled scores, so dK picks up the softmax scale once here.
+    tl.store(GRAD_K + pointers, (grad_k * scale).to(GRAD_K.dtype.element_ty), mask=in_range)
+    tl.store(GRAD_V + pointers, grad_v.to(GRAD_V.dtype.element_ty), mask=in_range)
+
+
+@triton.jit
+def _query_tile(
+    grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
+    qk_scale, offs_n, offs_d,
+    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Add one key block's contribution to dQ."""
+    key_index = key_start + offs_n
+    k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
+    v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
+    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
+    if MASKED:
+        key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
+        p = tl.where(_visible(query_index, key_index, key_end), p, 0.0)
+    grad_p = tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION)
+    grad_s = p * (grad_p - delta[:, None])
+    return grad_q + tl.dot(grad_s.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _query_kernel(
+    Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_Q,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
+    n, heads_q, group, num_key_blocks, scale, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    query_start = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // heads_q
+    head = tl.program_id(1) % heads_q
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    query_index = query_start + tl.arange(0, BLOCK_M)
+    in_range = query_index < n
+    q_offset = batch * stride_qb + head * stride_qh
+    q = _load_rows(Q + q_offset, query_index, n, stride_qn, offs_d, True, UPCAST)
+    grad_out = _load_rows(GRAD_OUT + batch * stride_ob + head * stride_oh, query_index, n, stride_on, offs_d, True, UPCAST)
+    row = (batch * heads_q + head) * n + query_index
+    lse = tl.load(LSE + row, mask=in_range, other=0.0)
+    delta = tl.load(DELTA + row, mask=in_range, other=0.0)
+    k_base = K + batch * stride_kb + (head // group) * stride_kh
+    v_base = V + batch * stride_kb + (head // group) * stride_kh
+    end_base = KV_END + batch * n
+    bounds = batch * num_key_blocks
+
+    grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
+    for key_block in range(0, last_key_block + 1):
+        key_start = key_block * BLOCK_N
+        if tl.load(BLOCK_MAX_END + bounds + key_block) > query_start:
+            min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
+            if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
+                grad_q = _query_tile(
+                    grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
+                    n, stride_kn, qk_scale, offs_n, offs_d, False, UPCAST, DOT_PRECISION)
+            else:
+                grad_q = _query_tile(
+                    grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
+                    n, stride_kn, qk_scale, offs_n, offs_d, True, UPCAST, DOT_PRECISION)
+
+    pointers = GRAD_Q + q_offset + query_index[:, None] * stride_qn + offs_d[None, :]
+    tl.store(pointers, (grad_q * scale).to(GRAD_Q.dtype.element_ty), mask=in_range[:, None])
+
+
+def _dot_options(dtype: torch.dtype) -> dict:
+    return {
+        "UPCAST": INTERPRET and dtype == torch.bfloat16,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output ``[B, N, Hq, D]`` and log2-domain log-sum-exp ``[B, Hq, N]`` (fp32).
+
+    q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]``, all contiguous with D a power of two >= 16;
+    kv_end ``[B, N]`` int32 contiguous.
+    """
+    batch, heads_q, n, head_dim = q.shape
+    config = block_sizes(head_dim)
+    block_m, block_n = config["forward"]
+    max_end, min_end = key_block_end_bounds(kv_end, block_n)
+    out = torch.empty(batch, n, heads_q, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, n, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(n, block_m), batch * heads_q)
+    _forward_kernel[grid](
+        q, k, v, kv_end, max_end, min_end, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        out.stride(0), out.stride(2), out.stride(1),
+        n, heads_q, heads_q // k.shape[1], max_end.shape[1], scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, **_dot_options(q.dtype),
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return out, lse
+
+
+def backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, kv_end: torch.Tensor, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)`` shaped like q, k, v; grad_out and out are ``[B, N, Hq, D]``.
+
+    Same layout requirements as :func:`forward`; ``out`` and ``lse`` are what it returned.
+    """
+    batch, heads_q, n, head_dim = q.shape
+    heads_kv = k.shape[1]
+    config = block_sizes(head_dim)
+    block_m, block_n = config["backward"]
+    max_end, min_end = key_block_end_bounds(kv_end, block_n)
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    out_strides = (out.stride(0), out.stride(2), out.stride(1))
+    delta = torch.empty_like(lse)
+    _delta_kernel[(triton.cdiv(n, block_m), batch * heads_q)](
+        out, grad_out, delta, *out_strides, n, heads_q, BLOCK_M=block_m, HEAD_DIM=head_dim, **launch)
+
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *out_strides)
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype)}
+    grad_k = torch.empty_like(k)
+    grad_v = torch.empty_like(v)
+    _key_value_kernel[(max_end.shape[1], batch * heads_kv)](
+        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_k, grad_v, *strides,
+        n, heads_q, heads_kv, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
+    grad_q = torch.empty_like(q)
+    _query_kernel[(triton.cdiv(n, block_m), batch * heads_q)](
+        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_q, *strides,
+        n, heads_q, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
+    return grad_q, grad_k, grad_v

@@ -1,0 +1,182 @@
+"""Converted tree datasets on disk: a Hugging Face ``datasets.Dataset``, one row per tree (group).
+
+Columns: ``group_id`` (string), ``input_ids`` (list of int32 lists, one per trajectory),
+``loss_mask`` (list of float32 lists, or float64 when a mask value is not exactly a float32, so
+masks always round-trip bit for bit), ``reward`` (list of float64, null when missing), ``trial``
+(list of int64, -1 when missing). Beside it, ``ds_tree_meta.json`` records the format version,
+the tokenizer identity and the counts (groups, trajectories, flat and tree tokens, skipped lines).
+
+One row per tree keeps a group together for the packer (a tree is never split across workers by
+accident) and stores trajectories rather than the trie: the trie is rebuilt on load in seconds
+and the stored form stays readable by anything that reads Arrow.
+
+Writing goes to a hidden sibling directory that is renamed into place at the end, so a failed or
+interrupted run never leaves a partial dataset at the output path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ds_tree.trees.trajectory import DataError, Trajectory
+from ds_tree.trees.trie import build_forest
+
+FORMAT_VERSION = 1
+META_FILE = "ds_tree_meta.json"
+COLUMNS = ("group_id", "input_ids", "loss_mask", "reward", "trial")
+
+
+def _features(mask_dtype: str):
+    from datasets import Features, List, Value
+
+    return Features(
+        {
+            "group_id": Value("string"),
+            "input_ids": List(List(Value("int32"))),
+            "loss_mask": List(List(Value(mask_dtype))),
+            "reward": List(Value("float64")),
+            "trial": List(Value("int64")),
+        }
+    )
+
+
+def dataset_counts(trajectories: list[Trajectory]) -> dict:
+    """Group, trajectory and token counts of what a dataset holds (trees merged by group)."""
+    trees = build_forest(trajectories, merge="group")
+    return {
+        "groups": len({t.group_id for t in trajectories}),
+        "trajectories": len(trajectories),
+        "flat_tokens": sum(tree.flat_tokens for tree in trees),
+        "tree_tokens": sum(tree.n_tokens for tree in trees),
+    }
+
+
+def save_tree_dataset(
+    trajectories: list[Trajectory], output_dir: str | Path, meta: dict, overwrite: bool = False
+) -> dict:
+    """Write ``trajectories`` as a tree dataset; returns the meta dict written beside it.
+
+    ``meta`` is merged into ``ds_tree_meta.json`` (tokenizer identity, skip counts, options);
+    counts and the format version are added here. Refuses a non-empty ``output_dir`` unless
+    ``overwrite``.
+    """
+    from datasets import Dataset
+
+    output_dir = Path(output_dir)
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
+        raise FileExistsError(f"{output_dir}: exists and is not empty (pass --overwrite to replace it)")
+    if not trajectories:
+        raise DataError(f"{output_dir}: nothing to write (no trajectories)")
+    top = max(int(t.input_ids.max()) for t in trajectories)
+    if top > np.iinfo(np.int32).max:
+        raise DataError(f"token id {top} does not fit the int32 input_ids column")
+    masks_fit_float32 = all(np.array_equal(t.loss_mask.astype(np.float32), t.loss_mask) for t in trajectories)
+    mask_dtype = "float32" if masks_fit_float32 else "float64"
+
+    groups: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:  # groups in order of first appearance
+        groups.setdefault(trajectory.group_id, []).append(trajectory)
+    columns = {
+        "group_id": list(groups),
+        "input_ids": [[t.input_ids.astype(np.int32) for t in members] for members in groups.values()],
+        "loss_mask": [[t.loss_mask.astype(mask_dtype) for t in members] for members in groups.values()],
+        "reward": [[t.reward for t in members] for members in groups.values()],
+        "trial": [[-1 if t.trial is None else t.trial for t in members] for members in groups.values()],
+    }
+    full_meta = {
+        "format_version": FORMAT_VERSION,
+        "loss_mask_dtype": mask_dtype,
+        "counts": dataset_counts(trajectories),
+        **meta,
+    }
+    temporary = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        Dataset.from_dict(columns, features=_features(mask_dtype)).save_to_disk(str(temporary))
+        (temporary / META_FILE).write_text(json.dumps(full_meta, indent=2) + "\n")
+        if output_dir.exists():
+            # Move the old output aside before the new one goes in, so neither is ever half there.
+            retired = output_dir.parent / f".{output_dir.name}.replaced-{os.getpid()}"
+            output_dir.rename(retired)
+            temporary.rename(output_dir)
+            if retired.is_dir():
+                shutil.rmtree(retired)
+            else:
+                retired.unlink()
+        else:
+            temporary.rename(output_dir)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return full_meta
+
+
+def read_meta(dataset_dir: str | Path) -> dict:
+    """The ``ds_tree_meta.json`` of a tree dataset, checked for the format version."""
+    path = Path(dataset_dir) / META_FILE
+    if not path.is_file():
+        raise DataError(f"{dataset_dir}: not a tree dataset (no {META_FILE}; write one with tools/convert.py)")
+    meta = json.loads(path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path}: format_version {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}")
+    return meta
+
+
+def _nested_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row offsets into lists, list offsets into values, values) of a list<list<x>> column.
+
+    Reading through Arrow offsets instead of Python lists keeps loading at numpy speed.
+    """
+    outer = column.combine_chunks()
+    inner = outer.flatten()
+    rows = outer.offsets.to_numpy() - outer.offsets[0].as_py()
+    lists = inner.offsets.to_numpy()
+    values = inner.flatten().to_numpy(zero_copy_only=False)
+    return rows, lists - lists[0], values
+
+
+def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
+    """All trajectories of a tree dataset, validated, with ``source`` = ``DIR:row R:trajectory j``."""
+    from datasets import load_from_disk
+
+    dataset_dir = Path(dataset_dir)
+    meta = read_meta(dataset_dir)
+    table = load_from_disk(str(dataset_dir)).data.table
+    missing = [name for name in COLUMNS if name not in table.column_names]
+    if missing:
+        raise DataError(f"{dataset_dir}: missing column(s) {', '.join(missing)}")
+    id_rows, id_lists, ids = _nested_lists(table.column("input_ids"))
+    mask_rows, mask_lists, masks = _nested_lists(table.column("loss_mask"))
+    group_ids = table.column("group_id").to_pylist()
+    rewards = table.column("reward").to_pylist()
+    trials = table.column("trial").to_pylist()
+    trajectories = []
+    for row, group_id in enumerate(group_ids):
+        where = f"{dataset_dir}:row {row}"
+        count = id_rows[row + 1] - id_rows[row]
+        if not (mask_rows[row + 1] - mask_rows[row] == count == len(rewards[row]) == len(trials[row])):
+            raise DataError(f"{where}: input_ids, loss_mask, reward and trial hold different numbers of trajectories")
+        for j in range(count):
+            token_list, mask_list = id_rows[row] + j, mask_rows[row] + j
+            reward, trial = rewards[row][j], trials[row][j]
+            trajectories.append(
+                Trajectory(
+                    input_ids=ids[id_lists[token_list] : id_lists[token_list + 1]],
+                    loss_mask=masks[mask_lists[mask_list] : mask_lists[mask_list + 1]],
+                    group_id=group_id,
+                    reward=None if reward is None or math.isnan(reward) else reward,
+                    trial=None if trial < 0 else trial,
+                    source=f"{where}:trajectory {j}",
+                )
+            )
+    if len(trajectories) != meta["counts"]["trajectories"]:
+        raise DataError(
+            f"{dataset_dir}: holds {len(trajectories)} trajectories, its meta file says {meta['counts']['trajectories']}"
+        )
+    return trajectories

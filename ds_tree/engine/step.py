@@ -1,0 +1,57 @@
+"""Forward and backward of packed rows: the computation every mode and entry point shares."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
+from ds_tree.models.logprobs import predicted_tokens, target_logprobs
+from ds_tree.packing.rows import PackedRow
+
+
+@dataclass
+class StepOutput:
+    loss: float = 0.0
+    """Sum over rows of the (unscaled) weighted loss: the global objective's share of these rows."""
+    trajectory_logprobs: dict[int, np.ndarray] = field(default_factory=dict)
+    """``id(trajectory) -> log p`` of its tokens 1.. (only when asked for)."""
+
+
+def run_rows(
+    model: PreTrainedModel,
+    rows: Sequence[PackedRow],
+    normalisers: Normalisers,
+    normalisation: str = "token_mean",
+    policy: str = "exact",
+    *,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    collect_logprobs: bool = False,
+    device: torch.device | str = "cpu",
+) -> StepOutput:
+    """Forward every row, and hand each row's loss to ``backward`` (e.g. ``Tensor.backward``).
+
+    Only tokens with a non-zero weight reach the LM head, unless ``collect_logprobs`` asks for
+    every trajectory's log-probabilities (then every predicted token does).
+    """
+    output = StepOutput()
+    for row in rows:
+        weights = restoration_weights(row, normalisers, normalisation, policy)
+        targets = predicted_tokens(row) if collect_logprobs else np.flatnonzero(weights)
+        if targets.size == 0:
+            continue
+        logprobs = target_logprobs(model, row, targets, device)
+        loss = weighted_nll(logprobs, weights[targets])
+        if backward is not None:
+            backward(loss)
+        output.loss += float(loss.detach())
+        if collect_logprobs:
+            by_token = np.full(row.n_tokens, np.nan)
+            by_token[targets] = logprobs.detach().double().cpu().numpy()
+            for part, trajectory_id, path in row.trajectory_paths():
+                output.trajectory_logprobs[id(part.tree.trajectories[trajectory_id])] = by_token[path[1:]]
+    return output

@@ -1,0 +1,103 @@
+"""Building Hugging Face causal LMs with tree attention swapped in.
+
+``source`` is either a config JSON file (random init from a seed, for tests and the quickstart)
+or a local Hugging Face model directory (weights loaded, never downloaded). Any model class that
+dispatches attention through transformers' ``AttentionInterface`` works: Llama, Qwen2, Qwen3,
+Mistral, ...
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from ds_tree.attention import implementation_name, register_tree_attention
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+def load_config(source: str | Path) -> PretrainedConfig:
+    """Config from a JSON file (must name its ``model_type``) or a local model directory."""
+    source = Path(source)
+    if source.is_dir():
+        return AutoConfig.from_pretrained(source, local_files_only=True)
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no such model config file or directory")
+    try:
+        fields = json.loads(source.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{source}: malformed JSON ({error.msg} at line {error.lineno})") from None
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{source}: the config needs a 'model_type' field (e.g. \"llama\")")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def has_weights(source: str | Path) -> bool:
+    source = Path(source)
+    return source.is_dir() and (any(source.glob("*.safetensors")) or any(source.glob("*.bin")))
+
+
+def load_model(
+    source: str | Path,
+    *,
+    attention: str = "torch",
+    dtype: str | torch.dtype = "float32",
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A causal LM with ``attn_implementation = tree_<attention>``, in training mode.
+
+    Random init (seeded with ``seed``) from a config file or a weightless directory; weights
+    from a directory that has them.
+    """
+    register_tree_attention()
+    implementation = implementation_name(attention)
+    dtype = parse_dtype(dtype)
+    if has_weights(source):
+        model = AutoModelForCausalLM.from_pretrained(
+            source, attn_implementation=implementation, dtype=dtype, local_files_only=True
+        )
+    else:
+        config = load_config(source)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
+        model.to(dtype)
+    if dtype == torch.float64:
+        keep_norms_in_float64(model)
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def keep_norms_in_float64(model: torch.nn.Module) -> int:
+    """Make RMSNorm layers compute in float64 when the model is float64; returns how many.
+
+    transformers' RMSNorm casts its input to float32 (to protect bf16 training). In a float64
+    model that silently rounds every hidden state to float32 precision in the backward, so a
+    prefix gradient summed over branches differs from the flat per-branch sum by ~3e-8
+    relative: the float64 oracle would only be a float32 one. The replacement is the same
+    formula without the cast.
+    """
+    patched = 0
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = _rms_norm_float64.__get__(module)
+            patched += 1
+    return patched

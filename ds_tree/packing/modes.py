@@ -1,0 +1,41 @@
+"""Trajectories -> packed rows, for each execution mode that packs (DESIGN section 5).
+
+``tree``: one trie per group (or over everything), trees larger than the budget split into parts
+that carry their ancestor path, parts bin-packed into rows. ``flat``: the baseline, every
+trajectory its own sequence, packed into rows the same way with the same kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ds_tree.packing.parts import TreePart, check_fits, split_tree, whole_tree
+from ds_tree.packing.rows import PackedRow, pack_rows
+from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.trie import build_forest
+
+MODES = ("tree", "flat")
+
+
+def make_parts(trajectories: Sequence[Trajectory], mode: str, budget: int, merge: str = "group") -> list[TreePart]:
+    """Parts of at most ``budget`` tokens; a trajectory longer than the budget is an error naming it."""
+    if mode == "flat":
+        trees = build_forest(trajectories, merge="none")
+        for tree in trees:
+            check_fits(tree, budget)
+        return [whole_tree(tree) for tree in trees]
+    if mode == "tree":
+        return [part for tree in build_forest(trajectories, merge=merge) for part in split_tree(tree, budget)]
+    raise ValueError(f"packing mode must be one of {MODES}, got {mode!r}")
+
+
+def pack_trajectories(
+    trajectories: Sequence[Trajectory],
+    mode: str,
+    budget: int,
+    block: int = 1,
+    merge: str = "group",
+    pad_id: int = 0,
+) -> list[PackedRow]:
+    """Rows of at most ``budget`` real tokens, padded to a multiple of ``block``."""
+    return pack_rows(make_parts(trajectories, mode, budget, merge), budget, block, pad_id)

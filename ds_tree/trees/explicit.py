@@ -1,0 +1,137 @@
+"""Trees given explicitly as nodes with parent links, expanded into root-to-leaf trajectories.
+
+Record shape (one tree a JSONL line)::
+
+    {"group_id": str?, "tools": [...]?,
+     "nodes": [{"id": str|int, "parent": id|null, "input_ids": [int], "loss_mask": [number]?,
+                "reward": number?}, ...]}
+
+A node holds either ``input_ids`` (with an optional ``loss_mask``, default all 1: explicit token
+nodes are usually generated text) or ``messages`` (OpenAI chat messages); one tree uses one kind.
+A leaf's trajectory concatenates the nodes on its root path. Message trees are rendered per path
+with the full message list (a chat template renders a conversation, not a fragment), and the
+trie merges the shared prefixes again. ``reward`` belongs on leaves, one per trajectory.
+
+Expanding to trajectories, instead of keeping the given node split, means the tree the trainer
+sees is always the exact-token trie: two sibling nodes that start with the same tokens still share
+them, which a node-level tree would recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ds_tree.trees.trajectory import DataError, Trajectory
+
+TokenizeMessages = Callable[[list[dict]], tuple[np.ndarray, np.ndarray]]
+"""messages -> (input_ids, loss_mask) of their rendering (see :mod:`ds_tree.data.chat`)."""
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_node(where: str, node: object) -> None:
+    if not isinstance(node, dict):
+        raise DataError(f"{where}: a node must be an object")
+    if not isinstance(node.get("id"), str | int) or isinstance(node.get("id"), bool):
+        raise DataError(f"{where}: a node needs an 'id' (string or integer)")
+    if ("input_ids" in node) == ("messages" in node):
+        raise DataError(f"{where}: node {node['id']!r} needs exactly one of 'input_ids' and 'messages'")
+    if "input_ids" in node:
+        ids = node["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+            raise DataError(f"{where}: node {node['id']!r}: 'input_ids' must be a list of integers")
+        mask = node.get("loss_mask", [1] * len(ids))
+        if not isinstance(mask, list) or not all(_number(v) for v in mask) or len(mask) != len(ids):
+            raise DataError(f"{where}: node {node['id']!r}: 'loss_mask' must be a list of numbers as long as 'input_ids'")
+    elif not isinstance(node["messages"], list):
+        raise DataError(f"{where}: node {node['id']!r}: 'messages' must be a list")
+    if "reward" in node and node["reward"] is not None and not _number(node["reward"]):
+        raise DataError(f"{where}: node {node['id']!r}: 'reward' must be a number or null")
+
+
+def _root_paths(where: str, nodes: list[dict]) -> list[list[dict]]:
+    """Root-to-leaf node lists, leaves in input order; structural errors raise DataError."""
+    by_id: dict[object, dict] = {}
+    for node in nodes:
+        if node["id"] in by_id:
+            raise DataError(f"{where}: duplicate node id {node['id']!r}")
+        by_id[node["id"]] = node
+    children: dict[object, list[object]] = {key: [] for key in by_id}
+    roots = []
+    for node in nodes:
+        parent = node.get("parent")
+        if parent is None:
+            roots.append(node["id"])
+        elif parent not in by_id:
+            raise DataError(f"{where}: node {node['id']!r} has parent {parent!r}, which is not a node of this tree")
+        else:
+            children[parent].append(node["id"])
+    if len(roots) != 1:
+        raise DataError(f"{where}: a tree needs exactly one root (a node with parent null), found {len(roots)}")
+    # Walk down from the root: any node not reached hangs on a cycle (every node has a parent).
+    paths, reached, pending = [], 0, [[roots[0]]]
+    while pending:
+        path = pending.pop()
+        reached += 1
+        below = children[path[-1]]
+        if not below:
+            paths.append(path)
+        pending.extend(path + [child] for child in reversed(below))
+    if reached != len(nodes):
+        raise DataError(f"{where}: the parent links contain a cycle ({len(nodes) - reached} nodes unreachable from the root)")
+    for key, below in children.items():
+        if below and by_id[key].get("reward") is not None:
+            raise DataError(f"{where}: node {key!r} has a reward but is not a leaf (rewards belong on leaves)")
+    order = {key: position for position, key in enumerate(by_id)}
+    paths.sort(key=lambda path: order[path[-1]])
+    return [[by_id[key] for key in path] for path in paths]
+
+
+def trajectories_from_explicit_tree(
+    record: dict, where: str, tokenize_messages: TokenizeMessages | None = None
+) -> list[Trajectory]:
+    """Every root-to-leaf trajectory of an explicit tree record (see the module docstring).
+
+    ``where`` (``file:line``) prefixes every error. ``tokenize_messages`` is needed when nodes hold
+    ``messages``. Each trajectory's ``trial`` is its leaf's rank in node order.
+    """
+    nodes = record.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise DataError(f"{where}: field 'nodes' must be a non-empty list of nodes")
+    for node in nodes:
+        _check_node(where, node)
+    kinds = {"messages" in node for node in nodes}
+    if len(kinds) > 1:
+        raise DataError(f"{where}: a tree mixes 'messages' nodes and 'input_ids' nodes")
+    uses_messages = kinds.pop()
+    if uses_messages and tokenize_messages is None:
+        raise DataError(f"{where}: nodes hold 'messages' but no tokenizer was given to render them")
+    group_id = record.get("group_id", where)
+    if not isinstance(group_id, str | int):
+        raise DataError(f"{where}: field 'group_id' must be a string")
+
+    trajectories = []
+    for trial, path in enumerate(_root_paths(where, nodes)):
+        if uses_messages:
+            input_ids, loss_mask = tokenize_messages([m for node in path for m in node["messages"]])
+        else:
+            input_ids = np.concatenate([np.asarray(node["input_ids"], dtype=np.int64) for node in path])
+            loss_mask = np.concatenate(
+                [np.asarray(node.get("loss_mask", [1.0] * len(node["input_ids"])), dtype=np.float64) for node in path]
+            )
+        reward = path[-1].get("reward")
+        trajectories.append(
+            Trajectory(
+                input_ids=input_ids,
+                loss_mask=loss_mask,
+                group_id=str(group_id),
+                reward=None if reward is None else float(reward),
+                trial=trial,
+                source=f"{where}:leaf {path[-1]['id']!r}",
+            )
+        )
+    return trajectories

@@ -1,0 +1,202 @@
+"""Triton tree attention against a float64 dense reference: forward and dq/dk/dv.
+
+Runs on a GPU, or on the CPU under the Triton interpreter (``TRITON_INTERPRET=1`` in the
+environment before Python starts: transformers and torch may import triton early):
+
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python -m pytest tests/test_triton_attention.py -q
+
+Inputs are fresh random numbers every run; a failure prints the seed to replay it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from ds_tree.attention.block_stats import block_stats
+from ds_tree.attention.reference import tree_attention_reference
+
+if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from ds_tree.attention.triton import kernels, triton_tree_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and not kernels.INTERPRET else "cpu"
+
+
+def reference(query, key, value, kv_end, scale=None):
+    """The oracle: dense mask, any dtype (float64 here, or the test dtype for the bf16 rule)."""
+    return tree_attention_reference(query, key, value, kv_end, scale)
+
+
+# ---------------------------------------------------------------- random trees -> kv_end
+
+
+def _append_tree(rng, kv_end, depth, max_depth, branching, max_node_len):
+    """Append one tree in DFS pre-order; each token's kv_end is the end of its node's subtree."""
+    start = len(kv_end)
+    node_len = rng.randint(1, max_node_len)
+    kv_end.extend([0] * node_len)
+    if depth < max_depth:
+        for _ in range(rng.randint(0, branching)):
+            _append_tree(rng, kv_end, depth + 1, max_depth, branching, max_node_len)
+    kv_end[start : start + node_len] = [len(kv_end)] * node_len
+
+
+def random_forest_kv_end(rng, n, max_depth, branching, max_node_len, padding):
+    """Random trees concatenated into ``n`` tokens, the last ``>= padding`` being padding.
+
+    Padding tokens see only themselves (``kv_end = k + 1``), as the packer lays them out.
+    """
+    kv_end: list[int] = []
+    for _ in range(50):  # draws that do not fit are dropped, so big trees cannot end the forest early
+        tree: list[int] = []
+        _append_tree(rng, tree, 0, max_depth, branching, max_node_len)
+        if len(kv_end) + len(tree) <= n - padding:
+            kv_end += [end + len(kv_end) for end in tree]
+    kv_end += range(len(kv_end) + 1, n + 1)
+    return kv_end
+
+
+LAYOUTS = {
+    # name: (n, builder(rng, n)); n is never a multiple of the 16-wide interpreter blocks.
+    "causal": (77, lambda rng, n: [n] * n),
+    "deep_chain": (61, lambda rng, n: random_forest_kv_end(rng, n, 12, 1, 6, 1)),
+    "wide_fork": (70, lambda rng, n: random_forest_kv_end(rng, n, 1, 12, 3, 2)),
+    "one_token_nodes": (53, lambda rng, n: random_forest_kv_end(rng, n, 4, 3, 1, 1)),
+    "forest": (90, lambda rng, n: random_forest_kv_end(rng, n, 4, 3, 9, 3)),
+}
+
+# (layout, batch, query heads, kv heads, head dim): GQA ratios 1/2/4, native and padded head dims.
+SHAPES = [
+    ("causal", 1, 2, 2, 64),
+    ("deep_chain", 2, 4, 2, 48),
+    ("wide_fork", 1, 4, 1, 64),
+    ("one_token_nodes", 1, 2, 1, 32),
+    ("forest", 2, 4, 1, 80),
+]
+
+
+def _kv_end(layout, batch, rng):
+    n, build = LAYOUTS[layout]
+    return torch.tensor([build(rng, n) for _ in range(batch)], dtype=torch.int64)
+
+
+def _poisoned(allocate):
+    """Wrap a torch allocator so fresh float buffers start as NaN: unwritten elements show up."""
+
+    def wrapper(*args, **kwargs):
+        tensor = allocate(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    return wrapper
+
+
+def _run(fn, inputs, kv_end, grad_out):
+    """Output and (dq, dk, dv) of ``fn``; q/k/v enter as non-contiguous views, like HF passes them."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    views = [x.transpose(1, 2).contiguous().transpose(1, 2) for x in leaves]
+    out = fn(*views, kv_end.to(inputs[0].device))
+    out.backward(grad_out)
+    return [out.detach()] + [x.grad for x in leaves]
+
+
+def _max_error(actual, expected):
+    return (actual.double() - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout,batch,heads_q,heads_kv,head_dim", SHAPES)
+def test_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, dtype, monkeypatch):
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kv_end = _kv_end(layout, batch, rng)
+    n = kv_end.shape[1]
+    inputs = [
+        torch.randn(batch, heads, n, head_dim, dtype=torch.float64).to(dtype)
+        for heads in (heads_q, heads_kv, heads_kv)
+    ]
+    grad_out = torch.randn(batch, n, heads_q, head_dim, dtype=torch.float64).to(dtype)
+    # The reference sees exactly the rounded inputs, so only the computation's error is measured.
+    expected = _run(reference, [x.double() for x in inputs], kv_end, grad_out.double())
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", _poisoned(torch.empty))
+        patch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
+        actual = _run(triton_tree_attention, [x.to(DEVICE) for x in inputs], kv_end, grad_out.to(DEVICE))
+    actual = [a.cpu() for a in actual]
+
+    if dtype == torch.float32:
+        # fp32 all the way (IEEE dots on GPU): errors are round-off, ~1e-6 at these sizes.
+        bounds = [1e-5 * (1 + e.abs().max().item()) for e in expected]
+    else:
+        # 16-bit rule: at most twice the error of PyTorch's own computation in the same dtype,
+        # plus what even an exact kernel loses by rounding its result to that dtype. At these
+        # small sizes both errors are mostly that final rounding (half an ulp of the largest
+        # element, 0.016 at |x| = 4 in bf16), so the max over elements of either is noisy and
+        # a bare 2x flakes (measured up to 2.2x). The 1e-5 floor covers exact-zero gradients
+        # (a token that sees only itself), where the kernel leaves fp32 round-off of ~1e-7.
+        own = _run(reference, inputs, kv_end, grad_out)
+        bounds = [
+            2 * _max_error(o, e) + _max_error(e.to(dtype), e) + 1e-5 for o, e in zip(own, expected)
+        ]
+    for name, a, e, bound in zip(("out", "dq", "dk", "dv"), actual, expected, bounds):
+        assert a.dtype == dtype and a.shape == e.shape, name
+        assert not a.isnan().any(), f"{name}: unwritten (NaN) elements; seed {seed}"
+        error = _max_error(a, e)
+        assert error <= bound, f"{name}: max error {error:.3g} > {bound:.3g}; seed {seed}, kv_end {kv_end.tolist()}"
+
+
+def test_causal_case_uses_the_unmasked_fast_path():
+    """The tests above only cover the fast path if some layout has fully visible tiles."""
+    block_m, block_n = kernels.block_sizes(64)["forward"]
+    n = LAYOUTS["causal"][0]
+    assert block_stats(torch.full((n,), n), block_m, block_n)["fully_visible_tiles"] > 0
+
+
+def test_rejects_mismatched_heads():
+    q = torch.zeros(1, 3, 4, 16, device=DEVICE)
+    kv = torch.zeros(1, 2, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple"):
+        triton_tree_attention(q, kv, kv, torch.full((1, 4), 4))
+
+
+# ---------------------------------------------------------------- block_stats
+
+
+def test_block_stats_causal_sequence():
+    # N=5, 2x2 tiles: query/key blocks [0,1] [2,3] [4]. The lower block triangle is visited
+    # (3 + 2 + 1 = 6 tiles); only (q[2,3], k[0,1]) is fully visible: (q[4], k[0,1]) is a
+    # ragged query block, whose last row index 5 is past min(kv_end) = 5.
+    stats = block_stats(torch.full((5,), 5), block_m=2, block_n=2)
+    assert stats == {
+        "visited_tiles": 6,
+        "fully_visible_tiles": 1,
+        "total_tiles": 9,
+        "useful_elements": 15,  # 5 + 4 + 3 + 2 + 1
+        "computed_elements": 24,
+        "tile_efficiency": 15 / 24,
+    }
+
+
+def test_block_stats_two_independent_sequences():
+    # Two sequences of length 2 packed in one row: only the two diagonal tiles are visited,
+    # each holding 3 visible pairs out of 4.
+    two_sequences = torch.tensor([2, 2, 4, 4])
+    stats = block_stats(two_sequences, block_m=2, block_n=2)
+    assert stats == {
+        "visited_tiles": 2,
+        "fully_visible_tiles": 0,
+        "total_tiles": 4,
+        "useful_elements": 6,
+        "computed_elements": 8,
+        "tile_efficiency": 0.75,
+    }
+    # A batch sums its rows: causal length 4 visits 3 tiles (1 full) with 10 visible pairs.
+    batch = block_stats(torch.stack([two_sequences, torch.full((4,), 4)]), block_m=2, block_n=2)
+    assert (batch["visited_tiles"], batch["fully_visible_tiles"], batch["total_tiles"]) == (5, 1, 8)
+    assert (batch["useful_elements"], batch["computed_elements"]) == (16, 20)

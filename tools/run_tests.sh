@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up the environment (tools/bootstrap.sh) and run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/bootstrap.sh
+# The Triton interpreter must be chosen before anything imports triton (transformers does).
+export TRITON_INTERPRET=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest "$@"

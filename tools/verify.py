@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Check tree mode against the flat baseline: same weights, same data, one JSON report.
+
+    python tools/verify.py --data PATH --model CONFIG_OR_DIR [--dtype float64|float32]
+        [--seed N] [--budget TOKENS] [--attention torch|reference|triton]
+
+PATH is a tokens JSONL file (one trajectory a line) or a dataset directory written by
+``tools/convert.py``. Exits 1 when the errors exceed the dtype's tolerance, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_tree.data import load_trajectories  # noqa: E402
+from ds_tree.losses import NORMALISATIONS, POLICIES  # noqa: E402
+from ds_tree.trees import DataError  # noqa: E402
+from ds_tree.verification import compare  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", required=True, help="tokens JSONL file or converted dataset directory")
+    parser.add_argument("--model", required=True, help="model config JSON (random init) or local HF directory")
+    parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random init")
+    parser.add_argument("--budget", type=int, default=4096, help="token budget of one packed row")
+    parser.add_argument("--block", type=int, default=1, help="pad rows to a multiple of this")
+    parser.add_argument("--attention", default="torch", choices=["torch", "reference", "triton"])
+    parser.add_argument("--normalisation", default="token_mean", choices=NORMALISATIONS)
+    parser.add_argument("--policy", default="exact", choices=POLICIES)
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
+    args = parser.parse_args(argv)
+    try:
+        trajectories = load_trajectories(args.data)
+        if args.limit is not None:
+            trajectories = trajectories[: args.limit]
+        report = compare(
+            trajectories,
+            args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            budget=args.budget,
+            block=args.block,
+            attention=args.attention,
+            normalisation=args.normalisation,
+            policy=args.policy,
+        )
+    except (DataError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
