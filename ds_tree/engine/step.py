@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
-from ds_tree.models.logprobs import predicted_tokens, target_logprobs
+from ds_tree.models.logprobs import logprobs_at, predicted_tokens, target_logprobs
 from ds_tree.packing.rows import PackedRow
 
 
@@ -36,20 +36,24 @@ def run_rows(
     """Forward every row, and hand each row's loss to ``backward`` (e.g. ``Tensor.backward``).
 
     Only tokens with a non-zero weight reach the LM head, unless ``collect_logprobs`` asks for
-    every trajectory's log-probabilities (then every predicted token does).
+    every trajectory's log-probabilities (then every predicted token does). A row with nothing to
+    train (an empty padding row) still runs forward and backward with a zero loss: under ZeRO-3
+    every rank must take part in the same number of forwards and backwards.
     """
     output = StepOutput()
     for row in rows:
         weights = restoration_weights(row, normalisers, normalisation, policy)
         targets = predicted_tokens(row) if collect_logprobs else np.flatnonzero(weights)
         if targets.size == 0:
-            continue
-        logprobs = target_logprobs(model, row, targets, device)
-        loss = weighted_nll(logprobs, weights[targets])
+            logprobs = logprobs_at(model, row, np.zeros(1, dtype=np.int64), row.input_ids[:1], device)
+            loss = weighted_nll(logprobs, np.zeros(1))
+        else:
+            logprobs = target_logprobs(model, row, targets, device)
+            loss = weighted_nll(logprobs, weights[targets])
         if backward is not None:
             backward(loss)
         output.loss += float(loss.detach())
-        if collect_logprobs:
+        if collect_logprobs and targets.size:
             by_token = np.full(row.n_tokens, np.nan)
             by_token[targets] = logprobs.detach().double().cpu().numpy()
             for part, trajectory_id, path in row.trajectory_paths():

@@ -1,9 +1,10 @@
 """Forward of packed rows and per-target log-probabilities.
 
 The decoder runs once over the packed row (tree attention, tree positions). Hidden states are
-then gathered at ``pred_pos`` of the requested target tokens *before* the LM head, so the head
-and the softmax run on exactly one row per target: a fork position that predicts several
-children appears once per child, and untrained tokens cost nothing.
+then gathered at ``pred_pos`` of the requested target tokens *before* the LM head (the model's
+own ``logits_to_keep`` with indices), so the head and the softmax run on exactly one row per
+target: a fork position that predicts several children appears once per child, and untrained
+tokens cost nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ import torch
 from transformers import PreTrainedModel
 
 from ds_tree.packing.rows import PackedRow
-
-
-def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
-    return getattr(model, model.base_model_prefix)
 
 
 def target_logprobs(
@@ -30,14 +27,30 @@ def target_logprobs(
     Every target must have ``pred_pos[t] >= 0``. Computed in float32 or wider, whatever the model
     dtype (a bf16 log-softmax over a large vocabulary loses about 3 digits).
     """
-    tensors = row.tensors(device)
-    hidden = decoder_of(model)(**tensors, use_cache=False).last_hidden_state[0]
-    predictors = torch.as_tensor(row.pred_pos[targets], device=hidden.device)
-    logits = model.get_output_embeddings()(hidden.index_select(0, predictors))
+    predictors = row.pred_pos[targets]
+    if np.any(predictors < 0):
+        raise ValueError("a target token has no prediction (a root's first token or padding)")
+    return logprobs_at(model, row, predictors, row.input_ids[targets], device)
+
+
+def logprobs_at(
+    model: PreTrainedModel,
+    row: PackedRow,
+    predictors: np.ndarray,
+    labels: np.ndarray,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``log p(labels[j])`` from the hidden state at row position ``predictors[j]``.
+
+    ``model`` may be the DeepSpeed engine itself: its forward does the ZeRO bookkeeping
+    (ZeRO-3 counts micro-steps there to accumulate rather than overwrite gradients).
+    ``logits_to_keep`` given as indices makes the model apply its LM head to those rows only.
+    """
+    index = torch.as_tensor(predictors, device=device)
+    logits = model(**row.tensors(device), logits_to_keep=index, use_cache=False).logits[0]
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    labels = torch.as_tensor(row.input_ids[targets], device=hidden.device)
-    return -torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    return -torch.nn.functional.cross_entropy(logits, torch.as_tensor(labels, device=device), reduction="none")
 
 
 def predicted_tokens(row: PackedRow) -> np.ndarray:

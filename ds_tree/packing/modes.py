@@ -12,20 +12,30 @@ from collections.abc import Sequence
 from ds_tree.packing.parts import TreePart, check_fits, split_tree, whole_tree
 from ds_tree.packing.rows import PackedRow, pack_rows
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.trees.trie import build_forest
+from ds_tree.trees.trie import TokenTree, build_forest
 
 MODES = ("tree", "flat")
 
 
-def make_parts(trajectories: Sequence[Trajectory], mode: str, budget: int, merge: str = "group") -> list[TreePart]:
-    """Parts of at most ``budget`` tokens; a trajectory longer than the budget is an error naming it."""
+def make_parts(
+    trajectories: Sequence[Trajectory],
+    mode: str,
+    budget: int,
+    merge: str = "group",
+    trees: list[TokenTree] | None = None,
+) -> list[TreePart]:
+    """Parts of at most ``budget`` tokens; a trajectory longer than the budget is an error naming it.
+
+    ``trees``: the tree-mode forest when the caller already built it (with the same ``merge``).
+    """
     if mode == "flat":
         trees = build_forest(trajectories, merge="none")
         for tree in trees:
             check_fits(tree, budget)
         return [whole_tree(tree) for tree in trees]
     if mode == "tree":
-        return [part for tree in build_forest(trajectories, merge=merge) for part in split_tree(tree, budget)]
+        trees = build_forest(trajectories, merge=merge) if trees is None else trees
+        return [part for tree in trees for part in split_tree(tree, budget)]
     raise ValueError(f"packing mode must be one of {MODES}, got {mode!r}")
 
 

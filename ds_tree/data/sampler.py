@@ -1,0 +1,44 @@
+"""Which trees each optimizer step trains on: a pure function of (seed, step).
+
+Groups are shuffled once per epoch with ``seed + epoch``; step ``s`` takes the next
+``groups_per_step`` groups of that endless sequence. Every rank computes the same selection, so a
+resumed run sees exactly the data an uninterrupted one would have, with no sampler state to save.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ds_tree.trees.trajectory import Trajectory
+
+
+def group_trajectories(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories grouped by ``group_id``, groups in order of first appearance."""
+    groups: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:
+        groups.setdefault(trajectory.group_id, []).append(trajectory)
+    return list(groups.values())
+
+
+class StepSampler:
+    def __init__(self, n_groups: int, groups_per_step: int, seed: int) -> None:
+        if n_groups < 1:
+            raise ValueError("the dataset has no groups")
+        self.n_groups = n_groups
+        self.groups_per_step = groups_per_step
+        self.seed = seed
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_groups)
+
+    def groups_for_step(self, step: int) -> list[int]:
+        """Group indices of optimizer step ``step`` (0-based)."""
+        first = step * self.groups_per_step
+        picked = []
+        for position in range(first, first + self.groups_per_step):
+            epoch, offset = divmod(position, self.n_groups)
+            picked.append(int(self._epoch_order(epoch)[offset]))
+        return picked
+
+    def epoch_of_step(self, step: int) -> float:
+        return step * self.groups_per_step / self.n_groups

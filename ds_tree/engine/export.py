@@ -1,0 +1,32 @@
+"""Export of DeepSpeed-trained weights as a standard Hugging Face model directory."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+
+def export_hf(engine, directory: Path, rank: int) -> None:
+    """Gather the full weights (ZeRO-3: consolidated on rank 0) and save them as safetensors.
+
+    Written to a temporary sibling and renamed, so a failed export never leaves a half model.
+    The config names the standard ``sdpa`` attention: the tree engines need ds_tree, the plain
+    model does not.
+    """
+    stage = engine.zero_optimization_stage()
+    state_dict = engine._zero3_consolidated_16bit_state_dict() if stage == 3 else engine.module.state_dict()
+    if rank == 0:
+        model = engine.module
+        temporary = directory.with_name(directory.name + ".partial")
+        shutil.rmtree(temporary, ignore_errors=True)
+        previous = model.config._attn_implementation
+        model.config._attn_implementation = "sdpa"
+        try:
+            model.save_pretrained(str(temporary), state_dict=state_dict, safe_serialization=True)
+        finally:
+            model.config._attn_implementation = previous
+        shutil.rmtree(directory, ignore_errors=True)
+        temporary.rename(directory)
+    dist.barrier()

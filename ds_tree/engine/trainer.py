@@ -1,0 +1,299 @@
+"""The DeepSpeed training engine for tree data (DESIGN sections 3 and 5).
+
+One optimizer step:
+1. every rank computes the same plan from ``(seed, step)``: the step's groups, their trees split
+   into parts under the row budget, parts balanced over ranks and packed into rows (each rank
+   pads its list with empty rows to the common count, because ZeRO-3 forwards are collective);
+2. the normalisers of the objective (trained tokens, sequences) are summed over ranks with one
+   all-reduce, before the first forward, so every micro-batch's loss is a term of the global
+   objective;
+3. each row is a micro-batch: forward, weighted loss, ``engine.backward``. DeepSpeed divides by
+   the accumulation steps (skipped: ``scale_wrt_gas=False``) and averages gradients over the
+   data-parallel ranks (cancelled: the loss is multiplied by the world size), so the final
+   gradient is exactly the single-process flat gradient;
+4. ``engine.step()`` at the boundary ds_tree marks itself (the row count varies per step).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds_tree.config import Config, ConfigError, config_to_dict
+from ds_tree.data import load_trajectories
+from ds_tree.data.sampler import StepSampler, group_trajectories
+from ds_tree.engine import checkpoint
+from ds_tree.engine.ds_config import resolve_deepspeed_config
+from ds_tree.engine.metrics import MetricsLogger, console_line
+from ds_tree.engine.step import StepOutput, run_rows
+from ds_tree.losses.sft import Normalisers
+from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.loading import load_model
+from ds_tree.packing.balance import rows_per_rank
+from ds_tree.packing.modes import make_parts
+from ds_tree.packing.rows import PackedRow
+from ds_tree.trees.trajectory import DataError, check_vocab
+from ds_tree.trees.trie import build_forest
+
+
+@dataclass
+class StepPlan:
+    rows: list[PackedRow]
+    """This rank's micro-batches."""
+    flat_tokens: int
+    """Sum of trajectory lengths of the whole step (all ranks)."""
+    tree_tokens: int
+    """Distinct tokens of the step's trees."""
+    packed_tokens: int
+    """Tokens actually computed over all ranks (duplicated prefixes and padding included)."""
+
+
+def learning_rate_factor(step: int, config: Config) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` (or constant)."""
+    optimizer = config.optimizer
+    if optimizer.warmup_steps and step < optimizer.warmup_steps:
+        return (step + 1) / optimizer.warmup_steps
+    if optimizer.schedule == "constant":
+        return 1.0
+    span = max(1, config.max_steps - optimizer.warmup_steps)
+    progress = min(1.0, (step - optimizer.warmup_steps) / span)
+    return optimizer.min_lr_ratio + (1 - optimizer.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def ensure_distributed_env() -> None:
+    """A single process started without a launcher still gets a (1-rank) process group."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+class Trainer:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.checkpoint_dir = self.output_dir / "checkpoints"
+        self.engine = None
+        self.metrics: MetricsLogger | None = None
+        self.start_step = 0
+
+    # ----------------------------------------------------------------- set-up
+    def prepare(self) -> None:
+        """Everything that can fail on bad input, before any process group exists."""
+        config = self.config
+        ensure_distributed_env()
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        try:
+            self.trajectories = load_trajectories(config.data.path)
+        except DataError as error:
+            raise ConfigError(f"data.path: {error}") from None
+        self.model_config = load_model_config(config.model.source)
+        check_vocab(self.trajectories, self.model_config.vocab_size)
+        budget = config.packing.budget
+        longest = max(self.trajectories, key=len)
+        if len(longest) > budget:
+            where = longest.source or f"group {longest.group_id!r}"
+            raise ConfigError(
+                f"packing.budget ({budget}) is below the longest trajectory ({len(longest)} tokens, {where}); "
+                "every root-to-leaf path must fit one row"
+            )
+        self.groups = group_trajectories(self.trajectories)
+        self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
+        hidden = getattr(self.model_config, "hidden_size", None)
+        self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
+
+    def setup(self) -> None:
+        """Process group, model, DeepSpeed engine, resume. Call :meth:`prepare` first."""
+        import deepspeed
+
+        deepspeed.init_distributed()
+        self.rank = dist.get_rank()
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(f"WORLD_SIZE={self.world_size} but the process group has {dist.get_world_size()}")
+        config = self.config
+        dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+        if config.model.zero_init:
+            if self.ds_config["zero_optimization"].get("stage") != 3:
+                raise ConfigError("model.zero_init needs ZeRO stage 3 in the DeepSpeed config")
+            with deepspeed.zero.Init(config_dict_or_path=self.ds_config, dtype=dtype):
+                model = load_model(config.model.source, attention=config.model.attention, seed=config.model.seed)
+        else:
+            model = load_model(
+                config.model.source, attention=config.model.attention, dtype=dtype, seed=config.model.seed
+            )
+        self.build_engine(model)
+        self.resume()
+
+    def build_engine(self, model: torch.nn.Module) -> None:
+        import deepspeed
+
+        optimizer_config = self.config.optimizer
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=optimizer_config.lr,
+            betas=optimizer_config.betas,
+            eps=optimizer_config.eps,
+            weight_decay=optimizer_config.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, self.config))
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
+        )
+
+    def resume(self) -> None:
+        tag = checkpoint.read_latest(self.checkpoint_dir) if self.config.checkpoint.resume else None
+        if tag is not None:
+            _, client_state = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=tag)
+            self.start_step = int(client_state["step"])
+            if self.rank == 0:
+                checkpoint.prune(self.checkpoint_dir, self.config.checkpoint.keep_last)
+                print(f"resumed from {self.checkpoint_dir / tag} at step {self.start_step}", flush=True)
+        self.metrics = MetricsLogger(
+            self.output_dir, self.rank == 0, self.config.logging.tensorboard, resume_step=self.start_step
+        )
+        if self.rank == 0:
+            import yaml
+
+            (self.output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config)))
+
+    # ------------------------------------------------------------------ steps
+    def plan_step(self, step: int, rank: int | None = None) -> StepPlan:
+        """This rank's rows for ``step`` (pure function of the config and the step)."""
+        config = self.config
+        rank = self.rank if rank is None else rank
+        trajectories = [t for g in self.sampler.groups_for_step(step) for t in self.groups[g]]
+        trees = build_forest(trajectories, merge=config.data.merge)
+        parts = make_parts(trajectories, config.packing.mode, config.packing.budget, trees=trees)
+        shares = rows_per_rank(
+            parts,
+            self.world_size,
+            config.packing.budget,
+            config.packing.block,
+            config.packing.cost_per_token,
+            config.packing.cost_per_pair,
+            pad_id=self.model_config.pad_token_id or 0,
+        )
+        flat_tokens = sum(len(t) for t in trajectories)
+        tree_tokens = sum(tree.n_tokens for tree in trees)
+        packed = sum(row.n_tokens for rows in shares for row in rows if row.n_real)
+        return StepPlan(shares[rank], flat_tokens, tree_tokens, packed)
+
+    def global_normalisers(self, rows: list[PackedRow]) -> Normalisers:
+        values = Normalisers.from_rows(rows).as_tensor()
+        dist.all_reduce(values)
+        return Normalisers.from_tensor(values)
+
+    def forward_backward(self, rows: list[PackedRow]) -> StepOutput:
+        engine = self.engine
+        normalisers = self.global_normalisers(rows)
+        scale = float(dist.get_world_size())
+        remaining = [len(rows)]
+
+        def backward(loss: torch.Tensor) -> None:
+            remaining[0] -= 1
+            engine.set_gradient_accumulation_boundary(remaining[0] == 0)
+            engine.backward(loss * scale, scale_wrt_gas=False)
+
+        return run_rows(
+            engine,
+            rows,
+            normalisers,
+            self.config.objective.normalisation,
+            self.config.objective.policy,
+            backward=backward,
+            device=engine.device,
+        )
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        started = time.perf_counter()
+        plan = self.plan_step(step)
+        output = self.forward_backward(plan.rows)
+        lr = self.engine.get_lr()[0]
+        self.optimizer_step()
+        grad_norm = self.engine.get_global_grad_norm()  # of the gradient this step applied
+        loss = torch.tensor([output.loss], dtype=torch.float64)
+        dist.all_reduce(loss)
+        elapsed = time.perf_counter() - started
+        peak = (
+            torch.cuda.max_memory_allocated()
+            if torch.cuda.is_available()
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )
+        return {
+            "loss/train": float(loss.item()),
+            "optim/lr": float(lr),
+            "optim/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "throughput/flat_tokens_per_s": plan.flat_tokens / elapsed,
+            "throughput/unique_tokens_per_s": plan.tree_tokens / elapsed,
+            "tree/por": 1.0 - plan.tree_tokens / plan.flat_tokens,
+            "tree/err": 1.0 - plan.packed_tokens / plan.flat_tokens,
+            "tree/micro_batches": float(len(plan.rows)),
+            "time/step_s": elapsed,
+            "memory/peak_bytes": float(peak),
+            "data/epoch": self.sampler.epoch_of_step(step + 1),
+        }
+
+    def train(self) -> None:
+        config = self.config
+        steps = range(self.start_step, config.max_steps)
+        bar = None
+        if self.rank == 0 and config.logging.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=config.max_steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
+        for step in steps:
+            scalars = self.train_step(step)
+            done = step + 1
+            if self.rank == 0:
+                if done % config.logging.every == 0 or done == config.max_steps:
+                    self.metrics.log(done, scalars)
+                    line = console_line(done, config.max_steps, scalars)
+                    (bar.write if bar else print)(line)
+                if bar:
+                    bar.update(1)
+            if config.checkpoint.every and done % config.checkpoint.every == 0 and done < config.max_steps:
+                self.save(done)
+        if bar:
+            bar.close()
+        if self.start_step < config.max_steps or checkpoint.read_latest(self.checkpoint_dir) is None:
+            self.save(config.max_steps)
+        if config.checkpoint.export_hf:
+            self.export_hf(self.output_dir / "hf")
+
+    def save(self, step: int) -> None:
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint.save(self.engine, self.checkpoint_dir, step, {"step": step}, self.config.checkpoint.keep_last)
+
+    def export_hf(self, directory: Path) -> None:
+        """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""
+        from ds_tree.engine.export import export_hf
+
+        export_hf(self.engine, directory, self.rank)
+        if self.rank == 0:
+            print(f"exported Hugging Face model to {directory}", flush=True)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def gather_full_gradients(engine) -> dict[str, np.ndarray]:
+    """Every parameter's full gradient before the optimizer step (any ZeRO stage)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {name: safe_get_full_grad(p).detach().double().cpu().numpy() for name, p in engine.module.named_parameters()}

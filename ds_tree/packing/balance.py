@@ -1,0 +1,50 @@
+"""Spreading tree parts over ranks so every rank finishes a step at about the same time.
+
+Cost model: ``cost = cost_per_token * tokens + cost_per_pair * visible attention pairs`` (the
+linear layers scale with tokens, attention with the pairs the tree mask allows). Parts are
+assigned longest-processing-time first to the least-loaded rank, then each rank packs its parts
+into rows. Parts of one tree may land on different ranks: each carries its ancestor path, so no
+attention crosses ranks (the sequence-parallel split of DESIGN section 5).
+"""
+
+from __future__ import annotations
+
+from ds_tree.packing.parts import TreePart
+from ds_tree.packing.rows import PackedRow, assemble_row, pack_rows
+
+
+def part_cost(part: TreePart, cost_per_token: float, cost_per_pair: float) -> float:
+    return cost_per_token * part.n_tokens + cost_per_pair * part.visible_pairs
+
+
+def balance_parts(parts: list[TreePart], world_size: int, cost_per_token: float, cost_per_pair: float):
+    """``world_size`` lists of parts with near-equal total cost (greedy LPT)."""
+    costs = [part_cost(part, cost_per_token, cost_per_pair) for part in parts]
+    order = sorted(range(len(parts)), key=lambda i: -costs[i])
+    loads = [0.0] * world_size
+    assignment: list[list[int]] = [[] for _ in range(world_size)]
+    for index in order:
+        rank = min(range(world_size), key=lambda r: (loads[r], len(assignment[r])))
+        assignment[rank].append(index)
+        loads[rank] += costs[index]
+    return [[parts[i] for i in sorted(members)] for members in assignment]
+
+
+def rows_per_rank(
+    parts: list[TreePart],
+    world_size: int,
+    budget: int,
+    block: int = 1,
+    cost_per_token: float = 1.0,
+    cost_per_pair: float = 0.0,
+    pad_id: int = 0,
+) -> list[list[PackedRow]]:
+    """Each rank's rows for one step, padded with empty rows to the same count on every rank.
+
+    ZeRO-3 gathers parameters collectively in every forward, so all ranks must run the same
+    number of micro-batches; an empty row (one padding token, weight 0) costs next to nothing.
+    """
+    shares = balance_parts(parts, world_size, cost_per_token, cost_per_pair)
+    rows = [pack_rows(share, budget, block, pad_id) if share else [] for share in shares]
+    count = max(1, max(len(r) for r in rows))
+    return [r + [assemble_row([], block, pad_id) for _ in range(count - len(r))] for r in rows]

@@ -1,0 +1,112 @@
+"""Run under ``torchrun --nproc_per_node 2``: one ds_tree step vs the single-process flat step.
+
+Every rank runs the trainer's first step (tree mode, ZeRO per the given DeepSpeed JSON) and
+gathers full gradients before the optimizer step and full parameters after it. Rank 0 then
+computes the reference in plain PyTorch, one process, flat mode (every trajectory its own
+sequence), from the same initial weights: gradient, clipping and AdamW update. It writes the
+largest relative errors to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from ds_tree.config import load_config  # noqa: E402
+from ds_tree.engine.step import run_rows  # noqa: E402
+from ds_tree.engine.trainer import Trainer, gather_full_gradients, learning_rate_factor  # noqa: E402
+from ds_tree.losses.sft import Normalisers  # noqa: E402
+from ds_tree.models.loading import load_model  # noqa: E402
+from ds_tree.packing.modes import pack_trajectories  # noqa: E402
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    scale = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / scale) if scale else float(np.linalg.norm(a - b))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    config = load_config(args.config, args.overrides)
+    trainer = Trainer(config)
+    trainer.prepare()
+    trainer.setup()
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    plan = trainer.plan_step(0)
+    trainer.forward_backward(plan.rows)
+    gradients = gather_full_gradients(trainer.engine)
+    trainer.optimizer_step()
+    updated = {
+        name: safe_get_full_fp32_param(p).detach().double().cpu().numpy()
+        for name, p in trainer.engine.module.named_parameters()
+    }
+    micro_batches = torch.tensor([len(plan.rows)])
+    dist.all_reduce(micro_batches, op=dist.ReduceOp.MIN)
+    if dist.get_rank() == 0:
+        # The reference: one process, flat layout, plain PyTorch, same initial weights.
+        model = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
+        trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]
+        rows = pack_trajectories(trajectories, "flat", config.packing.budget)
+        run_rows(
+            model,
+            rows,
+            Normalisers.from_rows(rows),
+            config.objective.normalisation,
+            config.objective.policy,
+            backward=torch.Tensor.backward,
+        )
+        reference_grads = {n: p.grad.detach().double().numpy() for n, p in model.named_parameters()}
+        if config.optimizer.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.optimizer.lr * learning_rate_factor(0, config),
+            betas=config.optimizer.betas,
+            eps=config.optimizer.eps,
+            weight_decay=config.optimizer.weight_decay,
+        )
+        optimizer.step()
+        report = {
+            "world_size": dist.get_world_size(),
+            "zero_stage": trainer.engine.zero_optimization_stage(),
+            "min_micro_batches_per_rank": int(micro_batches.item()),
+            "max_rel_grad_err": max(relative(gradients[n], g) for n, g in reference_grads.items()),
+            "max_rel_param_err": max(
+                relative(updated[n], p.detach().double().numpy()) for n, p in model.named_parameters()
+            ),
+            "max_rel_update_err": max(
+                relative(
+                    updated[n] - reference_initial,
+                    p.detach().double().numpy() - reference_initial,
+                )
+                for n, p in model.named_parameters()
+                for reference_initial in [initial[n]]
+            )
+            if (initial := _initial_weights(config))
+            else None,
+        }
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    dist.barrier()
+    trainer.close()
+
+
+def _initial_weights(config) -> dict[str, np.ndarray]:
+    model = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
+    return {n: p.detach().double().numpy() for n, p in model.named_parameters()}
+
+
+if __name__ == "__main__":
+    main()
