@@ -32,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 from ds_tree.data.chat import TRAIN_ON, RecordError, render_chat  # noqa: E402
 from ds_tree.data.tokenizer import tokenizer_identity  # noqa: E402
 from ds_tree.data.tokens import trajectory_from_record  # noqa: E402
-from ds_tree.data.tree_dataset import save_tree_dataset  # noqa: E402
+from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset  # noqa: E402
 from ds_tree.trees.explicit import trajectories_from_explicit_tree  # noqa: E402
 from ds_tree.trees.trajectory import DataError, Trajectory, check_vocab  # noqa: E402
 
@@ -76,10 +76,16 @@ def read_records(paths: list[Path], limit: int | None) -> Iterator[tuple[str, di
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
-                    yield where, RecordError("malformed_json", f"{where}: malformed JSON ({error.msg} at column {error.colno})")
+                    yield (
+                        where,
+                        RecordError("malformed_json", f"{where}: malformed JSON ({error.msg} at column {error.colno})"),
+                    )
                     continue
                 if not isinstance(record, dict):
-                    yield where, RecordError("not_an_object", f"{where}: expected a JSON object, got {type(record).__name__}")
+                    yield (
+                        where,
+                        RecordError("not_an_object", f"{where}: expected a JSON object, got {type(record).__name__}"),
+                    )
                     continue
                 yield where, record
 
@@ -101,9 +107,7 @@ class Converter:
     def render(self, where: str, messages: object, tools: object) -> tuple[np.ndarray, np.ndarray]:
         rendered = render_chat(self.tokenizer, messages, tools, where=where, train_on=self.args.train_on)
         if rendered.unstable_turns:
-            message = (
-                f"{where}: the chat template is not prefix-stable for {rendered.unstable_turns} assistant turn(s)"
-            )
+            message = f"{where}: the chat template is not prefix-stable for {rendered.unstable_turns} assistant turn(s)"
             if self.args.prefix_policy != "full":
                 raise RecordError("prefix_unstable", message)
             self.prefix_unstable += 1
@@ -135,8 +139,7 @@ def convert(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     output = args.output
-    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
-        raise FileExistsError(f"{output}: exists and is not empty (pass --overwrite to replace it)")
+    check_output_dir(output, args.overwrite)  # fail before the work, not after
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     converter = Converter(args, tokenizer)
     trajectories: list[Trajectory] = []

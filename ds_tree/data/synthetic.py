@@ -55,8 +55,8 @@ class SyntheticConfig:
             raise ValueError(f"por must be in [0, 0.95], got {self.por}")
         if self.groups < 1:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
-        if self.max_tokens < 32:
-            raise ValueError(f"max_tokens must be >= 32 (a prompt and one turn), got {self.max_tokens}")
+        if self.max_tokens < 64:  # the shortest trial (max_tokens/2) must fit a prompt and a reply
+            raise ValueError(f"max_tokens must be >= 64, got {self.max_tokens}")
         if self.vocab_size <= FIRST_CONTENT_ID + 16:
             raise ValueError(f"vocab_size must be > {FIRST_CONTENT_ID + 16}, got {self.vocab_size}")
         if self.trials is not None and self.trials < self.min_trials:
@@ -176,7 +176,6 @@ class _Generator:
             return source.copy_prefix(min(length, len(source)))
         candidates = np.flatnonzero(np.asarray(source.divergeable[:length]))
         if candidates.size == 0:  # a length that ends inside the prompt
-
             return source.copy_prefix(min(length, len(source)))
         depth = int(candidates[np.argmin(np.abs(candidates - wanted))])
         trial = source.copy_prefix(depth)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,8 +36,10 @@ DEFAULT_VOCAB_SIZE = 1024
 
 CORPUS_SEED = 0
 
-# Tool calls render Hermes/Qwen-style inside the assistant turn; tool results as a "tool" turn that
-# names the call it answers. Tools (OpenAI function schemas) go into the system block.
+# Tool calls render Hermes/Qwen-style inside the assistant turn; tool results as a "tool" turn.
+# Call ids are not rendered (as in Qwen's and Hermes' templates): they are random per sample, and
+# rendering them would make temperature-0 trials diverge at their first tool call. Results match
+# calls by order. Tools (OpenAI function schemas) go into the system block.
 CHAT_TEMPLATE = (
     "{% set system_first = messages and messages[0].role == 'system' %}"
     "{% if system_first or tools %}"
@@ -54,14 +57,14 @@ CHAT_TEMPLATE = (
     "{% if message.content %}{{ message.content }}{% endif %}"
     "{% for call in message.tool_calls or [] %}"
     "<tool_call>\n"
-    '{"id": {{ call.id | tojson }}, "name": {{ call.function.name | tojson }}, '
+    '{"name": {{ call.function.name | tojson }}, '
     '"arguments": {{ call.function.arguments }}}\n'
     "</tool_call>"
     "{% endfor %}"
     "<|im_end|>\n"
     "{% elif message.role == 'tool' %}"
     "<|im_start|>tool\n"
-    "<tool_response id={{ message.tool_call_id | tojson }}>\n{{ message.content }}\n</tool_response>"
+    "<tool_response>\n{{ message.content }}\n</tool_response>"
     "<|im_end|>\n"
     "{% else %}"
     "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
@@ -120,13 +123,12 @@ def _conversation(rng: random.Random) -> str:
     """One agent conversation in the template's own format, so its markup becomes tokens."""
     parts = [f"<|im_start|>system\n{_sentence(rng)} {_sentence(rng)}<|im_end|>\n"]
     parts.append(f"<|im_start|>user\n{_sentence(rng)} {_number(rng)}<|im_end|>\n")
-    for turn in range(rng.randint(1, 4)):
-        call_id = f"call_{rng.getrandbits(40):010x}"
-        call = {"id": call_id, "name": rng.choice(_FUNCTIONS), "arguments": json.loads(_json_object(rng))}
-        parts.append(f"<|im_start|>assistant\n{_sentence(rng)}<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>\n")
+    for _ in range(rng.randint(1, 4)):
+        call = {"name": rng.choice(_FUNCTIONS), "arguments": json.loads(_json_object(rng))}
         parts.append(
-            f'<|im_start|>tool\n<tool_response id="{call_id}">\n{_json_object(rng)}\n</tool_response><|im_end|>\n'
+            f"<|im_start|>assistant\n{_sentence(rng)}<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>\n"
         )
+        parts.append(f"<|im_start|>tool\n<tool_response>\n{_json_object(rng)}\n</tool_response><|im_end|>\n")
     parts.append(f"<|im_start|>assistant\n{_sentence(rng)} {_sentence(rng)}<|im_end|>\n")
     return "".join(parts)
 
@@ -154,7 +156,11 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizer
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(training_corpus(), trainer=trainer)
+    # Encoding splits text at special tokens before BPE runs; the trainer does not, so split the
+    # corpus the same way, or merges such as ".<|" would waste vocabulary on markup never seen.
+    special = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+    segments = (segment for document in training_corpus() for segment in special.split(document) if segment)
+    backend.train_from_iterator(segments, trainer=trainer)
     if backend.get_vocab_size() != vocab_size:
         raise RuntimeError(
             f"BPE training produced {backend.get_vocab_size()} tokens instead of {vocab_size}: "
@@ -181,12 +187,14 @@ def save_tokenizer(output_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE)
 def tokenizer_identity(tokenizer: PreTrainedTokenizerFast) -> dict:
     """What a converted dataset records about the tokenizer that produced its ids.
 
-    The hash covers the serialised vocabulary, merges and normalisation (``tokenizer.json``), so
-    two tokenizers with the same hash give the same ids for the same text.
+    ``serialised_sha256`` hashes the canonical serialisation of vocabulary, merges, added tokens
+    and normalisation (``backend_tokenizer.to_str()``, what ``tokenizer.json`` holds, but without
+    the file's pretty-printing, so it does not depend on how the file was written). Two
+    tokenizers with the same hash give the same ids for the same text.
     """
     serialised = tokenizer.backend_tokenizer.to_str()
     return {
         "name_or_path": str(tokenizer.name_or_path),
         "vocab_size": len(tokenizer),
-        "tokenizer_json_sha256": hashlib.sha256(serialised.encode("utf-8")).hexdigest(),
+        "serialised_sha256": hashlib.sha256(serialised.encode("utf-8")).hexdigest(),
     }

@@ -58,6 +58,12 @@ def dataset_counts(trajectories: list[Trajectory]) -> dict:
     }
 
 
+def check_output_dir(output_dir: Path, overwrite: bool) -> None:
+    """Refuse an existing non-empty output unless ``overwrite``; converters call it before working."""
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
+        raise FileExistsError(f"{output_dir}: exists and is not empty (pass --overwrite to replace it)")
+
+
 def save_tree_dataset(
     trajectories: list[Trajectory], output_dir: str | Path, meta: dict, overwrite: bool = False
 ) -> dict:
@@ -70,8 +76,7 @@ def save_tree_dataset(
     from datasets import Dataset
 
     output_dir = Path(output_dir)
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
-        raise FileExistsError(f"{output_dir}: exists and is not empty (pass --overwrite to replace it)")
+    check_output_dir(output_dir, overwrite)
     if not trajectories:
         raise DataError(f"{output_dir}: nothing to write (no trajectories)")
     top = max(int(t.input_ids.max()) for t in trajectories)
@@ -96,6 +101,7 @@ def save_tree_dataset(
         "counts": dataset_counts(trajectories),
         **meta,
     }
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
     temporary = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     try:
@@ -175,8 +181,7 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
                     source=f"{where}:trajectory {j}",
                 )
             )
-    if len(trajectories) != meta["counts"]["trajectories"]:
-        raise DataError(
-            f"{dataset_dir}: holds {len(trajectories)} trajectories, its meta file says {meta['counts']['trajectories']}"
-        )
+    expected = meta["counts"]["trajectories"]
+    if len(trajectories) != expected:
+        raise DataError(f"{dataset_dir}: holds {len(trajectories)} trajectories, its meta file says {expected}")
     return trajectories

@@ -46,7 +46,9 @@ def _check_node(where: str, node: object) -> None:
             raise DataError(f"{where}: node {node['id']!r}: 'input_ids' must be a list of integers")
         mask = node.get("loss_mask", [1] * len(ids))
         if not isinstance(mask, list) or not all(_number(v) for v in mask) or len(mask) != len(ids):
-            raise DataError(f"{where}: node {node['id']!r}: 'loss_mask' must be a list of numbers as long as 'input_ids'")
+            raise DataError(
+                f"{where}: node {node['id']!r}: 'loss_mask' must be a list of numbers as long as 'input_ids'"
+            )
     elif not isinstance(node["messages"], list):
         raise DataError(f"{where}: node {node['id']!r}: 'messages' must be a list")
     if "reward" in node and node["reward"] is not None and not _number(node["reward"]):
@@ -82,7 +84,9 @@ def _root_paths(where: str, nodes: list[dict]) -> list[list[dict]]:
             paths.append(path)
         pending.extend(path + [child] for child in reversed(below))
     if reached != len(nodes):
-        raise DataError(f"{where}: the parent links contain a cycle ({len(nodes) - reached} nodes unreachable from the root)")
+        raise DataError(
+            f"{where}: the parent links contain a cycle ({len(nodes) - reached} nodes unreachable from the root)"
+        )
     for key, below in children.items():
         if below and by_id[key].get("reward") is not None:
             raise DataError(f"{where}: node {key!r} has a reward but is not a leaf (rewards belong on leaves)")
