@@ -1,0 +1,270 @@
+"""The DeepSpeed engine: exact distributed gradients, resume after SIGKILL, config errors, export.
+
+Multi-rank tests start real processes (torchrun / the deepspeed launcher, gloo on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_tree.config import ConfigError, load_config
+from ds_tree.engine.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+BIN = Path(PYTHON).parent
+
+
+def write_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
+    """A fixed forest with real sharing, forks at many depths and partly untrained prefixes."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as handle:
+        for group in range(groups):
+            stem = rng.integers(3, 1024, 90).tolist()
+            for trial in range(4):
+                cut = int(rng.integers(5, 90))
+                length = int(rng.integers(cut + 1, 180))
+                ids = stem[:cut] + rng.integers(3, 1024, length - cut).tolist()
+                mask = [0] * min(cut, 30) + [1] * (length - min(cut, 30))
+                handle.write(json.dumps({"group_id": f"g{group}", "input_ids": ids, "loss_mask": mask}) + "\n")
+    return path
+
+
+def write_config(tmp_path: Path, data: Path, **sections) -> Path:
+    import yaml
+
+    config = {
+        "model": {"source": str(ROOT / "configs/models/tiny_llama.json"), "seed": 3},
+        "data": {"path": str(data), "groups_per_step": 4},
+        "deepspeed": str(ROOT / "configs/ds/zero3.json"),
+        "output_dir": str(tmp_path / "run"),
+        "max_steps": 1,
+        "packing": {"budget": 400},
+        "optimizer": {"lr": 1e-3, "grad_clip": 1.0, "schedule": "constant"},
+        "logging": {"progress_bar": False, "tensorboard": True},
+        "checkpoint": {"export_hf": False},
+    }
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            config.setdefault(name, {}).update(values)
+        else:
+            config[name] = values
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions"))
+    env["PYTHONPATH"] = str(ROOT)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> None:
+    command = [
+        str(BIN / "torchrun"),
+        f"--nproc_per_node={ranks}",
+        f"--master_port={free_port()}",
+        str(ROOT / script),
+        *args,
+    ]
+    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [3, 2])
+def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int) -> None:
+    data = write_forest(tmp_path / "forest.jsonl")
+    ds = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 2,
+        "train_batch_size": 4,
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
+    }
+    if stage == 3:
+        ds["zero_optimization"].update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
+    ds_path = tmp_path / "ds.json"
+    ds_path.write_text(json.dumps(ds))
+    # budget 200 < a tree: trees are split into parts, several micro-batches per rank.
+    config = write_config(tmp_path, data, deepspeed=str(ds_path), packing={"budget": 200})
+    out = tmp_path / "report.json"
+    torchrun("tests/distributed/grad_check.py", "--config", str(config), "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["zero_stage"] == stage and report["world_size"] == 2
+    assert report["min_micro_batches_per_rank"] >= 2  # real gradient accumulation happened
+    # float32 round-off: measured ~7e-7 (gradients) and ~2e-6 (parameters after AdamW).
+    assert report["max_rel_grad_err"] < 1e-5, report
+    assert report["max_rel_param_err"] < 1e-5, report
+
+
+# --------------------------------------------------------------------- resume
+def launch_training(config: Path, *overrides: str) -> subprocess.Popen:
+    command = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "ds_tree.train",
+        "--config",
+        str(config),
+        *overrides,
+    ]
+    return subprocess.Popen(
+        command, env=environment(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return {record["step"]: record["loss/train"] for record in records}
+
+
+@pytest.mark.distributed
+def test_resume_after_sigkill_repeats_the_same_losses(tmp_path: Path) -> None:
+    data = write_forest(tmp_path / "forest.jsonl", groups=8)
+    config = write_config(
+        tmp_path,
+        data,
+        max_steps=6,
+        checkpoint={"every": 1, "keep_last": 2, "export_hf": False},
+        optimizer={"lr": 3e-3, "warmup_steps": 2, "schedule": "cosine"},
+    )
+    reference_dir = tmp_path / "reference"
+    process = launch_training(config, f"output_dir={reference_dir}")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    expected = losses(reference_dir)
+    assert sorted(expected) == list(range(1, 7))
+
+    killed_dir = tmp_path / "killed"
+    process = launch_training(config, f"output_dir={killed_dir}")
+    deadline = time.time() + 300
+    latest = killed_dir / "checkpoints" / "latest"
+    while time.time() < deadline:  # kill once step 3's checkpoint is complete
+        if latest.exists() and latest.read_text().strip() >= "step_0000003":
+            break
+        assert process.poll() is None, "training ended before it could be killed"
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=60)
+    resumed_from = int(latest.read_text().strip().removeprefix("step_"))
+    assert 3 <= resumed_from < 6
+
+    process = launch_training(config, f"output_dir={killed_dir}")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    assert "resumed from" in output
+    resumed = losses(killed_dir)
+    assert sorted(resumed) == list(range(1, 7))
+    for step in range(resumed_from + 1, 7):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=0), (step, resumed, expected)
+    kept = sorted(p.name for p in (killed_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert kept == ["step_0000005", "step_0000006"]
+
+
+# --------------------------------------------------------------------- export
+@pytest.mark.distributed
+def test_export_loads_in_plain_transformers_with_the_engines_logits(tmp_path: Path) -> None:
+    data = write_forest(tmp_path / "forest.jsonl")
+    config = write_config(tmp_path, data, max_steps=2, checkpoint={"export_hf": True})
+    out = tmp_path / "export.json"
+    torchrun("tests/distributed/export_check.py", "--config", str(config), "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["attn_implementation"] != "tree_torch"
+    assert report["max_abs_logit_err"] <= 1e-5 * max(1.0, report["logit_scale"]), report
+    assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+
+# --------------------------------------------------------------- config errors
+def prepare(config: Path, *overrides: str, world_size: int = 1) -> Trainer:
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    try:
+        trainer = Trainer(load_config(config, overrides))
+        trainer.prepare()
+        return trainer
+    finally:
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(name, None)
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    data = write_forest(tmp_path / "f.jsonl")
+    config = write_config(tmp_path, data, optimizer={"lr": 1e-3, "learning_rate": 2})
+    with pytest.raises(ConfigError, match=r"config.yaml: unknown key 'optimizer\.learning_rate'"):
+        load_config(config)
+    config = write_config(tmp_path, data)
+    with pytest.raises(ConfigError, match=r"unknown key 'packing\.bugdet'"):
+        load_config(config, ["packing.bugdet=3"])
+    with pytest.raises(ConfigError, match=r"max_steps must be int, got 'many'"):
+        load_config(config, ["max_steps=many"])
+
+
+def test_missing_data_path_is_named(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "absent.jsonl")
+    with pytest.raises(ConfigError, match="absent.jsonl"):
+        prepare(config)
+
+
+def test_budget_below_longest_path(tmp_path: Path) -> None:
+    config = write_config(tmp_path, write_forest(tmp_path / "f.jsonl"), packing={"budget": 50})
+    with pytest.raises(ConfigError, match=r"packing.budget \(50\) is below the longest trajectory .*f.jsonl:\d+"):
+        prepare(config)
+
+
+def test_batch_sizes_that_do_not_multiply_out(tmp_path: Path) -> None:
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 6, "gradient_accumulation_steps": 2, "zero_optimization": {}}))
+    config = write_config(tmp_path, write_forest(tmp_path / "f.jsonl"), deepspeed=str(ds))
+    with pytest.raises(ConfigError, match=r"train_batch_size \(6\).*world size \(2\)"):
+        prepare(config, world_size=2)
+    assert prepare(config, world_size=3).ds_config["train_batch_size"] == 6
+
+
+def test_auto_values_resolved_from_training_config(tmp_path: Path) -> None:
+    config = write_config(tmp_path, write_forest(tmp_path / "f.jsonl"), optimizer={"lr": 1e-3, "grad_clip": 0.5})
+    ds = prepare(config, world_size=4).ds_config
+    assert ds["train_batch_size"] == 4 and ds["train_micro_batch_size_per_gpu"] == 1
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] is False
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 64 * 64  # tiny_llama hidden_size 64
+
+
+def test_cli_reports_config_errors_before_starting(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "absent.jsonl")
+    result = subprocess.run(
+        [PYTHON, "-m", "ds_tree.train", "--config", str(config)],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "config error" in result.stderr and "absent.jsonl" in result.stderr
