@@ -4,10 +4,8 @@ import copy
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from ds_tree.data.chat import RecordError, render_chat
-from ds_tree.data.tokenizer import save_tokenizer
 from ds_tree.trees.trajectory import DataError
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}
@@ -27,11 +25,6 @@ FORGETFUL_TEMPLATE = (
     "{% if message.role != 'assistant' or loop.last %}{{ message.content }}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tmp_path_factory):
-    return AutoTokenizer.from_pretrained(save_tokenizer(tmp_path_factory.mktemp("tokenizer")))
 
 
 def trained_text(tokenizer, rendered):

@@ -12,12 +12,11 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from ds_tree.data import load_trajectories
 from ds_tree.data.chat import render_chat
 from ds_tree.data.synthetic import SyntheticConfig, generate
-from ds_tree.data.tokenizer import save_tokenizer, tokenizer_identity
+from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tree_dataset import META_FILE, load_tree_dataset, save_tree_dataset
 from ds_tree.trees import DataError, Trajectory
 
@@ -45,16 +44,6 @@ GOOD = [
     chat_record("g1", 2, "It has shipped."),
     chat_record("g2", 0, "Shipped.", None),
 ]
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tokenizer_dir):
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def write_jsonl(path, lines):

@@ -22,7 +22,6 @@ from transformers import AutoTokenizer
 
 from ds_tree.data import load_trajectories
 from ds_tree.data.chat import render_chat
-from ds_tree.data.tokenizer import save_tokenizer
 from ds_tree.trees import build_forest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,11 +33,6 @@ CASES = {
     "tau2-telecom": ("tau2-telecom/trials.jsonl", None, 5, 20, (3.6, 4.0)),
     "tot-game24": ("tot-game24/samples.jsonl", 300, 3, 300, (16.0, 23.0)),
 }
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def char_level_speedup(texts_by_group):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from ds_tree.data.tokenizer import SPECIAL_TOKENS, build_tokenizer, save_tokenizer
+from ds_tree.data.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,16 +40,6 @@ CONVERSATION = [
     {"role": "user", "content": "thanks"},
 ]
 TOOLS = [{"type": "function", "function": {"name": "get_customer", "parameters": {"type": "object"}}}]
-
-
-@pytest.fixture(scope="session")
-def tokenizer_dir(tmp_path_factory):
-    return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tokenizer_dir):
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def test_vocab_size_and_special_token_ids(tokenizer):

@@ -17,7 +17,6 @@ ds_tree_meta.json. Nothing is written at --output unless the whole run succeeds.
 """
 
 import argparse
-import gzip
 import json
 import sys
 from collections import Counter
@@ -29,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from ds_tree.data.chat import TRAIN_ON, RecordError, render_chat  # noqa: E402
+from ds_tree.data.chat import TRAIN_ON, render_chat  # noqa: E402
+from ds_tree.data.jsonl import read_jsonl  # noqa: E402
 from ds_tree.data.tokenizer import tokenizer_identity  # noqa: E402
 from ds_tree.data.tokens import trajectory_from_record  # noqa: E402
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset  # noqa: E402
 from ds_tree.trees.explicit import trajectories_from_explicit_tree  # noqa: E402
-from ds_tree.trees.trajectory import DataError, Trajectory, check_vocab  # noqa: E402
+from ds_tree.trees.trajectory import DataError, RecordError, Trajectory, check_vocab  # noqa: E402
 
 GLOBAL_GROUP = "all"
 """The group id every trajectory gets with --merge global."""
@@ -57,37 +57,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def read_records(paths: list[Path], limit: int | None) -> Iterator[tuple[str, dict | DataError]]:
-    """``(file:line, record)`` for every non-blank line; a line that is not a JSON object yields a
-    RecordError instead of raising, so --skip-bad can go on past it (``read_jsonl`` raises, and a
-    generator cannot resume after raising)."""
+    """``(file:line, record)`` over all inputs, at most ``limit`` records; bad lines come as
+    errors in place of records so that ``--skip-bad`` can go on past them."""
     count = 0
     for path in paths:
-        if not path.is_file():
-            raise DataError(f"{path}: no such file")
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                if limit is not None and count >= limit:
-                    return
-                count += 1
-                where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    yield (
-                        where,
-                        RecordError("malformed_json", f"{where}: malformed JSON ({error.msg} at column {error.colno})"),
-                    )
-                    continue
-                if not isinstance(record, dict):
-                    yield (
-                        where,
-                        RecordError("not_an_object", f"{where}: expected a JSON object, got {type(record).__name__}"),
-                    )
-                    continue
-                yield where, record
+        for where, record in read_jsonl(path, keep_going=True):
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            yield where, record
 
 
 class Converter:

@@ -26,20 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds_tree.trees.trajectory import DataError
+from ds_tree.trees.trajectory import RecordError
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 """Which tokens get loss: every assistant turn, only the last one, or every token but the first."""
-
-
-class RecordError(DataError):
-    """A record (here: a conversation) that cannot be used; ``reason`` is a short key that
-    ``tools/convert.py --skip-bad`` counts skipped lines by."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
 
 
 @dataclass

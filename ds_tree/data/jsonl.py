@@ -7,11 +7,16 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ds_tree.trees.trajectory import DataError
+from ds_tree.trees.trajectory import DataError, RecordError
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
-    """Yield ``("file:line", object)`` for every non-blank line; bad JSON raises :class:`DataError`."""
+def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str, dict | RecordError]]:
+    """Yield ``("file:line", object)`` for every non-blank line.
+
+    A line that is not a JSON object raises a :class:`RecordError`, or with ``keep_going`` is
+    yielded as one in place of the object (a generator cannot resume after raising, and
+    ``--skip-bad`` must go on past bad lines).
+    """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -23,8 +28,11 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[str, dict]]:
             where = f"{path}:{number}"
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(f"{where}: malformed JSON ({error.msg} at column {error.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            yield where, record
+                error = None
+            except json.JSONDecodeError as bad:
+                error = RecordError("malformed_json", f"{where}: malformed JSON ({bad.msg} at column {bad.colno})")
+            if error is None and not isinstance(record, dict):
+                error = RecordError("not_an_object", f"{where}: expected a JSON object, got {type(record).__name__}")
+            if error is not None and not keep_going:
+                raise error
+            yield where, error or record
