@@ -33,6 +33,8 @@ class ModelConfig:
     """Seed of the random init."""
     zero_init: bool = False
     """Build the model inside ``deepspeed.zero.Init`` (ZeRO-3: for models that do not fit one rank)."""
+    tokenizer: str = ""
+    """Optional tokenizer directory, saved beside the exported Hugging Face model."""
 
     def __post_init__(self) -> None:
         if not self.source:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 
-def export_hf(engine, directory: Path, rank: int) -> None:
+def export_hf(engine, directory: Path, rank: int, tokenizer: str = "") -> None:
     """Gather the full weights (ZeRO-3: consolidated on rank 0) and save them as safetensors.
 
     Written to a temporary sibling and renamed, so a failed export never leaves a half model.
@@ -27,6 +27,10 @@ def export_hf(engine, directory: Path, rank: int) -> None:
             model.save_pretrained(str(temporary), state_dict=state_dict, safe_serialization=True)
         finally:
             model.config._attn_implementation = previous
+        if tokenizer:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(str(temporary))
         shutil.rmtree(directory, ignore_errors=True)
         temporary.rename(directory)
     dist.barrier()

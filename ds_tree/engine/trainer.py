@@ -283,7 +283,7 @@ class Trainer:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""
         from ds_tree.engine.export import export_hf
 
-        export_hf(self.engine, directory, self.rank)
+        export_hf(self.engine, directory, self.rank, self.config.model.tokenizer)
         if self.rank == 0:
             print(f"exported Hugging Face model to {directory}", flush=True)
 

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The README's main command: set up, build the tokenizer and synthetic agentic tree data, then
+# train the tiny Llama for a few dozen steps on 2 CPU ranks with ZeRO-3 (a few minutes on 2 cores).
+# Extra arguments are config overrides (key=value), e.g. max_steps=10.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/bootstrap.sh
+PY=.venv/bin/python
+RUN=${RUN:-runs/quickstart}
+if [ ! -f "$RUN/tokenizer/tokenizer.json" ]; then
+  "$PY" tools/make_tokenizer.py --output "$RUN/tokenizer"
+fi
+if [ ! -f "$RUN/data/synthetic.jsonl" ]; then
+  mkdir -p "$RUN/data"
+  "$PY" tools/make_synthetic.py --output "$RUN/data/synthetic.jsonl" --groups 64 --por 0.7 --seed 0
+fi
+"$PY" tools/stats.py "$RUN/data/synthetic.jsonl"
+NGPU=${NGPU:-2} bash launch/train.sh configs/tiny_cpu.yaml "data.path=$RUN/data/synthetic.jsonl" "model.tokenizer=$RUN/tokenizer" "output_dir=$RUN/train" "$@"
+cat <<MSG
+
+Done.
+  TensorBoard logs : $RUN/train/tensorboard   (tensorboard --logdir $RUN/train/tensorboard)
+  metrics          : $RUN/train/metrics.jsonl
+  checkpoints      : $RUN/train/checkpoints   (latest: $(cat "$RUN/train/checkpoints/latest" 2>/dev/null || echo none))
+  exported model   : $RUN/train/hf
+Run it again to resume from the latest checkpoint (raise max_steps=N to train further).
+MSG
