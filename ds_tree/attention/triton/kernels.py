@@ -25,15 +25,21 @@ Algorithm
 Limits
 - ``HEAD_DIM`` must be a power of two >= 16 (``tl.arange`` and ``tl.dot`` shapes); the autograd
   wrapper pads other head dims with zeros, which changes neither scores nor the real outputs.
-- Any N: the ragged last blocks are masked on load and store. Tensors are indexed with int32
-  offsets, so one batch row of q/k/v must hold fewer than 2**31 elements.
+- Any N: the ragged last blocks are masked on load and store. Offsets are int32, so each of
+  q, k, v and the output must hold fewer than 2**31 elements.
 - fp32 inputs use IEEE fp32 dots (not TF32) so an fp32 caller gets fp32 accuracy; fp16/bf16
-  inputs feed the tensor cores directly and accumulate in fp32.
+  inputs feed the tensor cores directly and accumulate in fp32. At D=128 the fp32 kernels need
+  up to 144 KiB of shared memory (bf16: 64 KiB): fine on A100/H100, too much for consumer GPUs.
+- Compiled for sm_90 in all three dtypes (``triton.compile`` to cubin) but not yet run on a GPU:
+  the tests so far ran under the interpreter only.
 
 Caveats
-- The Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) computes bf16 ``tl.dot`` wrongly,
-  so under the interpreter bf16 operands are upcast to fp32 (``UPCAST``). The CPU tests therefore
-  do not see the rounding of the probabilities to bf16 that the GPU does before ``P @ V``.
+- The Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) gets bf16 wrong twice: its bf16
+  ``tl.dot`` returns garbage, and it converts fp32 to bf16 by truncation (twice the rounding
+  error, biased towards zero). Under the interpreter with bf16 inputs (``INTERPRET_BF16``) dot
+  operands are upcast to fp32 and results are rounded to nearest even before the cast. The CPU
+  tests therefore do not see the rounding of the probabilities to bf16 that the GPU does
+  before ``P @ V``.
 - The running max starts at -1e30 rather than -inf: a row can meet tiles where all its keys are
   masked before it meets a visible one, and ``-inf - -inf`` would poison it with NaN.
 """
@@ -70,22 +76,37 @@ def block_sizes(head_dim: int) -> dict:
 
 
 @triton.jit
-def _operand(x, UPCAST: tl.constexpr):
-    """A ``tl.dot`` operand: upcast to fp32 under the interpreter (its bf16 dot is broken)."""
-    if UPCAST:
+def _operand(x, INTERPRET_BF16: tl.constexpr):
+    """A ``tl.dot`` operand: bf16 is upcast to fp32 under the interpreter (its bf16 dot is broken)."""
+    if INTERPRET_BF16:
         x = x.to(tl.float32)
     return x
 
 
 @triton.jit
-def _load_rows(base, rows, n, stride_row, offs_d, MASKED: tl.constexpr, UPCAST: tl.constexpr):
+def _to_storage(x, dtype, INTERPRET_BF16: tl.constexpr):
+    """Convert an fp32 result to the output dtype with round-to-nearest-even.
+
+    The interpreter converts fp32 to bf16 by truncation, which doubles the worst-case rounding
+    error and biases it towards zero; rounding the bits first (the usual +0x7FFF trick) leaves
+    it an exact cast. The GPU rounds to nearest even by itself.
+    """
+    if INTERPRET_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _load_rows(base, rows, n, stride_row, offs_d, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """Load ``[len(rows), HEAD_DIM]``; rows past ``n`` read as zero when ``MASKED``."""
     pointers = base + rows[:, None] * stride_row + offs_d[None, :]
     if MASKED:
         block = tl.load(pointers, mask=(rows < n)[:, None], other=0.0)
     else:
         block = tl.load(pointers)
-    return _operand(block, UPCAST)
+    return _operand(block, INTERPRET_BF16)
 
 
 @triton.jit
@@ -96,24 +117,29 @@ def _tile_is_full(key_start, query_start, min_end, BLOCK_M: tl.constexpr, BLOCK_
 
 @triton.jit
 def _visible(query_index, key_index, key_end):
-    """The tree mask ``k <= q < kv_end[k]`` for a ``[queries, keys]`` tile."""
-    return (key_index[None, :] <= query_index[:, None]) & (query_index[:, None] < key_end[None, :])
+    """The tree mask ``k <= q < kv_end[k]``, broadcast over whatever tile shape the indices span.
+
+    Callers pass ``[queries, 1]`` and ``[1, keys]`` indices, or the transpose for a
+    ``[keys, queries]`` tile, so no boolean tile needs a ``tl.trans``.
+    """
+    return (key_index <= query_index) & (query_index < key_end)
 
 
 @triton.jit
 def _forward_tile(
     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
     qk_scale, offs_n, offs_d,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     key_index = key_start + offs_n
-    k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
-    v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
+    k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
+    v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         # Keys past n read kv_end = 0 and so are invisible to every query.
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
-        scores = tl.where(_visible(query_index, key_index, key_end), scores, float("-inf"))
+        visible = _visible(query_index[:, None], key_index[None, :], key_end[None, :])
+        scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     correction = tl.exp2(row_max - new_max)
     p = tl.exp2(scores - new_max[:, None])
@@ -128,7 +154,7 @@ def _forward_kernel(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, group, num_key_blocks, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -137,7 +163,7 @@ def _forward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     query_index = query_start + offs_m
-    q = _load_rows(Q + batch * stride_qb + head * stride_qh, query_index, n, stride_qn, offs_d, True, UPCAST)
+    q = _load_rows(Q + batch * stride_qb + head * stride_qh, query_index, n, stride_qn, offs_d, True, INTERPRET_BF16)
     k_base = K + batch * stride_kb + (head // group) * stride_kh
     v_base = V + batch * stride_kb + (head // group) * stride_kh
     end_base = KV_END + batch * n
@@ -154,18 +180,18 @@ def _forward_kernel(
             if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
                 acc, row_max, row_sum = _forward_tile(
                     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, False, UPCAST, DOT_PRECISION)
+                    stride_kn, qk_scale, offs_n, offs_d, False, INTERPRET_BF16, DOT_PRECISION)
             else:
                 acc, row_max, row_sum = _forward_tile(
                     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, True, UPCAST, DOT_PRECISION)
+                    stride_kn, qk_scale, offs_n, offs_d, True, INTERPRET_BF16, DOT_PRECISION)
 
     # Rows past n never saw a key; keep them finite (they are not stored).
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
     out = acc / row_sum[:, None]
     in_range = query_index < n
     out_pointers = OUT + batch * stride_ob + head * stride_oh + query_index[:, None] * stride_on + offs_d[None, :]
-    tl.store(out_pointers, out.to(OUT.dtype.element_ty), mask=in_range[:, None])
+    tl.store(out_pointers, _to_storage(out, OUT.dtype.element_ty, INTERPRET_BF16), mask=in_range[:, None])
     tl.store(LSE + (batch * heads_q + head) * n + query_index, row_max + tl.log2(row_sum), mask=in_range)
 
 
@@ -189,12 +215,12 @@ def _delta_kernel(
 def _key_value_tile(
     grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
     n, stride_qn, stride_on, qk_scale, offs_m, offs_d,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add one query block's contribution to dK and dV, in transposed ``[keys, queries]`` form."""
     query_index = query_start + offs_m
-    q = _load_rows(q_base, query_index, n, stride_qn, offs_d, MASKED, UPCAST)
-    grad_out = _load_rows(do_base, query_index, n, stride_on, offs_d, MASKED, UPCAST)
+    q = _load_rows(q_base, query_index, n, stride_qn, offs_d, MASKED, INTERPRET_BF16)
+    grad_out = _load_rows(do_base, query_index, n, stride_on, offs_d, MASKED, INTERPRET_BF16)
     if MASKED:
         lse = tl.load(lse_base + query_index, mask=query_index < n, other=0.0)
         delta = tl.load(delta_base + query_index, mask=query_index < n, other=0.0)
@@ -203,7 +229,7 @@ def _key_value_tile(
         delta = tl.load(delta_base + query_index)
     p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
     if MASKED:
-        p_t = tl.where(tl.trans(_visible(query_index, key_index, key_end)), p_t, 0.0)
+        p_t = tl.where(_visible(query_index[None, :], key_index[:, None], key_end[:, None]), p_t, 0.0)
     grad_v += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=DOT_PRECISION)
     grad_p_t = tl.dot(v, tl.trans(grad_out), input_precision=DOT_PRECISION)
     grad_s_t = p_t * (grad_p_t - delta[None, :])
@@ -217,7 +243,7 @@ def _key_value_kernel(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, heads_kv, group, num_key_blocks, scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     key_block = tl.program_id(0)
     batch = tl.program_id(1) // heads_kv
@@ -227,8 +253,8 @@ def _key_value_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     key_index = key_start + tl.arange(0, BLOCK_N)
     kv_offset = batch * stride_kb + head_kv * stride_kh
-    k = _load_rows(K + kv_offset, key_index, n, stride_kn, offs_d, True, UPCAST)
-    v = _load_rows(V + kv_offset, key_index, n, stride_kn, offs_d, True, UPCAST)
+    k = _load_rows(K + kv_offset, key_index, n, stride_kn, offs_d, True, INTERPRET_BF16)
+    v = _load_rows(V + kv_offset, key_index, n, stride_kn, offs_d, True, INTERPRET_BF16)
     key_end = tl.load(KV_END + batch * n + key_index, mask=key_index < n, other=0)
     max_end = tl.load(BLOCK_MAX_END + batch * num_key_blocks + key_block)
     min_end = tl.load(BLOCK_MIN_END + batch * num_key_blocks + key_block)
@@ -249,33 +275,35 @@ def _key_value_kernel(
             if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
                 grad_k, grad_v = _key_value_tile(
                     grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
-                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, False, UPCAST, DOT_PRECISION)
+                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, False, INTERPRET_BF16,
+                    DOT_PRECISION)
             else:
                 grad_k, grad_v = _key_value_tile(
                     grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
-                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, True, UPCAST, DOT_PRECISION)
+                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, True, INTERPRET_BF16,
+                    DOT_PRECISION)
 
     in_range = (key_index < n)[:, None]
     pointers = kv_offset + key_index[:, None] * stride_kn + offs_d[None, :]
     # dS is the gradient of the scaled scores, so dK picks up the softmax scale once here.
-    tl.store(GRAD_K + pointers, (grad_k * scale).to(GRAD_K.dtype.element_ty), mask=in_range)
-    tl.store(GRAD_V + pointers, grad_v.to(GRAD_V.dtype.element_ty), mask=in_range)
+    tl.store(GRAD_K + pointers, _to_storage(grad_k * scale, GRAD_K.dtype.element_ty, INTERPRET_BF16), mask=in_range)
+    tl.store(GRAD_V + pointers, _to_storage(grad_v, GRAD_V.dtype.element_ty, INTERPRET_BF16), mask=in_range)
 
 
 @triton.jit
 def _query_tile(
     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
     qk_scale, offs_n, offs_d,
-    MASKED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Add one key block's contribution to dQ."""
     key_index = key_start + offs_n
-    k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
-    v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, UPCAST)
+    k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
+    v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
     if MASKED:
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
-        p = tl.where(_visible(query_index, key_index, key_end), p, 0.0)
+        p = tl.where(_visible(query_index[:, None], key_index[None, :], key_end[None, :]), p, 0.0)
     grad_p = tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION)
     grad_s = p * (grad_p - delta[:, None])
     return grad_q + tl.dot(grad_s.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -287,7 +315,7 @@ def _query_kernel(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, group, num_key_blocks, scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -297,8 +325,9 @@ def _query_kernel(
     query_index = query_start + tl.arange(0, BLOCK_M)
     in_range = query_index < n
     q_offset = batch * stride_qb + head * stride_qh
-    q = _load_rows(Q + q_offset, query_index, n, stride_qn, offs_d, True, UPCAST)
-    grad_out = _load_rows(GRAD_OUT + batch * stride_ob + head * stride_oh, query_index, n, stride_on, offs_d, True, UPCAST)
+    q = _load_rows(Q + q_offset, query_index, n, stride_qn, offs_d, True, INTERPRET_BF16)
+    do_base = GRAD_OUT + batch * stride_ob + head * stride_oh
+    grad_out = _load_rows(do_base, query_index, n, stride_on, offs_d, True, INTERPRET_BF16)
     row = (batch * heads_q + head) * n + query_index
     lse = tl.load(LSE + row, mask=in_range, other=0.0)
     delta = tl.load(DELTA + row, mask=in_range, other=0.0)
@@ -316,19 +345,19 @@ def _query_kernel(
             if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
                 grad_q = _query_tile(
                     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, False, UPCAST, DOT_PRECISION)
+                    n, stride_kn, qk_scale, offs_n, offs_d, False, INTERPRET_BF16, DOT_PRECISION)
             else:
                 grad_q = _query_tile(
                     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, True, UPCAST, DOT_PRECISION)
+                    n, stride_kn, qk_scale, offs_n, offs_d, True, INTERPRET_BF16, DOT_PRECISION)
 
     pointers = GRAD_Q + q_offset + query_index[:, None] * stride_qn + offs_d[None, :]
-    tl.store(pointers, (grad_q * scale).to(GRAD_Q.dtype.element_ty), mask=in_range[:, None])
+    tl.store(pointers, _to_storage(grad_q * scale, GRAD_Q.dtype.element_ty, INTERPRET_BF16), mask=in_range[:, None])
 
 
 def _dot_options(dtype: torch.dtype) -> dict:
     return {
-        "UPCAST": INTERPRET and dtype == torch.bfloat16,
+        "INTERPRET_BF16": INTERPRET and dtype == torch.bfloat16,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
 
