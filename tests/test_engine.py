@@ -17,7 +17,11 @@ import numpy as np
 import pytest
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.engine.step import run_rows
 from ds_tree.engine.trainer import Trainer
+from ds_tree.losses.sft import Normalisers
+from ds_tree.models.loading import load_model
+from ds_tree.packing.modes import pack_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -201,6 +205,20 @@ def test_export_loads_in_plain_transformers_with_the_engines_logits(tmp_path: Pa
     assert report["max_abs_logit_err"] <= 1e-5 * max(1.0, report["logit_scale"]), report
     assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
+
+    # ZeRO-3 init (weights partitioned while they are read) of the export gives the step-1 loss
+    # that a plain single-process model with the exported weights computes on the same data.
+    hf = tmp_path / "run" / "hf"
+    second = tmp_path / "second"
+    process = launch_training(config, f"output_dir={second}", f"model.source={hf}", "model.zero_init=true")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    trainer = prepare(config, f"model.source={hf}")
+    trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]
+    rows = pack_trajectories(trajectories, "flat", 4096)
+    model = load_model(hf, attention="reference")
+    expected = run_rows(model, rows, Normalisers.from_rows(rows)).loss
+    assert losses(second)[1] == pytest.approx(expected, rel=1e-5)
 
 
 # --------------------------------------------------------------- config errors

@@ -7,6 +7,7 @@ style, labels equal to input_ids elsewhere). Trajectories sharing a ``group_id``
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,15 @@ from ds_tree.trees.trajectory import DataError, Trajectory
 IGNORE_INDEX = -100
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _int_list(where: str, record: dict, name: str) -> list[int]:
     values = record.get(name)
     if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise DataError(f"{where}: field {name!r} must be a list of integers")
+    if values and max(abs(v) for v in values) > INT64_MAX:
+        raise DataError(f"{where}: field {name!r} has an integer outside the 64-bit range")
     return values
 
 
@@ -43,11 +49,13 @@ def trajectory_from_record(where: str, record: dict) -> Trajectory:
     else:
         raise DataError(f"{where}: missing field 'loss_mask' (or 'labels')")
     group_id = record.get("group_id", "")
-    if not isinstance(group_id, str | int):
+    if not isinstance(group_id, str | int) or isinstance(group_id, bool):
         raise DataError(f"{where}: field 'group_id' must be a string")
     reward = record.get("reward")
-    if reward is not None and (not isinstance(reward, int | float) or isinstance(reward, bool)):
-        raise DataError(f"{where}: field 'reward' must be a number or null")
+    if reward is not None and (
+        not isinstance(reward, int | float) or isinstance(reward, bool) or not math.isfinite(reward)
+    ):
+        raise DataError(f"{where}: field 'reward' must be a finite number or null")
     trial = record.get("trial")
     return Trajectory(
         input_ids=np.asarray(input_ids, dtype=np.int64),

@@ -53,9 +53,10 @@ def run_rows(
         if backward is not None:
             backward(loss)
         output.loss += float(loss.detach())
-        if collect_logprobs and targets.size:
+        if collect_logprobs:  # every trajectory, even a 1-token one with nothing to predict
             by_token = np.full(row.n_tokens, np.nan)
-            by_token[targets] = logprobs.detach().double().cpu().numpy()
+            if targets.size:
+                by_token[targets] = logprobs.detach().double().cpu().numpy()
             for part, trajectory_id, path in row.trajectory_paths():
                 output.trajectory_logprobs[id(part.tree.trajectories[trajectory_id])] = by_token[path[1:]]
     return output

@@ -72,6 +72,8 @@ def ensure_distributed_env() -> None:
     """A single process started without a launcher still gets a (1-rank) process group."""
     if "RANK" in os.environ:
         return
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise RuntimeError("WORLD_SIZE > 1 but RANK is not set: start ranks with deepspeed, torchrun or srun")
     import socket
 
     with socket.socket() as probe:
@@ -93,7 +95,6 @@ class Trainer:
     def prepare(self) -> None:
         """Everything that can fail on bad input, before any process group exists."""
         config = self.config
-        ensure_distributed_env()
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         try:
             self.trajectories = load_trajectories(config.data.path)
@@ -118,6 +119,7 @@ class Trainer:
         """Process group, model, DeepSpeed engine, resume. Call :meth:`prepare` first."""
         import deepspeed
 
+        ensure_distributed_env()
         deepspeed.init_distributed()
         self.rank = dist.get_rank()
         if dist.get_world_size() != self.world_size:
@@ -127,12 +129,13 @@ class Trainer:
         if config.model.zero_init:
             if self.ds_config["zero_optimization"].get("stage") != 3:
                 raise ConfigError("model.zero_init needs ZeRO stage 3 in the DeepSpeed config")
-            with deepspeed.zero.Init(config_dict_or_path=self.ds_config, dtype=dtype):
-                model = load_model(config.model.source, attention=config.model.attention, seed=config.model.seed)
-        else:
-            model = load_model(
-                config.model.source, attention=config.model.attention, dtype=dtype, seed=config.model.seed
-            )
+            from transformers.integrations import HfDeepSpeedConfig
+
+            # While this object lives, transformers builds (and loads) models inside
+            # deepspeed.zero.Init itself, partitioning weights as they are created or read,
+            # including the init details (padding rows, tied weights) a bare zero.Init breaks.
+            self._hf_deepspeed_config = HfDeepSpeedConfig(self.ds_config)
+        model = load_model(config.model.source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
         self.build_engine(model)
         self.resume()
 

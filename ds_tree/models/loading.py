@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
 
@@ -72,8 +73,12 @@ def load_model(
     else:
         config = load_config(source)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation)
-        model.to(dtype)
+        # Initialised in float32 whatever the dtype, so float64 and float32 runs of one seed hold
+        # the same weights. Under ZeRO-3 init the parameters are partitioned as they are made;
+        # DeepSpeed itself casts them (bf16) when the engine starts.
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32)
+        if not is_deepspeed_zero3_enabled():
+            model.to(dtype)
     if dtype == torch.float64:
         keep_norms_in_float64(model)
     model.config.use_cache = False

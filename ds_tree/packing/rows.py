@@ -52,6 +52,8 @@ class PackedRow:
 
 def assemble_row(parts: list[TreePart], block: int = 1, pad_id: int = 0) -> PackedRow:
     """Concatenate ``parts`` into one row padded to a multiple of ``block``."""
+    if block < 1:
+        raise ValueError(f"block (the row padding multiple) must be >= 1, got {block}")
     n_real = sum(part.n_tokens for part in parts)
     n = -(-n_real // block) * block if n_real else block
     pad = n - n_real
