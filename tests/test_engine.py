@@ -34,7 +34,7 @@ def write_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
     with open(path, "w") as handle:
         for group in range(groups):
             stem = rng.integers(3, 1024, 90).tolist()
-            for trial in range(4):
+            for _ in range(4):
                 cut = int(rng.integers(5, 90))
                 length = int(rng.integers(cut + 1, 180))
                 ids = stem[:cut] + rng.integers(3, 1024, length - cut).tolist()

@@ -1,12 +1,13 @@
-"""Block-sparse tree attention for the CPU (and any device torch runs on), with autograd.
+"""Block-sparse tree attention for the CPU, with its own autograd function.
 
 Queries are cut into blocks of ``block`` tokens. For each query block only the keys that some of
 its queries can see are gathered: key ``k`` is visible to the block ``[q0, q1)`` iff ``k < q1``
 and ``kv_end[k] > q0``. In DFS pre-order those are the queries' ancestors, so the work grows
-with the visible pairs, not with N^2; a flat layout's keys are one contiguous range (a view). Each block is handed to ``scaled_dot_product_attention`` with the
-element mask (or none when every pair is visible) and ``enable_gqa``, so k/v heads are never
-repeated in memory and the backward is PyTorch's own (its CPU flash path keeps only the
-log-sum-exp, not the probabilities).
+with the visible pairs, not with N^2; a flat layout's keys are one contiguous range (a view).
+Each block goes to PyTorch's CPU flash-attention kernel with the element mask (or none when
+every pair is visible); a group's query heads are stacked along the sequence axis, so GQA never
+repeats k/v in memory. The autograd function saves only q, k, v, the output and the
+log-sum-exp, and the backward regathers each tile: saved memory is O(N), plus one tile at a time.
 
 The block plan depends only on ``kv_end``, which every layer of a forward shares: it is built once
 and cached by the bytes of ``kv_end``.
