@@ -36,3 +36,22 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
             if error is not None and not keep_going:
                 raise error
             yield where, error or record
+
+
+def slice_groups(source: str | Path, output: str | Path, groups: int, per_group: int, key: str = "group_id") -> Path:
+    """Write the first ``per_group`` lines of each of the first ``groups`` groups of ``source``.
+
+    A slice of real data that keeps its sharing: trials of one task may be interleaved with other
+    tasks' (tau2), so the file's first lines alone would be a slice without trees.
+    """
+    chosen: dict[str, list[str]] = {}
+    for _, record in read_jsonl(source):
+        group = record.get(key)
+        if group not in chosen and len(chosen) == groups:
+            continue
+        members = chosen.setdefault(group, [])
+        if len(members) < per_group:
+            members.append(json.dumps(record))
+    output = Path(output)
+    output.write_text("".join(line + "\n" for members in chosen.values() for line in members))
+    return output

@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""POR sweep on synthetic trees plus the real shared data sets: tree vs flat, plot and table.
+
+    python tools/bench_sweep.py --out docs/bench [--model configs/models/bench_llama.json]
+        [--pors 0,0.25,0.5,0.7,0.85,0.95] [--steps 3] [--shared ../shared/data]
+
+Every point is one ``tools/bench.py`` run (its exact command is recorded with its result).
+Writes ``OUT/results.json``, ``OUT/speedup.png`` (measured speedup vs ideal, with y = x) and
+``OUT/table.md``. Real data is converted with the project tokenizer first (``tools/convert.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+sys.path.insert(0, str(ROOT))
+
+from ds_tree.data.jsonl import slice_groups  # noqa: E402
+
+# (name, source file, groups, trials per group, budget): a slice keeps CPU runs short.
+SHARED = [
+    ("tot-game24", "tot-game24/samples.jsonl", 2, 32, 4096),
+    ("tau2-telecom", "tau2-telecom/trials.jsonl", 1, 4, 16384),
+]
+
+
+def run(command: list[str]) -> str:
+    print("+ " + " ".join(command), file=sys.stderr, flush=True)
+    return subprocess.run(command, check=True, capture_output=True, text=True).stdout
+
+
+def bench(args, name: str, data: Path, groups_per_step: int, budget: int, extra: list[str]) -> dict:
+    out = args.out / f"{name}.json"
+    command = [
+        "python", "tools/bench.py", "--data", str(data), "--model", args.model, "--steps", str(args.steps),
+        "--groups-per-step", str(groups_per_step), "--budget", str(budget), "--json", str(out), *extra,
+    ]
+    run([sys.executable, *command[1:]])
+    report = json.loads(out.read_text())
+    report["name"] = name
+    report["command"] = " ".join(command)
+    return report
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 5))
+    top = max(max(r["ideal_speedup"], r["speedup"]) for r in results) * 1.1
+    axes.plot([0, top], [0, top], "k--", linewidth=1, label="y = x (ideal)")
+    for result in results:
+        marker = "s" if result["name"].startswith("por") else "o"
+        axes.scatter(result["ideal_speedup"], result["speedup"], marker=marker)
+        axes.annotate(result["name"], (result["ideal_speedup"], result["speedup"]), fontsize=8,
+                      xytext=(4, -10), textcoords="offset points")
+    axes.set_xlabel("ideal speedup (flat tokens / tree tokens computed)")
+    axes.set_ylabel("measured speedup (flat step time / tree step time)")
+    axes.set_title("ds_tree tree vs flat, tiny Llama on 2 CPU cores")
+    axes.set_xlim(0, top)
+    axes.set_ylim(0, top)
+    axes.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| data | POR | flat tok/step | ideal | speedup | efficiency | flat step s | tree step s | mem tree/flat |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        flat, tree = r["modes"]["flat"], r["modes"]["tree"]
+        lines.append(
+            f"| {r['name']} | {r['por']:.3f} | {r['flat_tokens_per_step']:.0f} | {r['ideal_speedup']:.2f} | "
+            f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {flat['step_time_s']:.3f} | {tree['step_time_s']:.3f} | "
+            f"{r.get('memory_ratio_tree_over_flat', float('nan')):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default="configs/models/bench_llama.json")
+    parser.add_argument("--pors", default="0,0.25,0.5,0.7,0.85,0.95")
+    parser.add_argument("--groups", type=int, default=4, help="synthetic groups per step")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data")
+    parser.add_argument("--skip-shared", action="store_true")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.out / "data"
+    work.mkdir(exist_ok=True)
+    results = []
+    for por in [float(p) for p in args.pors.split(",")]:
+        data = work / f"synthetic_por{por:.2f}.jsonl"
+        run([sys.executable, str(TOOLS / "make_synthetic.py"), "--output", str(data), "--groups", str(args.groups),
+             "--por", str(por), "--seed", "0"])
+        results.append(bench(args, f"por{por:.2f}", data, args.groups, 4096, []))
+    if not args.skip_shared and args.shared.is_dir():
+        tokenizer = work / "tokenizer"
+        if not (tokenizer / "tokenizer.json").is_file():
+            run([sys.executable, str(TOOLS / "make_tokenizer.py"), "--output", str(tokenizer)])
+        for name, source, groups, per_group, budget in SHARED:
+            dataset = work / name
+            if not dataset.is_dir():
+                sliced = slice_groups(args.shared / source, work / f"{name}.jsonl", groups, per_group)
+                run([sys.executable, str(TOOLS / "convert.py"), "--input", str(sliced), "--output",
+                     str(dataset), "--tokenizer", str(tokenizer), "--format", "chat"])
+            results.append(bench(args, name, dataset, 1, budget, ["--warmup", "0"]))
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out / "speedup.png")
+    (args.out / "table.md").write_text(table(results))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
