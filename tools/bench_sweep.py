@@ -23,10 +23,10 @@ sys.path.insert(0, str(ROOT))
 
 from ds_tree.data.jsonl import slice_groups  # noqa: E402
 
-# (name, source file, groups, trials per group, budget): a slice keeps CPU runs short.
+# (name, source file, groups, trials per group, bench.py options): slices keep CPU runs short.
 SHARED = [
-    ("tot-game24", "tot-game24/samples.jsonl", 2, 32, 4096),
-    ("tau2-telecom", "tau2-telecom/trials.jsonl", 1, 4, 16384),
+    ("tot-game24", "tot-game24/samples.jsonl", 2, 32, ["--groups-per-step", "2", "--budget", "4096"]),
+    ("tau2-telecom", "tau2-telecom/trials.jsonl", 1, 4, ["--groups-per-step", "1", "--budget", "16384", "--warmup", "0"]),
 ]
 
 
@@ -35,12 +35,10 @@ def run(command: list[str]) -> str:
     return subprocess.run(command, check=True, capture_output=True, text=True).stdout
 
 
-def bench(args, name: str, data: Path, groups_per_step: int, budget: int, extra: list[str]) -> dict:
+def bench(args, name: str, data: Path, options: list[str]) -> dict:
     out = args.out / f"{name}.json"
-    command = [
-        "python", "tools/bench.py", "--data", str(data), "--model", args.model, "--steps", str(args.steps),
-        "--groups-per-step", str(groups_per_step), "--budget", str(budget), "--json", str(out), *extra,
-    ]
+    command = ["python", "tools/bench.py", "--data", str(data), "--model", args.model, "--steps", str(args.steps)]
+    command += [*options, "--json", str(out)]
     run([sys.executable, *command[1:]])
     report = json.loads(out.read_text())
     report["name"] = name
@@ -74,14 +72,15 @@ def plot(results: list[dict], path: Path) -> None:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| data | POR | flat tok/step | ideal | speedup | efficiency | flat step s | tree step s | mem tree/flat |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| data | POR | flat tok/step | ideal | speedup | efficiency | pair ratio | flat step s | tree step s "
+        "| mem tree/flat |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         flat, tree = r["modes"]["flat"], r["modes"]["tree"]
         lines.append(
             f"| {r['name']} | {r['por']:.3f} | {r['flat_tokens_per_step']:.0f} | {r['ideal_speedup']:.2f} | "
-            f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {flat['step_time_s']:.3f} | {tree['step_time_s']:.3f} | "
+            f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['visible_pair_ratio']:.2f} | {flat['step_time_s']:.3f} | {tree['step_time_s']:.3f} | "
             f"{r.get('memory_ratio_tree_over_flat', float('nan')):.2f} |"
         )
     return "\n".join(lines) + "\n"
@@ -96,27 +95,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--skip-shared", action="store_true")
+    parser.add_argument(
+        "--work", type=Path, default=ROOT / ".cache" / "bench_sweep",
+        help="generated and converted data (kept out of the repository: shared data is never copied in)",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "data"
-    work.mkdir(exist_ok=True)
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
     results = []
     for por in [float(p) for p in args.pors.split(",")]:
         data = work / f"synthetic_por{por:.2f}.jsonl"
-        run([sys.executable, str(TOOLS / "make_synthetic.py"), "--output", str(data), "--groups", str(args.groups),
+        # POR 0 means one trial per task: as many trajectories per step as the other points.
+        groups = args.groups * 8 if por == 0 else args.groups
+        run([sys.executable, str(TOOLS / "make_synthetic.py"), "--output", str(data), "--groups", str(groups),
              "--por", str(por), "--seed", "0"])
-        results.append(bench(args, f"por{por:.2f}", data, args.groups, 4096, []))
+        results.append(bench(args, f"por{por:.2f}", data, ["--groups-per-step", str(groups), "--budget", "4096"]))
     if not args.skip_shared and args.shared.is_dir():
         tokenizer = work / "tokenizer"
         if not (tokenizer / "tokenizer.json").is_file():
             run([sys.executable, str(TOOLS / "make_tokenizer.py"), "--output", str(tokenizer)])
-        for name, source, groups, per_group, budget in SHARED:
+        for name, source, groups, per_group, options in SHARED:
             dataset = work / name
             if not dataset.is_dir():
                 sliced = slice_groups(args.shared / source, work / f"{name}.jsonl", groups, per_group)
                 run([sys.executable, str(TOOLS / "convert.py"), "--input", str(sliced), "--output",
                      str(dataset), "--tokenizer", str(tokenizer), "--format", "chat"])
-            results.append(bench(args, name, dataset, 1, budget, ["--warmup", "0"]))
+            results.append(bench(args, name, dataset, options))
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / "speedup.png")
     (args.out / "table.md").write_text(table(results))
