@@ -286,3 +286,19 @@ def test_cli_reports_config_errors_before_starting(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "config error" in result.stderr and "absent.jsonl" in result.stderr
+
+
+@pytest.mark.distributed
+def test_bf16_training_step_matches_float32_flat_loss(tmp_path: Path) -> None:
+    data = write_forest(tmp_path / "forest.jsonl")
+    config = write_config(tmp_path, data, model={"dtype": "bfloat16"})
+    process = launch_training(config)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    trainer = prepare(config)
+    trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]
+    rows = pack_trajectories(trajectories, "flat", 4096)
+    model = load_model(trainer.config.model.source, attention="reference", seed=trainer.config.model.seed)
+    expected = run_rows(model, rows, Normalisers.from_rows(rows)).loss
+    # bf16 weights and activations: ~3 significant digits (the log-softmax itself runs in float32)
+    assert losses(tmp_path / "run")[1] == pytest.approx(expected, rel=1e-2)
