@@ -92,7 +92,7 @@ launch+=(--module ds_tree.train --config "$CONFIG" "$@")
 if [[ $DRY_RUN == 1 ]]; then
     WORLD_SIZE=$((NGPU * NNODES))
     echo "train.sh: dry run: validating $CONFIG for $WORLD_SIZE ranks ($NNODES node(s) x $NGPU)"
-    # RANK too: without it ds_tree's single-process fallback resets WORLD_SIZE to 1.
+    # RANK too, as a launcher would set it (the dry run reads WORLD_SIZE).
     RANK=0 LOCAL_RANK=0 WORLD_SIZE=$WORLD_SIZE "$PYTHON" -m ds_tree.train --config "$CONFIG" --dry-run "$@"
     echo "train.sh: dry run: would run (in $REPO_DIR):"
     command_line=$(printf ' %q' "${launch[@]}")
