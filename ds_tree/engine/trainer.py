@@ -169,7 +169,7 @@ class Trainer:
         if self.rank == 0:
             import yaml
 
-            (self.output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config)))
+            checkpoint.write_atomically(self.output_dir / "config.yaml", yaml.safe_dump(config_to_dict(self.config)))
 
     # ------------------------------------------------------------------ steps
     def plan_step(self, step: int, rank: int | None = None) -> StepPlan:
