@@ -99,8 +99,11 @@ def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> Non
 
 # ------------------------------------------------------------------ exactness
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage", [3, 2])
-def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int) -> None:
+@pytest.mark.parametrize(
+    "stage, mode, normalisation",
+    [(3, "tree", "token_mean"), (2, "tree", "token_mean"), (3, "tree", "sequence_mean"), (3, "flat", "token_mean")],
+)
+def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, mode: str, normalisation: str) -> None:
     data = write_forest(tmp_path / "forest.jsonl")
     ds = {
         "train_micro_batch_size_per_gpu": 1,
@@ -114,7 +117,13 @@ def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int) -> None
     ds_path = tmp_path / "ds.json"
     ds_path.write_text(json.dumps(ds))
     # budget 200 < a tree: trees are split into parts, several micro-batches per rank.
-    config = write_config(tmp_path, data, deepspeed=str(ds_path), packing={"budget": 200})
+    config = write_config(
+        tmp_path,
+        data,
+        deepspeed=str(ds_path),
+        packing={"budget": 200, "mode": mode},
+        objective={"normalisation": normalisation},
+    )
     out = tmp_path / "report.json"
     torchrun("tests/distributed/grad_check.py", "--config", str(config), "--out", str(out))
     report = json.loads(out.read_text())
