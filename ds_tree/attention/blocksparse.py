@@ -88,6 +88,8 @@ def _grouped(tensor: torch.Tensor, heads_kv: int, rows: slice) -> torch.Tensor:
     """``[1, Hq, N, D]`` rows -> ``[1, Hkv, G * rows, D]``: a group's query heads stacked along the
     sequence axis, so one k/v head serves them all without repeating k/v in memory."""
     _, heads_q, _, dim = tensor.shape
+    if heads_q == heads_kv:  # no GQA: a strided view, which the flash kernel takes without a copy
+        return tensor[:, :, rows]
     block = tensor[:, :, rows].reshape(1, heads_kv, heads_q // heads_kv, -1, dim)
     return block.reshape(1, heads_kv, -1, dim)
 
