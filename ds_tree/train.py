@@ -17,7 +17,9 @@ from ds_tree.engine.trainer import Trainer
 
 def main(argv: list[str] | None = None) -> int:
     # DeepSpeed 0.19 calls collectives torch 2.13 has renamed: one warning per call, every step.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning
+    )
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="training YAML")
     parser.add_argument("--dry-run", action="store_true", help="validate everything, print the resolved configs")

@@ -26,7 +26,13 @@ from ds_tree.data.jsonl import slice_groups  # noqa: E402
 # (name, source file, groups, trials per group, bench.py options): slices keep CPU runs short.
 SHARED = [
     ("tot-game24", "tot-game24/samples.jsonl", 2, 32, ["--groups-per-step", "2", "--budget", "4096"]),
-    ("tau2-telecom", "tau2-telecom/trials.jsonl", 1, 4, ["--groups-per-step", "1", "--budget", "16384", "--warmup", "0"]),
+    (
+        "tau2-telecom",
+        "tau2-telecom/trials.jsonl",
+        1,
+        4,
+        ["--groups-per-step", "1", "--budget", "16384", "--warmup", "0"],
+    ),  # noqa: E501
 ]
 
 
@@ -58,8 +64,13 @@ def plot(results: list[dict], path: Path) -> None:
     for result in results:
         marker = "s" if result["name"].startswith("por") else "o"
         axes.scatter(result["ideal_speedup"], result["speedup"], marker=marker)
-        axes.annotate(result["name"], (result["ideal_speedup"], result["speedup"]), fontsize=8,
-                      xytext=(4, -10), textcoords="offset points")
+        axes.annotate(
+            result["name"],
+            (result["ideal_speedup"], result["speedup"]),
+            fontsize=8,
+            xytext=(4, -10),
+            textcoords="offset points",
+        )
     axes.set_xlabel("ideal speedup (flat tokens / tree tokens computed)")
     axes.set_ylabel("measured speedup (flat step time / tree step time)")
     axes.set_title("ds_tree tree vs flat, tiny Llama on 2 CPU cores")
@@ -80,7 +91,8 @@ def table(results: list[dict]) -> str:
         flat, tree = r["modes"]["flat"], r["modes"]["tree"]
         lines.append(
             f"| {r['name']} | {r['por']:.3f} | {r['flat_tokens_per_step']:.0f} | {r['ideal_speedup']:.2f} | "
-            f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['visible_pair_ratio']:.2f} | {flat['step_time_s']:.3f} | {tree['step_time_s']:.3f} | "
+            f"{r['speedup']:.2f} | {r['efficiency']:.2f} | {r['visible_pair_ratio']:.2f} | "
+            f"{flat['step_time_s']:.3f} | {tree['step_time_s']:.3f} | "
             f"{r.get('memory_ratio_tree_over_flat', float('nan')):.2f} |"
         )
     return "\n".join(lines) + "\n"
@@ -96,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--skip-shared", action="store_true")
     parser.add_argument(
-        "--work", type=Path, default=ROOT / ".cache" / "bench_sweep",
+        "--work",
+        type=Path,
+        default=ROOT / ".cache" / "bench_sweep",
         help="generated and converted data (kept out of the repository: shared data is never copied in)",
     )
     args = parser.parse_args(argv)
@@ -108,8 +122,20 @@ def main(argv: list[str] | None = None) -> int:
         data = work / f"synthetic_por{por:.2f}.jsonl"
         # POR 0 means one trial per task: as many trajectories per step as the other points.
         groups = args.groups * 8 if por == 0 else args.groups
-        run([sys.executable, str(TOOLS / "make_synthetic.py"), "--output", str(data), "--groups", str(groups),
-             "--por", str(por), "--seed", "0"])
+        run(
+            [
+                sys.executable,
+                str(TOOLS / "make_synthetic.py"),
+                "--output",
+                str(data),
+                "--groups",
+                str(groups),
+                "--por",
+                str(por),
+                "--seed",
+                "0",
+            ]
+        )
         results.append(bench(args, f"por{por:.2f}", data, ["--groups-per-step", str(groups), "--budget", "4096"]))
     if not args.skip_shared and args.shared.is_dir():
         tokenizer = work / "tokenizer"
@@ -119,8 +145,20 @@ def main(argv: list[str] | None = None) -> int:
             dataset = work / name
             if not dataset.is_dir():
                 sliced = slice_groups(args.shared / source, work / f"{name}.jsonl", groups, per_group)
-                run([sys.executable, str(TOOLS / "convert.py"), "--input", str(sliced), "--output",
-                     str(dataset), "--tokenizer", str(tokenizer), "--format", "chat"])
+                run(
+                    [
+                        sys.executable,
+                        str(TOOLS / "convert.py"),
+                        "--input",
+                        str(sliced),
+                        "--output",
+                        str(dataset),
+                        "--tokenizer",
+                        str(tokenizer),
+                        "--format",
+                        "chat",
+                    ]
+                )
             results.append(bench(args, name, dataset, options))
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / "speedup.png")
