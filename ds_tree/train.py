@@ -11,7 +11,7 @@ import json
 import sys
 import warnings
 
-from ds_tree.config import ConfigError, load_config
+from ds_tree.config import load_config
 from ds_tree.engine.trainer import Trainer
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
         trainer.prepare()
-    except (ConfigError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError) as error:  # ConfigError, DataError, malformed model JSON
         print(f"config error: {error}", file=sys.stderr)
         return 2
     if args.dry_run:

@@ -7,7 +7,6 @@ before any process group starts.
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -35,7 +34,6 @@ def resolve_deepspeed_config(config: Config, world_size: int, hidden_size: int |
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ConfigError(f"{path}: malformed JSON ({error.msg} at line {error.lineno})") from None
-    ds = copy.deepcopy(ds)
     for key in ("optimizer", "scheduler"):
         if key in ds:
             raise ConfigError(
