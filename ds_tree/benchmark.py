@@ -118,7 +118,7 @@ def run_benchmark(
     models, optimizers, times = {}, {}, {}
     for mode in modes:
         models[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed)
-        optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4)
+        optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
         times[mode] = ModeTimes()
     check_vocab(trajectories, models[modes[0]].config.vocab_size)
     flat_tokens, tree_tokens = [], []
