@@ -110,6 +110,7 @@ def run_benchmark(
     attention: str = "torch",
     normalisation: str = "token_mean",
     progress=None,
+    profile_path=None,
 ) -> dict:
     """Interleaved tree/flat steps; returns the report (see ``tools/bench.py``)."""
     groups = group_trajectories(trajectories)
@@ -141,6 +142,17 @@ def run_benchmark(
                         getattr(record, key).append(value)
         if progress is not None:
             progress.update(1)
+
+    if profile_path is not None:  # one more step per mode under the torch profiler
+        batch = [t for g in sampler.groups_for_step(warmup + steps) for t in groups[g]]
+        tables = []
+        for mode in modes:
+            with torch.profiler.profile() as profiler:
+                step_once(models[mode], optimizers[mode], batch, mode, budget, block, normalisation, False)
+            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            tables.append(f"== {mode} ==\n{table}")
+        profile_path.parent.mkdir(parents=True, exist_ok=True)
+        profile_path.write_text("\n".join(tables))
 
     report_modes = {}
     for mode in modes:

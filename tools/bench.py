@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="torch", choices=["torch", "reference", "triton"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    parser.add_argument("--profile", type=Path, default=None, help="profile one more step per mode, tables here")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - {"flat", "tree"})
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 attention=args.attention,
                 progress=bar,
+                profile_path=args.profile,
             )
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -278,6 +278,7 @@ class Trainer:
             self.save(config.max_steps)
         if config.checkpoint.export_hf:
             self.export_hf(self.output_dir / "hf")
+        dist.barrier()  # every rank done before any tears its process group down
 
     def save(self, step: int) -> None:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -292,8 +293,15 @@ class Trainer:
             print(f"exported Hugging Face model to {directory}", flush=True)
 
     def close(self) -> None:
+        """Flush the logs and tear the process group down.
+
+        Leaving the group to interpreter shutdown let a rank abort at exit now and then
+        ("terminate called without an active exception", return code -6) after a complete run.
+        """
         if self.metrics is not None:
             self.metrics.close()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def gather_full_gradients(engine) -> dict[str, np.ndarray]:
