@@ -19,6 +19,7 @@ from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import load_model, parse_dtype
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.trees.trie import build_forest
 
 # Relative gradient error / absolute log-prob error allowed per dtype. Measured on the project's
 # synthetic and shared data: float64 errors stay below ~1e-13, float32 below ~1e-6.
@@ -104,7 +105,7 @@ def compare(
     logprob_errors = [np.abs(tree.logprobs[key] - flat.logprobs[key]).max(initial=0.0) for key in flat.logprobs]
 
     flat_tokens = sum(len(t) for t in trajectories)
-    tree_tokens = sum(tree_part_tokens for tree_part_tokens in _tree_tokens(trajectories))
+    tree_tokens = sum(tree.n_tokens for tree in build_forest(trajectories))
     tolerance = TOLERANCES[torch_dtype]
     max_rel_grad_err = max(grad_errors.values(), default=0.0)
     max_abs_logprob_err = float(max(logprob_errors, default=0.0))
@@ -138,8 +139,3 @@ def compare(
         ),
     }
 
-
-def _tree_tokens(trajectories):
-    from ds_tree.trees.trie import build_forest
-
-    return [tree.n_tokens for tree in build_forest(trajectories)]
