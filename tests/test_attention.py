@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_tree.attention.blocksparse import blocksparse_tree_attention
+from ds_tree.attention.blocksparse import block_plan, blocksparse_tree_attention
 from ds_tree.attention.reference import tree_attention_reference
 from ds_tree.attention.registry import tree_attention
 from ds_tree.models.loading import load_model
@@ -73,16 +73,52 @@ def test_blocksparse_matches_reference(trajectories, data, dtype, heads, block):
     pad_block = data.draw(st.sampled_from([1, 8, 16]), "pad_block")
     batch = data.draw(st.integers(1, 2), "batch")
     head_dim = data.draw(st.sampled_from([8, 16]), "head_dim")
+    # small hub thresholds put shared runs on the hub path in most forests; the defaults in some
+    hub_min_keys = data.draw(st.sampled_from([1, 2, 5, 64]), "hub_min_keys")
+    hub_min_queries = data.draw(st.sampled_from([1, 3, 128]), "hub_min_queries")
     kv_end = _rows_kv_end(trajectories, budget, pad_block, batch)
     heads_q, heads_kv = heads
     seed = random.randrange(2**31)
     inputs, grad_out = _random_inputs(seed, kv_end.shape[0], heads_q, heads_kv, kv_end.shape[1], head_dim, dtype)
 
     expected = _run(tree_attention_reference, inputs, kv_end, grad_out)
-    actual = _run(lambda q, k, v, e: blocksparse_tree_attention(q, k, v, e, block=block), inputs, kv_end, grad_out)
+    actual = _run(
+        lambda q, k, v, e: blocksparse_tree_attention(
+            q, k, v, e, block=block, hub_min_keys=hub_min_keys, hub_min_queries=hub_min_queries
+        ),
+        inputs,
+        kv_end,
+        grad_out,
+    )
     for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == dtype
         _assert_close(name, a, e, TOLERANCES[dtype], seed)
+
+
+def test_hubs_take_shared_runs_out_of_the_blocks():
+    """A 100-token prompt under four 60-token branches: one hub, whose keys no later block gathers,
+    and the result still equals the reference."""
+    prompt, branch = 100, 60
+    n = prompt + 4 * branch
+    kv_end = np.full(n, n)
+    for i in range(4):
+        start = prompt + i * branch
+        kv_end[start : start + branch] = start + branch
+    plan = block_plan(kv_end, 16, hub_min_keys=64, hub_min_queries=128)
+    assert [(h.keys, h.query) for h in plan.hubs] == [(slice(0, 100), slice(112, n))]
+    for task in plan.tasks:
+        keys = np.arange(n)[task.keys]
+        if task.query.start >= 112:
+            assert keys.min() >= prompt
+        else:
+            assert keys.min() == 0
+    seed = random.randrange(2**31)
+    inputs, grad_out = _random_inputs(seed, 1, 4, 2, n, 8, torch.float64)
+    kv_end = torch.as_tensor(kv_end)[None]
+    expected = _run(tree_attention_reference, inputs, kv_end, grad_out)
+    actual = _run(lambda q, k, v, e: blocksparse_tree_attention(q, k, v, e, block=16), inputs, kv_end, grad_out)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected, strict=True):
+        _assert_close(name, a, e, TOLERANCES[torch.float64], seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -9,8 +9,18 @@ every pair is visible); a group's query heads are stacked along the sequence axi
 repeats k/v in memory. The autograd function saves only q, k, v, the output and the
 log-sum-exp, and the backward regathers each tile: saved memory is O(N), plus one tile at a time.
 
-The block plan depends only on ``kv_end``, which every layer of a forward shares: it is built once
-and cached by the bytes of ``kv_end``.
+Shared prefixes ("hubs") skip the gather. A run of tokens ``[a, b)`` with one common
+``kv_end = E`` is a chain (each token is the next one's parent), and every query in ``[b, E)``
+descends from all of it. When the run is long and has many such queries (a system prompt under a
+GRPO group, the task under its trials), its keys are left out of the query blocks that start at
+or after ``b`` (rounded up to a block) and attended instead by one unmasked flash call over all
+those queries at once, merged into the blocks' output by log-sum-exp. Backward runs the flash
+backward of that call with the merged output and log-sum-exp, which gives exactly the gradient
+share of those keys. A flat row has no hub (no token's subtree reaches past its own sequence), so
+flat mode runs the same per-block calls as without hubs.
+
+The plan depends only on ``kv_end``, which every layer of a forward shares: it is built once and
+cached by the bytes of ``kv_end``.
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ import numpy as np
 import torch
 
 DEFAULT_BLOCK = 128
+HUB_MIN_KEYS = 64
+"""A shared run shorter than this stays in the per-block gathers: a flash call has fixed costs."""
+HUB_MIN_QUERIES = 128
 
 
 @dataclass
@@ -35,24 +48,61 @@ class _BlockTask:
     """The mask as the flash kernel takes it, per (dtype, device, GQA group), built once."""
 
 
-_PLANS: OrderedDict[bytes, list[_BlockTask]] = OrderedDict()
+@dataclass
+class _Hub:
+    keys: slice
+    """A chain of tokens with one common ``kv_end``."""
+    query: slice
+    """The queries that attend to it in one unmasked call: all of them see every key."""
+
+
+@dataclass
+class RowPlan:
+    tasks: list[_BlockTask]
+    hubs: list[_Hub]
+
+
+_PLANS: OrderedDict[bytes, RowPlan] = OrderedDict()
 _PLAN_CACHE_SIZE = 16
 
 
-def block_plan(kv_end: np.ndarray, block: int) -> list[_BlockTask]:
-    """Visible keys and masks of every query block for one row's ``kv_end``.
+def find_hubs(kv_end: np.ndarray, block: int, min_keys: int, min_queries: int) -> list[_Hub]:
+    """Runs ``[a, b)`` of equal ``kv_end = E`` with at least ``min_keys`` tokens and at least
+    ``min_queries`` queries in ``[ceil(b / block) * block, E)``: those queries all see the run."""
+    n = kv_end.size
+    starts = np.flatnonzero(np.diff(kv_end, prepend=-1) != 0)
+    ends = np.append(starts[1:], n)
+    hubs = []
+    for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        end = int(kv_end[a])
+        first = -(-b // block) * block  # whole query blocks only: queries before it see the run causally
+        if b - a >= min_keys and end - first >= min_queries:
+            hubs.append(_Hub(keys=slice(a, b), query=slice(first, end)))
+    return hubs
+
+
+def block_plan(
+    kv_end: np.ndarray, block: int, hub_min_keys: int = HUB_MIN_KEYS, hub_min_queries: int = HUB_MIN_QUERIES
+) -> RowPlan:
+    """Hubs, then the visible keys and masks of every query block for one row's ``kv_end``.
 
     The keys gathered for a query block are exactly those visible to at least one of its queries
-    (``k < q1`` and ``kv_end[k] > q0``), at token granularity: ancestors' siblings that merely
-    share a block with an ancestor are left out (about 30% fewer computed scores than gathering
-    whole key blocks, on agentic trees with 128-token blocks).
+    (``k < q1`` and ``kv_end[k] > q0``), at token granularity, less the keys of hubs whose query
+    range holds the block: ancestors' siblings that merely share a block with an ancestor are
+    left out (about 30% fewer computed scores than gathering whole key blocks, on agentic trees
+    with 128-token blocks).
     """
     n = kv_end.size
     positions = np.arange(n)
+    hubs = find_hubs(kv_end, block, hub_min_keys, hub_min_queries)
     tasks = []
     for q0 in range(0, n, block):
         q1 = min(n, q0 + block)
-        keys = np.flatnonzero(kv_end[:q1] > q0)
+        visible = kv_end[:q1] > q0
+        for hub in hubs:
+            if hub.query.start <= q0 < hub.query.stop:
+                visible[hub.keys] = False  # the hub's call covers every query of this block that sees them
+        keys = np.flatnonzero(visible)  # never empty: q0 sees itself, and q0 >= any hub's run end
         queries = positions[q0:q1]
         mask = (keys[None, :] <= queries[:, None]) & (queries[:, None] < kv_end[keys][None, :])
         contiguous = keys[-1] - keys[0] + 1 == keys.size
@@ -63,15 +113,15 @@ def block_plan(kv_end: np.ndarray, block: int) -> list[_BlockTask]:
                 mask=None if mask.all() else mask,
             )
         )
-    return tasks
+    return RowPlan(tasks=tasks, hubs=hubs)
 
 
-def _cached_plan(kv_end: torch.Tensor, block: int) -> list[_BlockTask]:
+def _cached_plan(kv_end: torch.Tensor, block: int, hub_min_keys: int, hub_min_queries: int) -> RowPlan:
     values = kv_end.detach().to("cpu", torch.int64).numpy()
-    cache_key = values.tobytes() + block.to_bytes(4, "little")
+    cache_key = values.tobytes() + np.array([block, hub_min_keys, hub_min_queries], dtype=np.int64).tobytes()
     plan = _PLANS.get(cache_key)
     if plan is None:
-        plan = block_plan(values, block)
+        plan = block_plan(values, block, hub_min_keys, hub_min_queries)
         _PLANS[cache_key] = plan
         if len(_PLANS) > _PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
@@ -133,7 +183,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = torch.empty_like(query)
         lse = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
-        for task in plan:
+        for task in plan.tasks:
             block_out, block_lse = _flash_forward(
                 _grouped(query, heads_kv, task.query),
                 _tile(key, task.keys),
@@ -145,6 +195,22 @@ class _BlockSparseAttention(torch.autograd.Function):
             )
             out[:, :, task.query] = _ungrouped(block_out, heads_q)
             lse[:, :, task.query] = block_lse.reshape(1, heads_q, -1)
+        for hub in plan.hubs:
+            hub_out, hub_lse = _flash_forward(
+                _grouped(query, heads_kv, hub.query),
+                key[:, :, hub.keys],
+                value[:, :, hub.keys],
+                0.0,
+                False,
+                scale=scale,
+            )
+            hub_out, hub_lse = _ungrouped(hub_out, heads_q), hub_lse.reshape(1, heads_q, -1)
+            # softmax over the union of two disjoint key sets: rescale both partial outputs
+            old_lse = lse[:, :, hub.query]
+            new_lse = torch.logaddexp(old_lse, hub_lse)
+            hub_out.mul_(torch.exp(hub_lse - new_lse).unsqueeze(-1))
+            out[:, :, hub.query].mul_(torch.exp(old_lse - new_lse).unsqueeze(-1)).add_(hub_out)
+            old_lse.copy_(new_lse)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out
@@ -158,7 +224,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         grad_query = torch.empty_like(query)
         grad_key = torch.zeros_like(key)
         grad_value = torch.zeros_like(value)
-        for task in ctx.plan:
+        for task in ctx.plan.tasks:
             block_lse = lse[:, :, task.query].reshape(1, heads_kv, -1)
             d_query, d_key, d_value = _flash_backward(
                 _grouped(grad_out, heads_kv, task.query),
@@ -180,6 +246,23 @@ class _BlockSparseAttention(torch.autograd.Function):
                 index = torch.as_tensor(task.keys, device=key.device)
                 grad_key.index_add_(2, index, d_key)
                 grad_value.index_add_(2, index, d_value)
+        for hub in ctx.plan.hubs:
+            # with the merged output and log-sum-exp, the flash backward of the hub's keys alone
+            # yields their exact share of every gradient
+            d_query, d_key, d_value = _flash_backward(
+                _grouped(grad_out, heads_kv, hub.query),
+                _grouped(query, heads_kv, hub.query),
+                key[:, :, hub.keys],
+                value[:, :, hub.keys],
+                _grouped(out, heads_kv, hub.query),
+                lse[:, :, hub.query].reshape(1, heads_kv, -1),
+                0.0,
+                False,
+                scale=ctx.scale,
+            )
+            grad_query[:, :, hub.query] += _ungrouped(d_query, heads_q)
+            grad_key[:, :, hub.keys] += d_key
+            grad_value[:, :, hub.keys] += d_value
         return grad_query, grad_key, grad_value, None, None
 
 
@@ -190,6 +273,8 @@ def blocksparse_tree_attention(
     kv_end: torch.Tensor,
     scale: float | None = None,
     block: int = DEFAULT_BLOCK,
+    hub_min_keys: int = HUB_MIN_KEYS,
+    hub_min_queries: int = HUB_MIN_QUERIES,
 ) -> torch.Tensor:
     """Tree attention, ``[B, Hq, N, D]`` x ``[B, Hkv, N, D]`` -> ``[B, N, Hq, D]`` (see reference)."""
     batch, heads_q, n, head_dim = query.shape
@@ -199,7 +284,11 @@ def blocksparse_tree_attention(
         scale = head_dim**-0.5
     rows = [
         _BlockSparseAttention.apply(
-            query[b : b + 1], key[b : b + 1], value[b : b + 1], _cached_plan(kv_end[b], block), scale
+            query[b : b + 1],
+            key[b : b + 1],
+            value[b : b + 1],
+            _cached_plan(kv_end[b], block, hub_min_keys, hub_min_queries),
+            scale,
         )
         for b in range(batch)
     ]
