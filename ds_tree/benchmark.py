@@ -12,6 +12,7 @@ gain. Efficiency = measured speedup / ideal.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class ModeTimes:
     packed_tokens: list[int] = field(default_factory=list)
     visible_pairs: list[int] = field(default_factory=list)
     saved_bytes: list[int] = field(default_factory=list)
+    page_faults: list[int] = field(default_factory=list)
 
 
 class SavedTensorMeter:
@@ -63,6 +65,7 @@ class SavedTensorMeter:
 
 
 def step_once(model, optimizer, trajectories, mode, budget, block, normalisation, measure_memory) -> dict:
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started = time.perf_counter()
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = Normalisers.from_rows(rows)
@@ -89,6 +92,7 @@ def step_once(model, optimizer, trajectories, mode, budget, block, normalisation
         "packed_tokens": sum(row.n_tokens for row in rows),
         "visible_pairs": sum(part.visible_pairs for row in rows for part in row.parts),
         "saved_bytes": saved,
+        "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
     }
 
 
@@ -166,6 +170,8 @@ def run_benchmark(
             "flat_tokens_per_s": float(np.mean(flat_tokens)) / median,
             "unique_tokens_per_s": float(np.mean(tree_tokens)) / median,
             "peak_memory_bytes": max(record.saved_bytes) if record.saved_bytes else None,
+            # first touches of fresh memory: each costs microseconds, and allocator settings change them
+            "page_faults_per_step": statistics.median(record.page_faults),
         }
     report = {
         "steps": steps,

@@ -2,7 +2,7 @@
 """POR sweep on synthetic trees plus the real shared data sets: tree vs flat, plot and table.
 
     python tools/bench_sweep.py --out docs/bench [--model configs/models/bench_llama.json]
-        [--pors 0,0.25,0.5,0.7,0.85,0.95] [--steps 3] [--shared ../shared/data]
+        [--pors 0,0.25,0.5,0.7,0.85,0.95] [--steps 5] [--shared ../shared/data]
 
 Every point is one ``tools/bench.py`` run (its exact command is recorded with its result).
 Writes ``OUT/results.json``, ``OUT/speedup.png`` (measured speedup vs ideal, with y = x) and
@@ -31,8 +31,8 @@ SHARED = [
         "tau2-telecom/trials.jsonl",
         1,
         4,
-        ["--groups-per-step", "1", "--budget", "16384", "--warmup", "0"],
-    ),  # noqa: E501
+        ["--groups-per-step", "1", "--budget", "16384", "--warmup", "0", "--steps", "3"],
+    ),  # a flat step takes a minute: 3 steps, no warm-up
 ]
 
 
@@ -44,7 +44,7 @@ def run(command: list[str]) -> str:
 def bench(args, name: str, data: Path, options: list[str]) -> dict:
     out = args.out / f"{name}.json"
     command = ["python", "tools/bench.py", "--data", str(data), "--model", args.model, "--steps", str(args.steps)]
-    command += [*options, "--json", str(out)]
+    command += [*options, "--json", str(out)]  # a point's own --steps comes later and wins
     run([sys.executable, *command[1:]])
     report = json.loads(out.read_text())
     report["name"] = name
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="configs/models/bench_llama.json")
     parser.add_argument("--pors", default="0,0.25,0.5,0.7,0.85,0.95")
     parser.add_argument("--groups", type=int, default=4, help="synthetic groups per step")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per point (tau2: 3)")
     parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--skip-shared", action="store_true")
     parser.add_argument(
