@@ -46,27 +46,25 @@ class _BlockTask:
     """``[queries, keys]`` visibility, or None when every pair in the tile is visible."""
     additive: dict = field(default_factory=dict)
     """The mask as the flash kernel takes it, per (dtype, device, GQA group), built once."""
-
-
-@dataclass
-class _Hub:
-    keys: slice
-    """A chain of tokens with one common ``kv_end``."""
-    query: slice
-    """The queries that attend to it in one unmasked call: all of them see every key."""
+    merge: bool = False
+    """A hub: its queries already have a block result, which this call's is merged into by
+    log-sum-exp (and its dq added to), instead of written."""
 
 
 @dataclass
 class RowPlan:
     tasks: list[_BlockTask]
-    hubs: list[_Hub]
+    """Query blocks, which partition the row's queries."""
+    hubs: list[_BlockTask]
+    """Chains of tokens with one common ``kv_end``, attended by all their later descendants at once
+    (``keys`` the chain, ``query`` those descendants, no mask), run after the blocks."""
 
 
 _PLANS: OrderedDict[bytes, RowPlan] = OrderedDict()
 _PLAN_CACHE_SIZE = 16
 
 
-def find_hubs(kv_end: np.ndarray, block: int, min_keys: int, min_queries: int) -> list[_Hub]:
+def find_hubs(kv_end: np.ndarray, block: int, min_keys: int, min_queries: int) -> list[_BlockTask]:
     """Runs ``[a, b)`` of equal ``kv_end = E`` with at least ``min_keys`` tokens and at least
     ``min_queries`` queries in ``[ceil(b / block) * block, E)``: those queries all see the run."""
     n = kv_end.size
@@ -77,7 +75,7 @@ def find_hubs(kv_end: np.ndarray, block: int, min_keys: int, min_queries: int) -
         end = int(kv_end[a])
         first = -(-b // block) * block  # whole query blocks only: queries before it see the run causally
         if b - a >= min_keys and end - first >= min_queries:
-            hubs.append(_Hub(keys=slice(a, b), query=slice(first, end)))
+            hubs.append(_BlockTask(query=slice(first, end), keys=slice(a, b), mask=None, merge=True))
     return hubs
 
 
@@ -183,7 +181,7 @@ class _BlockSparseAttention(torch.autograd.Function):
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = torch.empty_like(query)
         lse = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
-        for task in plan.tasks:
+        for task in (*plan.tasks, *plan.hubs):
             block_out, block_lse = _flash_forward(
                 _grouped(query, heads_kv, task.query),
                 _tile(key, task.keys),
@@ -193,23 +191,16 @@ class _BlockSparseAttention(torch.autograd.Function):
                 attn_mask=_additive_mask(task, group, query),
                 scale=scale,
             )
-            out[:, :, task.query] = _ungrouped(block_out, heads_q)
-            lse[:, :, task.query] = block_lse.reshape(1, heads_q, -1)
-        for hub in plan.hubs:
-            hub_out, hub_lse = _flash_forward(
-                _grouped(query, heads_kv, hub.query),
-                key[:, :, hub.keys],
-                value[:, :, hub.keys],
-                0.0,
-                False,
-                scale=scale,
-            )
-            hub_out, hub_lse = _ungrouped(hub_out, heads_q), hub_lse.reshape(1, heads_q, -1)
+            block_out, block_lse = _ungrouped(block_out, heads_q), block_lse.reshape(1, heads_q, -1)
+            if not task.merge:
+                out[:, :, task.query] = block_out
+                lse[:, :, task.query] = block_lse
+                continue
             # softmax over the union of two disjoint key sets: rescale both partial outputs
-            old_lse = lse[:, :, hub.query]
-            new_lse = torch.logaddexp(old_lse, hub_lse)
-            hub_out.mul_(torch.exp(hub_lse - new_lse).unsqueeze(-1))
-            out[:, :, hub.query].mul_(torch.exp(old_lse - new_lse).unsqueeze(-1)).add_(hub_out)
+            old_lse = lse[:, :, task.query]
+            new_lse = torch.logaddexp(old_lse, block_lse)
+            block_out.mul_(torch.exp(block_lse - new_lse).unsqueeze(-1))
+            out[:, :, task.query].mul_(torch.exp(old_lse - new_lse).unsqueeze(-1)).add_(block_out)
             old_lse.copy_(new_lse)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.plan, ctx.scale = plan, scale
@@ -224,7 +215,9 @@ class _BlockSparseAttention(torch.autograd.Function):
         grad_query = torch.empty_like(query)
         grad_key = torch.zeros_like(key)
         grad_value = torch.zeros_like(value)
-        for task in ctx.plan.tasks:
+        # A hub's flash backward with the merged output and log-sum-exp yields exactly its keys'
+        # share of every gradient.
+        for task in (*ctx.plan.tasks, *ctx.plan.hubs):
             block_lse = lse[:, :, task.query].reshape(1, heads_kv, -1)
             d_query, d_key, d_value = _flash_backward(
                 _grouped(grad_out, heads_kv, task.query),
@@ -238,7 +231,10 @@ class _BlockSparseAttention(torch.autograd.Function):
                 attn_mask=_additive_mask(task, group, query),
                 scale=ctx.scale,
             )
-            grad_query[:, :, task.query] = _ungrouped(d_query, heads_q)
+            if task.merge:
+                grad_query[:, :, task.query] += _ungrouped(d_query, heads_q)
+            else:
+                grad_query[:, :, task.query] = _ungrouped(d_query, heads_q)
             if isinstance(task.keys, slice):
                 grad_key[:, :, task.keys] += d_key
                 grad_value[:, :, task.keys] += d_value
@@ -246,23 +242,6 @@ class _BlockSparseAttention(torch.autograd.Function):
                 index = torch.as_tensor(task.keys, device=key.device)
                 grad_key.index_add_(2, index, d_key)
                 grad_value.index_add_(2, index, d_value)
-        for hub in ctx.plan.hubs:
-            # with the merged output and log-sum-exp, the flash backward of the hub's keys alone
-            # yields their exact share of every gradient
-            d_query, d_key, d_value = _flash_backward(
-                _grouped(grad_out, heads_kv, hub.query),
-                _grouped(query, heads_kv, hub.query),
-                key[:, :, hub.keys],
-                value[:, :, hub.keys],
-                _grouped(out, heads_kv, hub.query),
-                lse[:, :, hub.query].reshape(1, heads_kv, -1),
-                0.0,
-                False,
-                scale=ctx.scale,
-            )
-            grad_query[:, :, hub.query] += _ungrouped(d_query, heads_q)
-            grad_key[:, :, hub.keys] += d_key
-            grad_value[:, :, hub.keys] += d_value
         return grad_query, grad_key, grad_value, None, None
 
 
