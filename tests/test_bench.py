@@ -1,0 +1,70 @@
+"""tools/bench.py and tools/bench_attention.py on a small synthetic set: the report's contract.
+
+Timings are not asserted (they are machine-dependent); the token counts the ratios are built on
+are, against packing done here.
+"""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+from ds_tree.data.synthetic import SyntheticConfig, generate
+from ds_tree.packing.modes import pack_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+bench_main = runpy.run_path(str(ROOT / "tools" / "bench.py"))["main"]
+attention_main = runpy.run_path(str(ROOT / "tools" / "bench_attention.py"))["main"]
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    trajectories = list(generate(SyntheticConfig(groups=2, por=0.7, max_tokens=128, vocab_size=1024)))
+    path = tmp_path_factory.mktemp("bench") / "tokens.jsonl"
+    lines = [
+        {"group_id": t.group_id, "input_ids": t.input_ids.tolist(), "loss_mask": t.loss_mask.astype(int).tolist()}
+        for t in trajectories
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path, trajectories
+
+
+def packed_tokens(trajectories, mode, budget):
+    return sum(row.n_tokens for row in pack_trajectories(trajectories, mode, budget, 1))
+
+
+def test_bench_report(synthetic, tmp_path):
+    path, trajectories = synthetic
+    out = tmp_path / "bench.json"
+    argv = ["--data", str(path), "--model", "configs/models/tiny_llama.json", "--steps", "1", "--warmup", "0"]
+    assert bench_main([*argv, "--budget", "512", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    flat, tree = packed_tokens(trajectories, "flat", 512), packed_tokens(trajectories, "tree", 512)
+    assert report["ideal_speedup"] == pytest.approx(flat / tree)
+    modes = report["modes"]
+    assert report["speedup"] == pytest.approx(modes["flat"]["step_time_s"] / modes["tree"]["step_time_s"])
+    assert report["efficiency"] == pytest.approx(report["speedup"] / report["ideal_speedup"])
+    for mode in ("flat", "tree"):
+        assert report["modes"][mode]["step_time_s"] > 0
+        assert report["modes"][mode]["peak_memory_bytes"] > 0
+        assert report["modes"][mode]["page_faults_per_step"] >= 0
+
+
+@pytest.mark.parametrize("hub_min_keys", [1, 10**9])  # hubs everywhere a chain has descendants; none
+def test_bench_attention_report(synthetic, tmp_path, hub_min_keys):
+    path, trajectories = synthetic
+    out = tmp_path / "attention.json"
+    argv = ["--data", str(path), "--budget", "512", "--repeats", "2", "--heads", "2", "--head-dim", "8"]
+    argv += ["--hub-min-keys", str(hub_min_keys), "--hub-min-queries", "1", "--json", str(out)]
+    assert attention_main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["hub_min_keys"] == hub_min_keys
+    for mode in ("flat", "tree"):
+        assert report["modes"][mode]["tokens"] == packed_tokens(trajectories, mode, 512)
+        assert report["modes"][mode]["min_ms"] > 0
+
+
+def test_bench_attention_needs_two_repeats(synthetic):
+    with pytest.raises(SystemExit):
+        attention_main(["--data", str(synthetic[0]), "--repeats", "1"])
