@@ -63,6 +63,7 @@ def test_bench_attention_report(synthetic, tmp_path, hub_min_keys):
     for mode in ("flat", "tree"):
         assert report["modes"][mode]["tokens"] == packed_tokens(trajectories, mode, 512)
         assert report["modes"][mode]["min_ms"] > 0
+        assert 0 < report["modes"][mode]["visible_pairs"] <= report["modes"][mode]["computed_scores"]
 
 
 def test_bench_attention_needs_two_repeats(synthetic):

@@ -8,8 +8,9 @@ PATH is what ``tools/bench.py`` takes. The first step's groups are packed in bot
 training step would pack them); every row gets random q/k/v (``--heads`` x ``--head-dim``, float32)
 and one forward + backward of ``blocksparse_tree_attention`` is timed per row: one attention
 layer's work for the whole step. Both modes alternate within each repeat; the report gives the
-minimum and the median (first repeat left out as warm-up) in milliseconds. ``--hub-min-keys``
-larger than any row turns hubs off.
+minimum and the median (first repeat left out as warm-up) in milliseconds, and per mode the
+visible (query, key) pairs and the scores the plan computes (masked-out ones included).
+``--hub-min-keys`` larger than any row turns hubs off.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ds_tree.attention.blocksparse import (  # noqa: E402
     DEFAULT_BLOCK,
     HUB_MIN_KEYS,
     HUB_MIN_QUERIES,
+    block_plan,
     blocksparse_tree_attention,
 )
 from ds_tree.data import load_trajectories  # noqa: E402
@@ -80,6 +83,16 @@ def main(argv: list[str] | None = None) -> int:
             q, k, v, kv_end, block=args.block, hub_min_keys=args.hub_min_keys, hub_min_queries=args.hub_min_queries
         )
 
+    def scores(kv_end):
+        """Visible pairs, and scores the engine's plan computes (a task's queries x its keys)."""
+        kv_end = kv_end[0].numpy()
+        plan = block_plan(kv_end, args.block, args.hub_min_keys, args.hub_min_queries)
+        computed = 0
+        for task in (*plan.tasks, *plan.hubs):
+            keys = task.keys.stop - task.keys.start if isinstance(task.keys, slice) else task.keys.size
+            computed += (task.query.stop - task.query.start) * keys
+        return int((kv_end - np.arange(kv_end.size)).sum()), computed
+
     times = {mode: [] for mode in inputs}
     for _ in range(args.repeats):
         for mode, rows in inputs.items():
@@ -102,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens": sum(kv_end.shape[1] for kv_end, _, _ in inputs[mode]),
                 "min_ms": min(ms),
                 "median_ms": statistics.median(ms[1:]),
+                "visible_pairs": sum(scores(kv_end)[0] for kv_end, _, _ in inputs[mode]),
+                "computed_scores": sum(scores(kv_end)[1] for kv_end, _, _ in inputs[mode]),
             }
             for mode, ms in times.items()
         },
