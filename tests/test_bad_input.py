@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from ds_tree.data import load_trajectories
-from ds_tree.trees.trajectory import DataError, Trajectory
+from ds_tree.errors import DataError
+from ds_tree.trees.trajectory import Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import verify  # noqa: E402

@@ -5,8 +5,8 @@ import copy
 import numpy as np
 import pytest
 
-from ds_tree.data.chat import RecordError, render_chat
-from ds_tree.trees.trajectory import DataError
+from ds_tree.data.chat import render_chat
+from ds_tree.errors import DataError, RecordError
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}
 MESSAGES = [

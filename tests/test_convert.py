@@ -18,7 +18,8 @@ from ds_tree.data.chat import render_chat
 from ds_tree.data.synthetic import SyntheticConfig, generate
 from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tree_dataset import META_FILE, load_tree_dataset, save_tree_dataset
-from ds_tree.trees import DataError, Trajectory
+from ds_tree.errors import DataError
+from ds_tree.trees import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 convert_main = runpy.run_path(str(ROOT / "tools" / "convert.py"))["main"]

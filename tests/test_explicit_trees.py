@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from ds_tree.trees import DataError, build_forest
+from ds_tree.errors import DataError
+from ds_tree.trees import build_forest
 from ds_tree.trees.explicit import trajectories_from_explicit_tree
 
 WHERE = "trees.jsonl:3"

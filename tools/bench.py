@@ -23,7 +23,7 @@ from tqdm import tqdm  # noqa: E402
 
 from ds_tree.benchmark import run_benchmark  # noqa: E402
 from ds_tree.data import load_trajectories  # noqa: E402
-from ds_tree.trees import DataError  # noqa: E402
+from ds_tree.errors import DataError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,8 @@ from ds_tree.attention.blocksparse import (  # noqa: E402
 )
 from ds_tree.data import load_trajectories  # noqa: E402
 from ds_tree.data.sampler import StepSampler, group_trajectories  # noqa: E402
+from ds_tree.errors import DataError  # noqa: E402
 from ds_tree.packing.modes import pack_trajectories  # noqa: E402
-from ds_tree.trees import DataError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

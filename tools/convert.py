@@ -33,8 +33,9 @@ from ds_tree.data.jsonl import read_jsonl  # noqa: E402
 from ds_tree.data.tokenizer import tokenizer_identity  # noqa: E402
 from ds_tree.data.tokens import trajectory_from_record  # noqa: E402
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset  # noqa: E402
+from ds_tree.errors import DataError, RecordError  # noqa: E402
 from ds_tree.trees.explicit import trajectories_from_explicit_tree  # noqa: E402
-from ds_tree.trees.trajectory import DataError, RecordError, Trajectory, check_vocab  # noqa: E402
+from ds_tree.trees.trajectory import Trajectory, check_vocab  # noqa: E402
 
 GLOBAL_GROUP = "all"
 """The group id every trajectory gets with --merge global."""

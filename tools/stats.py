@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from ds_tree.data import load_trajectories  # noqa: E402
-from ds_tree.trees import DataError, TokenTree, build_forest  # noqa: E402
+from ds_tree.errors import DataError  # noqa: E402
+from ds_tree.trees import TokenTree, build_forest  # noqa: E402
 
 
 def _summary(values: np.ndarray) -> dict:

@@ -18,8 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ds_tree.data import load_trajectories  # noqa: E402
+from ds_tree.errors import DataError  # noqa: E402
 from ds_tree.losses import NORMALISATIONS, POLICIES  # noqa: E402
-from ds_tree.trees import DataError  # noqa: E402
 from ds_tree.verification import compare  # noqa: E402
 
 

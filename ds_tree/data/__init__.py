@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ds_tree.trees.trajectory import DataError, Trajectory
+from ds_tree.errors import DataError
+from ds_tree.trees.trajectory import Trajectory
 
 
 def load_trajectories(path: str | Path) -> list[Trajectory]:

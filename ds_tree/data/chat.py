@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds_tree.trees.trajectory import RecordError
+from ds_tree.errors import RecordError
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "last_assistant", "all")

@@ -7,7 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from ds_tree.trees.trajectory import DataError, RecordError
+from ds_tree.errors import DataError, RecordError
 
 
 def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str, dict | RecordError]]:

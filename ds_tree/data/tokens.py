@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from ds_tree.data.jsonl import read_jsonl
-from ds_tree.trees.trajectory import DataError, Trajectory
+from ds_tree.errors import DataError
+from ds_tree.trees.trajectory import Trajectory
 
 IGNORE_INDEX = -100
 

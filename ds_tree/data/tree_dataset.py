@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ds_tree.trees.trajectory import DataError, Trajectory
+from ds_tree.errors import DataError
+from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 
 FORMAT_VERSION = 1

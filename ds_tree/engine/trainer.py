@@ -34,13 +34,14 @@ from ds_tree.engine import checkpoint
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
 from ds_tree.engine.step import StepOutput, run_rows
+from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import make_parts
 from ds_tree.packing.rows import PackedRow
-from ds_tree.trees.trajectory import DataError, check_vocab
+from ds_tree.trees.trajectory import check_vocab
 from ds_tree.trees.trie import build_forest
 
 

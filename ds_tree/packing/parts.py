@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ds_tree.trees.trajectory import DataError
+from ds_tree.errors import DataError
 from ds_tree.trees.trie import TokenTree
 
 

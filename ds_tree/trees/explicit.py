@@ -23,7 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ds_tree.trees.trajectory import DataError, Trajectory
+from ds_tree.errors import DataError
+from ds_tree.trees.trajectory import Trajectory
 
 TokenizeMessages = Callable[[list[dict]], tuple[np.ndarray, np.ndarray]]
 """messages -> (input_ids, loss_mask) of their rendering (see :mod:`ds_tree.data.chat`)."""

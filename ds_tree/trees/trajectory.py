@@ -6,18 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """Bad input data. The message names where it came from (file:line, group, field)."""
-
-
-class RecordError(DataError):
-    """One input record that cannot be used; ``reason`` is the short key that
-    ``tools/convert.py --skip-bad`` counts skipped lines by."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+from ds_tree.errors import DataError
 
 
 @dataclass

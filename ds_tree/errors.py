@@ -1,0 +1,16 @@
+"""The exception types for bad input data."""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """Bad input data. The message names where it came from (file:line, group, field)."""
+
+
+class RecordError(DataError):
+    """One input record that cannot be used; ``reason`` is the short key that
+    ``tools/convert.py --skip-bad`` counts skipped lines by."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
