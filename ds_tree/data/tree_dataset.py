@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from ds_tree.errors import DataError
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.trees.trie import build_forest
+from ds_tree.trees.stats import token_counts
 
 FORMAT_VERSION = 1
 META_FILE = "ds_tree_meta.json"
@@ -50,12 +50,12 @@ def _features(mask_dtype: str):
 
 def dataset_counts(trajectories: list[Trajectory]) -> dict:
     """Group, trajectory and token counts of what a dataset holds (trees merged by group)."""
-    trees = build_forest(trajectories, merge="group")
+    counts = token_counts(trajectories, merge="group")
     return {
         "groups": len({t.group_id for t in trajectories}),
         "trajectories": len(trajectories),
-        "flat_tokens": sum(tree.flat_tokens for tree in trees),
-        "tree_tokens": sum(tree.n_tokens for tree in trees),
+        "flat_tokens": counts.flat_tokens,
+        "tree_tokens": counts.tree_tokens,
     }
 
 

@@ -41,6 +41,7 @@ from ds_tree.models.loading import load_model
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import make_parts
 from ds_tree.packing.rows import PackedRow
+from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import check_vocab
 from ds_tree.trees.trie import build_forest
 
@@ -190,10 +191,9 @@ class Trainer:
             config.packing.cost_per_pair,
             pad_id=self.model_config.pad_token_id or 0,
         )
-        flat_tokens = sum(len(t) for t in trajectories)
-        tree_tokens = sum(tree.n_tokens for tree in trees)
+        counts = token_counts(trees)
         packed = sum(row.n_tokens for rows in shares for row in rows if row.n_real)
-        return StepPlan(shares[rank], flat_tokens, tree_tokens, packed)
+        return StepPlan(shares[rank], counts.flat_tokens, counts.tree_tokens, packed)
 
     def global_normalisers(self, rows: list[PackedRow]) -> Normalisers:
         values = Normalisers.from_rows(rows).as_tensor()
