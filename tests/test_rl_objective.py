@@ -1,0 +1,273 @@
+"""The RL objective on tree tokens equals the flat objective written out per trajectory.
+
+A forest of random trajectories becomes tries (whole, or split into parts that carry their
+ancestor path); every tree token gets random log-probs (current, old, reference, sampler) and an
+entropy, spread so that ratios leave the clip range on both sides and pass the dual clip. The tree
+side folds trajectories into per-token sums (:func:`token_sums`) per part and adds the parts'
+losses; the flat side loops over trajectories, gathers each one's per-token values through its
+path and applies the textbook PPO formulas. Loss, metrics and the gradient with respect to every
+tree token's log-prob and entropy must agree to 1e-12 relative in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds_tree.losses.advantages import ESTIMATORS
+from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
+from ds_tree.packing.parts import split_tree, whole_tree
+from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.trie import build_forest
+from tests.strategies import flat_coefficients, forests, longest
+
+RTOL = 1e-12
+SETTINGS = settings(max_examples=12, deadline=None)
+CLIPS = [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 2.5), (0.1, 0.3, 1.5)]
+"""(eps_low, eps_high, dual_clip): symmetric, DAPO's clip-higher, and both with dual clip."""
+TRUNCATION = 1.3
+KL_COEF, ENTROPY_COEF, CONSTANT = 0.07, 0.013, 50.0
+
+
+# ------------------------------------------------------------------------- the problem
+
+
+def _prepare(trajectories: list[Trajectory], rng: np.random.Generator, estimator: str, aggregation: str):
+    """Rewards, given advantages, the forest and per-trajectory (path, mask, coefficient, advantage, sampler)."""
+    for trajectory in trajectories:
+        trajectory.reward = float(rng.choice([0.0, 0.5, 1.0, 1.0]))  # repeats: equal-reward groups occur
+        trajectory.advantages = rng.normal(size=len(trajectory))  # read by the "given" estimator
+    advantages = ESTIMATORS[estimator](trajectories, normalise=estimator in ("grpo", "treepo"))
+    advantage_of = {id(t): a for t, a in zip(trajectories, advantages.values, strict=True)}
+    trained = [t.loss_mask[1:].sum() for t in trajectories]
+    normalisers = {"total_tokens": sum(trained), "sequences": sum(s > 0 for s in trained), "constant": CONSTANT}
+    trees = build_forest(trajectories)
+    offsets = np.cumsum([0] + [tree.n_tokens for tree in trees])
+    items = []
+    for tree, offset in zip(trees, offsets, strict=False):
+        for trajectory, path in zip(tree.trajectories, tree.paths, strict=True):
+            mask = np.concatenate([[0.0], trajectory.loss_mask[1:]])
+            coefficient = trajectory_coefficients(trajectory.loss_mask, aggregation, **normalisers)
+            items.append((offset + path, mask, coefficient, advantage_of[id(trajectory)], None))
+    return trees, offsets, items
+
+
+def _values(n_tokens: int, items: list, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per forest token: logp, old, ref, entropy; per trajectory: sampler log-probs (differ by trajectory)."""
+    logp = -rng.uniform(0.05, 3.0, n_tokens)
+    old = logp + rng.uniform(-1.5, 1.5, n_tokens)  # r from 0.22 to 4.5: both clip sides and the dual clip
+    values = {
+        "logp": logp,
+        "old": old,
+        "ref": logp + rng.normal(0, 0.5, n_tokens),
+        "entropy": rng.uniform(0.1, 3, n_tokens),
+    }
+    for k, (path, *rest) in enumerate(items):
+        items[k] = (path, *rest[:3], old[path] + rng.normal(0, 0.4, path.size))
+    return values
+
+
+def _parts(trees, offsets, budget):
+    """Per part: forest index of each of its tokens, and which tokens it owns (the first copy)."""
+    out = []
+    for tree, offset in zip(trees, offsets, strict=False):
+        seen = np.zeros(tree.n_tokens, dtype=bool)
+        for part in split_tree(tree, budget) if budget else [whole_tree(tree)]:
+            out.append((offset + part.token_index, ~seen[part.token_index]))
+            seen[part.token_index] = True
+    return out
+
+
+# ------------------------------------------------------------------------- the two sides
+
+
+def _tree_side(parts, items, tensors, clip, kl_estimator, importance):
+    """Sum over parts (each its own packed row) of the tree loss, and the summed metrics."""
+    eps_low, eps_high, dual_clip = clip
+    total, metrics = 0.0, {}
+    for source, owned in parts:
+        to_row = np.full(tensors["logp"].numel(), -1)
+        to_row[source] = np.arange(source.size)
+        copies = [(to_row[path], *rest) for path, *rest in items if np.any(to_row[path] >= 0)]
+        old = tensors["old"].detach().numpy()[source]
+        sums = token_sums(
+            source.size,
+            [c[0] for c in copies],
+            [c[1] for c in copies],
+            [c[2] for c in copies],
+            [c[3] for c in copies],
+            owned,
+            logp_old=old if importance else None,
+            sampler_logprobs=[c[4] for c in copies] if importance else None,
+            truncation=TRUNCATION if importance else None,
+        )
+        targets = sums.active()
+        at = source[targets]
+        loss, part_metrics = ppo_tree_loss(
+            tensors["logp"][at],
+            old[targets],
+            sums.take(targets),
+            eps_low=eps_low,
+            eps_high=eps_high,
+            dual_clip=dual_clip,
+            logp_ref=tensors["ref"][at],
+            kl_coef=KL_COEF,
+            kl_estimator=kl_estimator,
+            entropy=tensors["entropy"][at],
+            entropy_coef=ENTROPY_COEF,
+        )
+        total = total + loss
+        for name, value in part_metrics.items():
+            combine = max if name == "ratio_max" else (lambda a, b: a + b)
+            metrics[name] = combine(metrics.get(name, 0.0), value)
+    return total, metrics
+
+
+def _flat_side(items, tensors, clip, kl_estimator, importance):
+    """The flat objective, the sum of its terms' magnitudes (the round-off scale) and the metrics:
+    a loop over trajectories with the textbook formulas."""
+    eps_low, eps_high, dual_clip = clip
+    total = torch.zeros((), dtype=torch.float64)
+    magnitude = 0.0
+    metrics = dict.fromkeys(("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "ratio_max"), 0.0)
+    metrics |= dict.fromkeys(("approx_kl", "kl_ref", "entropy"), 0.0)
+    for path, mask, coefficient, advantage, sampler in items:
+        t = path[1:]
+        logp, old, ref, entropy = (tensors[name][t] for name in ("logp", "old", "ref", "entropy"))
+        m, c, a = (torch.as_tensor(x[1:]) for x in (mask, coefficient, advantage))
+        ratio = torch.exp(logp - old)
+        weighted = a * torch.clamp(torch.exp(old - torch.as_tensor(sampler[1:])), max=TRUNCATION) if importance else a
+        surrogate = torch.minimum(ratio * weighted, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * weighted)
+        if dual_clip is not None:
+            surrogate = torch.where(a < 0, torch.maximum(surrogate, dual_clip * weighted), surrogate)
+        if kl_estimator == "k1":
+            kl = logp - ref
+        elif kl_estimator == "k2":
+            kl = 0.5 * (logp - ref) ** 2
+        else:
+            kl = torch.exp(ref - logp) - 1 - (ref - logp)
+        terms = c * (-surrogate + KL_COEF * kl - ENTROPY_COEF * entropy)
+        total = total + terms.sum()
+        with torch.no_grad():
+            magnitude += float(terms.abs().sum())
+            metrics["tokens"] += float(m.sum())
+            metrics["clip_low"] += float((m * ((ratio < 1 - eps_low) & (a < 0))).sum())
+            metrics["clip_high"] += float((m * ((ratio > 1 + eps_high) & (a > 0))).sum())
+            if dual_clip is not None:
+                metrics["clip_dual"] += float((m * ((ratio > dual_clip) & (a < 0))).sum())
+            metrics["ratio_sum"] += float((m * ratio).sum())
+            if torch.any(m != 0):
+                metrics["ratio_max"] = max(metrics["ratio_max"], float(ratio[m != 0].max()))
+            metrics["approx_kl"] += float((m * (ratio - 1 - torch.log(ratio))).sum())
+            metrics["kl_ref"] += float((m * kl).sum())
+            metrics["entropy"] += float((m * entropy).sum())
+    return total, magnitude, metrics
+
+
+def _check(trajectories, seed, estimator, aggregation, budget, importance):
+    """Tree and flat sides agree for every clip setting and KL estimator; returns what was built."""
+    rng = np.random.default_rng(seed)
+    trees, offsets, items = _prepare(trajectories, rng, estimator, aggregation)
+    values = _values(int(offsets[-1]), items, rng)
+    parts = _parts(trees, offsets, budget)
+    for clip in CLIPS:
+        for kl_estimator in KL_ESTIMATORS:
+            tree_tensors, flat_tensors = (
+                {name: torch.tensor(v, requires_grad=name in ("logp", "entropy")) for name, v in values.items()}
+                for _ in range(2)
+            )
+            tree_loss, tree_metrics = _tree_side(parts, items, tree_tensors, clip, kl_estimator, importance)
+            flat_loss, magnitude, flat_metrics = _flat_side(items, flat_tensors, clip, kl_estimator, importance)
+            assert abs(tree_loss.item() - flat_loss.item()) <= RTOL * magnitude, (clip, kl_estimator)
+            for name in ("logp", "entropy"):
+                (tree_grad,), (flat_grad,) = (
+                    torch.autograd.grad(loss, t[name], retain_graph=True)
+                    for loss, t in ((tree_loss, tree_tensors), (flat_loss, flat_tensors))
+                )
+                np.testing.assert_allclose(tree_grad, flat_grad, rtol=RTOL, atol=RTOL * float(flat_grad.abs().max()))
+            assert tree_metrics.keys() == flat_metrics.keys()
+            for name, value in flat_metrics.items():
+                assert tree_metrics[name] == pytest.approx(value, rel=RTOL, abs=RTOL * flat_metrics["tokens"]), name
+    return trees, parts, values, items
+
+
+# ------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@SETTINGS
+@given(trajectories=forests(), seed=st.integers(0, 2**32 - 1), split=st.booleans(), importance=st.booleans())
+def test_tree_objective_equals_flat(trajectories, seed, split, importance, estimator, aggregation):
+    budget = longest(trajectories) if split else None
+    _check(trajectories, seed, estimator, aggregation, budget, importance)
+
+
+def _fixed_forest(rng: np.random.Generator) -> list[Trajectory]:
+    """3 groups: a prompt (untrained), 3 trained branches shared by several trials, distinct tails, a duplicate."""
+    trajectories = []
+    for group in range(3):
+        prompt = rng.integers(3, 50, 6)
+        branches = [rng.integers(3, 50, rng.integers(2, 6)) for _ in range(3)]
+        for k in range(7):
+            ids = np.concatenate([prompt, branches[k % 3], rng.integers(3, 50, rng.integers(1, 8))])
+            mask = np.concatenate([np.zeros(prompt.size), np.ones(ids.size - prompt.size)])
+            trajectories.append(Trajectory(ids, mask, group_id=f"g{group}", source=f"g{group}/t{k}"))
+        last = trajectories[-1]
+        trajectories.append(Trajectory(last.input_ids, last.loss_mask, group_id=last.group_id, source=f"g{group}/dup"))
+    return trajectories
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_fixed_forest_exercises_every_regime(estimator):
+    """A forest where every branch of the objective is taken: the equality above is not vacuous there."""
+    trajectories = _fixed_forest(np.random.default_rng(7))
+    for aggregation in AGGREGATIONS:
+        trees, parts, values, items = _check(trajectories, 11, estimator, aggregation, 20, importance=True)
+    assert any(not owned.all() for _, owned in parts), "no duplicated prefix token"
+    trained = np.unique(np.concatenate([path[1:][mask[1:] > 0] for path, mask, *_ in items]))
+    ratio = np.exp(values["logp"] - values["old"])[trained]
+    assert (ratio < 1 - 0.2).any() and (ratio > 1 + 0.3).any() and (ratio > 2.5).any(), "a clip regime is missing"
+    weights = np.concatenate([np.exp(values["old"][path[1:]] - sampler[1:]) for path, *_, sampler in items])
+    assert (weights > TRUNCATION).any() and (weights < TRUNCATION).any(), "truncation never (or always) active"
+    n = int(sum(tree.n_tokens for tree in trees))
+    sums = token_sums(n, *zip(*[item[:4] for item in items], strict=True), np.ones(n, dtype=bool))
+    assert ((sums.positive > 0) & (sums.negative < 0)).any(), "no token shared by advantages of both signs"
+
+
+def test_coefficients_match_the_flat_normalisations():
+    trajectories = _fixed_forest(np.random.default_rng(3))
+    trajectories[0].loss_mask[:] = 0.0  # a sequence without trained tokens is not counted
+    trained = [t.loss_mask[1:].sum() for t in trajectories]
+    normalisers = {"total_tokens": sum(trained), "sequences": sum(s > 0 for s in trained), "constant": CONSTANT}
+    expected = {
+        "token_mean": flat_coefficients(trajectories, "token_mean"),
+        "seq_mean_token_mean": flat_coefficients(trajectories, "sequence_mean"),
+        "seq_mean_token_sum": [c / normalisers["sequences"] for c in flat_coefficients(trajectories, "sum")],
+        "token_sum_norm": [c / CONSTANT for c in flat_coefficients(trajectories, "sum")],
+    }
+    for aggregation, coefficients in expected.items():
+        for trajectory, c in zip(trajectories, coefficients, strict=True):
+            np.testing.assert_allclose(trajectory_coefficients(trajectory.loss_mask, aggregation, **normalisers), c)
+    with pytest.raises(ValueError, match="constant"):
+        trajectory_coefficients(trajectories[1].loss_mask, "token_sum_norm", total_tokens=1.0, sequences=1.0)
+    with pytest.raises(ValueError, match="aggregation"):
+        trajectory_coefficients(trajectories[1].loss_mask, "mean", total_tokens=1.0, sequences=1.0)
+
+
+def test_argument_checks():
+    logp = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    sums = token_sums(2, [np.array([0, 1])], [np.ones(2)], [np.ones(2)], [np.ones(2)], np.ones(2, dtype=bool))
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo_tree_loss(logp, np.zeros(2), sums, dual_clip=1.0)
+    with pytest.raises(ValueError, match="logp_ref"):
+        ppo_tree_loss(logp, np.zeros(2), sums, kl_coef=0.1)
+    with pytest.raises(ValueError, match="entropy"):
+        ppo_tree_loss(logp, np.zeros(2), sums, entropy_coef=0.1)
+    with pytest.raises(ValueError, match="importance weights"):
+        token_sums(
+            2, [np.array([0, 1])], [np.ones(2)], [np.ones(2)], [np.ones(2)], np.ones(2, dtype=bool), truncation=2.0
+        )
