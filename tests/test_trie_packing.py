@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from ds_tree.attention.reference import visibility_mask
 from ds_tree.errors import DataError
+from ds_tree.packing.bins import first_fit_decreasing
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.parts import split_tree, whole_tree
-from ds_tree.packing.rows import assemble_row, first_fit_decreasing
+from ds_tree.packing.rows import assemble_row
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from tests.strategies import distinct_prefixes, forests, longest, prefix_key

@@ -26,8 +26,8 @@ import numpy as np
 import pyarrow as pa
 
 from ds_tree.errors import DataError
-from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.stats import token_counts
+from ds_tree.trees.trajectory import Trajectory, group_trajectories
 
 FORMAT_VERSION = 1
 META_FILE = "ds_tree_meta.json"
@@ -86,15 +86,13 @@ def save_tree_dataset(
     masks_fit_float32 = all(np.array_equal(t.loss_mask.astype(np.float32), t.loss_mask) for t in trajectories)
     mask_dtype = "float32" if masks_fit_float32 else "float64"
 
-    groups: dict[str, list[Trajectory]] = {}
-    for trajectory in trajectories:  # groups in order of first appearance
-        groups.setdefault(trajectory.group_id, []).append(trajectory)
+    groups = group_trajectories(trajectories)
     columns = {
-        "group_id": list(groups),
-        "input_ids": [[t.input_ids.astype(np.int32) for t in members] for members in groups.values()],
-        "loss_mask": [[t.loss_mask.astype(mask_dtype) for t in members] for members in groups.values()],
-        "reward": [[t.reward for t in members] for members in groups.values()],
-        "trial": [[-1 if t.trial is None else t.trial for t in members] for members in groups.values()],
+        "group_id": [members[0].group_id for members in groups],
+        "input_ids": [[t.input_ids.astype(np.int32) for t in members] for members in groups],
+        "loss_mask": [[t.loss_mask.astype(mask_dtype) for t in members] for members in groups],
+        "reward": [[t.reward for t in members] for members in groups],
+        "trial": [[-1 if t.trial is None else t.trial for t in members] for members in groups],
     }
     full_meta = {
         "format_version": FORMAT_VERSION,
@@ -129,7 +127,10 @@ def read_meta(dataset_dir: str | Path) -> dict:
     path = Path(dataset_dir) / META_FILE
     if not path.is_file():
         raise DataError(f"{dataset_dir}: not a tree dataset (no {META_FILE}; write one with tools/convert.py)")
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise DataError(f"{path}: damaged meta file ({error})") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}")
     return meta
@@ -154,7 +155,10 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
 
     dataset_dir = Path(dataset_dir)
     meta = read_meta(dataset_dir)
-    table = load_from_disk(str(dataset_dir)).data.table
+    try:
+        table = load_from_disk(str(dataset_dir)).data.table
+    except (OSError, ValueError, pa.ArrowException) as error:  # a truncated or corrupt Arrow file
+        raise DataError(f"{dataset_dir}: damaged dataset ({type(error).__name__}: {error})") from None
     missing = [name for name in COLUMNS if name not in table.column_names]
     if missing:
         raise DataError(f"{dataset_dir}: missing column(s) {', '.join(missing)}")

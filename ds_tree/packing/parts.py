@@ -17,31 +17,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ds_tree.errors import DataError
+from ds_tree.packing.bins import first_fit_decreasing
+from ds_tree.trees.token_arrays import TokenArrays, take_tokens
 from ds_tree.trees.trie import TokenTree
 
 
-@dataclass
-class TreePart:
+@dataclass(kw_only=True)
+class TreePart(TokenArrays):
     """A packed tree (or tree part), ready to be placed in a row. Indices are part-local."""
 
     tree: TokenTree
     token_index: np.ndarray
     """Indices into ``tree``'s token arrays, in part order."""
-    input_ids: np.ndarray
-    position_ids: np.ndarray
-    kv_end: np.ndarray
-    pred_pos: np.ndarray
-    mask_sum: np.ndarray
-    seq_mean_sum: np.ndarray
-    mask_max: np.ndarray
     trajectory_ids: list[int]
     """Trajectories of ``tree`` whose last node this part owns (so their whole path is here)."""
     paths: list[np.ndarray] = field(default_factory=list)
     """Part-local token indices of each trajectory in ``trajectory_ids``."""
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.input_ids.size)
 
     @property
     def visible_pairs(self) -> int:
@@ -53,42 +44,15 @@ def make_part(tree: TokenTree, ranges: list[tuple[int, int, bool]]) -> TreePart:
     """Part made of ``(start, end, owned)`` token ranges of ``tree`` (chain first, then subtrees)."""
     token_index = np.concatenate([np.arange(start, end) for start, end, _ in ranges])
     owned = np.concatenate([np.full(end - start, own) for start, end, own in ranges])
-    to_part = np.full(tree.n_tokens, -1, dtype=np.int64)
-    to_part[token_index] = np.arange(token_index.size)
-    n = token_index.size
-
-    # kv_end: a token's subtree either lies wholly inside the part (contiguous, so shift it by
-    # where its range landed) or is cut by the part (a chain token), in which case the part's
-    # tokens below it are all of what remains: the part's end.
-    kv_end = np.empty(n, dtype=np.int64)
-    offset = 0
-    for start, end, _ in ranges:
-        global_end = tree.kv_end[start:end]
-        inside = global_end <= end
-        kv_end[offset : offset + end - start] = np.where(inside, global_end - start + offset, n)
-        offset += end - start
-    predecessor = tree.pred_pos[token_index]
-    pred_pos = np.where(predecessor >= 0, to_part[np.maximum(predecessor, 0)], -1)
-    if np.any((predecessor >= 0) & (pred_pos < 0)):
-        raise AssertionError("tree part lacks the ancestor of one of its tokens")
-
-    owned_nodes = np.zeros(tree.n_nodes, dtype=bool)
-    for node in range(tree.n_nodes):
-        start = tree.node_start[node]
-        owned_nodes[node] = to_part[start] >= 0 and owned[to_part[start]]
-    trajectory_ids = [i for i, node in enumerate(tree.end_node) if owned_nodes[node]]
+    owned_in_tree = np.zeros(tree.n_tokens, dtype=bool)
+    owned_in_tree[token_index[owned]] = True
+    trajectory_ids = [i for i, node in enumerate(tree.end_node) if owned_in_tree[tree.node_start[node]]]
     return TreePart(
+        **take_tokens(tree, token_index, owned),
         tree=tree,
         token_index=token_index,
-        input_ids=tree.input_ids[token_index],
-        position_ids=tree.position_ids[token_index],
-        kv_end=kv_end,
-        pred_pos=pred_pos,
-        mask_sum=np.where(owned, tree.mask_sum[token_index], 0.0),
-        seq_mean_sum=np.where(owned, tree.seq_mean_sum[token_index], 0.0),
-        mask_max=np.where(owned, tree.mask_max[token_index], 0.0),
         trajectory_ids=trajectory_ids,
-        paths=[to_part[tree.paths[i]] for i in trajectory_ids],
+        paths=[np.searchsorted(token_index, tree.paths[i]) for i in trajectory_ids],
     )
 
 
@@ -137,20 +101,13 @@ def split_tree(tree: TokenTree, budget: int) -> list[TreePart]:
     def visit(node: int, chain: list[list]) -> None:
         chain = chain + [[node, True]]
         room = budget - sum(tree.node_end[n] - tree.node_start[n] for n, _ in chain)
-        fitting = sorted((c for c in children[node] if subtree_size[c] <= room), key=lambda c: -subtree_size[c])
-        bins: list[tuple[int, list[int]]] = []
-        for child in fitting:
-            for position, (used, members) in enumerate(bins):
-                if used + subtree_size[child] <= room:
-                    bins[position] = (used + subtree_size[child], members + [child])
-                    break
-            else:
-                bins.append((subtree_size[child], [child]))
+        fitting = [c for c in children[node] if subtree_size[c] <= room]
+        bins = first_fit_decreasing([subtree_size[c] for c in fitting], room)
         large = [c for c in children[node] if subtree_size[c] > room]
         if not bins and not large:  # a leaf
             emit(chain, [])
-        for _, members in bins:
-            emit(chain, members)
+        for members in bins:
+            emit(chain, [fitting[i] for i in members])
         for child in large:
             visit(child, chain)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,3 +64,11 @@ def check_vocab(trajectories: list[Trajectory], vocab_size: int) -> None:
         if top >= vocab_size:
             where = trajectory.source or f"group {trajectory.group_id!r}"
             raise DataError(f"{where}: token id {top} is >= the model's vocab size {vocab_size}")
+
+
+def group_trajectories(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Trajectories grouped by ``group_id``, groups in order of first appearance (one tree per group)."""
+    groups: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:
+        groups.setdefault(trajectory.group_id, []).append(trajectory)
+    return list(groups.values())

@@ -15,6 +15,8 @@ packer and the tree kernels use (DESIGN section 2):
 - ``pred_pos[k]``: the position whose logits predict token ``k`` (``-1`` for a root's first token);
 - per-token target weights summed over the trajectories through the token (restoration weights
   before normalisation, see :mod:`ds_tree.trees.weights`).
+
+The per-token arrays are those of :class:`~ds_tree.trees.token_arrays.TokenArrays`.
 """
 
 from __future__ import annotations
@@ -24,18 +26,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.token_arrays import TokenArrays
+from ds_tree.trees.trajectory import Trajectory, group_trajectories
+from ds_tree.trees.weights import restoration_sums
 
 
 @dataclass
-class TokenTree:
-    """One tree in DFS pre-order. Token arrays have length ``n_tokens``; node arrays ``n_nodes``."""
+class TokenTree(TokenArrays):
+    """One tree in DFS pre-order: the per-token arrays of :class:`TokenArrays` (length ``n_tokens``),
+    node arrays (length ``n_nodes``) and where each trajectory's tokens lie."""
 
     trajectories: list[Trajectory]
-    input_ids: np.ndarray
-    position_ids: np.ndarray
-    kv_end: np.ndarray
-    pred_pos: np.ndarray
     node_start: np.ndarray
     node_end: np.ndarray
     node_parent: np.ndarray
@@ -45,16 +46,6 @@ class TokenTree:
     """Node at whose end each trajectory stops."""
     paths: list[np.ndarray]
     """Per trajectory: indices of its tokens in this tree, in order."""
-    mask_sum: np.ndarray
-    """Sum over trajectories through the token of their loss coefficient (root's first token: 0)."""
-    seq_mean_sum: np.ndarray
-    """Sum over trajectories of loss coefficient / trained tokens of that trajectory."""
-    mask_max: np.ndarray
-    """Largest loss coefficient of any trajectory through the token (the ``dedup`` policy)."""
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.input_ids.size)
 
     @property
     def n_nodes(self) -> int:
@@ -167,34 +158,20 @@ def _serialise(root: _Node, trajectories: Sequence[Trajectory]) -> TokenTree:
         for index in node.endings:
             end_node[local[index]] = node_id
     paths = [_path(node, node_start, node_end, node_parent) for node in end_node]
-
     own = [trajectories[index] for index in members]
-    mask_sum = np.zeros(n)
-    seq_mean_sum = np.zeros(n)
-    mask_max = np.zeros(n)
-    for trajectory, path in zip(own, paths, strict=True):
-        coefficients = trajectory.loss_mask.copy()
-        coefficients[0] = 0.0  # the first token is never predicted
-        mask_sum[path] += coefficients
-        trained = coefficients.sum()
-        if trained > 0:
-            seq_mean_sum[path] += coefficients / trained
-        mask_max[path] = np.maximum(mask_max[path], coefficients)
     return TokenTree(
-        trajectories=own,
         input_ids=input_ids,
         position_ids=position_ids,
         kv_end=kv_end,
         pred_pos=pred_pos,
+        **restoration_sums(own, paths, n),
+        trajectories=own,
         node_start=node_start,
         node_end=node_end,
         node_parent=node_parent,
         subtree_end=subtree_end,
         end_node=end_node,
         paths=paths,
-        mask_sum=mask_sum,
-        seq_mean_sum=seq_mean_sum,
-        mask_max=mask_max,
     )
 
 
@@ -226,7 +203,4 @@ def build_forest(trajectories: Sequence[Trajectory], merge: str = "group") -> li
         return build_trees(trajectories)
     if merge != "group":
         raise ValueError(f"merge must be 'group', 'global' or 'none', got {merge!r}")
-    groups: dict[str, list[Trajectory]] = {}
-    for trajectory in trajectories:
-        groups.setdefault(trajectory.group_id, []).append(trajectory)
-    return [tree for members in groups.values() for tree in build_trees(members)]
+    return [tree for members in group_trajectories(trajectories) for tree in build_trees(members)]
