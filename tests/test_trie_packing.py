@@ -169,16 +169,22 @@ def test_split_tree_parts(trajectories, data):
 
 @SETTINGS
 @given(forests(), st.data())
-def test_split_tree_owns_each_weighted_token_once(trajectories, data):
-    """With all-ones masks every non-root token has weight, so ownership is visible per token."""
+def test_split_tree_owns_each_token_once(trajectories, data):
+    """Exactly one copy of every tree token is owned; with all-ones masks every non-root token has
+    weight, and the owned copy is the one that carries it."""
     trajectories = [Trajectory(t.input_ids, np.ones(len(t)), t.group_id, source=t.source) for t in trajectories]
     for tree in build_forest(trajectories):
+        assert tree.owned.all()
         budget = data.draw(st.integers(tree.max_path_tokens, max(tree.max_path_tokens, tree.n_tokens)), "budget")
         owners = np.zeros(tree.n_tokens, dtype=np.int64)
+        weighted_copies = np.zeros(tree.n_tokens, dtype=np.int64)
         for part in split_tree(tree, budget):
-            np.add.at(owners, part.token_index, part.mask_sum > 0)
+            np.add.at(owners, part.token_index, part.owned)
+            np.add.at(weighted_copies, part.token_index, part.mask_sum > 0)
+            assert not np.any(part.mask_sum[~part.owned]), "a copy that is not owned carries weight"
+        assert np.all(owners == 1)
         weighted = tree.mask_sum > 0
-        assert np.all(owners[weighted] == 1)
+        assert np.all(weighted_copies[weighted] == 1)
         assert weighted.sum() == tree.n_tokens - 1, "all tokens but the root's first carry weight"
 
 
@@ -206,7 +212,7 @@ def test_packed_rows(trajectories, data, mode):
         check_layout(row.input_ids, row.position_ids, row.kv_end, row.pred_pos, keys, copies)
         padding = slice(row.n_real, row.n_tokens)
         np.testing.assert_array_equal(row.kv_end[padding], np.arange(row.n_real, row.n_tokens) + 1)
-        for name in ("mask_sum", "seq_mean_sum", "mask_max"):
+        for name in ("owned", "mask_sum", "seq_mean_sum", "mask_max"):
             assert np.all(getattr(row, name)[padding] == 0), f"padding weighs in {name}"
         total_mask += row.mask_sum.sum()
         for part, trajectory_id, path in row.trajectory_paths():

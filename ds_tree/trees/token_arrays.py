@@ -65,6 +65,9 @@ class TokenArrays:
     """End of the subtree of the node holding the token: query ``q`` sees key ``k`` iff ``k <= q < kv_end[k]``."""
     pred_pos: np.ndarray = _token_field(np.int64, ArrayKind.INDEX)
     """The token whose logits predict this one; ``-1`` for a root's first token and padding."""
+    owned: np.ndarray = _token_field(np.bool_, ArrayKind.WEIGHT)
+    """Whether this copy of the token carries its weights: all of a tree; in parts, exactly one copy
+    of each tree token; never padding. Per-token sums formed after packing (RL) go to owned copies."""
     mask_sum: np.ndarray = _token_field(np.float64, ArrayKind.WEIGHT)
     """Sum of the loss coefficients of the trajectories through the token (:mod:`ds_tree.trees.weights`)."""
     seq_mean_sum: np.ndarray = _token_field(np.float64, ArrayKind.WEIGHT)

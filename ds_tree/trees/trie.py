@@ -164,6 +164,7 @@ def _serialise(root: _Node, trajectories: Sequence[Trajectory]) -> TokenTree:
         position_ids=position_ids,
         kv_end=kv_end,
         pred_pos=pred_pos,
+        owned=np.ones(n, dtype=bool),
         **restoration_sums(own, paths, n),
         trajectories=own,
         node_start=node_start,
