@@ -1,12 +1,12 @@
 """Hypothesis strategies and plain helpers for tree-shaped test data.
 
-A forest is a list of :class:`Trajectory` in several groups. Each group grows from one seed
-trajectory by operations that create the shapes the trie, the packer and the kernels must get
-right: forks at any depth (1-token nodes when the fork is one token deep or its suffix one token
-long), duplicates, strict prefixes of earlier trajectories, extensions, deep chains and fresh
-trajectories (usually a different first token: one group, several trees). A small alphabet
-makes accidental sharing (and 1-token nodes) likely; a large one keeps branches distinct. Loss
-masks are all zeros, all ones, fractional or a mix.
+A forest is a list of :class:`Trajectory` in several groups. Each group's token sequences come
+from the library's random tree generator (:mod:`ds_tree.trees.random_trees`), with its shape
+parameters and its random source drawn by hypothesis (``st.randoms()``, so failures shrink): forks
+at any depth, 1-token nodes, long chains, strict prefixes (a cut inside a node splits it),
+duplicates and several roots. A small alphabet makes accidental sharing likely (siblings and
+roots that start alike merge in the trie, 1-token nodes appear); a large one keeps branches
+distinct. Loss masks are all zeros, all ones, fractional or a mix.
 
 Sizes stay small (``MAX_TOTAL_TOKENS`` flat tokens) so that model tests run in seconds.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from ds_tree.trees.random_trees import TreeShape, random_token_paths
 from ds_tree.trees.trajectory import Trajectory
 
 VOCAB = 1024
@@ -23,38 +24,31 @@ VOCAB = 1024
 FIRST_ID = 3
 """Token ids start above pad/bos/eos (0/1/2) so no test depends on special ids."""
 MAX_TOTAL_TOKENS = 300
-OPERATIONS = ("fork", "fork", "fork", "duplicate", "prefix", "extend", "deep", "fresh")
 MASK_KINDS = ("zeros", "ones", "fractional", "mixed")
 
 
-def _token_lists(alphabet: st.SearchStrategy[int], min_size: int, max_size: int) -> st.SearchStrategy[list[int]]:
-    return st.lists(alphabet, min_size=min_size, max_size=max_size)
+@st.composite
+def tree_shapes(draw) -> TreeShape:
+    """Shapes from single short paths to bushy trees with long chains."""
+    small = draw(st.booleans())
+    low, high = draw(st.sampled_from([(1, 1), (1, 3), (1, 12), (2, 9), (20, 40)]))
+    return TreeShape(
+        trees=draw(st.integers(1, 3)),
+        depth=draw(st.integers(1, 4)),
+        children=(draw(st.integers(0, 1)), draw(st.integers(1, 3))),
+        node_tokens=(low, high),
+        alphabet=(FIRST_ID, FIRST_ID + 3) if small else (FIRST_ID, VOCAB - 1),
+        prefixes=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        duplicates=draw(st.sampled_from([0.0, 0.3])),
+    )
 
 
 @st.composite
 def token_groups(draw, max_trajectories: int = 6) -> list[list[int]]:
-    """Token sequences of one group, with real prefix sharing."""
-    small = draw(st.booleans())
-    alphabet = st.integers(FIRST_ID, FIRST_ID + 3) if small else st.integers(FIRST_ID, VOCAB - 1)
-    sequences = [draw(_token_lists(alphabet, 1, 12))]
-    for _ in range(draw(st.integers(0, max_trajectories - 1))):
-        operation = draw(st.sampled_from(OPERATIONS))
-        base = draw(st.sampled_from(sequences))
-        cut = draw(st.integers(1, len(base)))
-        if operation == "fork":
-            new = base[:cut] + draw(_token_lists(alphabet, 1, 8))
-        elif operation == "duplicate":
-            new = list(base)
-        elif operation == "prefix":
-            new = base[:cut]
-        elif operation == "extend":
-            new = base + draw(_token_lists(alphabet, 1, 6))
-        elif operation == "deep":
-            new = base[:cut] + draw(_token_lists(alphabet, 20, 40))
-        else:  # fresh
-            new = draw(_token_lists(alphabet, 1, 10))
-        sequences.append(new)
-    return sequences
+    """Token sequences of one group (at most ``max_trajectories``), with real prefix sharing."""
+    rng = draw(st.randoms(use_true_random=False))
+    paths = random_token_paths(rng, draw(tree_shapes()))
+    return rng.sample(paths, min(len(paths), max_trajectories))
 
 
 @st.composite
