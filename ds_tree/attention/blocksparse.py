@@ -58,6 +58,16 @@ class RowPlan:
     hubs: list[_BlockTask]
     """Chains of tokens with one common ``kv_end``, attended by all their later descendants at once
     (``keys`` the chain, ``query`` those descendants, no mask), run after the blocks."""
+    visible_pairs: int
+    """(query, key) pairs the tree mask lets through: what any exact engine must compute."""
+
+    def computed_scores(self) -> int:
+        """Scores the plan computes: each task's queries x its keys, masked-out pairs included."""
+        total = 0
+        for task in (*self.tasks, *self.hubs):
+            keys = task.keys.stop - task.keys.start if isinstance(task.keys, slice) else task.keys.size
+            total += (task.query.stop - task.query.start) * keys
+        return total
 
 
 _PLANS: OrderedDict[bytes, RowPlan] = OrderedDict()
@@ -111,7 +121,7 @@ def block_plan(
                 mask=None if mask.all() else mask,
             )
         )
-    return RowPlan(tasks=tasks, hubs=hubs)
+    return RowPlan(tasks=tasks, hubs=hubs, visible_pairs=int((kv_end - positions).sum()))
 
 
 def _cached_plan(kv_end: torch.Tensor, block: int, hub_min_keys: int, hub_min_queries: int) -> RowPlan:
