@@ -20,13 +20,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_tree.data.sampler import StepSampler, group_trajectories
+from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.trees.trajectory import Trajectory, check_vocab
-from ds_tree.trees.trie import build_forest
+from ds_tree.trees.stats import TokenCounts, token_counts
+from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
+
+BENCH_DTYPES = ("float32", "bfloat16")
+"""Dtypes the benchmark's models are loaded in."""
 
 
 @dataclass
@@ -113,7 +116,7 @@ def run_benchmark(
     progress=None,
     profile_path=None,
 ) -> dict:
-    """Interleaved tree/flat steps; returns the report (see ``tools/bench.py``)."""
+    """Interleaved tree/flat steps; returns the report (see ``ds_tree.cli.bench``)."""
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
     sampler = StepSampler(len(groups), per_step, seed)
@@ -128,8 +131,9 @@ def run_benchmark(
         batch = [t for g in sampler.groups_for_step(step) for t in groups[g]]
         measured = step >= warmup
         if measured:
-            flat_tokens.append(sum(len(t) for t in batch))
-            tree_tokens.append(sum(tree.n_tokens for tree in build_forest(batch)))
+            counts = token_counts(batch)
+            flat_tokens.append(counts.flat_tokens)
+            tree_tokens.append(counts.tree_tokens)
         order = modes if step % 2 == 0 else modes[::-1]  # alternate who goes first
         for mode in order:
             result = step_once(
@@ -183,7 +187,7 @@ def run_benchmark(
         "threads": torch.get_num_threads(),
         "flat_tokens_per_step": float(np.mean(flat_tokens)),
         "tree_tokens_per_step": float(np.mean(tree_tokens)),
-        "por": 1.0 - float(np.sum(tree_tokens)) / float(np.sum(flat_tokens)),
+        "por": TokenCounts(sum(flat_tokens), sum(tree_tokens)).por,
         "modes": report_modes,
     }
     if "flat" in modes and "tree" in modes:

@@ -16,14 +16,16 @@ import torch
 
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
-from ds_tree.models.loading import load_model, parse_dtype
+from ds_tree.models.loading import DTYPES, load_model, parse_dtype
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
-from ds_tree.trees.trie import build_forest
 
 # Relative gradient error / absolute log-prob error allowed per dtype. Measured on the project's
 # synthetic and shared data: float64 errors stay below ~1e-13, float32 below ~1e-6.
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5}
+VERIFY_DTYPES = tuple(name for name, dtype in DTYPES.items() if dtype in TOLERANCES)
+"""Names of the dtypes verification runs in."""
 GRADIENT_FLOOR = 1e-2
 
 
@@ -87,7 +89,7 @@ def compare(
     normalisation: str = "token_mean",
     policy: str = "exact",
 ) -> dict:
-    """Run flat and tree mode and return the verification report (see ``tools/verify.py``)."""
+    """Run flat and tree mode and return the verification report (see ``ds_tree.cli.verify``)."""
     check_objective(normalisation, policy)
     if not trajectories:
         raise ValueError("no trajectories to verify")
@@ -104,8 +106,7 @@ def compare(
         raise AssertionError("tree and flat mode disagree on which trajectories they computed")
     logprob_errors = [np.abs(tree.logprobs[key] - flat.logprobs[key]).max(initial=0.0) for key in flat.logprobs]
 
-    flat_tokens = sum(len(t) for t in trajectories)
-    tree_tokens = sum(tree.n_tokens for tree in build_forest(trajectories))
+    counts = token_counts(trajectories)
     tolerance = TOLERANCES[torch_dtype]
     max_rel_grad_err = max(grad_errors.values(), default=0.0)
     max_abs_logprob_err = float(max(logprob_errors, default=0.0))
@@ -113,9 +114,9 @@ def compare(
     return {
         "n_trajectories": len(trajectories),
         "n_groups": len({t.group_id for t in trajectories}),
-        "flat_tokens": flat_tokens,
-        "tree_tokens": tree_tokens,
-        "ideal_speedup": flat_tokens / tree_tokens,
+        "flat_tokens": counts.flat_tokens,
+        "tree_tokens": counts.tree_tokens,
+        "ideal_speedup": counts.ideal_speedup,
         "packed_tokens_flat": flat.packed_tokens,
         "packed_tokens_tree": tree.packed_tokens,
         "rows_flat": flat.rows,

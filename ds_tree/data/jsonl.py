@@ -1,10 +1,12 @@
-"""Line-by-line JSONL reading (plain or gzip) with errors that name ``file:line``."""
+"""JSONL files (plain or gzip): reading line by line with errors that name ``file:line``, and
+writing atomically."""
 
 from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from ds_tree.errors import DataError, RecordError
@@ -38,20 +40,37 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
             yield where, error or record
 
 
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
+    """Write one compact JSON object a line (gzip when ``path`` ends in ``.gz``).
+
+    The lines go to a hidden sibling file that is renamed into place at the end, so a failed or
+    interrupted write never leaves a partial file at ``path``.
+    """
+    path = Path(path)
+    temporary = path.parent / f".{path.name}.partial-{os.getpid()}"
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(temporary, "wt", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
 def slice_groups(source: str | Path, output: str | Path, groups: int, per_group: int, key: str = "group_id") -> Path:
     """Write the first ``per_group`` lines of each of the first ``groups`` groups of ``source``.
 
     A slice of real data that keeps its sharing: trials of one task may be interleaved with other
     tasks' (tau2), so the file's first lines alone would be a slice without trees.
     """
-    chosen: dict[str, list[str]] = {}
+    chosen: dict[str, list[dict]] = {}
     for _, record in read_jsonl(source):
         group = record.get(key)
         if group not in chosen and len(chosen) == groups:
             continue
         members = chosen.setdefault(group, [])
         if len(members) < per_group:
-            members.append(json.dumps(record))
-    output = Path(output)
-    output.write_text("".join(line + "\n" for members in chosen.values() for line in members))
-    return output
+            members.append(record)
+    return write_jsonl(output, (record for members in chosen.values() for record in members))

@@ -21,10 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from ds_tree.data.jsonl import write_jsonl
 from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
+from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory
 
 IM_START, IM_END = SPECIAL_TOKENS.index("<|im_start|>"), SPECIAL_TOKENS.index("<|im_end|>")
@@ -208,3 +211,29 @@ def generate(config: SyntheticConfig) -> Iterator[Trajectory]:
                 trial=trial,
                 source=f"{group_id}:trial {trial}",
             )
+
+
+def write_synthetic(config: SyntheticConfig, output: str | Path) -> dict:
+    """Write :func:`generate`'s trajectories as tokens JSONL (gzip for ``.gz``); returns a summary
+    with the POR achieved next to the target."""
+    trajectories = list(generate(config))
+    records = (
+        {
+            "group_id": trajectory.group_id,
+            "trial": trajectory.trial,
+            "input_ids": trajectory.input_ids.tolist(),
+            "loss_mask": trajectory.loss_mask.astype(int).tolist(),  # masks are 0/1 here
+            "reward": trajectory.reward,
+        }
+        for trajectory in trajectories
+    )
+    write_jsonl(output, records)
+    counts = token_counts(trajectories)
+    return {
+        "output": str(output),
+        "trajectories": len(trajectories),
+        "groups": len({t.group_id for t in trajectories}),
+        "flat_tokens": counts.flat_tokens,
+        "target_por": config.por,
+        "por": counts.por,
+    }
