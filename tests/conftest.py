@@ -16,4 +16,4 @@ def tokenizer_dir(tmp_path_factory):
 def tokenizer(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)

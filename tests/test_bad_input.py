@@ -1,6 +1,6 @@
 """Bad input gives one clear error that says where: file:line and the field, exit code 2.
 
-Errors are driven through ``tools/verify.py``'s ``main()`` (what a user runs), plus one
+Errors are driven through ``ds-tree verify``'s ``main()`` (what a user runs), plus one
 end-to-end subprocess run on a small generated tokens file in float64 and float32.
 """
 
@@ -16,12 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ds_tree.cli import verify
 from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
 from ds_tree.trees.trajectory import Trajectory
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import verify  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/models/tiny_llama.json")

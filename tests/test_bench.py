@@ -1,33 +1,28 @@
-"""tools/bench.py and tools/bench_attention.py on a small synthetic set: the report's contract.
+"""ds-tree bench and bench-attention on a small synthetic set: the report's contract.
 
 Timings are not asserted (they are machine-dependent); the token counts the ratios are built on
 are, against packing done here.
 """
 
 import json
-import runpy
-from pathlib import Path
 
 import pytest
 
+from ds_tree.cli.bench import main as bench_main
+from ds_tree.cli.bench_attention import main as attention_main
+from ds_tree.data.jsonl import write_jsonl
 from ds_tree.data.synthetic import SyntheticConfig, generate
 from ds_tree.packing.modes import pack_trajectories
-
-ROOT = Path(__file__).resolve().parents[1]
-bench_main = runpy.run_path(str(ROOT / "tools" / "bench.py"))["main"]
-attention_main = runpy.run_path(str(ROOT / "tools" / "bench_attention.py"))["main"]
 
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     trajectories = list(generate(SyntheticConfig(groups=2, por=0.7, max_tokens=128, vocab_size=1024)))
-    path = tmp_path_factory.mktemp("bench") / "tokens.jsonl"
     lines = [
         {"group_id": t.group_id, "input_ids": t.input_ids.tolist(), "loss_mask": t.loss_mask.astype(int).tolist()}
         for t in trajectories
     ]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path, trajectories
+    return write_jsonl(tmp_path_factory.mktemp("bench") / "tokens.jsonl", lines), trajectories
 
 
 def packed_tokens(trajectories, mode, budget):

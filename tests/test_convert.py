@@ -1,10 +1,9 @@
-"""tools/convert.py and the tree dataset format: round trips, options, every error path."""
+"""ds-tree convert and the tree dataset format: round trips, options, every error path."""
 
 import copy
 import gzip
 import json
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import datasets
 import numpy as np
 import pytest
 
+from ds_tree.cli.convert import main as convert_main
 from ds_tree.data import load_trajectories
 from ds_tree.data.chat import render_chat
 from ds_tree.data.synthetic import SyntheticConfig, generate
@@ -22,7 +22,6 @@ from ds_tree.errors import DataError
 from ds_tree.trees import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
-convert_main = runpy.run_path(str(ROOT / "tools" / "convert.py"))["main"]
 
 SYSTEM = {"role": "system", "content": "You help with orders."}
 CALL = {"id": "c1", "type": "function", "function": {"name": "find_order", "arguments": '{"id": 7}'}}
@@ -193,7 +192,7 @@ BAD_LINES = {
 @pytest.mark.parametrize("reason", sorted(BAD_LINES))
 def test_a_bad_line_stops_the_run_and_names_file_and_line(tmp_path, tokenizer_dir, capsys, reason):
     source = write_jsonl(tmp_path / "chat.jsonl", [GOOD[0], "", BAD_LINES[reason][0], GOOD[1]])
-    assert run(tokenizer_dir, [source], tmp_path / "out") == 1
+    assert run(tokenizer_dir, [source], tmp_path / "out") == 2
     assert capsys.readouterr().err.startswith(f"error: {source}:3: ")
     assert not (tmp_path / "out").exists()
     assert list(tmp_path.iterdir()) == [source]  # no partial output left beside it either
@@ -241,7 +240,7 @@ def test_prefix_policies(tmp_path, tokenizer, capsys):
     assert run(tokenizer_dir, [source], tmp_path / "drop", "--prefix-policy", "drop") == 0
     result = summary(capsys)
     assert result["skipped"] == {"prefix_unstable": 1} and result["counts"]["trajectories"] == 1
-    assert run(tokenizer_dir, [source], tmp_path / "error", "--prefix-policy", "error") == 1
+    assert run(tokenizer_dir, [source], tmp_path / "error", "--prefix-policy", "error") == 2
     assert "not prefix-stable for 1 assistant turn" in capsys.readouterr().err
     assert not (tmp_path / "error").exists()
 
@@ -251,7 +250,7 @@ def test_refuses_to_overwrite_unless_asked(tmp_path, tokenizer_dir, capsys):
     output = tmp_path / "out"
     output.mkdir()
     (output / "keep.txt").write_text("precious")
-    assert run(tokenizer_dir, [source], output) == 1
+    assert run(tokenizer_dir, [source], output) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert (output / "keep.txt").read_text() == "precious"
     assert run(tokenizer_dir, [source], output, "--overwrite") == 0
@@ -274,11 +273,23 @@ def test_a_failed_write_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch):
 
 def test_ids_beyond_the_vocabulary_and_missing_input(tmp_path, tokenizer_dir, capsys):
     source = write_jsonl(tmp_path / "t.jsonl", [{"group_id": "g", "input_ids": [5, 2000], "loss_mask": [0, 1]}])
-    assert run(tokenizer_dir, [source], tmp_path / "out", "--format", "tokens") == 1
+    assert run(tokenizer_dir, [source], tmp_path / "out", "--format", "tokens") == 2
     assert "token id 2000 is >= the model's vocab size 1024" in capsys.readouterr().err
-    assert run(tokenizer_dir, [tmp_path / "absent.jsonl"], tmp_path / "out") == 1
+    assert run(tokenizer_dir, [tmp_path / "absent.jsonl"], tmp_path / "out") == 2
     assert "absent.jsonl: no such file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_or_unloadable_tokenizer_is_one_error_line(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "chat.jsonl", GOOD)
+    not_a_tokenizer = tmp_path / "empty"
+    not_a_tokenizer.mkdir()
+    for tokenizer_dir, reason in ((tmp_path / "absent", "no such tokenizer directory"), (not_a_tokenizer, "not a")):
+        assert run(tokenizer_dir, [source], tmp_path / "out") == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"error: {tokenizer_dir}: {reason}")
+        assert len(captured.err.strip().splitlines()) == 1
+        assert not (tmp_path / "out").exists()
 
 
 def test_dataset_load_validation(tmp_path):

@@ -9,7 +9,6 @@ would do.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ds_tree import train
+from ds_tree.cli.make_synthetic import main as make_synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SH = REPO / "launch" / "train.sh"
@@ -36,12 +36,9 @@ def find_shellcheck() -> str | None:
 
 @pytest.fixture(scope="module")
 def tokens_file(tmp_path_factory) -> Path:
-    """A small synthetic tokens JSONL written by tools/make_synthetic.py (in-process: no import cost)."""
-    spec = importlib.util.spec_from_file_location("make_synthetic", REPO / "tools" / "make_synthetic.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """A small synthetic tokens JSONL written by ds-tree make-synthetic (in-process: no import cost)."""
     path = tmp_path_factory.mktemp("launch") / "synthetic.jsonl"
-    module.main(["--output", str(path), "--groups", "16", "--por", "0.7", "--seed", "0"])
+    make_synthetic(["--output", str(path), "--groups", "16", "--por", "0.7", "--seed", "0"])
     return path
 
 

@@ -12,7 +12,6 @@ Measured with the project tokenizer (its chat template renders no tool-call ids)
 
 import json
 import os
-import runpy
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,13 +19,13 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from ds_tree.cli.convert import main as convert_main
 from ds_tree.data import load_trajectories
 from ds_tree.data.chat import render_chat
 from ds_tree.trees import build_forest
+from ds_tree.trees.stats import token_counts
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-convert_main = runpy.run_path(str(ROOT / "tools" / "convert.py"))["main"]
 
 CASES = {
     # name: (file, --limit, groups, trials, token-level ideal speedup bounds)
@@ -65,7 +64,7 @@ def test_convert_rebuild_and_por(name, tmp_path, tokenizer_dir, capsys):
             records[record["group_id"], record["trial"]] = record
     assert len(records) == n_trajectories  # (group, trial) names each line uniquely
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     trees = build_forest(load_trajectories(tmp_path / "out"), merge="group")
     assert len(trees) == n_groups
     texts = defaultdict(list)
@@ -78,8 +77,7 @@ def test_convert_rebuild_and_por(name, tmp_path, tokenizer_dir, capsys):
             assert trajectory.reward == record["reward"]
             texts[trajectory.group_id].append(tokenizer.apply_chat_template(record["messages"], tokenize=False))
 
-    flat = sum(tree.flat_tokens for tree in trees)
-    speedup = flat / sum(tree.n_tokens for tree in trees)
+    speedup = token_counts(trees).ideal_speedup
     print(f"{name}: token-level POR {1 - 1 / speedup:.4f}, ideal speedup {speedup:.2f}")
     assert summary["por"] == pytest.approx(1 - 1 / speedup)
     assert low <= speedup <= high

@@ -1,18 +1,20 @@
-"""tools/stats.py on a hand-made tree with known numbers, on datasets, and its plot."""
+"""ds-tree stats on a hand-made tree with known numbers, on datasets (whole and damaged), and its plot."""
 
 import json
-import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ds_tree.cli.stats import main as stats_main
+from ds_tree.data.jsonl import write_jsonl
 from ds_tree.data.synthetic import SyntheticConfig, generate
-from ds_tree.data.tree_dataset import save_tree_dataset
+from ds_tree.data.tree_dataset import META_FILE, save_tree_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-stats_main = runpy.run_path(str(ROOT / "tools" / "stats.py"))["main"]
+DS_TREE = Path(sys.executable).parent / "ds-tree"
+"""The console script, installed beside the interpreter (tools/bootstrap.sh)."""
 
 # Group "a" is the trie  [5 6] -> {[7] -> {[8], [9]}, [10]}: 3 paths of 3, 3 and 2 nodes, two
 # internal nodes with 2 children each; 11 flat tokens, 6 tree tokens. Group "b" is one path.
@@ -26,9 +28,7 @@ LINES = [
 
 @pytest.fixture
 def tokens_file(tmp_path):
-    path = tmp_path / "tokens.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in LINES))
-    return path
+    return write_jsonl(tmp_path / "tokens.jsonl", LINES)
 
 
 def stats_of(path, capsys, *options):
@@ -59,14 +59,9 @@ def test_text_output_and_plot(tokens_file, tmp_path, capsys):
 
 def test_dataset_directory_gives_the_same_numbers(tmp_path, capsys):
     trajectories = list(generate(SyntheticConfig(groups=5, por=0.6, max_tokens=128)))
-    tokens = tmp_path / "synthetic.jsonl"
-    tokens.write_text(
-        "".join(
-            json.dumps({"group_id": t.group_id, "input_ids": t.input_ids.tolist(), "loss_mask": t.loss_mask.tolist()})
-            + "\n"
-            for t in trajectories
-        )
-    )
+    records = [{"group_id": t.group_id, "input_ids": t.input_ids.tolist(), "loss_mask": t.loss_mask.tolist()}
+               for t in trajectories]  # fmt: skip
+    tokens = write_jsonl(tmp_path / "synthetic.jsonl", records)
     save_tree_dataset(trajectories, tmp_path / "dataset", {})
     from_file, from_dataset = stats_of(tokens, capsys), stats_of(tmp_path / "dataset", capsys)
     assert from_file == from_dataset
@@ -74,19 +69,37 @@ def test_dataset_directory_gives_the_same_numbers(tmp_path, capsys):
 
 
 def test_no_branching_and_errors(tmp_path, capsys):
-    path = tmp_path / "flat.jsonl"
-    path.write_text(json.dumps({"group_id": "x", "input_ids": [5, 6], "loss_mask": [0, 1]}) + "\n")
+    path = write_jsonl(tmp_path / "flat.jsonl", [{"group_id": "x", "input_ids": [5, 6], "loss_mask": [0, 1]}])
     assert stats_of(path, capsys)["branching"] is None
-    assert stats_main([str(tmp_path / "absent.jsonl")]) == 1
+    assert stats_main([str(tmp_path / "absent.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
 
 
-def test_cli_runs_as_a_script(tokens_file):
-    done = subprocess.run(
-        [sys.executable, "tools/stats.py", str(tokens_file), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+def _damage_arrow(dataset):
+    (arrow,) = dataset.glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+
+
+def _damage_meta(dataset):
+    meta = dataset / META_FILE
+    meta.write_text(meta.read_text()[:20])
+
+
+@pytest.mark.parametrize("damage", [_damage_arrow, _damage_meta])
+def test_a_damaged_dataset_is_one_error_line_naming_it(tokens_file, tmp_path, capsys, damage):
+    from ds_tree.data import load_trajectories
+
+    dataset = tmp_path / "dataset"
+    save_tree_dataset(load_trajectories(tokens_file), dataset, {})
+    stats_of(dataset, capsys)  # whole, it reads
+    damage(dataset)
+    assert stats_main([str(dataset)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"error: {dataset}")
+    assert "damaged" in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "tools/stats.py"], [str(DS_TREE), "stats"]])
+def test_cli_runs_as_a_script_and_as_the_console_command(tokens_file, command):
+    done = subprocess.run([*command, str(tokens_file), "--json"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(done.stdout)["tree_tokens"] == 8

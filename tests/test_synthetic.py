@@ -11,13 +11,13 @@ import pytest
 from ds_tree.data.synthetic import IM_END, IM_START, ROLE, SyntheticConfig, generate
 from ds_tree.data.tokens import read_tokens_jsonl
 from ds_tree.trees import build_forest
+from ds_tree.trees.stats import token_counts
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def achieved_por(trajectories):
-    trees = build_forest(trajectories, merge="group")
-    return 1.0 - sum(tree.n_tokens for tree in trees) / sum(tree.flat_tokens for tree in trees)
+    return token_counts(trajectories, merge="group").por
 
 
 @pytest.mark.parametrize("por", [0.0, 0.2, 0.5, 0.8, 0.95])

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
 from ds_tree.data.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,15 @@ def test_chat_template_is_token_prefix_stable(tokenizer, tools):
 def test_cli_writes_a_directory_autotokenizer_loads(tmp_path, tokenizer):
     output = tmp_path / "tok"
     subprocess.run([sys.executable, "tools/make_tokenizer.py", "--output", str(output)], cwd=ROOT, check=True)
-    loaded = AutoTokenizer.from_pretrained(output)
+    loaded = AutoTokenizer.from_pretrained(output, local_files_only=True)
     assert loaded.backend_tokenizer.to_str() == tokenizer.backend_tokenizer.to_str()
     assert loaded.chat_template == tokenizer.chat_template
+
+
+def test_cli_refuses_an_output_that_is_a_file(tmp_path, capsys):
+    output = tmp_path / "tok"
+    output.write_text("not a directory")
+    assert make_tokenizer_main(["--output", str(output)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == f"error: {output}: exists and is not a directory\n"
+    assert output.read_text() == "not a directory"

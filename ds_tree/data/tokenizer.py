@@ -180,6 +180,8 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizer
 def save_tokenizer(output_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
     """Build the tokenizer and ``save_pretrained`` it; ``AutoTokenizer`` loads the directory offline."""
     output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():  # save_pretrained would only log an error
+        raise FileExistsError(f"{output_dir}: exists and is not a directory")
     build_tokenizer(vocab_size).save_pretrained(output_dir)
     return output_dir
 

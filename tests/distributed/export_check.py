@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from ds_tree.config import load_config  # noqa: E402
-from ds_tree.engine.trainer import Trainer  # noqa: E402
+from ds_tree.config import load_config
+from ds_tree.engine.trainer import Trainer
 
 
 def main() -> None:

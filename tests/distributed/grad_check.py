@@ -11,21 +11,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+from ds_tree.config import load_config
+from ds_tree.engine.step import run_rows
+from ds_tree.engine.trainer import Trainer, learning_rate_factor
+from ds_tree.losses.sft import Normalisers
+from ds_tree.models.loading import load_model
+from ds_tree.packing.modes import pack_trajectories
 
-from ds_tree.config import load_config  # noqa: E402
-from ds_tree.engine.step import run_rows  # noqa: E402
-from ds_tree.engine.trainer import Trainer, gather_full_gradients, learning_rate_factor  # noqa: E402
-from ds_tree.losses.sft import Normalisers  # noqa: E402
-from ds_tree.models.loading import load_model  # noqa: E402
-from ds_tree.packing.modes import pack_trajectories  # noqa: E402
+
+def gather_full_gradients(engine) -> dict[str, np.ndarray]:
+    """Every parameter's full gradient before the optimizer step (any ZeRO stage)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {name: safe_get_full_grad(p).detach().double().cpu().numpy() for name, p in engine.module.named_parameters()}
 
 
 def relative(a: np.ndarray, b: np.ndarray) -> float:

@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 from ds_tree.attention.triton import kernels
 
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The input dtypes the kernels take."""
+
 
 def _padded_head_dim(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
@@ -73,7 +76,7 @@ def triton_tree_attention(
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({key.shape[1]})")
     if kv_end.shape != (batch, n):
         raise ValueError(f"kv_end must be [B, N] = {(batch, n)}, got {tuple(kv_end.shape)}")
-    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if query.dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {query.dtype}: use float32, float16 or bfloat16")
     if scale is None:
         scale = head_dim**-0.5

@@ -1,0 +1,42 @@
+"""Command-line entry points: one module per tool, each with ``main(argv) -> int``.
+
+``ds-tree COMMAND ...`` (the console script) dispatches to them; ``python tools/X.py`` runs the
+same ``main``. A command's module is imported only when it runs (bench-kernel must choose the
+Triton interpreter before torch is imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "convert": "convert chat, tokens or explicit-tree JSONL into a tree dataset",
+    "verify": "check tree mode against the flat baseline (loss, log-probs, gradients)",
+    "stats": "tree statistics of a data set: POR, ideal speedup, depth, branching",
+    "bench": "time tree vs flat training steps",
+    "bench-sweep": "POR sweep and shared data sets through bench, with table and plot",
+    "bench-attention": "time the CPU tree-attention engine alone, tree vs flat",
+    "bench-kernel": "time the Triton tree-attention kernel (a smoke run without a GPU)",
+    "make-tokenizer": "train the project's byte-level BPE tokenizer",
+    "make-synthetic": "write synthetic agentic tree data with a target POR",
+}
+USAGE = "usage: ds-tree COMMAND [options]   (ds-tree COMMAND --help for a command's options)\n\ncommands:\n" + "".join(
+    f"  {name:<16} {summary}\n" for name, summary in COMMANDS.items()
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0
+    if not argv:
+        print(USAGE, end="", file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"{USAGE}\nds-tree: error: unknown command {command!r}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"ds_tree.cli.{command.replace('-', '_')}")
+    return module.main(rest, prog=f"ds-tree {command}")

@@ -1,0 +1,90 @@
+"""Tree statistics of a tokens JSONL file or a converted tree dataset directory.
+
+Usage: ds-tree stats PATH [--json] [--plot FILE.png]
+
+Trees are merged by group. Prints counts, flat and tree tokens, POR = 1 - tree/flat, the ideal
+speedup flat/tree (what computing every distinct token once saves at most), depth (nodes on a
+root-to-leaf path) and branching (children per internal node) summaries, and the distribution of
+per-tree ideal speedups. --json prints the same as one JSON object; --plot writes histograms.
+Unreadable input exits 2 with one error line naming the path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from ds_tree.data import load_trajectories
+from ds_tree.errors import DataError
+from ds_tree.trees import TokenTree, build_forest
+from ds_tree.trees.stats import tree_arrays, tree_stats
+
+
+def plot(trees: list[TokenTree], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    arrays = tree_arrays(trees)
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (
+        ("depth", "nodes per root-to-leaf path", "paths"),
+        ("branching", "children per internal node", "internal nodes"),
+        ("tree_speedup", "ideal speedup per tree (flat / tree tokens)", "trees"),
+    )
+    for axis, (key, xlabel, ylabel) in zip(axes, panels, strict=True):
+        values = arrays[key]
+        integer = key != "tree_speedup"
+        bins = np.arange(values.min(), values.max() + 2) - 0.5 if integer and values.size else 30
+        axis.hist(values, bins=bins)
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(ylabel)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def print_text(stats: dict) -> None:
+    print(f"groups {stats['n_groups']}  trees {stats['n_trees']}  trajectories {stats['n_trajectories']}")
+    print(f"flat tokens {stats['flat_tokens']}  tree tokens {stats['tree_tokens']}")
+    print(f"POR {stats['por']:.4f}  ideal speedup {stats['ideal_speedup']:.2f}x")
+    depth = stats["depth"]
+    print(f"depth (nodes per path): min {depth['min']:.0f}  mean {depth['mean']:.2f}  max {depth['max']:.0f}")
+    branching = stats["branching"]
+    if branching is None:
+        print("branching: none (every tree is a single path)")
+    else:
+        print(f"branching (children per internal node): mean {branching['mean']:.2f}  max {branching['max']}")
+    speedup = stats["tree_speedup"]
+    print(
+        "per-tree ideal speedup: "
+        + "  ".join(f"{key} {speedup[key]:.2f}" for key in ("min", "p50", "mean", "p90", "max"))
+    )
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("path", type=Path, help="tokens JSONL(.gz) file or tree dataset directory")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=Path, default=None, help="write depth/branching/speedup histograms (PNG)")
+    args = parser.parse_args(argv)
+    try:
+        trees = build_forest(load_trajectories(args.path), merge="group")
+    except DataError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    stats = tree_stats(trees)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print_text(stats)
+    if args.plot is not None:
+        plot(trees, args.plot)
+    return 0

@@ -1,0 +1,183 @@
+"""Chat, tokens or explicit-tree JSONL -> a tree dataset (``ds_tree.data.tree_dataset``).
+
+Formats (inputs .jsonl or .jsonl.gz, one record a line):
+  chat    {"group_id", "trial"?, "messages": [OpenAI messages], "tools"?, "reward"?}
+  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?}
+  tree    {"group_id"?, "tools"?, "nodes": [{"id", "parent", "input_ids" | "messages", ...}]}
+A bad line stops the run with its file:line and reason; ``skip_bad`` skips it and counts it by
+reason instead. ``prefix_policy`` says what happens to a conversation whose chat template is not
+prefix-stable: "full" keeps it with the unstable assistant turns untrained, "drop" skips it,
+"error" stops; either way it is counted. Nothing is written at the output unless the whole run
+succeeds.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ds_tree.data.chat import TRAIN_ON, render_chat
+from ds_tree.data.explicit import trajectories_from_explicit_tree
+from ds_tree.data.jsonl import read_jsonl
+from ds_tree.data.tokenizer import tokenizer_identity
+from ds_tree.data.tokens import trajectory_from_record
+from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
+from ds_tree.errors import DataError, RecordError
+from ds_tree.trees.stats import TokenCounts
+from ds_tree.trees.trajectory import Trajectory, check_vocab
+
+FORMATS = ("chat", "tokens", "tree")
+MERGES = ("group", "global")
+PREFIX_POLICIES = ("full", "drop", "error")
+GLOBAL_GROUP = "all"
+"""The group id every trajectory gets with ``merge="global"``."""
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    format: str = "chat"
+    """One of :data:`FORMATS`."""
+    group_key: str = "group_id"
+    """Record field naming the tree a line belongs to."""
+    train_on: str = "assistant"
+    """Which assistant turns a chat is trained on, one of ``ds_tree.data.chat.TRAIN_ON``."""
+    merge: str = "group"
+    """``group``: one tree per group; ``global``: every trajectory in one group."""
+    prefix_policy: str = "full"
+    """One of :data:`PREFIX_POLICIES` (see the module docstring)."""
+    skip_bad: bool = False
+    """Skip malformed lines, counted by reason, instead of stopping."""
+    limit: int | None = None
+    """Read at most this many records in total."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("format", FORMATS),
+            ("train_on", TRAIN_ON),
+            ("merge", MERGES),
+            ("prefix_policy", PREFIX_POLICIES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+
+def read_records(paths: list[Path], limit: int | None) -> Iterator[tuple[str, dict | DataError]]:
+    """``(file:line, record)`` over all inputs, at most ``limit`` records; bad lines come as
+    errors in place of records so that ``skip_bad`` can go on past them."""
+    count = 0
+    for path in paths:
+        for where, record in read_jsonl(path, keep_going=True):
+            if limit is not None and count >= limit:
+                return
+            count += 1
+            yield where, record
+
+
+def load_tokenizer(path: str | Path):
+    """A Hugging Face tokenizer from a local directory; a clear :class:`DataError` otherwise."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise DataError(f"{path}: no such tokenizer directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{path}: not a loadable tokenizer directory ({reason})") from error
+
+
+class Converter:
+    """Turns records of one format into trajectories and keeps the counts for the summary."""
+
+    def __init__(self, options: ConvertOptions, tokenizer) -> None:
+        self.options = options
+        self.tokenizer = tokenizer
+        self.prefix_unstable = 0  # trajectories kept with unstable turns untrained (policy "full")
+
+    def group_id(self, where: str, record: dict, default: str | None = None) -> str:
+        value = record.get(self.options.group_key, default)
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            raise RecordError("bad_group_id", f"{where}: field {self.options.group_key!r} must be a string")
+        return str(value)
+
+    def render(self, where: str, messages: object, tools: object) -> tuple[np.ndarray, np.ndarray]:
+        rendered = render_chat(self.tokenizer, messages, tools, where=where, train_on=self.options.train_on)
+        if rendered.unstable_turns:
+            message = f"{where}: the chat template is not prefix-stable for {rendered.unstable_turns} assistant turn(s)"
+            if self.options.prefix_policy != "full":
+                raise RecordError("prefix_unstable", message)
+            self.prefix_unstable += 1
+        return rendered.input_ids, rendered.loss_mask
+
+    def trajectories(self, where: str, record: dict) -> list[Trajectory]:
+        form = self.options.format
+        if form == "tree":
+            group = self.group_id(where, record, default=where)  # a tree line is a group by itself
+
+            def tokenize(messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+                return self.render(where, messages, record.get("tools"))
+
+            trajectories = trajectories_from_explicit_tree(record, where, tokenize)
+            for trajectory in trajectories:
+                trajectory.group_id = group
+            return trajectories
+        group = self.group_id(where, record)
+        if form == "chat":
+            input_ids, loss_mask = self.render(where, record.get("messages"), record.get("tools"))
+            # Reuse the tokens reader's field checks (reward, trial) on the rendered record.
+            record = {**record, "input_ids": input_ids.tolist(), "loss_mask": loss_mask.tolist()}
+        trajectory = trajectory_from_record(where, {**record, "group_id": group})
+        return [trajectory]
+
+
+def convert(
+    inputs: list[Path], output: Path, tokenizer_dir: str | Path, options: ConvertOptions, overwrite: bool = False
+) -> dict:
+    """Run the conversion; returns the summary (the dataset's meta file, its path and its POR)."""
+    check_output_dir(output, overwrite)  # fail before the work, not after
+    tokenizer = load_tokenizer(tokenizer_dir)
+    converter = Converter(options, tokenizer)
+    trajectories: list[Trajectory] = []
+    skipped: Counter[str] = Counter()
+    lines = 0
+    progress = tqdm(read_records(inputs, options.limit), unit=" lines", file=sys.stderr, delay=2.0)
+    for where, record in progress:
+        lines += 1
+        try:
+            if isinstance(record, DataError):
+                raise record
+            trajectories.extend(converter.trajectories(where, record))
+        except DataError as error:
+            reason = getattr(error, "reason", "bad_record")
+            dropped_by_policy = reason == "prefix_unstable" and options.prefix_policy == "drop"
+            if not (options.skip_bad or dropped_by_policy):
+                raise
+            skipped[reason] += 1
+    if options.merge == "global":
+        for trajectory in trajectories:
+            trajectory.group_id = GLOBAL_GROUP
+    check_vocab(trajectories, len(tokenizer))
+    meta = {
+        "tokenizer": tokenizer_identity(tokenizer),
+        "inputs": [str(path) for path in inputs],
+        "options": {
+            "format": options.format,
+            "group_key": options.group_key,
+            "train_on": options.train_on,
+            "merge": options.merge,
+            "prefix_policy": options.prefix_policy,
+            "limit": options.limit,
+        },
+        "lines": lines,
+        "skipped": dict(sorted(skipped.items())),
+        "prefix_unstable_kept": converter.prefix_unstable,
+    }
+    meta = save_tree_dataset(trajectories, output, meta, overwrite=overwrite)
+    counts = TokenCounts(meta["counts"]["flat_tokens"], meta["counts"]["tree_tokens"])
+    return {"output": str(output), **meta, "por": counts.por}
