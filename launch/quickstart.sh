@@ -5,16 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh
-PY=.venv/bin/python
+DS_TREE=.venv/bin/ds-tree
 RUN=${RUN:-runs/quickstart}
 if [ ! -f "$RUN/tokenizer/tokenizer.json" ]; then
-  "$PY" tools/make_tokenizer.py --output "$RUN/tokenizer"
+  "$DS_TREE" make-tokenizer --output "$RUN/tokenizer"
 fi
 if [ ! -f "$RUN/data/synthetic.jsonl" ]; then
   mkdir -p "$RUN/data"
-  "$PY" tools/make_synthetic.py --output "$RUN/data/synthetic.jsonl" --groups 64 --por 0.7 --seed 0
+  "$DS_TREE" make-synthetic --output "$RUN/data/synthetic.jsonl" --groups 64 --por 0.7 --seed 0
 fi
-"$PY" tools/stats.py "$RUN/data/synthetic.jsonl"
+"$DS_TREE" stats "$RUN/data/synthetic.jsonl"
 NGPU=${NGPU:-2} bash launch/train.sh configs/tiny_cpu.yaml "data.path=$RUN/data/synthetic.jsonl" "model.tokenizer=$RUN/tokenizer" "output_dir=$RUN/train" "$@"
 cat <<MSG
 
