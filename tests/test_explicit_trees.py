@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
+from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.errors import DataError
 from ds_tree.trees import build_forest
-from ds_tree.trees.explicit import trajectories_from_explicit_tree
 
 WHERE = "trees.jsonl:3"
 
@@ -87,7 +87,7 @@ def with_nodes(*nodes, **fields):
         (with_nodes({"id": 1, "parent": None}), "exactly one of"),
         (with_nodes(node(1, None, [5], loss_mask=[1, 1])), "as long as 'input_ids'"),
         (with_nodes(node(1, None, ["5"])), "list of integers"),
-        (with_nodes(node(1, None, [5], reward="high")), "'reward' must be a number"),
+        (with_nodes(node(1, None, [5], reward="high")), "field 'reward' must be a finite number"),
         (with_nodes({"parent": None, "input_ids": [5]}), "needs an 'id'"),
         (with_nodes("node"), "a node must be an object"),
         (with_nodes(node(1, None, [5]), {"id": 2, "parent": 1, "messages": []}), "mixes"),

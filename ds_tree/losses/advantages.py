@@ -25,7 +25,7 @@ them bit for bit). Estimators that need rewards raise :class:`~ds_tree.errors.Da
 the first trajectory without one.
 
 Trie sub-groups come from :func:`ds_tree.trees.trie.build_trees`, so flat trajectories and
-explicit trees (expanded into trajectories, see :mod:`ds_tree.trees.explicit`) are treated alike:
+explicit trees (expanded into trajectories, see :mod:`ds_tree.data.explicit`) are treated alike:
 sub-groups are the shared token prefixes, whatever the node split a record gave. Duplicate
 trajectories end at the same trie node and each counts as its own leaf.
 """

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ds_tree.data.records import group_id, integer_list, is_integer, number_list, optional_finite_number
 from ds_tree.errors import DataError
 from ds_tree.trees.trajectory import Trajectory
 
@@ -30,30 +31,21 @@ TokenizeMessages = Callable[[list[dict]], tuple[np.ndarray, np.ndarray]]
 """messages -> (input_ids, loss_mask) of their rendering (see :mod:`ds_tree.data.chat`)."""
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _check_node(where: str, node: object) -> None:
     if not isinstance(node, dict):
         raise DataError(f"{where}: a node must be an object")
-    if not isinstance(node.get("id"), str | int) or isinstance(node.get("id"), bool):
+    if not (isinstance(node.get("id"), str) or is_integer(node.get("id"))):
         raise DataError(f"{where}: a node needs an 'id' (string or integer)")
     if ("input_ids" in node) == ("messages" in node):
         raise DataError(f"{where}: node {node['id']!r} needs exactly one of 'input_ids' and 'messages'")
+    at = f"{where}: node {node['id']!r}"
     if "input_ids" in node:
-        ids = node["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
-            raise DataError(f"{where}: node {node['id']!r}: 'input_ids' must be a list of integers")
-        mask = node.get("loss_mask", [1] * len(ids))
-        if not isinstance(mask, list) or not all(_number(v) for v in mask) or len(mask) != len(ids):
-            raise DataError(
-                f"{where}: node {node['id']!r}: 'loss_mask' must be a list of numbers as long as 'input_ids'"
-            )
+        ids = integer_list(at, "input_ids", node["input_ids"])
+        if "loss_mask" in node and len(number_list(at, "loss_mask", node["loss_mask"])) != len(ids):
+            raise DataError(f"{at}: field 'loss_mask' must be as long as 'input_ids'")
     elif not isinstance(node["messages"], list):
-        raise DataError(f"{where}: node {node['id']!r}: 'messages' must be a list")
-    if "reward" in node and node["reward"] is not None and not _number(node["reward"]):
-        raise DataError(f"{where}: node {node['id']!r}: 'reward' must be a number or null")
+        raise DataError(f"{at}: field 'messages' must be a list")
+    optional_finite_number(at, "reward", node.get("reward"))
 
 
 def _root_paths(where: str, nodes: list[dict]) -> list[list[dict]]:
@@ -115,9 +107,7 @@ def trajectories_from_explicit_tree(
     uses_messages = kinds.pop()
     if uses_messages and tokenize_messages is None:
         raise DataError(f"{where}: nodes hold 'messages' but no tokenizer was given to render them")
-    group_id = record.get("group_id", where)
-    if not isinstance(group_id, str | int):
-        raise DataError(f"{where}: field 'group_id' must be a string")
+    group = group_id(where, record.get("group_id", where))
 
     trajectories = []
     for trial, path in enumerate(_root_paths(where, nodes)):
@@ -128,13 +118,12 @@ def trajectories_from_explicit_tree(
             loss_mask = np.concatenate(
                 [np.asarray(node.get("loss_mask", [1.0] * len(node["input_ids"])), dtype=np.float64) for node in path]
             )
-        reward = path[-1].get("reward")
         trajectories.append(
             Trajectory(
                 input_ids=input_ids,
                 loss_mask=loss_mask,
-                group_id=str(group_id),
-                reward=None if reward is None else float(reward),
+                group_id=group,
+                reward=optional_finite_number(where, "reward", path[-1].get("reward")),
                 trial=trial,
                 source=f"{where}:leaf {path[-1]['id']!r}",
             )

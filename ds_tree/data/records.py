@@ -1,0 +1,59 @@
+"""Checks of the JSON fields of input records, shared by every record format.
+
+Python's ``bool`` is a subclass of ``int``, so a JSON ``true`` passes ``isinstance(value, int)``;
+every check here rejects booleans where a number or an id is expected. Each check raises a
+:class:`DataError` that starts with ``where`` (``file:line``, and the node for tree records) and
+names the field.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ds_tree.errors import DataError
+
+INT64_MAX = 2**63 - 1
+
+
+def is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def integer_list(where: str, name: str, value: object) -> list[int]:
+    """``value`` if it is a list of integers that fit int64 (token ids, labels)."""
+    if not isinstance(value, list) or not all(is_integer(v) for v in value):
+        raise DataError(f"{where}: field {name!r} must be a list of integers")
+    if value and max(abs(v) for v in value) > INT64_MAX:
+        raise DataError(f"{where}: field {name!r} has an integer outside the 64-bit range")
+    return value
+
+
+def number_list(where: str, name: str, value: object) -> list[int | float]:
+    """``value`` if it is a list of numbers (loss masks; finiteness is checked by ``Trajectory``)."""
+    if not isinstance(value, list) or not all(is_number(v) for v in value):
+        raise DataError(f"{where}: field {name!r} must be a list of numbers")
+    return value
+
+
+def group_id(where: str, value: object) -> str:
+    """A group id: a string, or an integer taken as its decimal string."""
+    if not (isinstance(value, str) or is_integer(value)):
+        raise DataError(f"{where}: field 'group_id' must be a string")
+    return str(value)
+
+
+def optional_finite_number(where: str, name: str, value: object) -> float | None:
+    """``None`` for a missing or null value, else a finite number as a float (rewards)."""
+    if value is None:
+        return None
+    try:
+        number = float(value) if is_number(value) else math.nan
+    except OverflowError:  # an integer beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise DataError(f"{where}: field {name!r} must be a finite number or null")
+    return number
