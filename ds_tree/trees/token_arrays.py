@@ -49,8 +49,8 @@ class TokenField:
     """Passed to the model's forward (see ``PackedRow.tensors``)."""
 
 
-def _token_field(dtype: type, kind: ArrayKind, model_input: bool = False):
-    return field(metadata={"token_field": TokenField(dtype, kind, model_input=model_input)})
+def _token_field(dtype: type, kind: ArrayKind, pad: int | float = 0, model_input: bool = False):
+    return field(metadata={"token_field": TokenField(dtype, kind, pad, model_input)})
 
 
 @dataclass(kw_only=True)
