@@ -64,3 +64,22 @@ def test_bench_attention_report(synthetic, tmp_path, hub_min_keys):
 def test_bench_attention_needs_two_repeats(synthetic):
     with pytest.raises(SystemExit):
         attention_main(["--data", str(synthetic[0]), "--repeats", "1"])
+
+
+def test_bench_kernel_lays_out_one_forest_twice(tmp_path):
+    """On a CPU a smoke run under the Triton interpreter; the token counts are the forest's either way."""
+    import random
+
+    from ds_tree.cli.bench_kernel import main as kernel_main
+    from ds_tree.trees.random_trees import TreeShape, random_forest
+    from ds_tree.trees.stats import token_counts
+
+    out = tmp_path / "kernel.json"
+    argv = ["--trees", "2", "--depth", "2", "--branching", "2", "--node-len", "4", "--heads", "2", "--kv-heads", "1"]
+    assert kernel_main([*argv, "--head-dim", "16", "--dtype", "float32", "--seed", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    shape = TreeShape(trees=2, depth=2, children=(1, 2), node_tokens=(1, 7))
+    counts = token_counts(random_forest(random.Random(3), shape))
+    assert (report["tree"]["tokens"], report["flat"]["tokens"]) == (counts.tree_tokens, counts.flat_tokens)
+    assert report["tree"]["block_stats"]["useful_elements"] < report["flat"]["block_stats"]["useful_elements"]
+    assert report["flat_over_tree_time"] == pytest.approx(report["flat"]["ms"] / report["tree"]["ms"])

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    report["command"] = " ".join(["python", "tools/bench.py", *(argv if argv is not None else sys.argv[1:])])
+    invoked = prog or "python tools/bench.py"  # what ran: the ds-tree subcommand or the tools/ shim
+    report["command"] = " ".join([invoked, *(argv if argv is not None else sys.argv[1:])])
     report["data"] = str(args.data)
     report["model"] = str(args.model)
     text = json.dumps(report, indent=2)

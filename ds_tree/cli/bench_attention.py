@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "hub_min_queries": args.hub_min_queries,
         "threads": torch.get_num_threads(),
         "modes": modes,
-        "command": "python tools/bench_attention.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": " ".join([prog or "python tools/bench_attention.py", *(sys.argv[1:] if argv is None else argv)]),
     }
     text = json.dumps(report, indent=2)
     print(text)
