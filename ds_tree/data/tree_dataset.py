@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ds_tree.atomic import replace_directory
 from ds_tree.errors import DataError
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
@@ -106,17 +107,7 @@ def save_tree_dataset(
     try:
         Dataset.from_dict(columns, features=_features(mask_dtype)).save_to_disk(str(temporary))
         (temporary / META_FILE).write_text(json.dumps(full_meta, indent=2) + "\n")
-        if output_dir.exists():
-            # Move the old output aside before the new one goes in, so neither is ever half there.
-            retired = output_dir.parent / f".{output_dir.name}.replaced-{os.getpid()}"
-            output_dir.rename(retired)
-            temporary.rename(output_dir)
-            if retired.is_dir():
-                shutil.rmtree(retired)
-            else:
-                retired.unlink()
-        else:
-            temporary.rename(output_dir)
+        replace_directory(temporary, output_dir)  # the old output aside, the new one in, the old one deleted
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return full_meta

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ds_tree.atomic import replace_directory
+
 
 def export_hf(engine, directory: Path, rank: int, tokenizer: str = "") -> None:
     """Gather the full weights (ZeRO-3: consolidated on rank 0) and save them as safetensors.
 
-    Written to a temporary sibling and renamed, so a failed export never leaves a half model.
+    Written to a temporary sibling that then replaces the previous export (renamed aside first,
+    deleted last), so a crash at any point leaves a whole model: the previous one or the new one.
     The config names the standard ``sdpa`` attention: the tree engines need ds_tree, the plain
     model does not.
     """
@@ -31,6 +34,5 @@ def export_hf(engine, directory: Path, rank: int, tokenizer: str = "") -> None:
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(str(temporary))
-        shutil.rmtree(directory, ignore_errors=True)
-        temporary.rename(directory)
+        replace_directory(temporary, directory)
     dist.barrier()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ds_tree.engine.checkpoint import write_atomically
+from ds_tree.atomic import write_text_atomically
 
 
 class MetricsLogger:
@@ -22,7 +22,7 @@ class MetricsLogger:
             kept = [
                 line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step
             ]
-            write_atomically(self.path, "".join(line + "\n" for line in kept))
+            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
