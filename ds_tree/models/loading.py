@@ -3,7 +3,8 @@
 ``source`` is either a config JSON file (random init from a seed, for tests and the quickstart)
 or a local Hugging Face model directory (weights loaded, never downloaded). Any model class that
 dispatches attention through transformers' ``AttentionInterface`` works: Llama, Qwen2, Qwen3,
-Mistral, ...
+Mistral, ... Models with other token-mixing layers (state-space, linear attention) are refused
+(:mod:`ds_tree.models.token_mixing`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
+from ds_tree.models.token_mixing import check_layer_types
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,17 +63,19 @@ def load_model(
     """A causal LM with ``attn_implementation = tree_<attention>``, in training mode.
 
     Random init (seeded with ``seed``) from a config file or a weightless directory; weights
-    from a directory that has them.
+    from a directory that has them. A config whose ``layer_types`` name token mixing outside the
+    attention interface is refused before anything is built.
     """
     register_tree_attention()
     implementation = implementation_name(attention)
     dtype = parse_dtype(dtype)
+    config = load_config(source)
+    check_layer_types(config)
     if has_weights(source):
         model = AutoModelForCausalLM.from_pretrained(
             source, attn_implementation=implementation, dtype=dtype, local_files_only=True
         )
     else:
-        config = load_config(source)
         torch.manual_seed(seed)
         # Initialised in float32 whatever the dtype, so float64 and float32 runs of one seed hold
         # the same weights. Under ZeRO-3 init the parameters are partitioned as they are made;
