@@ -1,20 +1,37 @@
 """Training configuration: a YAML file mapped onto typed dataclasses.
 
-Every section is a dataclass with a docstring under each field; validation lives in
-``__post_init__``. An unknown key is an error that names it (with the file), never a silent
-default. Command-line overrides are dotted ``key=value`` pairs (``optimizer.lr=1e-3``,
-``max_steps=5``) whose values are parsed as YAML scalars.
+Every section is a dataclass with a docstring under each field; range checks live in
+``__post_init__``. The loader checks every value against its field's type: an unknown key, a
+value of the wrong type, a string outside a ``Literal`` field's choices, a list of the wrong
+length or a non-finite float (``.inf``, ``.nan``) is an error naming the file and the dotted key,
+never a silent default. Float fields also take numeric strings, because YAML reads ``1e-3``
+(exponent, no dot) as a string. Command-line overrides are dotted ``key=value`` pairs
+(``optimizer.lr=1e-3``, ``max_steps=5``) whose values are parsed as YAML scalars.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+
+# Choices of string fields. Where the library keeps a registry of the same names (attention
+# engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
+# that the two agree.
+Dtype = Literal["float32", "bfloat16"]
+AttentionEngine = Literal["reference", "torch", "triton"]
+Merge = Literal["group", "global"]
+PackingMode = Literal["tree", "flat"]
+Normalisation = Literal["token_mean", "sequence_mean", "sum"]
+WeightPolicy = Literal["exact", "dedup"]
+Schedule = Literal["cosine", "constant"]
+NonFinitePolicy = Literal["stop", "skip"]
+ResumePolicy = Literal["auto", "latest", "newest_complete", "never"]
 
 
 class ConfigError(ValueError):
@@ -25,9 +42,9 @@ class ConfigError(ValueError):
 class ModelConfig:
     source: str = ""
     """Model config JSON (random init from ``seed``) or a local Hugging Face directory."""
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16`` (DeepSpeed's bf16 mode)."""
-    attention: str = "torch"
+    attention: AttentionEngine = "torch"
     """Tree attention engine: ``torch`` (CPU block-sparse), ``triton`` (GPU) or ``reference``."""
     seed: int = 0
     """Seed of the random init."""
@@ -39,10 +56,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.source:
             raise ConfigError("model.source is required (a config JSON or a model directory)")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.attention not in ("torch", "triton", "reference"):
-            raise ConfigError(f"model.attention must be torch, triton or reference, got {self.attention!r}")
 
 
 @dataclass
@@ -51,7 +64,7 @@ class DataConfig:
     """Tokens JSONL file or a dataset directory written by ``tools/convert.py``."""
     groups_per_step: int = 8
     """Trees (groups of trajectories) per optimizer step, over all ranks."""
-    merge: str = "group"
+    merge: Merge = "group"
     """``group``: one tree per group id; ``global``: one trie over each step's trajectories."""
     seed: int = 0
     """Seed of the per-epoch shuffle; with the step number it fixes every step's data."""
@@ -61,13 +74,11 @@ class DataConfig:
             raise ConfigError("data.path is required")
         if self.groups_per_step < 1:
             raise ConfigError(f"data.groups_per_step must be >= 1, got {self.groups_per_step}")
-        if self.merge not in ("group", "global"):
-            raise ConfigError(f"data.merge must be group or global, got {self.merge!r}")
 
 
 @dataclass
 class PackingConfig:
-    mode: str = "tree"
+    mode: PackingMode = "tree"
     """``tree`` (tree packing, the default) or ``flat`` (the baseline: every trajectory alone)."""
     budget: int = 2048
     """Tokens of one packed row (one micro-batch). Larger trees are split into parts."""
@@ -79,17 +90,17 @@ class PackingConfig:
     """See ``cost_per_token``; attention's share of the work grows with visible pairs."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("tree", "flat"):
-            raise ConfigError(f"packing.mode must be tree or flat, got {self.mode!r}")
         if self.budget < 1 or self.block < 1:
             raise ConfigError("packing.budget and packing.block must be >= 1")
+        if self.cost_per_token < 0 or self.cost_per_pair < 0:
+            raise ConfigError("packing.cost_per_token and packing.cost_per_pair must be >= 0")
 
 
 @dataclass
 class ObjectiveConfig:
-    normalisation: str = "token_mean"
+    normalisation: Normalisation = "token_mean"
     """``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
-    policy: str = "exact"
+    policy: WeightPolicy = "exact"
     """``exact`` (the flat baseline's objective) or ``dedup`` (each distinct token once)."""
 
     def __post_init__(self) -> None:
@@ -104,32 +115,51 @@ class ObjectiveConfig:
 @dataclass
 class OptimizerConfig:
     lr: float = 3e-4
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (> 0)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (>= 0)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's two moment decay rates, each in [0, 1)."""
     eps: float = 1e-8
+    """AdamW's denominator term (> 0)."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 disables); resolves DeepSpeed's ``gradient_clipping: auto``."""
     warmup_steps: int = 0
     """Linear warmup from 0 to ``lr``."""
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     """``cosine`` decay to ``min_lr_ratio * lr`` at ``max_steps``, or ``constant``."""
     min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule as a fraction of ``lr``, in [0, 1]."""
+    non_finite: NonFinitePolicy = "stop"
+    """A step whose loss or gradient norm is not finite: ``stop`` ends the run with an error (nothing
+    of that step is applied or saved: the last checkpoint stays the newest); ``skip`` discards the
+    step's update on every rank, counts it (``optim/skipped_steps``) and goes on. Skipped steps do not
+    advance the learning-rate schedule. ``skip`` needs DeepSpeed to discard the update itself, which
+    it does under ZeRO stages 1-3 and bf16."""
 
     def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        if self.lr <= 0 or self.warmup_steps < 0 or self.grad_clip < 0:
-            raise ConfigError("optimizer.lr must be > 0, warmup_steps and grad_clip >= 0")
-        if self.schedule not in ("cosine", "constant"):
-            raise ConfigError(f"optimizer.schedule must be cosine or constant, got {self.schedule!r}")
+        if self.lr <= 0 or self.eps <= 0:
+            raise ConfigError(f"optimizer.lr and optimizer.eps must be > 0, got lr={self.lr}, eps={self.eps}")
+        if self.weight_decay < 0 or self.grad_clip < 0 or self.warmup_steps < 0:
+            raise ConfigError("optimizer.weight_decay, grad_clip and warmup_steps must be >= 0")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"optimizer.betas must both be in [0, 1), got {list(self.betas)}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass
 class LoggingConfig:
     every: int = 1
-    """Console line and TensorBoard scalars every N steps."""
+    """Console line and TensorBoard scalars every N steps (>= 1; the last step is always logged)."""
     tensorboard: bool = True
+    """TensorBoard event files in ``<output_dir>/tensorboard`` (``metrics.jsonl`` is always written)."""
     progress_bar: bool = True
+    """A tqdm bar on rank 0; the step lines print above it."""
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"logging.every must be >= 1, got {self.every}")
 
 
 @dataclass
@@ -137,9 +167,17 @@ class CheckpointConfig:
     every: int = 0
     """Save every N steps (0: only at the end)."""
     keep_last: int = 2
-    """Checkpoints kept on disk (older ones are deleted once a newer one is complete)."""
-    resume: bool = True
-    """Resume from ``<output_dir>/checkpoints/latest`` when it exists."""
+    """Complete checkpoints kept up to the newest one saved; older ones are deleted after a save.
+    Checkpoints newer than the step a run resumed from are never deleted."""
+    resume: ResumePolicy = "auto"
+    """Where a run starts, given ``<output_dir>/checkpoints``. A checkpoint is complete once every rank
+    has written it (rank 0 then writes its ``ds_tree_checkpoint.json`` and renames it into place);
+    ``latest`` names the newest complete one. ``auto``: resume from ``latest``; start from step 0 when
+    there is no checkpoint at all; a ``latest`` that is missing (with checkpoints present), unreadable
+    or names anything but a complete checkpoint of that directory is an error listing the complete
+    checkpoints. ``latest``: as ``auto``, but a run with nothing to resume from is an error.
+    ``newest_complete``: resume from the newest complete checkpoint, whatever ``latest`` says.
+    ``never``: start from step 0; an error if complete checkpoints exist (they would be overwritten)."""
     export_hf: bool = True
     """Write the final model as a Hugging Face directory (safetensors) in ``<output_dir>/hf``."""
 
@@ -149,24 +187,42 @@ class CheckpointConfig:
 
 
 @dataclass
+class DistributedConfig:
+    timeout_s: float = 1800.0
+    """Seconds a collective may wait for the other ranks before the process group fails it. A rank
+    that stops (hangs, or is suspended) without exiting holds every other rank in its next
+    collective until then. It must cover the longest gap between two collectives: a checkpoint save,
+    the Hugging Face export (rank 0 writes while the others wait), the first step's kernel builds."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ConfigError(f"distributed.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
 class Config:
     model: ModelConfig
     data: DataConfig
     deepspeed: str = "configs/ds/zero3.json"
     """DeepSpeed JSON; its ``auto`` values are resolved from this config."""
     output_dir: str = "runs/default"
-    """TensorBoard logs, metrics.jsonl, checkpoints and the exported model go here."""
+    """TensorBoard logs, metrics.jsonl, checkpoints and the exported model go here. It must be a
+    directory that can be created or written (checked before any model is built). ``config.yaml``
+    records the first run's config; a resumed run whose config differs adds ``config.<N>.yaml``."""
     max_steps: int = 100
-    """Optimizer steps."""
+    """Optimizer steps. Resuming needs ``max_steps`` >= the checkpoint's step."""
     packing: PackingConfig = field(default_factory=PackingConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if not self.output_dir:
+            raise ConfigError("output_dir is required")
 
 
 def _build(cls: type, values: Any, where: str, prefix: str) -> Any:
@@ -197,17 +253,39 @@ def _build(cls: type, values: Any, where: str, prefix: str) -> Any:
 
 
 def _coerce(hint: Any, value: Any, where: str, dotted: str) -> Any:
+    """``value`` checked against the field type ``hint`` (and converted where YAML needs it)."""
     origin = typing.get_origin(hint)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{where}: {dotted} must be one of {', '.join(choices)}; got {value!r}")
+        return value
     if origin is tuple:
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: {dotted} must be a list, got {value!r}")
-        return tuple(float(v) for v in value)
-    expected = hint if isinstance(hint, type) else None
-    if expected is not None and (not isinstance(value, expected) or (expected is int and isinstance(value, bool))):
-        raise ConfigError(f"{where}: {dotted} must be {expected.__name__}, got {value!r}")
+        types = typing.get_args(hint)
+        if not isinstance(value, list | tuple) or len(value) != len(types):
+            raise ConfigError(f"{where}: {dotted} must be a list of {len(types)} values, got {value!r}")
+        return tuple(_coerce(t, v, where, f"{dotted}[{i}]") for i, (t, v) in enumerate(zip(types, value, strict=True)))
+    if hint is float:
+        return _finite_float(value, where, dotted)
+    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}: {dotted} must be {hint.__name__}, got {value!r}")
     return value
+
+
+def _finite_float(value: Any, where: str, dotted: str) -> float:
+    number = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        except ValueError:
+            pass
+    if number is None:
+        raise ConfigError(f"{where}: {dotted} must be float, got {value!r}")
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: {dotted} must be a finite number, got {value!r}")
+    return number
 
 
 def _apply_override(tree: dict, override: str) -> None:
@@ -238,4 +316,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def config_to_dict(config: Config) -> dict:
-    return dataclasses.asdict(config)
+    """Plain types only (tuples as lists), so ``yaml.safe_dump`` and JSON both take it."""
+    return _plain(dataclasses.asdict(config))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value

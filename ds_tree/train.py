@@ -1,18 +1,34 @@
 """Entry point: ``python -m ds_tree.train --config configs/X.yaml [key=value ...]``.
 
 Runs under ``deepspeed --num_gpus N --module ds_tree.train``, ``torchrun`` and ``srun`` alike.
-``--dry-run`` validates the config, the data and the DeepSpeed JSON without starting anything.
+``--dry-run`` validates the config, the data, the model's layer types, the DeepSpeed JSON, the
+output directory and what a resume would load, without starting anything.
+
+Exit codes: 0 done; 2 a config, data or checkpoint error found before any process group starts
+(every rank finds the same); 1 a failure after that, which each failing rank reports with its
+rank before exiting, so the one that failed first is named even when the others then fail
+waiting for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import warnings
 
-from ds_tree.config import load_config
-from ds_tree.engine.trainer import Trainer
+from ds_tree.config import ConfigError, load_config
+from ds_tree.engine.checkpoint import CheckpointError
+from ds_tree.engine.console import setup_console
+from ds_tree.engine.trainer import NonFiniteError, Trainer
+from ds_tree.models.token_mixing import UnsupportedModelError
+
+logger = logging.getLogger("ds_tree.train")
+
+# Failures whose message says everything: reported without a traceback.
+EXPLAINED = (ConfigError, CheckpointError, NonFiniteError, UnsupportedModelError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,12 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
+    setup_console(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     try:
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
         trainer.prepare()
+    except CheckpointError as error:
+        logger.error("checkpoint error: %s", error)
+        return 2
     except (ValueError, FileNotFoundError) as error:  # ConfigError, DataError, malformed model JSON
-        print(f"config error: {error}", file=sys.stderr)
+        logger.error("config error: %s", error)
         return 2
     if args.dry_run:
         print(json.dumps({"world_size": trainer.world_size, "deepspeed": trainer.ds_config}, indent=2))
@@ -39,6 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer.setup()
         trainer.train()
+    except EXPLAINED as error:
+        logger.error("error: %s", error)
+        return 1
+    except Exception as error:  # noqa: BLE001 - every rank names its own failure before exiting
+        logger.error("error: %s: %s", type(error).__name__, error, exc_info=True)
+        if "timed out" in str(error).lower():
+            logger.error(
+                "error: a collective waited distributed.timeout_s=%g s for another rank, which stopped answering "
+                "(its own error, if it reported one, is above)",
+                config.distributed.timeout_s,
+            )
+        return 1
     finally:
         trainer.close()
     return 0

@@ -222,7 +222,7 @@ def test_export_loads_in_plain_transformers_with_the_engines_logits(tmp_path: Pa
     process = launch_training(config, f"output_dir={second}", f"model.source={hf}", "model.zero_init=true")
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-4000:]
-    trainer = prepare(config, f"model.source={hf}")
+    trainer = prepare(config, f"model.source={hf}", f"output_dir={tmp_path / 'plan'}")  # no resume to plan
     trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]
     rows = pack_trajectories(trajectories, "flat", 4096)
     model = load_model(hf, attention="reference")
@@ -304,7 +304,7 @@ def test_bf16_training_step_matches_float32_flat_loss(tmp_path: Path) -> None:
     process = launch_training(config)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-4000:]
-    trainer = prepare(config)
+    trainer = prepare(config, f"output_dir={tmp_path / 'plan'}")  # not the 2-rank run's checkpoints
     trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]
     rows = pack_trajectories(trajectories, "flat", 4096)
     model = load_model(trainer.config.model.source, attention="reference", seed=trainer.config.model.seed)

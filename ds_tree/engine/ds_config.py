@@ -76,6 +76,11 @@ def resolve_deepspeed_config(config: Config, world_size: int, hidden_size: int |
         raise ConfigError(f"{path}: bf16.enabled={bf16['enabled']} contradicts model.dtype={config.model.dtype}")
 
     zero = ds.setdefault("zero_optimization", {})
+    if config.optimizer.non_finite == "skip" and not zero.get("stage", 0) and not bf16["enabled"]:
+        raise ConfigError(
+            f"{path}: optimizer.non_finite=skip needs ZeRO stage 1-3 or bf16, where DeepSpeed discards a step whose "
+            "gradient norm is not finite; at stage 0 in float32 it applies it"
+        )
     sizes = {
         "reduce_bucket_size": lambda h: h * h,
         "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),

@@ -11,26 +11,30 @@ One optimizer step:
    the accumulation steps (skipped: ``scale_wrt_gas=False``) and averages gradients over the
    data-parallel ranks (cancelled: the loss is multiplied by the world size), so the final
    gradient is exactly the single-process flat gradient;
-4. ``engine.step()`` at the boundary ds_tree marks itself (the row count varies per step).
+4. ``engine.step()`` at the boundary ds_tree marks itself (the row count varies per step). A step
+   whose loss or gradient norm is not finite stops the run or is discarded
+   (``optimizer.non_finite``); the decision is taken from all-reduced values, so every rank
+   takes the same one.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
-from ds_tree.data.sampler import StepSampler, group_trajectories
-from ds_tree.engine import checkpoint
+from ds_tree.data.sampler import StepSampler
+from ds_tree.engine import checkpoint, run_dir
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
 from ds_tree.engine.step import StepOutput, run_rows
@@ -38,12 +42,19 @@ from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
+from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import make_parts
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.stats import token_counts
-from ds_tree.trees.trajectory import check_vocab
+from ds_tree.trees.trajectory import check_vocab, group_trajectories
 from ds_tree.trees.trie import build_forest
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm is not finite and ``optimizer.non_finite`` is ``stop``."""
 
 
 @dataclass
@@ -92,17 +103,24 @@ class Trainer:
         self.engine = None
         self.metrics: MetricsLogger | None = None
         self.start_step = 0
+        self.resume_from: str | None = None
+        self.skipped_steps = 0
+        """Steps whose update was discarded (``optimizer.non_finite: skip``), this run and the ones it resumed."""
+        self.untrained_steps = 0
+        """Steps without a trained token (every loss weight 0)."""
 
     # ----------------------------------------------------------------- set-up
     def prepare(self) -> None:
         """Everything that can fail on bad input, before any process group exists."""
         config = self.config
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        run_dir.check_writable(self.output_dir)
         try:
             self.trajectories = load_trajectories(config.data.path)
         except DataError as error:
             raise ConfigError(f"data.path: {error}") from None
         self.model_config = load_model_config(config.model.source)
+        check_layer_types(self.model_config)
         check_vocab(self.trajectories, self.model_config.vocab_size)
         budget = config.packing.budget
         longest = max(self.trajectories, key=len)
@@ -116,13 +134,34 @@ class Trainer:
         self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
         hidden = getattr(self.model_config, "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
+        self.plan_resume()
+
+    def plan_resume(self) -> None:
+        """Which checkpoint this run resumes from, and whether it may (see ``checkpoint.resume``)."""
+        directory = self.checkpoint_dir
+        self.resume_from = checkpoint.resume_tag(directory, self.config.checkpoint.resume)
+        if self.resume_from is None:
+            return
+        record = checkpoint.read_record(directory, self.resume_from)
+        changes = run_dir.resume_changes(record, self.config, self.world_size, directory / self.resume_from)
+        if changes:
+            logger.warning("resuming from %s with a changed config: %s", self.resume_from, "; ".join(changes))
+        resumed_step = checkpoint.step_of(self.resume_from)
+        newer = [tag for tag in checkpoint.complete_tags(directory) if checkpoint.step_of(tag) > resumed_step]
+        if newer:
+            logger.warning(
+                "resuming from %s although newer complete checkpoints exist (%s); they are kept until this run "
+                "saves the same steps",
+                self.resume_from,
+                ", ".join(newer),
+            )
 
     def setup(self) -> None:
         """Process group, model, DeepSpeed engine, resume. Call :meth:`prepare` first."""
         import deepspeed
 
         ensure_distributed_env()
-        deepspeed.init_distributed()
+        deepspeed.init_distributed(timeout=timedelta(seconds=self.config.distributed.timeout_s))
         self.rank = dist.get_rank()
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"WORLD_SIZE={self.world_size} but the process group has {dist.get_world_size()}")
@@ -139,6 +178,7 @@ class Trainer:
             self._hf_deepspeed_config = HfDeepSpeedConfig(self.ds_config)
         model = load_model(config.model.source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
         self.build_engine(model)
+        check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
         self.resume()
 
     def build_engine(self, model: torch.nn.Module) -> None:
@@ -159,20 +199,19 @@ class Trainer:
         )
 
     def resume(self) -> None:
-        tag = checkpoint.read_latest(self.checkpoint_dir) if self.config.checkpoint.resume else None
-        if tag is not None:
-            _, client_state = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=tag)
+        if self.resume_from is not None:
+            _, client_state = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=self.resume_from)
             self.start_step = int(client_state["step"])
-            if self.rank == 0:
-                checkpoint.prune(self.checkpoint_dir, self.config.checkpoint.keep_last)
-                print(f"resumed from {self.checkpoint_dir / tag} at step {self.start_step}", flush=True)
+            self.skipped_steps = int(client_state.get("skipped_steps", 0))
+            self.untrained_steps = int(client_state.get("untrained_steps", 0))
+            logger.info("resumed from %s at step %d", self.checkpoint_dir / self.resume_from, self.start_step)
         self.metrics = MetricsLogger(
             self.output_dir, self.rank == 0, self.config.logging.tensorboard, resume_step=self.start_step
         )
         if self.rank == 0:
-            import yaml
-
-            checkpoint.write_atomically(self.output_dir / "config.yaml", yaml.safe_dump(config_to_dict(self.config)))
+            recorded = run_dir.record_config(self.output_dir, self.config, self.start_step)
+            if recorded is not None and recorded.name != "config.yaml":
+                logger.info("this run's config differs from the recorded one: saved as %s", recorded)
 
     # ------------------------------------------------------------------ steps
     def plan_step(self, step: int, rank: int | None = None) -> StepPlan:
@@ -200,9 +239,10 @@ class Trainer:
         dist.all_reduce(values)
         return Normalisers.from_tensor(values)
 
-    def forward_backward(self, rows: list[PackedRow]) -> StepOutput:
+    def forward_backward(self, rows: list[PackedRow], normalisers: Normalisers | None = None) -> StepOutput:
         engine = self.engine
-        normalisers = self.global_normalisers(rows)
+        if normalisers is None:
+            normalisers = self.global_normalisers(rows)
         scale = float(dist.get_world_size())
         remaining = [len(rows)]
 
@@ -227,12 +267,20 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
         plan = self.plan_step(step)
-        output = self.forward_backward(plan.rows)
+        normalisers = self.global_normalisers(plan.rows)
+        if normalisers.target_tokens == 0:
+            self.count_untrained(step + 1)
+        output = self.forward_backward(plan.rows, normalisers)
+        loss = torch.tensor([output.loss], dtype=torch.float64)
+        dist.all_reduce(loss)  # every rank sees the same sum, so every rank decides alike below
+        loss = float(loss.item())
         lr = self.engine.get_lr()[0]
+        if not math.isfinite(loss) and self.config.optimizer.non_finite == "stop":
+            raise NonFiniteError(self.non_finite_message(step + 1, f"the loss is {loss}"))
         self.optimizer_step()
         grad_norm = self.engine.get_global_grad_norm()  # of the gradient this step applied
-        loss = torch.tensor([output.loss], dtype=torch.float64)
-        dist.all_reduce(loss)
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        self.check_step_applied(step + 1, loss, grad_norm)
         elapsed = time.perf_counter() - started
         peak = (
             torch.cuda.max_memory_allocated()
@@ -240,9 +288,10 @@ class Trainer:
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         )
         return {
-            "loss/train": float(loss.item()),
+            "loss/train": loss,
             "optim/lr": float(lr),
-            "optim/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "optim/grad_norm": grad_norm if grad_norm is not None else float("nan"),
+            "optim/skipped_steps": float(self.skipped_steps),
             "throughput/flat_tokens_per_s": plan.flat_tokens / elapsed,
             "throughput/unique_tokens_per_s": plan.tree_tokens / elapsed,
             "tree/por": 1.0 - plan.tree_tokens / plan.flat_tokens,
@@ -253,45 +302,98 @@ class Trainer:
             "data/epoch": self.sampler.epoch_of_step(step + 1),
         }
 
+    def check_step_applied(self, step: int, loss: float, grad_norm: float | None) -> None:
+        """Stop, or count a discarded step, when the loss or the gradient was not finite.
+
+        DeepSpeed (ZeRO stages 1-3, bf16) discards a step whose gradient norm is not finite on
+        every rank alike: the gradients are zeroed, the parameters, optimizer state and
+        learning-rate schedule left as they were. A non-finite loss has non-finite gradients.
+        """
+        applied = self.engine.was_step_applied()
+        finite_norm = grad_norm is None or math.isfinite(grad_norm)
+        if applied and math.isfinite(loss) and finite_norm:
+            return
+        if not math.isfinite(loss):
+            what = f"the loss is {loss}"
+        else:
+            what = "the gradient is not finite" if finite_norm else f"the gradient norm is {grad_norm}"
+        if applied:
+            raise NonFiniteError(
+                f"step {step}: {what}, and DeepSpeed applied the update (it discards such steps only under ZeRO "
+                f"stages 1-3 and bf16): the model is no longer finite. {self.last_good()}"
+            )
+        if self.config.optimizer.non_finite == "stop":
+            raise NonFiniteError(self.non_finite_message(step, what))
+        self.skipped_steps += 1
+        logger.warning(
+            "step %d: %s; its update is discarded (optimizer.non_finite=skip; %d step(s) skipped)",
+            step,
+            what,
+            self.skipped_steps,
+        )
+
+    def non_finite_message(self, step: int, what: str) -> str:
+        return (
+            f"step {step}: {what}; stopped without applying its update (optimizer.non_finite=stop). {self.last_good()} "
+            "Lower optimizer.lr, check the data, or set optimizer.non_finite=skip to discard such steps"
+        )
+
+    def last_good(self) -> str:
+        tags = checkpoint.complete_tags(self.checkpoint_dir)
+        return f"Nothing was saved: {tags[-1]} stays the newest checkpoint." if tags else "Nothing was saved."
+
+    def count_untrained(self, step: int) -> None:
+        self.untrained_steps += 1
+        if self.untrained_steps == 1:
+            logger.warning(
+                "step %d has no trained token (every loss weight is 0): its loss and gradient are 0; "
+                "further such steps are counted and reported at the end",
+                step,
+            )
+
     def train(self) -> None:
         config = self.config
-        steps = range(self.start_step, config.max_steps)
         bar = None
         if self.rank == 0 and config.logging.progress_bar:
             from tqdm import tqdm
 
             bar = tqdm(total=config.max_steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
-        for step in steps:
+        for step in range(self.start_step, config.max_steps):
             scalars = self.train_step(step)
             done = step + 1
             if self.rank == 0:
                 if done % config.logging.every == 0 or done == config.max_steps:
                     self.metrics.log(done, scalars)
-                    line = console_line(done, config.max_steps, scalars)
-                    (bar.write if bar else print)(line)
+                    logger.info(console_line(done, config.max_steps, scalars))
                 if bar:
                     bar.update(1)
             if config.checkpoint.every and done % config.checkpoint.every == 0 and done < config.max_steps:
                 self.save(done)
         if bar:
             bar.close()
-        if self.start_step < config.max_steps or checkpoint.read_latest(self.checkpoint_dir) is None:
+        if self.untrained_steps:
+            logger.warning(
+                "%d of %d steps had no trained token (every loss weight 0)", self.untrained_steps, config.max_steps
+            )
+        if self.skipped_steps:
+            logger.warning("%d of %d steps were discarded (non-finite)", self.skipped_steps, config.max_steps)
+        if self.start_step < config.max_steps:
             self.save(config.max_steps)
         if config.checkpoint.export_hf:
             self.export_hf(self.output_dir / "hf")
         dist.barrier()  # every rank done before any tears its process group down
 
     def save(self, step: int) -> None:
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint.save(self.engine, self.checkpoint_dir, step, {"step": step}, self.config.checkpoint.keep_last)
+        client_state = {"step": step, "skipped_steps": self.skipped_steps, "untrained_steps": self.untrained_steps}
+        record = {"world_size": self.world_size, "config": config_to_dict(self.config)}
+        checkpoint.save(self.engine, self.checkpoint_dir, step, client_state, record, self.config.checkpoint.keep_last)
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""
         from ds_tree.engine.export import export_hf
 
         export_hf(self.engine, directory, self.rank, self.config.model.tokenizer)
-        if self.rank == 0:
-            print(f"exported Hugging Face model to {directory}", flush=True)
+        logger.info("exported Hugging Face model to %s", directory)
 
     def close(self) -> None:
         """Flush the logs and tear the process group down.
@@ -303,10 +405,3 @@ class Trainer:
             self.metrics.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def gather_full_gradients(engine) -> dict[str, np.ndarray]:
-    """Every parameter's full gradient before the optimizer step (any ZeRO stage)."""
-    from deepspeed.utils import safe_get_full_grad
-
-    return {name: safe_get_full_grad(p).detach().double().cpu().numpy() for name, p in engine.module.named_parameters()}

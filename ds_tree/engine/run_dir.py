@@ -1,0 +1,103 @@
+"""The run's output directory: writable before anything starts, what a resume may change, and
+the history of the configs that trained into it.
+
+``config.yaml`` is the config of the first run; a resumed run whose config differs from the last
+recorded one adds ``config.1.yaml``, ``config.2.yaml``, ... (each headed by the step it resumed
+from), so the history is never overwritten. A resume is refused when the world size differs from
+the checkpoint's (DeepSpeed partitions the ZeRO optimizer state per rank and cannot load it at
+another world size) or when ``max_steps`` is below the checkpoint's step; any other difference
+(a new ``data.path``, a longer ``max_steps``, ...) is listed as a warning; a new ``optimizer.lr``,
+``betas``, ``eps`` or ``weight_decay`` is listed as not used, since the optimizer and schedule state
+the checkpoint restores holds the old ones.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from ds_tree.atomic import write_text_atomically
+from ds_tree.config import Config, ConfigError, config_to_dict
+
+HISTORY = re.compile(r"^config(?:\.(\d+))?\.yaml$")
+# AdamW's hyperparameters live in the optimizer and schedule state that a resume loads.
+RESTORED = {"optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay"}
+
+
+def check_writable(output_dir: str | Path) -> None:
+    """``output_dir`` is a directory, or can be created, and a file can be written there."""
+    path = Path(output_dir)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir: {path} exists and is not a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"output_dir: {path} cannot be created: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(f"output_dir: {path} cannot be written ({existing}: {error.strerror})") from None
+
+
+def resume_changes(record: dict, config: Config, world_size: int, where: Path) -> list[str]:
+    """What differs between the checkpoint ``record`` (at ``where``) and this run: ``key: old -> new``.
+
+    Raises :class:`ConfigError` for the differences a resume cannot take.
+    """
+    step = record["step"]
+    if record.get("world_size") != world_size:
+        raise ConfigError(
+            f"{where} was written by {record.get('world_size')} ranks, this run has {world_size}: DeepSpeed "
+            "cannot load ZeRO optimizer state partitioned for another world size. Resume with "
+            f"{record.get('world_size')} ranks, or start a new output_dir"
+        )
+    if config.max_steps < step:
+        raise ConfigError(
+            f"max_steps ({config.max_steps}) is below the step of {where} ({step}); raise max_steps to resume "
+            "from it, or start a new output_dir"
+        )
+    before = _flatten(record.get("config", {}))
+    after = _flatten(config_to_dict(config))
+    keys = sorted((set(before) | set(after)) - {"output_dir"})
+    changes = []
+    for key in (key for key in keys if before.get(key) != after.get(key)):
+        note = " (not used: the checkpoint's optimizer state holds the old value)" if key in RESTORED else ""
+        changes.append(f"{key}: {before.get(key)!r} -> {after.get(key)!r}{note}")
+    return changes
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def record_config(output_dir: Path, config: Config, resumed_step: int) -> Path | None:
+    """Add this run's config to the history unless it equals the last recorded one; the file written."""
+    values = config_to_dict(config)
+    history = sorted(
+        (int(match.group(1) or 0), path)
+        for path in output_dir.glob("config*.yaml")
+        if (match := HISTORY.match(path.name))
+    )
+    if history:
+        if yaml.safe_load(history[-1][1].read_text()) == values:
+            return None
+        number = history[-1][0] + 1
+        path = output_dir / f"config.{number}.yaml"
+        header = f"# run {number + 1}: started at step {resumed_step}; config.yaml holds the first run's config\n"
+    else:
+        path = output_dir / "config.yaml"
+        header = ""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(path, header + yaml.safe_dump(values, sort_keys=False))
+    return path

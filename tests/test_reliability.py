@@ -1,0 +1,315 @@
+"""No silent wrong results, no silent loss of checkpoints, bad configs caught before training.
+
+Config values are checked from their types (finite floats, numeric strings, choices, list
+lengths); the dry run (``train.main --dry-run`` in-process) refuses what used to crash after the
+model was built; models whose layers mix tokens outside the tree attention are refused; a
+non-finite loss stops a 2-rank run without saving, and ``optimizer.non_finite=skip`` discards
+exactly that step; a full disk during a checkpoint is named and keeps the earlier checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import typing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_tree import config as config_module
+from ds_tree import train
+from ds_tree.attention.registry import ENGINES
+from ds_tree.config import ConfigError, load_config
+from ds_tree.data.sampler import StepSampler
+from ds_tree.engine import checkpoint
+from ds_tree.losses.sft import NORMALISATIONS, POLICIES
+from ds_tree.models.loading import load_model
+from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation, check_layer_types
+from ds_tree.packing.modes import MODES
+from tests.test_engine import PYTHON, ROOT, environment, launch_training, write_config, write_forest
+
+TINY_CPU = ROOT / "configs" / "tiny_cpu.yaml"
+
+
+# --------------------------------------------------------------- config values
+def float_fields(cls: type = config_module.Config, prefix: str = "") -> list[str]:
+    """Dotted names of every float field of the config, list elements as ``name[i]``."""
+    names = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            names += float_fields(hint, f"{prefix}{field.name}.")
+        elif hint is float:
+            names.append(prefix + field.name)
+        elif typing.get_origin(hint) is tuple:
+            names += [f"{prefix}{field.name}[{i}]" for i, t in enumerate(typing.get_args(hint)) if t is float]
+    return names
+
+
+def override_for(key: str, value: str) -> str:
+    if "[" not in key:
+        return f"{key}={value}"
+    name, index = key[:-1].split("[")
+    values = ["0.5", "0.5"]
+    values[int(index)] = value
+    return f"{name}=[{', '.join(values)}]"
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan"])
+@pytest.mark.parametrize("key", float_fields())
+def test_every_float_field_rejects_non_finite_values(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=rf"tiny_cpu.yaml: {re.escape(key)} must be a finite number"):
+        load_config(TINY_CPU, [override_for(key, value)])
+
+
+def test_float_fields_take_numeric_strings(tmp_path: Path) -> None:
+    text = TINY_CPU.read_text().replace("lr: 2.0e-3", "lr: 3e-4")
+    assert "lr: 3e-4" in text
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    config = load_config(path, ["optimizer.eps=1e-6", "optimizer.betas=[9e-1, 95e-2]"])
+    assert (config.optimizer.lr, config.optimizer.eps, config.optimizer.betas) == (3e-4, 1e-6, (0.9, 0.95))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.dtype=float16", r"model.dtype must be one of float32, bfloat16; got 'float16'"),
+        ("model.attention=flash", r"model.attention must be one of reference, torch, triton; got 'flash'"),
+        ("checkpoint.resume=true", r"checkpoint.resume must be one of auto, latest, newest_complete, never; got True"),
+        ("optimizer.non_finite=ignore", r"optimizer.non_finite must be one of stop, skip; got 'ignore'"),
+        ("optimizer.betas=[0.9]", r"optimizer.betas must be a list of 2 values, got \[0.9\]"),
+        ("optimizer.betas=[0.9, 1.0]", r"optimizer.betas must both be in \[0, 1\)"),
+        ("optimizer.min_lr_ratio=2", r"optimizer.min_lr_ratio must be in \[0, 1\]"),
+        ("distributed.timeout_s=0", r"distributed.timeout_s must be > 0"),
+    ],
+)
+def test_values_are_checked_against_their_types(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"tiny_cpu.yaml: {message}"):
+        load_config(TINY_CPU, [override])
+
+
+def test_choices_are_the_library_registries() -> None:
+    assert typing.get_args(config_module.AttentionEngine) == tuple(ENGINES)
+    assert typing.get_args(config_module.PackingMode) == MODES
+    assert typing.get_args(config_module.Normalisation) == NORMALISATIONS
+    assert typing.get_args(config_module.WeightPolicy) == POLICIES
+
+
+# ------------------------------------------------------------------- dry run
+def dry_run(monkeypatch, capsys, config: Path, *overrides: str) -> tuple[int, str]:
+    monkeypatch.chdir(ROOT)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    code = train.main(["--config", str(config), "--dry-run", *overrides])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture
+def forest_config(tmp_path: Path) -> Path:
+    return write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("logging.every=0", "logging.every must be >= 1"),
+        ("optimizer.betas=[0.9]", "optimizer.betas must be a list of 2 values"),
+        ("optimizer.eps=-1", "optimizer.lr and optimizer.eps must be > 0"),
+        ("optimizer.lr=.inf", "optimizer.lr must be a finite number"),
+        ("optimizer.lr=.nan", "optimizer.lr must be a finite number"),
+        ("output_dir=FILE", "exists and is not a directory"),
+        ("output_dir=FILE/run", "is not a directory"),
+        ("output_dir=/proc/ds_tree_run", "/proc/ds_tree_run cannot be written"),
+        ("optimizer.non_finite=skip deepspeed=STAGE0", "optimizer.non_finite=skip needs ZeRO stage 1-3 or bf16"),
+    ],
+)
+def test_dry_run_refuses_what_would_crash_later(monkeypatch, capsys, tmp_path, forest_config, override, message):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    stage0 = tmp_path / "stage0.json"
+    stage0.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    overrides = override.replace("FILE", str(afile)).replace("STAGE0", str(stage0)).split()
+    code, err = dry_run(monkeypatch, capsys, forest_config, *overrides)
+    assert code == 2
+    assert "config error: " in err and message in err, err
+
+
+def test_dry_run_accepts_exponents_without_a_dot(monkeypatch, capsys, forest_config):
+    code, err = dry_run(monkeypatch, capsys, forest_config, "optimizer.lr=1e-3", "optimizer.weight_decay=1e-2")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("content", ["step_00000x6", "", "../..", "/tmp"])
+def test_dry_run_refuses_a_damaged_latest(monkeypatch, capsys, tmp_path, forest_config, content):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in (1, 2):
+        (checkpoints / checkpoint.tag_for(step)).mkdir(parents=True)
+        record = {"step": step, "world_size": 2, "config": {}}
+        (checkpoints / checkpoint.tag_for(step) / checkpoint.RECORD).write_text(json.dumps(record))
+    (checkpoints / "latest").write_text(content)
+    code, err = dry_run(monkeypatch, capsys, forest_config)
+    assert code == 2
+    assert f"checkpoint error: {checkpoints / 'latest'}: names {content!r}" in err
+    assert "complete checkpoints there: step_0000001, step_0000002" in err
+    code, err = dry_run(monkeypatch, capsys, forest_config, "checkpoint.resume=newest_complete", "max_steps=1")
+    assert code == 2 and "max_steps (1) is below the step of" in err and "step_0000002 (2)" in err
+
+
+# --------------------------------------------------------- unsupported models
+@pytest.mark.parametrize("model_type", ["mamba", "bamba", "jamba", "falcon_h1", "qwen3_next", "recurrent_gemma"])
+def test_layer_types_outside_the_attention_interface_are_refused(model_type: str) -> None:
+    from transformers import AutoConfig
+
+    with pytest.raises(UnsupportedModelError, match=r"layer_types has (linear_attention|hybrid)"):
+        check_layer_types(AutoConfig.for_model(model_type))
+
+
+def test_dry_run_refuses_a_mamba_config(monkeypatch, capsys, tmp_path, forest_config):
+    source = tmp_path / "tiny_mamba.json"
+    source.write_text(
+        json.dumps({"model_type": "mamba", "vocab_size": 1024, "hidden_size": 32, "num_hidden_layers": 2})
+    )
+    code, err = dry_run(monkeypatch, capsys, forest_config, f"model.source={source}")
+    assert code == 2
+    assert "config error: MambaConfig (mamba): layer_types has linear_attention (layers 0, 1)" in err
+
+
+def test_probe_refuses_a_layer_that_mixes_tokens_by_itself() -> None:
+    """A Mamba model built past the static check: its mixer runs along the packed row."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_tree.attention import register_tree_attention
+
+    register_tree_attention()
+    config = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_torch")
+    with pytest.raises(UnsupportedModelError, match=r"layer 0 \(MambaBlock: MambaMixer, MambaRMSNorm\) lets the"):
+        check_branch_isolation(model)
+    assert model.training  # left as it was
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+def test_probe_passes_models_that_mix_tokens_through_attention(name: str, dtype: str) -> None:
+    check_branch_isolation(load_model(ROOT / "configs" / "models" / f"{name}.json", dtype=dtype))
+
+
+# ------------------------------------------------------- non-finite, 2 ranks
+NAN_TOKEN = 1000
+
+
+def write_step_data(path: Path, nan_group: int, untrained_group: int) -> None:
+    """Four groups of three trajectories; one holds a token whose embedding is NaN, one trains nothing."""
+    rng = np.random.default_rng(1)
+    with open(path, "w") as handle:
+        for group in range(4):
+            stem = rng.integers(3, 900, 40).tolist()
+            for _ in range(3):
+                ids = stem + rng.integers(3, 900, int(rng.integers(5, 40))).tolist()
+                mask = [0] * 10 + [1] * (len(ids) - 10)
+                if group == nan_group:
+                    ids[20] = NAN_TOKEN
+                if group == untrained_group:
+                    mask = [0] * len(ids)
+                handle.write(json.dumps({"group_id": f"g{group}", "input_ids": ids, "loss_mask": mask}) + "\n")
+
+
+def fp32_weights(checkpoints: Path, step: int) -> dict[str, torch.Tensor]:
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoints), tag=checkpoint.tag_for(step))
+
+
+@pytest.mark.distributed
+def test_non_finite_loss_stops_without_saving_and_skip_discards_only_that_step(tmp_path: Path) -> None:
+    model_dir = tmp_path / "nan_model"
+    model = load_model(ROOT / "configs" / "models" / "tiny_llama.json", seed=3)
+    with torch.no_grad():
+        model.get_input_embeddings().weight[NAN_TOKEN] = float("nan")
+    model.save_pretrained(model_dir)
+    order = [StepSampler(4, 1, seed=0).groups_for_step(step)[0] for step in range(4)]
+    data = tmp_path / "steps.jsonl"
+    write_step_data(data, nan_group=order[1], untrained_group=order[2])  # steps 2 and 3
+    config = write_config(
+        tmp_path,
+        data,
+        model={"source": str(model_dir)},
+        max_steps=4,
+        checkpoint={"every": 1, "keep_last": 4, "export_hf": True},
+    )
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+
+    process = launch_training(config, "data.groups_per_step=1", "optimizer.non_finite=stop")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0, output[-4000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] error: step 2: the loss is nan; stopped without applying its update" in output
+    assert "Nothing was saved: step_0000001 stays the newest checkpoint" in output
+    assert checkpoint.complete_tags(checkpoints) == ["step_0000001"]
+    assert (checkpoints / "latest").read_text() == "step_0000001"
+    assert not (run / "hf").exists()
+
+    process = launch_training(config, "data.groups_per_step=1", "optimizer.non_finite=skip")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    assert "resuming from step_0000001 with a changed config: optimizer.non_finite: 'stop' -> 'skip'" in output
+    assert "step 2: the loss is nan; its update is discarded (optimizer.non_finite=skip; 1 step(s) skipped)" in output
+    assert "warning: step 3 has no trained token" in output
+    assert "warning: 1 of 4 steps had no trained token" in output
+    assert "warning: 1 of 4 steps were discarded (non-finite)" in output
+    assert (run / "config.yaml").is_file() and (run / "config.1.yaml").is_file()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert np.isnan(records[1]["loss/train"]) and records[2]["loss/train"] == 0.0
+    assert [r["optim/skipped_steps"] for r in records] == [0.0, 1.0, 1.0, 1.0]
+    assert checkpoint.complete_tags(checkpoints) == [checkpoint.tag_for(step) for step in range(1, 5)]
+    before, skipped, last = fp32_weights(checkpoints, 1), fp32_weights(checkpoints, 2), fp32_weights(checkpoints, 4)
+    for name, value in before.items():
+        torch.testing.assert_close(skipped[name], value, rtol=0, atol=0, equal_nan=True)
+    assert any(not torch.equal(last[name], value) for name, value in before.items())
+    assert (run / "hf" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------- full disk
+def mount_tmpfs(path: Path) -> bool:
+    path.mkdir(parents=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(path)], capture_output=True)
+    return result.returncode == 0
+
+
+@pytest.mark.distributed
+def test_full_disk_during_a_checkpoint_is_named_and_keeps_the_earlier_one(tmp_path: Path) -> None:
+    """On a small tmpfs filled to the last byte where one can be mounted, else with DeepSpeed's save raising ENOSPC."""
+    disk = tmp_path / "disk"
+    mounted = mount_tmpfs(disk)
+    try:
+        config = write_config(
+            tmp_path,
+            write_forest(tmp_path / "forest.jsonl"),
+            output_dir=str(disk / "run"),
+            deepspeed=str(ROOT / "configs" / "ds" / "zero2.json"),
+            logging={"progress_bar": False, "tensorboard": False},
+        )
+        out = tmp_path / "report.json"
+        command = [PYTHON, str(ROOT / "tests/distributed/checkpoint_write_check.py"), "--config", str(config)]
+        command += ["--out", str(out), "--mode", "fill" if mounted else "simulate"]
+        result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        report = json.loads(out.read_text())
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
+    checkpoints = disk / "run" / "checkpoints"
+    assert report["message"].startswith(
+        f"checkpoint step_0000002 could not be written to {checkpoints}: no space left on device"
+    )
+    assert "the last complete checkpoint, step_0000001, is kept" in report["message"]
+    assert report["latest"] == "step_0000001" and report["complete"] == ["step_0000001"]
