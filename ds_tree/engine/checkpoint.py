@@ -154,7 +154,10 @@ def write_failure(directory: Path, tag: str, error: BaseException) -> str:
     1 MiB, counts as full.
     """
     complete = complete_tags(directory)
-    free = shutil.disk_usage(directory).free
+    existing = directory
+    while not existing.exists():  # a rank that found no directory to write into
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
     needed = max(_size(directory / complete[-1]) if complete else 0, 1 << 20)
     full = getattr(error, "errno", None) == errno.ENOSPC or free < needed
     kept = f"the last complete checkpoint, {complete[-1]}, is kept" if complete else "no earlier checkpoint exists"
