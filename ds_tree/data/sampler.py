@@ -9,16 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ds_tree.trees.trajectory import Trajectory
-
-
-def group_trajectories(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
-    """Trajectories grouped by ``group_id``, groups in order of first appearance."""
-    groups: dict[str, list[Trajectory]] = {}
-    for trajectory in trajectories:
-        groups.setdefault(trajectory.group_id, []).append(trajectory)
-    return list(groups.values())
-
 
 class StepSampler:
     def __init__(self, n_groups: int, groups_per_step: int, seed: int) -> None:
