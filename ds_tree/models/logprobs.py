@@ -46,11 +46,33 @@ def logprobs_at(
     (ZeRO-3 counts micro-steps there to accumulate rather than overwrite gradients).
     ``logits_to_keep`` given as indices makes the model apply its LM head to those rows only.
     """
+    return logprobs_and_entropy_at(model, row, predictors, labels, device, entropy=False)[0]
+
+
+def logprobs_and_entropy_at(
+    model: PreTrainedModel,
+    row: PackedRow,
+    predictors: np.ndarray,
+    labels: np.ndarray,
+    device: torch.device | str = "cpu",
+    *,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`logprobs_at` and, with ``entropy``, the entropy of each predicted distribution.
+
+    The entropy ``-sum_v p_v log p_v`` is taken at ``predictors[j]``: a fork position that predicts
+    several targets contributes once per target, as each flat trajectory through it would.
+    """
     index = torch.as_tensor(predictors, device=device)
     logits = model(**row.tensors(device), logits_to_keep=index, use_cache=False).logits[0]
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return -torch.nn.functional.cross_entropy(logits, torch.as_tensor(labels, device=device), reduction="none")
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    target = torch.as_tensor(labels, device=device)
+    logprobs = log_softmax.gather(-1, target[:, None])[:, 0]
+    if not entropy:
+        return logprobs, None
+    return logprobs, -(log_softmax.exp() * log_softmax).sum(-1)
 
 
 def predicted_tokens(row: PackedRow) -> np.ndarray:
