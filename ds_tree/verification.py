@@ -140,3 +140,132 @@ def compare(
         ),
     }
 
+
+
+# ------------------------------------------------------------------------------------------ RL
+def perturb_parameters(model: torch.nn.Module, scale: float, seed: int) -> None:
+    """Move every parameter by ``scale`` times its own spread (seeded), so that token ratios
+    ``pi / pi_old`` leave the clip range on both sides."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(parameter.dtype)
+            spread = parameter.detach().double().std().item() if parameter.numel() > 1 else 1.0
+            parameter.add_(noise * (scale * (spread if spread > 0 else 1.0)))
+
+
+@dataclass
+class RLModeResult:
+    loss: float
+    gradients: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+    packed_tokens: int
+    rows: int
+
+
+def run_rl_mode(
+    model, old_model, reference, trajectories, mode, budget, block, advantages, settings
+) -> RLModeResult:
+    """One RL pass (old log-probs from ``old_model``, loss and gradients of ``model``) in ``mode``."""
+    from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+
+    rows = pack_trajectories(trajectories, mode, budget, block)
+    normalisers = StepNormalisers.of(trajectories)
+    prepared = prepare_rl_rows(old_model, rows, advantages, settings, normalisers, reference=reference)
+    model.zero_grad(set_to_none=True)
+    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
+    gradients = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return RLModeResult(
+        output.loss, gradients, output.metrics or {}, sum(r.n_tokens for r in rows), len(rows)
+    )
+
+
+def compare_rl(
+    trajectories: list[Trajectory],
+    model_source: str,
+    *,
+    estimator: str = "grpo",
+    normalise_advantages: bool = False,
+    settings=None,
+    dtype: str = "float64",
+    seed: int = 0,
+    budget: int = 4096,
+    block: int = 1,
+    attention: str = "torch",
+    perturbation: float = 0.5,
+) -> dict:
+    """RL objective, tree vs flat: old log-probs, loss, metrics and every gradient (``ds-tree verify --objective``).
+
+    The old policy is the model at ``seed``; the trained policy is that model with every parameter
+    moved by ``perturbation`` times its spread, so ratios leave the clip range on both sides (the
+    report counts the clipped tokens of each side). The reference policy (KL) is the old policy.
+    """
+    from ds_tree.engine.rl_step import RLSettings
+    from ds_tree.losses.advantages import ESTIMATORS
+
+    settings = settings or RLSettings()
+    if not trajectories:
+        raise ValueError("no trajectories to verify")
+    torch_dtype = parse_dtype(dtype)
+    if torch_dtype not in TOLERANCES:
+        raise ValueError(f"verification runs in float64 or float32, not {dtype}")
+    old_model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
+    check_vocab(trajectories, old_model.config.vocab_size)
+    model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
+    perturb_parameters(model, perturbation, seed + 1)
+    for parameter in old_model.parameters():
+        parameter.requires_grad_(False)
+    reference = old_model if settings.kl_coef else None
+    computed = ESTIMATORS[estimator](trajectories, normalise=normalise_advantages)
+    advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+
+    with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward
+        old = {
+            mode: run_rows(
+                old_model, pack_trajectories(trajectories, mode, budget, block), Normalisers(1.0, 1.0, 1.0),
+                collect_logprobs=True,
+            ).trajectory_logprobs
+            for mode in ("flat", "tree")
+        }
+    logprob_err = max((np.abs(old["tree"][k] - old["flat"][k]).max(initial=0.0) for k in old["flat"]), default=0.0)
+    flat = run_rl_mode(model, old_model, reference, trajectories, "flat", budget, block, advantages, settings)
+    tree = run_rl_mode(model, old_model, reference, trajectories, "tree", budget, block, advantages, settings)
+
+    grad_errors = gradient_errors(flat.gradients, tree.gradients)
+    metric_errors = {
+        name: abs(tree.metrics.get(name, 0.0) - value) / max(abs(value), 1e-300) if value else abs(tree.metrics[name])
+        for name, value in flat.metrics.items()
+    }
+    counts = token_counts(trajectories)
+    tolerance = TOLERANCES[torch_dtype]
+    loss_rel_err = abs(tree.loss - flat.loss) / max(abs(flat.loss), 1e-300)
+    max_rel_grad_err = max(grad_errors.values(), default=0.0)
+    max_metric_err = max(metric_errors.values(), default=0.0)
+    return {
+        "n_trajectories": len(trajectories),
+        "flat_tokens": counts.flat_tokens,
+        "tree_tokens": counts.tree_tokens,
+        "ideal_speedup": counts.ideal_speedup,
+        "rows_flat": flat.rows,
+        "rows_tree": tree.rows,
+        "dtype": dtype,
+        "estimator": estimator,
+        "aggregation": settings.aggregation,
+        "singleton_trajectories": computed.singletons,
+        "loss_flat": flat.loss,
+        "loss_tree": tree.loss,
+        "loss_rel_err": loss_rel_err,
+        "max_rel_grad_err": max_rel_grad_err,
+        "worst_parameter": max(grad_errors, key=grad_errors.get) if grad_errors else None,
+        "max_abs_old_logprob_err": float(logprob_err),
+        "max_rel_metric_err": max_metric_err,
+        "metrics_flat": flat.metrics,
+        "metrics_tree": tree.metrics,
+        "tolerance": tolerance,
+        "passed": bool(
+            max_rel_grad_err <= tolerance
+            and loss_rel_err <= tolerance
+            and logprob_err <= tolerance
+            and max_metric_err <= tolerance
+        ),
+    }

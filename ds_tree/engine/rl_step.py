@@ -1,0 +1,275 @@
+"""The RL objective on packed rows: old/reference log-probs, per-token sums, loss and metrics.
+
+The computation every entry point shares (trainer, ``verify``, ``bench``), in two passes over the
+same rows (docs/RL.md):
+
+1. :func:`prepare_rl_rows` (no gradient): per row, fold the trajectories through its tokens into
+   per-token sums (:func:`ds_tree.losses.rl.token_sums`: the sign split of the clipped objective),
+   choose the targets the LM head must score, and compute the old policy's log-probs there
+   (recomputed by a forward, or read from the data) and the reference model's;
+2. :func:`run_rl_rows`: forward each row with gradients and hand the clipped-objective loss of its
+   targets to ``backward``; PPO epochs repeat this pass on the prepared rows.
+
+Both passes run one forward per row on every rank, even for a row without targets, because
+ZeRO-3 gathers parameters collectively in every forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from ds_tree.errors import DataError
+from ds_tree.losses.rl import TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
+from ds_tree.models.logprobs import logprobs_and_entropy_at, logprobs_at
+from ds_tree.packing.rows import PackedRow
+from ds_tree.trees.trajectory import Trajectory
+
+OLD_LOGPROBS = ("recompute", "data")
+
+SHARED_LOGPROB_TOLERANCE = 1e-6
+"""Largest difference between the sampler log-probs that trajectories through one tree token may
+carry when ``old_logprobs: data`` (the tree shares one ratio per token, so they must agree)."""
+
+
+@dataclass(frozen=True)
+class RLSettings:
+    """The RL objective's parameters (``objective`` section of the config; docs/RL.md)."""
+
+    aggregation: str = "token_mean"
+    aggregation_constant: float | None = None
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    old_logprobs: str = "recompute"
+    importance_truncation: float | None = None
+
+
+@dataclass
+class StepNormalisers:
+    """The aggregation's global denominators over one optimizer step's trajectories (all ranks)."""
+
+    total_tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, trajectories: Sequence[Trajectory]) -> StepNormalisers:
+        trained = [t.trained_tokens for t in trajectories]
+        return cls(float(sum(trained)), float(sum(count > 0 for count in trained)))
+
+
+@dataclass
+class RLRow:
+    """One packed row ready for the loss pass."""
+
+    row: PackedRow
+    targets: np.ndarray
+    """Row indices whose log-probs the loss needs (owned tokens with any non-zero sum)."""
+    sums: TokenSums
+    """Per-target sums (aligned with ``targets``)."""
+    logp_old: np.ndarray
+    logp_ref: np.ndarray | None
+
+
+def trajectory_copies(row: PackedRow) -> list[tuple[Trajectory, np.ndarray]]:
+    """``(trajectory, row index of each of its tokens or -1)`` for every trajectory with a token in ``row``.
+
+    A tree part holds a trajectory whole (its leaf is in the part) or only a prefix of it (the
+    chain carried as context, owned or not); with the ``owned`` array, listing every copy makes
+    each token's sums count every trajectory through it exactly once over all rows.
+    """
+    copies = []
+    offset = 0
+    for part in row.parts:
+        tree = part.tree
+        to_row = np.full(tree.n_tokens, -1, dtype=np.int64)
+        to_row[part.token_index] = offset + np.arange(part.n_tokens)
+        for trajectory, path in zip(tree.trajectories, tree.paths, strict=True):
+            in_row = to_row[path]
+            if in_row[0] >= 0:  # parts always hold the root, so a trajectory is here iff its first token is
+                copies.append((trajectory, in_row))
+        offset += part.n_tokens
+    return copies
+
+
+def row_sums(
+    row: PackedRow,
+    copies: list[tuple[Trajectory, np.ndarray]],
+    advantages: dict[int, np.ndarray],
+    settings: RLSettings,
+    normalisers: StepNormalisers,
+    logp_old: np.ndarray | None = None,
+) -> TokenSums:
+    """Per-token sums of ``row`` (all its tokens); with ``logp_old`` (per row token) and truncation, IS-weighted."""
+    masks = [t.loss_mask for t, _ in copies]
+    coefficients = [
+        trajectory_coefficients(
+            t.loss_mask,
+            settings.aggregation,
+            total_tokens=normalisers.total_tokens,
+            sequences=normalisers.sequences,
+            constant=settings.aggregation_constant,
+        )
+        for t, _ in copies
+    ]
+    weighted = settings.importance_truncation is not None and logp_old is not None
+    sampler = None
+    if weighted:
+        sampler = [_sampler_logprobs(t) for t, _ in copies]
+    return token_sums(
+        row.n_tokens,
+        [path for _, path in copies],
+        masks,
+        coefficients,
+        [advantages[id(t)] for t, _ in copies],
+        row.owned,
+        logp_old=logp_old if weighted else None,
+        sampler_logprobs=sampler,
+        truncation=settings.importance_truncation if weighted else None,
+    )
+
+
+def _sampler_logprobs(trajectory: Trajectory) -> np.ndarray:
+    values = getattr(trajectory, "logprobs", None)
+    if values is None:
+        raise DataError(
+            f"{trajectory.source or trajectory.group_id}: the sampler's per-token 'logprobs' are needed "
+            "(objective.old_logprobs=data or objective.importance_truncation), but this trajectory has none"
+        )
+    return np.asarray(values, dtype=np.float64)
+
+
+def logprobs_from_data(row: PackedRow, copies: list[tuple[Trajectory, np.ndarray]], targets: np.ndarray) -> np.ndarray:
+    """Old log-probs at ``targets`` read from the trajectories' sampler log-probs.
+
+    Every trajectory through a target carries a value for it, and they agree to
+    :data:`SHARED_LOGPROB_TOLERANCE`: the tree shares one ratio per token, so disagreeing values
+    (independent samples that happen to share tokens) cannot be trained exactly on the tree.
+    """
+    low = np.full(row.n_tokens, np.inf)
+    high = np.full(row.n_tokens, -np.inf)
+    who: dict[int, str] = {}
+    for trajectory, path in copies:
+        values = _sampler_logprobs(trajectory)
+        present = np.flatnonzero(path[1:] >= 0) + 1
+        index = path[present]
+        np.minimum.at(low, index, values[present])
+        np.maximum.at(high, index, values[present])
+        for k in index[np.isnan(values[present])]:
+            who.setdefault(int(k), trajectory.source or trajectory.group_id)
+    missing = [k for k in targets if int(k) in who or not np.isfinite(low[k])]
+    if missing:
+        k = int(missing[0])
+        raise DataError(f"{who.get(k, 'a trajectory')}: no sampler log-prob for a trained token (row index {k})")
+    spread = high[targets] - low[targets]
+    if np.any(spread > SHARED_LOGPROB_TOLERANCE):
+        raise DataError(
+            f"trajectories sharing a token carry sampler log-probs that differ by {spread.max():.3g} "
+            f"(> {SHARED_LOGPROB_TOLERANCE}); use objective.old_logprobs=recompute"
+        )
+    return low[targets]
+
+
+def _dummy_forward(model: PreTrainedModel, row: PackedRow, device) -> torch.Tensor:
+    """A one-target forward for a row with nothing to score (ZeRO-3 needs every rank's forward)."""
+    return logprobs_at(model, row, np.zeros(1, dtype=np.int64), row.input_ids[:1], device)
+
+
+@torch.no_grad()
+def _logprobs(model: PreTrainedModel, row: PackedRow, targets: np.ndarray, device) -> np.ndarray:
+    if targets.size == 0:
+        _dummy_forward(model, row, device)
+        return np.zeros(0)
+    return logprobs_at(model, row, row.pred_pos[targets], row.input_ids[targets], device).double().cpu().numpy()
+
+
+def prepare_rl_rows(
+    model: PreTrainedModel,
+    rows: Sequence[PackedRow],
+    advantages: dict[int, np.ndarray],
+    settings: RLSettings,
+    normalisers: StepNormalisers,
+    *,
+    reference: PreTrainedModel | None = None,
+    device: torch.device | str = "cpu",
+) -> list[RLRow]:
+    """Targets, per-token sums, old and reference log-probs of every row (no gradients).
+
+    ``advantages`` maps ``id(trajectory)`` to its per-token advantages. ``model`` is the policy
+    before this step's updates (its log-probs are ``logp_old`` unless ``old_logprobs`` is ``data``).
+    """
+    prepared = []
+    for row in rows:
+        copies = trajectory_copies(row)
+        sums = row_sums(row, copies, advantages, settings, normalisers)
+        targets = sums.active()
+        if settings.old_logprobs == "data":
+            logp_old = logprobs_from_data(row, copies, targets) if targets.size else np.zeros(0)
+        else:
+            logp_old = _logprobs(model, row, targets, device)
+        if settings.importance_truncation is not None:
+            by_token = np.full(row.n_tokens, np.nan)
+            by_token[targets] = logp_old
+            sums = row_sums(row, copies, advantages, settings, normalisers, logp_old=by_token)
+        logp_ref = _logprobs(reference, row, targets, device) if reference is not None else None
+        prepared.append(RLRow(row, targets, sums.take(targets), logp_old, logp_ref))
+    return prepared
+
+
+@dataclass
+class RLOutput:
+    loss: float = 0.0
+    """Sum over rows of the (unscaled) loss."""
+    metrics: dict[str, float] | None = None
+    """Sums of :func:`ppo_tree_loss`'s metrics over rows (``ratio_max`` by max)."""
+
+
+def add_metrics(total: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
+    if total is None:
+        return dict(new)
+    return {name: max(total[name], v) if name == "ratio_max" else total[name] + v for name, v in new.items()}
+
+
+def run_rl_rows(
+    model: PreTrainedModel,
+    prepared: Sequence[RLRow],
+    settings: RLSettings,
+    *,
+    backward: Callable[[torch.Tensor], None] | None = None,
+    device: torch.device | str = "cpu",
+) -> RLOutput:
+    """Forward every prepared row with gradients; hand each row's loss to ``backward``."""
+    output = RLOutput()
+    for item in prepared:
+        row, targets = item.row, item.targets
+        if targets.size == 0:
+            loss = _dummy_forward(model, row, device).sum() * 0.0
+        else:
+            logp, entropy = logprobs_and_entropy_at(
+                model, row, row.pred_pos[targets], row.input_ids[targets], device, entropy=True
+            )
+            loss, metrics = ppo_tree_loss(
+                logp,
+                item.logp_old,
+                item.sums,
+                eps_low=settings.eps_low,
+                eps_high=settings.eps_high,
+                dual_clip=settings.dual_clip,
+                logp_ref=item.logp_ref,
+                kl_coef=settings.kl_coef,
+                kl_estimator=settings.kl_estimator,
+                entropy=entropy,
+                entropy_coef=settings.entropy_coef,
+            )
+            output.metrics = add_metrics(output.metrics, metrics)
+        if backward is not None:
+            backward(loss)
+        output.loss += float(loss.detach())
+    return output
