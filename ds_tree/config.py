@@ -32,6 +32,11 @@ WeightPolicy = Literal["exact", "dedup"]
 Schedule = Literal["cosine", "constant"]
 NonFinitePolicy = Literal["stop", "skip"]
 ResumePolicy = Literal["auto", "latest", "newest_complete", "never"]
+ObjectiveKind = Literal["sft", "grpo", "ppo"]
+Estimator = Literal["grpo", "rloo", "treepo", "given"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+OldLogprobs = Literal["recompute", "data"]
 
 
 class ConfigError(ValueError):
@@ -98,10 +103,49 @@ class PackingConfig:
 
 @dataclass
 class ObjectiveConfig:
+    kind: ObjectiveKind = "sft"
+    """``sft``: weighted next-token loss (``normalisation``, ``policy``). ``grpo`` / ``ppo``: the clipped
+    policy-gradient objective (docs/RL.md) with advantages from ``estimator``; they differ only in the
+    default estimator (``grpo``: group-relative ``grpo``; ``ppo``: ``given``, advantages from the data)."""
     normalisation: Normalisation = "token_mean"
-    """``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
+    """SFT: ``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
     policy: WeightPolicy = "exact"
-    """``exact`` (the flat baseline's objective) or ``dedup`` (each distinct token once)."""
+    """SFT: ``exact`` (the flat baseline's objective) or ``dedup`` (each distinct token once)."""
+    estimator: Literal["", "grpo", "rloo", "treepo", "given"] = ""
+    """RL advantage estimator: ``grpo``, ``rloo``, ``treepo`` or ``given`` ("": the kind's default)."""
+    normalise_advantages: bool = False
+    """Divide advantages by the reward standard deviation (``grpo``: of the group; ``treepo``: of the
+    batch). Off: Dr. GRPO's unnormalised advantages."""
+    aggregation: Aggregation = "token_mean"
+    """RL loss aggregation: ``token_mean`` (over the step's trained tokens), ``seq_mean_token_mean``,
+    ``seq_mean_token_sum`` or ``token_sum_norm`` (divide by ``aggregation_constant``)."""
+    aggregation_constant: float = 0.0
+    """The constant normaliser of ``token_sum_norm`` (> 0 there, e.g. the generation budget)."""
+    eps_low: float = 0.2
+    """Lower clip range: the ratio is clipped at ``1 - eps_low`` (in [0, 1))."""
+    eps_high: float = 0.2
+    """Upper clip range: the ratio is clipped at ``1 + eps_high`` (DAPO's clip-higher uses 0.28)."""
+    dual_clip: float = 0.0
+    """Dual clip constant ``c > 1`` bounding the loss of negative advantages (0: off)."""
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference policy (0: no reference model is built)."""
+    kl_estimator: KLEstimator = "k3"
+    """Per-token KL estimator: ``k1``, ``k2`` or ``k3``."""
+    reference: str = ""
+    """Reference policy for the KL term: a model config JSON or HF directory ("": ``model.source`` at
+    ``model.seed``, the initial policy). Kept frozen and whole on every rank (not ZeRO-partitioned)."""
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus."""
+    old_logprobs: OldLogprobs = "recompute"
+    """``recompute``: the old policy's log-probs come from a no-grad tree forward at the start of each
+    step; ``data``: from the trajectories' sampler ``logprobs`` (trajectories sharing a token must agree)."""
+    importance_truncation: float = 0.0
+    """Truncated importance weight ``min(pi_old / pi_sampler, C)`` on each token's advantage, with the
+    sampler's log-probs from the data (0: off)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts (old log-probs stay those of the step's start)."""
+    mini_batches: int = 1
+    """Optimizer updates per epoch: the step's groups are cut into this many mini-batches."""
 
     def __post_init__(self) -> None:
         from ds_tree.losses.sft import check_objective
@@ -110,6 +154,48 @@ class ObjectiveConfig:
             check_objective(self.normalisation, self.policy)
         except ValueError as error:
             raise ConfigError(f"objective: {error}") from None
+        if not self.estimator:
+            self.estimator = "given" if self.kind == "ppo" else "grpo"
+        if not 0 <= self.eps_low < 1 or self.eps_high < 0:
+            raise ConfigError(
+                f"objective: eps_low must be in [0, 1) and eps_high >= 0, got {self.eps_low}, {self.eps_high}"
+            )
+        if self.dual_clip and self.dual_clip <= 1:
+            raise ConfigError(f"objective.dual_clip must be > 1 (or 0: off), got {self.dual_clip}")
+        if self.aggregation == "token_sum_norm" and self.aggregation_constant <= 0:
+            raise ConfigError("objective.aggregation token_sum_norm needs objective.aggregation_constant > 0")
+        if self.kl_coef < 0 or self.entropy_coef < 0 or self.importance_truncation < 0:
+            raise ConfigError("objective.kl_coef, entropy_coef and importance_truncation must be >= 0")
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ConfigError("objective.ppo_epochs and objective.mini_batches must be >= 1")
+        if self.estimator == "given" and self.normalise_advantages:
+            raise ConfigError("objective.normalise_advantages does not apply to the given estimator")
+
+    @property
+    def is_rl(self) -> bool:
+        return self.kind != "sft"
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per training step (1 for SFT)."""
+        return self.ppo_epochs * self.mini_batches if self.is_rl else 1
+
+    def rl_settings(self):
+        """The RL loss parameters (:class:`ds_tree.engine.rl_step.RLSettings`)."""
+        from ds_tree.engine.rl_step import RLSettings
+
+        return RLSettings(
+            aggregation=self.aggregation,
+            aggregation_constant=self.aggregation_constant or None,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            dual_clip=self.dual_clip or None,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+            old_logprobs=self.old_logprobs,
+            importance_truncation=self.importance_truncation or None,
+        )
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,8 +38,10 @@ from ds_tree.data.sampler import StepSampler
 from ds_tree.engine import checkpoint, run_dir
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
+from ds_tree.engine.rl_step import RLOutput, RLRow, StepNormalisers, add_metrics, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.errors import DataError
+from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
@@ -47,7 +50,7 @@ from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import make_parts
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.stats import token_counts
-from ds_tree.trees.trajectory import check_vocab, group_trajectories
+from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 from ds_tree.trees.trie import build_forest
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,58 @@ class StepPlan:
     """Distinct tokens of the step's trees."""
     packed_tokens: int
     """Tokens actually computed over all ranks (duplicated prefixes and padding included)."""
+
+
+@dataclass
+class RLRollouts:
+    """One RL step's data, ready for its updates (:meth:`Trainer.rl_rollouts`)."""
+
+    trajectories: list[Trajectory]
+    advantages: list[np.ndarray]
+    """Per trajectory (``trajectories`` order), per token."""
+    singletons: int
+    """Trajectories alone in their group (advantage 0)."""
+    batches: list[list[Trajectory]]
+    """Mini-batches: whole groups each."""
+    plans: list[StepPlan]
+    """This rank's rows of each mini-batch."""
+    prepared: list[list[RLRow]]
+    """Those rows with targets, per-token sums, old and reference log-probs."""
+
+
+def rl_scalars(
+    trajectories: list[Trajectory], advantages: list[np.ndarray], metrics: dict[str, float]
+) -> dict[str, float]:
+    """``rl/`` scalars as the flat batch computes them: rewards per trajectory, advantages per
+    trained (trajectory, token), the loss metrics per trained token summed over the step's updates."""
+    rewards = np.array([t.reward for t in trajectories if t.reward is not None], dtype=np.float64)
+    masks = [t.loss_mask[1:] for t in trajectories]
+    weight = float(sum(m.sum() for m in masks))
+    mean = float(sum((m * a[1:]).sum() for m, a in zip(masks, advantages, strict=True))) / weight if weight else 0.0
+    variance = (
+        float(sum((m * (a[1:] - mean) ** 2).sum() for m, a in zip(masks, advantages, strict=True))) / weight
+        if weight
+        else 0.0
+    )
+    tokens = metrics["tokens"]
+
+    def per_token(name: str) -> float:
+        return metrics[name] / tokens if tokens else 0.0
+
+    return {
+        "rl/reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
+        "rl/reward_std": float(rewards.std()) if rewards.size else float("nan"),
+        "rl/advantage_mean": mean,
+        "rl/advantage_std": variance**0.5,
+        "rl/clip_frac_low": per_token("clip_low"),
+        "rl/clip_frac_high": per_token("clip_high"),
+        "rl/clip_frac_dual": per_token("clip_dual"),
+        "rl/ratio_mean": per_token("ratio_sum"),
+        "rl/ratio_max": metrics["ratio_max"],
+        "rl/approx_kl": per_token("approx_kl"),
+        "rl/kl_ref": per_token("kl_ref"),
+        "rl/entropy": per_token("entropy"),
+    }
 
 
 def learning_rate_factor(step: int, config: Config) -> float:
@@ -132,9 +187,33 @@ class Trainer:
             )
         self.groups = group_trajectories(self.trajectories)
         self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
+        if config.objective.is_rl:
+            self.check_rl_data()
         hidden = getattr(self.model_config, "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
         self.plan_resume()
+
+    def check_rl_data(self) -> None:
+        """What the RL objective needs from the data, checked before any rank builds a model."""
+        objective = self.config.objective
+        if objective.mini_batches > self.config.data.groups_per_step:
+            raise ConfigError(
+                f"objective.mini_batches ({objective.mini_batches}) is more than data.groups_per_step "
+                f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
+            )
+        if objective.kl_coef and self.config.model.zero_init:
+            raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
+        try:
+            ESTIMATORS[objective.estimator](self.trajectories, normalise=objective.normalise_advantages)
+            if objective.old_logprobs == "data" or objective.importance_truncation:
+                missing = next((t for t in self.trajectories if getattr(t, "logprobs", None) is None), None)
+                if missing is not None:
+                    raise DataError(
+                        f"{missing.source or missing.group_id}: objective.old_logprobs=data and "
+                        "objective.importance_truncation need the sampler's per-token 'logprobs'"
+                    )
+        except DataError as error:
+            raise ConfigError(f"data.path: {error}") from None
 
     def plan_resume(self) -> None:
         """Which checkpoint this run resumes from, and whether it may (see ``checkpoint.resume``)."""
@@ -179,6 +258,11 @@ class Trainer:
         model = load_model(config.model.source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
         self.build_engine(model)
         check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
+        self.reference = None
+        if config.objective.is_rl and config.objective.kl_coef:
+            source = config.objective.reference or config.model.source
+            self.reference = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
+            self.reference.to(self.engine.device).eval().requires_grad_(False)
         self.resume()
 
     def build_engine(self, model: torch.nn.Module) -> None:
@@ -193,7 +277,10 @@ class Trainer:
             weight_decay=optimizer_config.weight_decay,
             fused=True,  # one kernel over all tensors: 3.7x faster than foreach on the CPU (8M params)
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, self.config))
+        updates = self.config.objective.updates_per_step  # RL: ppo_epochs x mini_batches updates per step
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda update: learning_rate_factor(update // updates, self.config)
+        )
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
         )
@@ -214,11 +301,18 @@ class Trainer:
                 logger.info("this run's config differs from the recorded one: saved as %s", recorded)
 
     # ------------------------------------------------------------------ steps
+    def step_trajectories(self, step: int) -> list[Trajectory]:
+        """The trajectories of ``step``'s groups (every rank computes the same list)."""
+        return [t for g in self.sampler.groups_for_step(step) for t in self.groups[g]]
+
     def plan_step(self, step: int, rank: int | None = None) -> StepPlan:
         """This rank's rows for ``step`` (pure function of the config and the step)."""
+        return self.plan_rows(self.step_trajectories(step), rank)
+
+    def plan_rows(self, trajectories: list[Trajectory], rank: int | None = None) -> StepPlan:
+        """This rank's rows for ``trajectories``: trees, parts, rank balance, packed rows."""
         config = self.config
         rank = self.rank if rank is None else rank
-        trajectories = [t for g in self.sampler.groups_for_step(step) for t in self.groups[g]]
         trees = build_forest(trajectories, merge=config.data.merge)
         parts = make_parts(trajectories, config.packing.mode, config.packing.budget, trees=trees)
         shares = rows_per_rank(
@@ -239,26 +333,35 @@ class Trainer:
         dist.all_reduce(values)
         return Normalisers.from_tensor(values)
 
-    def forward_backward(self, rows: list[PackedRow], normalisers: Normalisers | None = None) -> StepOutput:
+    def backward_function(self, n_rows: int):
+        """``backward(loss)`` for each of ``n_rows`` micro-batches of one optimizer update.
+
+        DeepSpeed's division by the accumulation steps is skipped (``scale_wrt_gas=False``) and its
+        average over data-parallel ranks cancelled (the loss times the world size); the last row
+        marks the accumulation boundary.
+        """
         engine = self.engine
-        if normalisers is None:
-            normalisers = self.global_normalisers(rows)
         scale = float(dist.get_world_size())
-        remaining = [len(rows)]
+        remaining = [n_rows]
 
         def backward(loss: torch.Tensor) -> None:
             remaining[0] -= 1
             engine.set_gradient_accumulation_boundary(remaining[0] == 0)
             engine.backward(loss * scale, scale_wrt_gas=False)
 
+        return backward
+
+    def forward_backward(self, rows: list[PackedRow], normalisers: Normalisers | None = None) -> StepOutput:
+        if normalisers is None:
+            normalisers = self.global_normalisers(rows)
         return run_rows(
-            engine,
+            self.engine,
             rows,
             normalisers,
             self.config.objective.normalisation,
             self.config.objective.policy,
-            backward=backward,
-            device=engine.device,
+            backward=self.backward_function(len(rows)),
+            device=self.engine.device,
         )
 
     def optimizer_step(self) -> None:
@@ -266,41 +369,123 @@ class Trainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
-        plan = self.plan_step(step)
-        normalisers = self.global_normalisers(plan.rows)
-        if normalisers.target_tokens == 0:
-            self.count_untrained(step + 1)
-        output = self.forward_backward(plan.rows, normalisers)
-        loss = torch.tensor([output.loss], dtype=torch.float64)
-        dist.all_reduce(loss)  # every rank sees the same sum, so every rank decides alike below
-        loss = float(loss.item())
-        lr = self.engine.get_lr()[0]
-        if not math.isfinite(loss) and self.config.optimizer.non_finite == "stop":
-            raise NonFiniteError(self.non_finite_message(step + 1, f"the loss is {loss}"))
-        self.optimizer_step()
-        grad_norm = self.engine.get_global_grad_norm()  # of the gradient this step applied
-        grad_norm = float(grad_norm) if grad_norm is not None else None
-        self.check_step_applied(step + 1, loss, grad_norm)
+        lr = float(self.engine.get_lr()[0])  # the rate this step applies (its first update's, for RL)
+        if self.config.objective.is_rl:
+            plans, loss, grad_norm, rl_scalars = self.rl_step(step)
+        else:
+            plan = self.plan_step(step)
+            normalisers = self.global_normalisers(plan.rows)
+            if normalisers.target_tokens == 0:
+                self.count_untrained(step + 1)
+            output = self.forward_backward(plan.rows, normalisers)
+            plans, rl_scalars = [plan], {}
+            loss, grad_norm = self.apply_update(step + 1, output.loss)
         elapsed = time.perf_counter() - started
         peak = (
             torch.cuda.max_memory_allocated()
             if torch.cuda.is_available()
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         )
+        flat_tokens = sum(plan.flat_tokens for plan in plans)
+        tree_tokens = sum(plan.tree_tokens for plan in plans)
+        packed_tokens = sum(plan.packed_tokens for plan in plans)
         return {
             "loss/train": loss,
-            "optim/lr": float(lr),
+            "optim/lr": lr,
             "optim/grad_norm": grad_norm if grad_norm is not None else float("nan"),
             "optim/skipped_steps": float(self.skipped_steps),
-            "throughput/flat_tokens_per_s": plan.flat_tokens / elapsed,
-            "throughput/unique_tokens_per_s": plan.tree_tokens / elapsed,
-            "tree/por": 1.0 - plan.tree_tokens / plan.flat_tokens,
-            "tree/err": 1.0 - plan.packed_tokens / plan.flat_tokens,
-            "tree/micro_batches": float(len(plan.rows)),
+            "throughput/flat_tokens_per_s": flat_tokens / elapsed,
+            "throughput/unique_tokens_per_s": tree_tokens / elapsed,
+            "tree/por": 1.0 - tree_tokens / flat_tokens,
+            "tree/err": 1.0 - packed_tokens / flat_tokens,
+            "tree/micro_batches": float(sum(len(plan.rows) for plan in plans)),
             "time/step_s": elapsed,
             "memory/peak_bytes": float(peak),
             "data/epoch": self.sampler.epoch_of_step(step + 1),
+            **rl_scalars,
         }
+
+    def apply_update(self, step: int, local_loss: float) -> tuple[float, float | None]:
+        """The optimizer update after a full accumulation: (global loss, gradient norm), or an error.
+
+        The loss is all-reduced first, so every rank sees the same sum and decides alike.
+        """
+        loss = torch.tensor([local_loss], dtype=torch.float64)
+        dist.all_reduce(loss)
+        loss = float(loss.item())
+        if not math.isfinite(loss) and self.config.optimizer.non_finite == "stop":
+            raise NonFiniteError(self.non_finite_message(step, f"the loss is {loss}"))
+        self.optimizer_step()
+        grad_norm = self.engine.get_global_grad_norm()  # of the gradient this update applied
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        self.check_step_applied(step, loss, grad_norm)
+        return loss, grad_norm
+
+    # --------------------------------------------------------------------- RL
+    def rl_rollouts(self, step: int) -> RLRollouts:
+        """``step``'s trajectories, advantages and mini-batches, with old (and reference) log-probs.
+
+        Every rank computes the same advantages and mini-batches (whole groups, in the sampler's
+        order) and plans its rows of each; the old policy is the model before the step's updates.
+        """
+        objective = self.config.objective
+        settings = objective.rl_settings()
+        trajectories = self.step_trajectories(step)
+        computed = ESTIMATORS[objective.estimator](trajectories, normalise=objective.normalise_advantages)
+        advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+        groups = group_trajectories(trajectories)
+        batches = [
+            [t for g in chunk for t in groups[g]]
+            for chunk in np.array_split(np.arange(len(groups)), objective.mini_batches)
+        ]
+        plans = [self.plan_rows(batch) for batch in batches]
+        prepared = [
+            prepare_rl_rows(
+                self.engine,
+                plan.rows,
+                advantages,
+                settings,
+                StepNormalisers.of(batch),
+                reference=self.reference,
+                device=self.engine.device,
+            )
+            for plan, batch in zip(plans, batches, strict=True)
+        ]
+        return RLRollouts(trajectories, computed.values, computed.singletons, batches, plans, prepared)
+
+    def rl_backward(self, rows: list[RLRow]) -> RLOutput:
+        """Forward and backward of one mini-batch's rows (one optimizer update's gradient)."""
+        settings = self.config.objective.rl_settings()
+        backward = self.backward_function(len(rows))
+        return run_rl_rows(self.engine, rows, settings, backward=backward, device=self.engine.device)
+
+    def rl_step(self, step: int) -> tuple[list[StepPlan], float, float | None, dict[str, float]]:
+        """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
+        Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
+        rollouts = self.rl_rollouts(step)
+        if all(StepNormalisers.of(batch).total_tokens == 0 for batch in rollouts.batches):
+            self.count_untrained(step + 1)
+        losses, metrics, grad_norm = [], None, None
+        for _ in range(self.config.objective.ppo_epochs):
+            for rows in rollouts.prepared:
+                output = self.rl_backward(rows)
+                if output.metrics is not None:
+                    metrics = add_metrics(metrics, output.metrics)
+                loss, grad_norm = self.apply_update(step + 1, output.loss)
+                losses.append(loss)
+        scalars = rl_scalars(rollouts.trajectories, rollouts.advantages, self.global_metrics(metrics))
+        scalars["rl/singleton_trajectories"] = float(rollouts.singletons)
+        return rollouts.plans, float(np.mean(losses)), grad_norm, scalars
+
+    def global_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:
+        """The RL metric sums of every rank (``ratio_max`` by max)."""
+        names = ["tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy"]
+        metrics = metrics or {}
+        sums = torch.tensor([metrics.get(name, 0.0) for name in names], dtype=torch.float64)
+        dist.all_reduce(sums)
+        top = torch.tensor([metrics.get("ratio_max", 0.0)], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return {**dict(zip(names, sums.tolist(), strict=True)), "ratio_max": float(top.item())}
 
     def check_step_applied(self, step: int, loss: float, grad_norm: float | None) -> None:
         """Stop, or count a discarded step, when the loss or the gradient was not finite.
