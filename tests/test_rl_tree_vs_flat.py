@@ -1,0 +1,144 @@
+"""The RL objective on a real model: tree mode equals the flat baseline and a per-trajectory oracle.
+
+Old policy: a tiny Llama at a seed; trained policy: the same weights moved off it
+(:func:`ds_tree.verification.perturb_parameters`), so ratios leave the clip range on both sides
+(each case asserts clipped tokens on both sides, so the clipping branches are really exercised).
+Random forests have shared prefixes with advantages of both signs on shared tokens, and budgets
+that force splits (prefix copies without weight). float64: 1e-10 relative.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+
+import numpy as np
+import pytest
+import torch
+
+from ds_tree import config as config_module
+from ds_tree.engine import rl_step
+from ds_tree.engine.rl_step import RLSettings
+from ds_tree.engine.step import run_rows
+from ds_tree.losses.advantages import ESTIMATORS
+from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, trajectory_coefficients
+from ds_tree.losses.sft import Normalisers
+from ds_tree.models.loading import load_model
+from ds_tree.packing.modes import pack_trajectories
+from ds_tree.trees.trajectory import Trajectory
+from ds_tree.verification import compare_rl, perturb_parameters
+
+MODEL = "configs/models/tiny_llama.json"
+
+
+def forest(seed: int = 0, groups: int = 3, per_group: int = 4) -> list[Trajectory]:
+    """Groups sharing a stem, forks at random depths, untrained prompt tokens, 0/1 and real rewards."""
+    rng = np.random.default_rng(seed)
+    trajectories = []
+    for g in range(groups):
+        stem = rng.integers(3, 200, 30).tolist()
+        for i in range(per_group):
+            cut = int(rng.integers(2, 30))
+            length = int(rng.integers(cut + 2, 56))
+            ids = stem[:cut] + rng.integers(3, 200, length - cut).tolist()
+            mask = [0] * min(cut, 8) + [1] * (length - min(cut, 8))
+            reward = float(rng.integers(0, 2)) if g % 2 else float(rng.normal())
+            trajectories.append(Trajectory(ids, mask, group_id=f"g{g}", reward=reward, source=f"g{g}:{i}"))
+    return trajectories
+
+
+CASES = [
+    ("grpo", False, RLSettings()),
+    ("grpo", True, RLSettings(eps_low=0.1, eps_high=0.28, dual_clip=1.3)),
+    ("rloo", False, RLSettings(aggregation="seq_mean_token_mean", kl_coef=0.1, kl_estimator="k1")),
+    ("treepo", True, RLSettings(aggregation="seq_mean_token_sum", kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01)),
+    ("treepo", False, RLSettings(aggregation="token_sum_norm", aggregation_constant=64.0, kl_coef=0.1)),
+]
+
+
+@pytest.mark.parametrize("budget", [4096, 64])
+@pytest.mark.parametrize(("estimator", "normalise", "settings"), CASES)
+def test_rl_tree_equals_flat(estimator, normalise, settings, budget):
+    report = compare_rl(
+        forest(), MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, budget=budget
+    )
+    assert report["passed"], report
+    metrics = report["metrics_flat"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics
+    if settings.dual_clip:
+        assert metrics["clip_dual"] > 0, metrics
+    if budget == 64:
+        assert report["rows_tree"] > 1  # the trees were split into parts
+
+
+@functools.cache
+def _policies():
+    old = load_model(MODEL, attention="torch", dtype=torch.float64, seed=0)
+    new = load_model(MODEL, attention="torch", dtype=torch.float64, seed=0)
+    perturb_parameters(new, 0.5, 1)
+    return old, new
+
+
+def _flat_logprobs(model, trajectories) -> dict[int, np.ndarray]:
+    """Each trajectory alone (flat rows), every predicted token's log-prob."""
+    rows = pack_trajectories(trajectories, "flat", 4096)
+    with torch.no_grad():
+        return run_rows(model, rows, Normalisers(1.0, 1.0, 1.0), collect_logprobs=True).trajectory_logprobs
+
+
+def oracle_loss(trajectories, advantages, settings: RLSettings) -> float:
+    """``sum_i sum_t c_it * (-g(r_t, A_it) + beta * kl_t)``, one trajectory at a time (no entropy)."""
+    old, new = _policies()
+    logp_old, logp_new = _flat_logprobs(old, trajectories), _flat_logprobs(new, trajectories)
+    trained = [t.trained_tokens for t in trajectories]
+    total, sequences = sum(trained), sum(n > 0 for n in trained)
+    loss = 0.0
+    for trajectory, advantage in zip(trajectories, advantages, strict=True):
+        c = trajectory_coefficients(
+            trajectory.loss_mask,
+            settings.aggregation,
+            total_tokens=total,
+            sequences=sequences,
+            constant=settings.aggregation_constant,
+        )[1:]
+        a = advantage[1:]
+        ratio = np.exp(logp_new[id(trajectory)] - logp_old[id(trajectory)])
+        clipped = np.clip(ratio, 1 - settings.eps_low, 1 + settings.eps_high)
+        surrogate = np.minimum(ratio * a, clipped * a)
+        if settings.dual_clip:
+            surrogate = np.where(a < 0, np.maximum(surrogate, settings.dual_clip * a), surrogate)
+        x = logp_old[id(trajectory)] - logp_new[id(trajectory)]  # the reference is the old policy
+        kl = {"k1": -x, "k2": 0.5 * x**2, "k3": np.expm1(x) - x}[settings.kl_estimator]
+        loss += float((c * (-surrogate + settings.kl_coef * kl)).sum())
+    return loss
+
+
+@pytest.mark.parametrize(("estimator", "normalise", "settings"), [c for c in CASES if not c[2].entropy_coef])
+def test_rl_tree_loss_equals_per_trajectory_oracle(estimator, normalise, settings):
+    trajectories = forest(seed=1)
+    computed = ESTIMATORS[estimator](trajectories, normalise=normalise)
+    report = compare_rl(
+        trajectories, MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, budget=64
+    )
+    expected = oracle_loss(trajectories, computed.values, settings)
+    assert abs(report["loss_tree"] - expected) <= 1e-10 * abs(expected), (report["loss_tree"], expected)
+
+
+def test_prefix_copies_count_their_trajectories(monkeypatch):
+    """Mutation guard: listing only the trajectories whose leaf a part holds (the SFT view) loses the
+    advantage sums of shared tokens owned by a part whose trajectories end elsewhere."""
+
+    def leaves_only(row):
+        return [(t, path) for t, path in original(row) if path[-1] >= 0]
+
+    original = rl_step.trajectory_copies
+    assert compare_rl(forest(), MODEL, budget=64)["passed"]
+    monkeypatch.setattr(rl_step, "trajectory_copies", leaves_only)
+    assert not compare_rl(forest(), MODEL, budget=64)["passed"]
+
+
+def test_config_choices_are_the_library_registries():
+    assert typing.get_args(config_module.Estimator) == tuple(ESTIMATORS)
+    assert typing.get_args(config_module.Aggregation) == AGGREGATIONS
+    assert typing.get_args(config_module.KLEstimator) == KL_ESTIMATORS
+    assert typing.get_args(config_module.OldLogprobs) == rl_step.OLD_LOGPROBS
