@@ -2,7 +2,7 @@
 
 A blocked kernel (the Triton one, flash-attn) tiles the ``[query, key]`` score matrix into
 ``block_m x block_n`` tiles and computes every element of each tile it visits. With the tree mask
-(``k <= q < kv_end[k]``, DESIGN section 2) a tile is visited only if it may hold a visible pair:
+(``k <= q < kv_end[k]``, docs/DESIGN.md section 2) a tile is visited only if it may hold a visible pair:
 
 - key block ``j`` starts at or before the tile's last (real) query, and
 - some key of block ``j`` is still visible at the tile's first query: ``max(kv_end[block j]) > q0``.

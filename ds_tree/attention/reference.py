@@ -1,7 +1,7 @@
 """Dense reference implementation of tree attention: the oracle for every other engine.
 
 The whole tree mask is described by one integer per key: query ``q`` may attend key ``k``
-iff ``k <= q < kv_end[k]`` (DESIGN section 2). This module materialises that mask densely,
+iff ``k <= q < kv_end[k]`` (docs/DESIGN.md section 2). This module materialises that mask densely,
 works in any dtype (float64 included) and repeats k/v heads for GQA, so it is only meant for
 tests, verification and small inputs.
 """

@@ -1,4 +1,4 @@
-"""The DeepSpeed training engine for tree data (DESIGN sections 3 and 5).
+"""The DeepSpeed training engine for tree data (docs/DESIGN.md sections 3 and 5).
 
 One optimizer step:
 1. every rank computes the same plan from ``(seed, step)``: the step's groups, their trees split

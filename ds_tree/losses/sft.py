@@ -1,4 +1,4 @@
-"""Supervised (SFT) loss on packed rows with restoration weights (DESIGN section 3).
+"""Supervised (SFT) loss on packed rows with restoration weights (docs/DESIGN.md section 3).
 
 The flat objective ``sum_i sum_t c_it * l_it`` equals ``sum_tree-tokens w_t * l_t`` with
 ``w_t = sum_{i through t} c_it``. The packer stores, per token, the raw sums that every

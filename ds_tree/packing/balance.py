@@ -4,7 +4,7 @@ Cost model: ``cost = cost_per_token * tokens + cost_per_pair * visible attention
 linear layers scale with tokens, attention with the pairs the tree mask allows). Parts are
 assigned longest-processing-time first to the least-loaded rank, then each rank packs its parts
 into rows. Parts of one tree may land on different ranks: each carries its ancestor path, so no
-attention crosses ranks (the sequence-parallel split of DESIGN section 5).
+attention crosses ranks (the split mode of docs/DESIGN.md section 5; not Ulysses sequence parallelism).
 """
 
 from __future__ import annotations

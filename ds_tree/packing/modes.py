@@ -1,4 +1,4 @@
-"""Trajectories -> packed rows, for each execution mode that packs (DESIGN section 5).
+"""Trajectories -> packed rows, for each execution mode that packs (docs/DESIGN.md section 5).
 
 ``tree``: one trie per group (or over everything), trees larger than the budget split into parts
 that carry their ancestor path, parts bin-packed into rows. ``flat``: the baseline, every

@@ -4,7 +4,7 @@ A part is a list of token ranges of one :class:`~ds_tree.trees.trie.TokenTree` i
 a chain of nodes from the root (context for what follows) and then whole child subtrees of the
 chain's last node. Each range says whether the part *owns* its tokens: every token of a tree is
 owned by exactly one part, which carries its loss weight; the other copies are weight-0 context
-(DESIGN section 3). Because every included subtree sits below the chain, no attention crosses
+(docs/DESIGN.md section 3). Because every included subtree sits below the chain, no attention crosses
 parts, and the part is itself a valid packed tree.
 
 :func:`split_tree` cuts a tree larger than a token budget into such parts.

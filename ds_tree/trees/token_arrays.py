@@ -1,7 +1,7 @@
 """The per-token arrays that trees, tree parts and packed rows carry, declared once.
 
 A :class:`~ds_tree.trees.trie.TokenTree`, a tree part and a packed row are all packed trees in DFS
-order (DESIGN section 2) and hold the same arrays, one entry per token. Each array is a field of
+order (docs/DESIGN.md section 2) and hold the same arrays, one entry per token. Each array is a field of
 :class:`TokenArrays` with its dtype and its *kind*; the kind says how the array follows its tokens
 when a subset of a tree's tokens becomes a part (:func:`take_tokens`) and when parts are
 concatenated into a padded row (:func:`concatenate_tokens`):
@@ -11,7 +11,7 @@ concatenated into a padded row (:func:`concatenate_tokens`):
   padding takes the field's ``pad``.
 - ``WEIGHT``: a sum over the trajectories through the token (restoration weights; sums of positive
   or negative advantages). Only the copy that owns the token keeps it, the other copies (context
-  carried into another part) get 0, so every sum is counted once (DESIGN section 3). Padding: 0.
+  carried into another part) get 0, so every sum is counted once (docs/DESIGN.md section 3). Padding: 0.
 - ``INDEX``: the index of another token of the same tree, ``-1`` for none (``pred_pos``). Remapped
   to the part's own indices (the token pointed at must be in the part) and shifted by the part's
   offset in a row. Padding: ``-1``.

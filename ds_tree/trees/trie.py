@@ -9,7 +9,7 @@ of neighbours, the classic stack construction of a compacted trie: O(total token
 comparisons plus O(trajectories * log) sorting, so 10k trajectories of 2k tokens take seconds.
 
 The result is serialised at once in DFS pre-order (node, then each child subtree), the layout the
-packer and the tree kernels use (DESIGN section 2):
+packer and the tree kernels use (docs/DESIGN.md section 2):
 - ``position_ids[k]``: depth of token ``k`` (what the flat sequence had as its position);
 - ``kv_end[k]``: end of the subtree of the node holding ``k``;
 - ``pred_pos[k]``: the position whose logits predict token ``k`` (``-1`` for a root's first token);

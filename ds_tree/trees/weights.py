@@ -1,4 +1,4 @@
-"""Restoration weight sums: per tree token, the raw sums every SFT normalisation needs (DESIGN section 3).
+"""Restoration weight sums: per tree token, the raw sums every SFT normalisation needs (docs/DESIGN.md section 3).
 
 A token shared by several trajectories has one loss term in the tree; its weight restores what the
 flat baseline counts once per trajectory. With ``c_it`` the loss coefficient of trajectory ``i`` at

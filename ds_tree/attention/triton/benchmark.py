@@ -1,6 +1,6 @@
 """Time the Triton tree-attention kernel: one packed tree row against its flat equivalent.
 
-The same forest of trajectories is laid out twice (DESIGN section 2), each as one row of the
+The same forest of trajectories is laid out twice (docs/DESIGN.md section 2), each as one row of the
 packer: tree (DFS pre-order, shared prefixes once) and flat (every root-to-leaf path its own
 sequence). Forward + backward of the tree kernel on the tree row is timed against
 ``flash_attn_varlen_func(causal=True)`` on the flat row when flash-attn is installed (else the tree

@@ -56,7 +56,7 @@ def triton_tree_attention(
     kv_end: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Tree attention (DESIGN section 4 contract) on the Triton kernels.
+    """Tree attention (docs/DESIGN.md section 4 contract) on the Triton kernels.
 
     query ``[B, Hq, N, D]``, key/value ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0`` (query head
     ``h`` uses kv head ``h // (Hq // Hkv)``), ``kv_end`` ``[B, N]`` integer: query ``q`` sees key

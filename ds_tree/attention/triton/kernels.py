@@ -1,6 +1,6 @@
 """Triton kernels for tree attention: FlashAttention-2 forward and backward with tile skipping.
 
-Mask (DESIGN section 2): query ``q`` sees key ``k`` iff ``k <= q < kv_end[k]``. Every query sees
+Mask (docs/DESIGN.md section 2): query ``q`` sees key ``k`` iff ``k <= q < kv_end[k]``. Every query sees
 itself, so no row is fully masked.
 
 Algorithm
