@@ -43,7 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
-    faulthandler.enable()  # a native abort (SIGABRT, SIGSEGV) still prints every thread's Python stack
     setup_console(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     try:
         config = load_config(args.config, args.overrides)
@@ -93,4 +92,5 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort (SIGABRT, SIGSEGV) still prints every thread's Python stack
     exit_now(main())

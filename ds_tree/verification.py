@@ -59,6 +59,16 @@ def run_mode(model, trajectories, mode, budget, block, normalisation, policy) ->
     )
 
 
+def verification_dtype(trajectories: list[Trajectory], dtype: str) -> torch.dtype:
+    """The torch dtype of a verification run (float64 or float32), with something to verify."""
+    if not trajectories:
+        raise ValueError("no trajectories to verify")
+    torch_dtype = parse_dtype(dtype)
+    if torch_dtype not in TOLERANCES:
+        raise ValueError(f"verification runs in float64 or float32, not {dtype}")
+    return torch_dtype
+
+
 def gradient_errors(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per parameter ``||g_other - g_ref|| / max(||g_ref||, GRADIENT_FLOOR * ||g_ref, all||)``.
 
@@ -91,11 +101,7 @@ def compare(
 ) -> dict:
     """Run flat and tree mode and return the verification report (see ``ds_tree.cli.verify``)."""
     check_objective(normalisation, policy)
-    if not trajectories:
-        raise ValueError("no trajectories to verify")
-    torch_dtype = parse_dtype(dtype)
-    if torch_dtype not in TOLERANCES:
-        raise ValueError(f"verification runs in float64 or float32, not {dtype}")
+    torch_dtype = verification_dtype(trajectories, dtype)
     model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
     check_vocab(trajectories, model.config.vocab_size)
     flat = run_mode(model, trajectories, "flat", budget, block, normalisation, policy)
@@ -204,11 +210,7 @@ def compare_rl(
     from ds_tree.losses.advantages import ESTIMATORS
 
     settings = settings or RLSettings()
-    if not trajectories:
-        raise ValueError("no trajectories to verify")
-    torch_dtype = parse_dtype(dtype)
-    if torch_dtype not in TOLERANCES:
-        raise ValueError(f"verification runs in float64 or float32, not {dtype}")
+    torch_dtype = verification_dtype(trajectories, dtype)
     old_model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
     check_vocab(trajectories, old_model.config.vocab_size)
     model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)

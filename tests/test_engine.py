@@ -98,13 +98,8 @@ def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> Non
 
 
 # ------------------------------------------------------------------ exactness
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    "stage, mode, normalisation",
-    [(3, "tree", "token_mean"), (2, "tree", "token_mean"), (3, "tree", "sequence_mean"), (3, "flat", "token_mean")],
-)
-def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, mode: str, normalisation: str) -> None:
-    data = write_forest(tmp_path / "forest.jsonl")
+def write_accumulating_ds_config(path: Path, stage: int) -> Path:
+    """A DeepSpeed JSON of ZeRO ``stage`` with 2 accumulation steps on 2 ranks (sizes resolved by ds_tree)."""
     ds = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 2,
@@ -114,8 +109,18 @@ def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, mode: s
     }
     if stage == 3:
         ds["zero_optimization"].update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
-    ds_path = tmp_path / "ds.json"
-    ds_path.write_text(json.dumps(ds))
+    path.write_text(json.dumps(ds))
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "stage, mode, normalisation",
+    [(3, "tree", "token_mean"), (2, "tree", "token_mean"), (3, "tree", "sequence_mean"), (3, "flat", "token_mean")],
+)
+def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, mode: str, normalisation: str) -> None:
+    data = write_forest(tmp_path / "forest.jsonl")
+    ds_path = write_accumulating_ds_config(tmp_path / "ds.json", stage)
     # budget 200 < a tree: trees are split into parts, several micro-batches per rank.
     config = write_config(
         tmp_path,

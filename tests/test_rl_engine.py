@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ds_tree.data.jsonl import write_jsonl
-from tests.test_engine import torchrun, write_config
+from tests.test_engine import torchrun, write_accumulating_ds_config, write_config
 
 
 def write_rollouts(path: Path, groups: int = 6, seed: int = 0) -> Path:
@@ -40,20 +40,11 @@ def write_rollouts(path: Path, groups: int = 6, seed: int = 0) -> Path:
 )
 def test_rl_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, objective: dict) -> None:
     data = write_rollouts(tmp_path / "rollouts.jsonl")
-    ds = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 2,
-        "train_batch_size": 4,
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
-    }
-    if stage == 3:
-        ds["zero_optimization"].update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    ds_path = write_accumulating_ds_config(tmp_path / "ds.json", stage)
     config = write_config(
         tmp_path,
         data,
-        deepspeed=str(tmp_path / "ds.json"),
+        deepspeed=str(ds_path),
         packing={"budget": 200},
         objective=objective,
     )

@@ -10,15 +10,13 @@ mounted. Writes the error message, ``latest`` and the complete checkpoints after
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
 from pathlib import Path
 
-from ds_tree.config import load_config
 from ds_tree.engine import checkpoint
-from ds_tree.engine.trainer import Trainer
+from tests.distributed.common import check_arguments, started_trainer
 
 
 def fill(directory: Path) -> None:
@@ -40,15 +38,8 @@ def fill(directory: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=["fill", "simulate"], required=True)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    trainer = Trainer(load_config(args.config, args.overrides))
-    trainer.prepare()
-    trainer.setup()
+    args, config = check_arguments((("--mode",), {"choices": ["fill", "simulate"], "required": True}))
+    trainer = started_trainer(config)
     trainer.train()
     if args.mode == "fill":
         fill(trainer.output_dir)

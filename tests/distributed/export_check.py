@@ -6,26 +6,18 @@ loaded with plain transformers (its default attention, no ds_tree registration n
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ds_tree.config import load_config
-from ds_tree.engine.trainer import Trainer
+from tests.distributed.common import check_arguments, started_trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    trainer = Trainer(load_config(args.config, args.overrides))
-    trainer.prepare()
-    trainer.setup()
+    args, config = check_arguments()
+    trainer = started_trainer(config)
     trainer.train()
     sequence = trainer.trajectories[0].input_ids
     n = sequence.size

@@ -9,7 +9,6 @@ largest relative errors to ``--out`` as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -17,12 +16,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_tree.config import load_config
 from ds_tree.engine.step import run_rows
-from ds_tree.engine.trainer import Trainer, learning_rate_factor
+from ds_tree.engine.trainer import learning_rate_factor
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
+from tests.distributed.common import check_arguments, started_trainer
 
 
 def gather_full_gradients(engine) -> dict[str, np.ndarray]:
@@ -38,15 +37,8 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    config = load_config(args.config, args.overrides)
-    trainer = Trainer(config)
-    trainer.prepare()
-    trainer.setup()
+    args, config = check_arguments()
+    trainer = started_trainer(config)
     from deepspeed.utils import safe_get_full_fp32_param
 
     plan = trainer.plan_step(0)

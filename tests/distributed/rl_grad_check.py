@@ -11,7 +11,6 @@ counts to ``--out`` as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -19,12 +18,11 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ds_tree.config import load_config
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.engine.trainer import Trainer
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.verification import perturb_parameters
+from tests.distributed.common import check_arguments, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 
 PERTURBATION = 0.5
@@ -32,15 +30,8 @@ SEED = 7
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    config = load_config(args.config, args.overrides)
-    trainer = Trainer(config)
-    trainer.prepare()
-    trainer.setup()
+    args, config = check_arguments()
+    trainer = started_trainer(config)
     rollouts = trainer.rl_rollouts(0)
     module = trainer.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
