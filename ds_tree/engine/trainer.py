@@ -38,7 +38,15 @@ from ds_tree.data.sampler import StepSampler
 from ds_tree.engine import checkpoint, run_dir
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
-from ds_tree.engine.rl_step import RLOutput, RLRow, StepNormalisers, add_metrics, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.rl_step import (
+    RLOutput,
+    RLRow,
+    StepNormalisers,
+    add_metrics,
+    prepare_rl_rows,
+    rl_scalars,
+    run_rl_rows,
+)
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import ESTIMATORS
@@ -87,41 +95,6 @@ class RLRollouts:
     """This rank's rows of each mini-batch."""
     prepared: list[list[RLRow]]
     """Those rows with targets, per-token sums, old and reference log-probs."""
-
-
-def rl_scalars(
-    trajectories: list[Trajectory], advantages: list[np.ndarray], metrics: dict[str, float]
-) -> dict[str, float]:
-    """``rl/`` scalars as the flat batch computes them: rewards per trajectory, advantages per
-    trained (trajectory, token), the loss metrics per trained token summed over the step's updates."""
-    rewards = np.array([t.reward for t in trajectories if t.reward is not None], dtype=np.float64)
-    masks = [t.loss_mask[1:] for t in trajectories]
-    weight = float(sum(m.sum() for m in masks))
-    mean = float(sum((m * a[1:]).sum() for m, a in zip(masks, advantages, strict=True))) / weight if weight else 0.0
-    variance = (
-        float(sum((m * (a[1:] - mean) ** 2).sum() for m, a in zip(masks, advantages, strict=True))) / weight
-        if weight
-        else 0.0
-    )
-    tokens = metrics["tokens"]
-
-    def per_token(name: str) -> float:
-        return metrics[name] / tokens if tokens else 0.0
-
-    return {
-        "rl/reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "rl/reward_std": float(rewards.std()) if rewards.size else float("nan"),
-        "rl/advantage_mean": mean,
-        "rl/advantage_std": variance**0.5,
-        "rl/clip_frac_low": per_token("clip_low"),
-        "rl/clip_frac_high": per_token("clip_high"),
-        "rl/clip_frac_dual": per_token("clip_dual"),
-        "rl/ratio_mean": per_token("ratio_sum"),
-        "rl/ratio_max": metrics["ratio_max"],
-        "rl/approx_kl": per_token("approx_kl"),
-        "rl/kl_ref": per_token("kl_ref"),
-        "rl/entropy": per_token("entropy"),
-    }
 
 
 def learning_rate_factor(step: int, config: Config) -> float:
