@@ -2,9 +2,16 @@
 
     ds-tree verify --data PATH --model CONFIG_OR_DIR [--dtype float64|float32]
         [--seed N] [--budget TOKENS] [--attention torch|reference|triton]
+        [--objective sft|grpo|ppo [--estimator E] [--eps-low X] ... [--perturbation S]]
 
 PATH is a tokens JSONL file (one trajectory a line) or a dataset directory written by
-``ds-tree convert``. Exits 1 when the errors exceed the dtype's tolerance, 2 on bad input.
+``ds-tree convert``. ``--objective sft`` (the default) compares the weighted next-token loss,
+every trajectory's log-probs and every gradient. ``grpo`` / ``ppo`` compare the RL objective
+(docs/RL.md): the old policy's log-probs, then loss, clip/KL/entropy metrics and every gradient
+of a policy moved off the old one by ``--perturbation`` times each parameter's spread (so that
+ratios are clipped on both sides; the report's metrics count the clipped tokens).
+Exits 1 when the errors exceed the dtype's tolerance, 2 on bad input (e.g. a reward missing for
+the estimator).
 """
 
 from __future__ import annotations
@@ -14,10 +21,13 @@ import json
 import sys
 
 from ds_tree.attention.registry import ENGINES
+from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
 from ds_tree.losses import NORMALISATIONS, POLICIES
-from ds_tree.verification import VERIFY_DTYPES, compare
+from ds_tree.verification import VERIFY_DTYPES, compare, compare_rl
+
+DEFAULT_PERTURBATION = 0.5
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -31,25 +41,42 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--budget", type=int, default=4096, help="token budget of one packed row")
     parser.add_argument("--block", type=int, default=1, help="pad rows to a multiple of this")
     parser.add_argument("--attention", default="torch", choices=ENGINES)
-    parser.add_argument("--normalisation", default="token_mean", choices=NORMALISATIONS)
-    parser.add_argument("--policy", default="exact", choices=POLICIES)
     parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
+    parser.add_argument("--normalisation", choices=NORMALISATIONS, help="SFT only (default token_mean)")
+    parser.add_argument("--policy", choices=POLICIES, help="SFT only (default exact)")
+    rl_group = add_objective_arguments(parser)
+    rl_group.add_argument(
+        "--perturbation",
+        type=float,
+        help=f"move the trained policy off the old one by this times each parameter's spread "
+        f"(default {DEFAULT_PERTURBATION})",
+    )
     args = parser.parse_args(argv)
+    objective = objective_config(parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy"))
     try:
         trajectories = load_trajectories(args.data)
         if args.limit is not None:
             trajectories = trajectories[: args.limit]
-        report = compare(
-            trajectories,
-            args.model,
-            dtype=args.dtype,
-            seed=args.seed,
-            budget=args.budget,
-            block=args.block,
-            attention=args.attention,
-            normalisation=args.normalisation,
-            policy=args.policy,
-        )
+        common = dict(dtype=args.dtype, seed=args.seed, budget=args.budget, block=args.block, attention=args.attention)
+        if objective is None:
+            report = compare(
+                trajectories,
+                args.model,
+                normalisation=args.normalisation or "token_mean",
+                policy=args.policy or "exact",
+                **common,
+            )
+        else:
+            report = {"objective": objective.kind}
+            report |= compare_rl(
+                trajectories,
+                args.model,
+                estimator=objective.estimator,
+                normalise_advantages=objective.normalise_advantages,
+                settings=objective.rl_settings(),
+                perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
+                **common,
+            )
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,126 @@
+"""``ds-tree verify --objective grpo|ppo``: the RL objective, tree vs flat, through the command line.
+
+The data is a tokens JSONL with rewards: groups sharing a stem and forking at random depths, so
+shared tokens carry advantages of both signs; a budget of 64 tokens splits every tree into parts.
+float64, tolerance 1e-10 (the report's own). The trained policy is moved off the old one, so each
+case must clip ratios on both sides (else the clipping branches went untested).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_tree.cli.verify import main
+from ds_tree.data.convert import ConvertOptions, convert
+from ds_tree.data.jsonl import slice_groups, write_jsonl
+from ds_tree.engine import rl_step
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "configs/models/tiny_llama.json")
+GAME24 = ROOT.parent / "shared" / "data" / "tot-game24" / "samples.jsonl"
+
+
+def records(seed: int = 0, groups: int = 3, per_group: int = 4, rewards: bool = True) -> list[dict]:
+    """Tokens records: a 24-token stem per group, a fork at a random depth, the first 6 tokens untrained."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for g in range(groups):
+        stem = rng.integers(3, 1000, 24).tolist()
+        for _ in range(per_group):
+            cut = int(rng.integers(2, 24))
+            ids = stem[:cut] + rng.integers(3, 1000, int(rng.integers(4, 30))).tolist()
+            line = {"group_id": f"g{g}", "input_ids": ids, "loss_mask": [0] * 6 + [1] * (len(ids) - 6)}
+            if rewards:
+                line["reward"] = float(rng.integers(0, 2)) if g % 2 else float(rng.normal())
+            lines.append(line)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    return str(write_jsonl(tmp_path_factory.mktemp("verify_rl") / "rl.jsonl", records()))
+
+
+def run(argv: list[str], capsys) -> tuple[int, dict | None, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, json.loads(captured.out) if captured.out else None, captured.err
+
+
+CASES = {
+    "grpo": ["--estimator", "grpo"],
+    "rloo": ["--estimator", "rloo", "--eps-high", "0.28", "--dual-clip", "1.3"],
+    "treepo": [
+        "--estimator", "treepo", "--normalise-advantages", "--aggregation", "seq_mean_token_sum",
+        "--kl-coef", "0.05", "--kl-estimator", "k2", "--entropy-coef", "0.01",
+    ],
+}
+
+
+@pytest.mark.parametrize("estimator", sorted(CASES))
+def test_rl_objective_tree_equals_flat_on_split_trees(data, capsys, estimator):
+    code, report, _ = run(["--data", data, "--model", MODEL, "--objective", "grpo", "--budget", "64",
+                           *CASES[estimator]], capsys)
+    assert code == 0, report
+    assert report["passed"] and report["objective"] == "grpo" and report["estimator"] == estimator
+    assert report["rows_tree"] > 3  # three groups: more rows means the trees were split into parts
+    for error in ("loss_rel_err", "max_rel_grad_err", "max_abs_old_logprob_err", "max_rel_metric_err"):
+        assert report[error] < 1e-10, (error, report[error])
+    metrics = report["metrics_flat"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics
+    # the options reached the objective: dual-clipped tokens only with --dual-clip, a KL term only with --kl-coef
+    assert (metrics["clip_dual"] > 0) == ("--dual-clip" in CASES[estimator]), metrics
+    assert (metrics["kl_ref"] > 0) == ("--kl-coef" in CASES[estimator]), metrics
+    assert report["aggregation"] == ("seq_mean_token_sum" if estimator == "treepo" else "token_mean")
+
+
+def test_a_wrong_tree_objective_exits_1(data, capsys, monkeypatch):
+    """Mutation: listing only the trajectories whose leaf a part holds drops advantage sums on split trees."""
+    original = rl_step.trajectory_copies
+    monkeypatch.setattr(rl_step, "trajectory_copies", lambda row: [c for c in original(row) if c[1][-1] >= 0])
+    code, report, _ = run(["--data", data, "--model", MODEL, "--objective", "grpo", "--budget", "64"], capsys)
+    assert code == 1 and not report["passed"]
+
+
+@pytest.mark.parametrize(("objective", "needs"), [("grpo", "finite reward"), ("ppo", "per-token advantages")])
+def test_data_without_what_the_estimator_needs_exits_2(tmp_path, capsys, objective, needs):
+    path = write_jsonl(tmp_path / "plain.jsonl", records(rewards=False))
+    code, report, err = run(["--data", str(path), "--model", MODEL, "--objective", objective], capsys)
+    assert code == 2 and report is None
+    assert f"{path}:1" in err and needs in err, err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--eps-low", "0.1"], "--eps-low: only with --objective grpo or ppo"),
+        (["--perturbation", "0.3"], "--perturbation: only with --objective grpo or ppo"),
+        (["--objective", "grpo", "--policy", "dedup"], "--policy: only with --objective sft"),
+        (["--objective", "grpo", "--dual-clip", "0.5"], "dual_clip must be > 1"),
+        (["--objective", "ppo", "--normalise-advantages"], "does not apply to the given estimator"),
+    ],
+)
+def test_contradictory_options_are_usage_errors(data, capsys, options, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", data, "--model", MODEL, *options])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_grpo_on_a_converted_tot_game24_slice(tmp_path, tokenizer_dir, capsys):
+    """One puzzle's first 24 samples (4 correct): a 5-shot prompt shared by all, 0/1 rewards."""
+    if not GAME24.is_file():
+        pytest.skip(f"{GAME24} is absent")
+    sliced = slice_groups(GAME24, tmp_path / "slice.jsonl", groups=1, per_group=24)
+    dataset = tmp_path / "dataset"
+    convert([sliced], dataset, tokenizer_dir, ConvertOptions(format="chat"))
+    argv = ["--data", str(dataset), "--model", str(ROOT / "configs/models/tiny_qwen3.json"), "--objective", "grpo"]
+    code, report, _ = run([*argv, "--dtype", "float64", "--budget", "4096"], capsys)
+    assert code == 0, report
+    assert report["passed"] and report["n_trajectories"] == 24 and report["singleton_trajectories"] == 0
+    assert report["ideal_speedup"] > 2.5  # the prompt is shared, not a degenerate slice
+    assert report["metrics_flat"]["clip_low"] > 0 and report["metrics_flat"]["clip_high"] > 0
