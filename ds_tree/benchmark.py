@@ -2,8 +2,13 @@
 
 Each mode gets its own copy of the model (same seed, so the same weights) and its own AdamW;
 steps alternate between modes so that both see the same machine conditions, and every step of
-every mode trains the same groups. A step is: pack (tries, parts, rows), forward and backward of
-every row, optimizer step. Times are medians over the measured steps.
+every mode trains the same groups. An SFT step is: pack (tries, parts, rows), forward and backward
+of every row, optimizer step. An RL step (``objective``: GRPO/PPO, docs/RL.md) is what the trainer
+does with one mini-batch: pack and compute the advantages, the old policy's no-grad forward
+(per-token sums, old and reference log-probs: :func:`~ds_tree.engine.rl_step.prepare_rl_rows`),
+then ``ppo_epochs`` updates, each a forward and backward of every row
+(:func:`~ds_tree.engine.rl_step.run_rl_rows`) and an optimizer step. Times are medians over the
+measured steps.
 
 Ideal speedup = tokens the flat mode computes / tokens the tree mode computes (duplicated prefix
 context of split trees and padding included): what a perfectly token-proportional trainer would
@@ -15,13 +20,16 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
+from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.step import run_rows
+from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
@@ -42,6 +50,12 @@ class ModeTimes:
     visible_pairs: list[int] = field(default_factory=list)
     saved_bytes: list[int] = field(default_factory=list)
     page_faults: list[int] = field(default_factory=list)
+    old_forward: list[float] = field(default_factory=list)
+    """RL: the no-grad pass before the updates (per-token sums, old and reference log-probs)."""
+    updates: list[float] = field(default_factory=list)
+    """RL: every update epoch's forward, backward and optimizer step."""
+    targets: list[int] = field(default_factory=list)
+    """RL: tokens the LM head scores in one pass (owned tokens with a non-zero sum)."""
 
 
 class SavedTensorMeter:
@@ -67,22 +81,39 @@ class SavedTensorMeter:
         return sum(self.storages.values())
 
 
+def run_measuring(run, items: list, measure_memory: bool) -> int:
+    """``run(items)``; when measuring, one item at a time (rows run one after another, so the peak
+    is the largest row's) under a :class:`SavedTensorMeter`. Returns the largest saved bytes (0 if not measured)."""
+    if not measure_memory:
+        run(items)
+        return 0
+    saved = 0
+    for item in items:
+        meter = SavedTensorMeter()
+        with meter.context():
+            run([item])
+        saved = max(saved, meter.total)
+    return saved
+
+
+def row_counts(rows) -> dict:
+    return {
+        "packed_tokens": sum(row.n_tokens for row in rows),
+        "visible_pairs": sum(part.visible_pairs for row in rows for part in row.parts),
+    }
+
+
 def step_once(model, optimizer, trajectories, mode, budget, block, normalisation, measure_memory) -> dict:
+    """One SFT step."""
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started = time.perf_counter()
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = Normalisers.from_rows(rows)
     packed = time.perf_counter()
-    saved = 0
     backward = torch.Tensor.backward
-    if measure_memory:  # per row: rows run one after another, so the peak is the largest row's
-        for row in rows:
-            meter = SavedTensorMeter()
-            with meter.context():
-                run_rows(model, [row], normalisers, normalisation, backward=backward)
-            saved = max(saved, meter.total)
-    else:
-        run_rows(model, rows, normalisers, normalisation, backward=backward)
+    saved = run_measuring(
+        lambda some: run_rows(model, some, normalisers, normalisation, backward=backward), rows, measure_memory
+    )
     computed = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -92,8 +123,55 @@ def step_once(model, optimizer, trajectories, mode, budget, block, normalisation
         "pack": packed - started,
         "forward_backward": computed - packed,
         "optimizer": done - computed,
-        "packed_tokens": sum(row.n_tokens for row in rows),
-        "visible_pairs": sum(part.visible_pairs for row in rows for part in row.parts),
+        **row_counts(rows),
+        "saved_bytes": saved,
+        "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+    }
+
+
+def rl_step_once(
+    model, optimizer, reference, trajectories, mode, budget, block, objective: ObjectiveConfig, measure_memory
+) -> dict:
+    """One RL step: rows and advantages, the old policy's no-grad pass, ``objective.ppo_epochs`` updates.
+
+    The memory measured is the first update's (the no-grad pass saves nothing for backward).
+    """
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    settings = objective.rl_settings()
+    started = time.perf_counter()
+    rows = pack_trajectories(trajectories, mode, budget, block)
+    computed = ESTIMATORS[objective.estimator](trajectories, normalise=objective.normalise_advantages)
+    advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+    packed = time.perf_counter()
+    prepared = prepare_rl_rows(model, rows, advantages, settings, StepNormalisers.of(trajectories), reference=reference)
+    old_done = time.perf_counter()
+    forward_backward = optimizer_time = 0.0
+    saved = 0
+    for epoch in range(objective.ppo_epochs):
+        epoch_started = time.perf_counter()
+        saved = max(
+            saved,
+            run_measuring(
+                lambda some: run_rl_rows(model, some, settings, backward=torch.Tensor.backward),
+                prepared,
+                measure_memory and epoch == 0,
+            ),
+        )
+        epoch_computed = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        forward_backward += epoch_computed - epoch_started
+        optimizer_time += time.perf_counter() - epoch_computed
+    done = time.perf_counter()
+    return {
+        "step": done - started,
+        "pack": packed - started,
+        "old_forward": old_done - packed,
+        "updates": done - old_done,
+        "forward_backward": forward_backward,
+        "optimizer": optimizer_time,
+        **row_counts(rows),
+        "targets": sum(item.targets.size for item in prepared),
         "saved_bytes": saved,
         "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
     }
@@ -113,10 +191,17 @@ def run_benchmark(
     seed: int = 0,
     attention: str = "torch",
     normalisation: str = "token_mean",
+    objective: ObjectiveConfig | None = None,
     progress=None,
     profile_path=None,
 ) -> dict:
-    """Interleaved tree/flat steps; returns the report (see ``ds_tree.cli.bench``)."""
+    """Interleaved tree/flat steps; returns the report (see ``ds_tree.cli.bench``).
+
+    ``objective``: an RL objective (``kind`` grpo or ppo) times RL steps; ``None`` (or ``sft``)
+    times SFT steps with ``normalisation``. With a KL term, each mode's reference policy is a
+    frozen copy of its initial model, as the trainer's default.
+    """
+    rl = objective is not None and objective.is_rl
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
     sampler = StepSampler(len(groups), per_step, seed)
@@ -126,6 +211,20 @@ def run_benchmark(
         optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
         times[mode] = ModeTimes()
     check_vocab(trajectories, models[modes[0]].config.vocab_size)
+    references = {mode: None for mode in modes}
+    if rl and objective.kl_coef:
+        for mode in modes:
+            references[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed)
+            references[mode].requires_grad_(False)
+
+    def step_of(mode: str, batch: list[Trajectory], measure_memory: bool) -> dict:
+        if rl:
+            return rl_step_once(
+                models[mode], optimizers[mode], references[mode], batch, mode, budget, block, objective,
+                measure_memory,
+            )
+        return step_once(models[mode], optimizers[mode], batch, mode, budget, block, normalisation, measure_memory)
+
     flat_tokens, tree_tokens = [], []
     for step in range(warmup + steps):
         batch = [t for g in sampler.groups_for_step(step) for t in groups[g]]
@@ -136,10 +235,7 @@ def run_benchmark(
             tree_tokens.append(counts.tree_tokens)
         order = modes if step % 2 == 0 else modes[::-1]  # alternate who goes first
         for mode in order:
-            result = step_once(
-                models[mode], optimizers[mode], batch, mode, budget, block, normalisation,
-                measure_memory=measured and step == warmup,
-            )
+            result = step_of(mode, batch, measure_memory=measured and step == warmup)
             if measured:
                 record = times[mode]
                 for key, value in result.items():
@@ -153,7 +249,7 @@ def run_benchmark(
         tables = []
         for mode in modes:
             with torch.profiler.profile() as profiler:
-                step_once(models[mode], optimizers[mode], batch, mode, budget, block, normalisation, False)
+                step_of(mode, batch, measure_memory=False)
             table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
             tables.append(f"== {mode} ==\n{table}")
         profile_path.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +273,15 @@ def run_benchmark(
             # first touches of fresh memory: each costs microseconds, and allocator settings change them
             "page_faults_per_step": statistics.median(record.page_faults),
         }
+        if rl:
+            report_modes[mode] |= {
+                "old_forward_time_s": statistics.median(record.old_forward),
+                "updates_time_s": statistics.median(record.updates),
+                "old_forward_share": statistics.median(
+                    old / whole for old, whole in zip(record.old_forward, record.step, strict=True)
+                ),
+                "targets_per_step": float(np.mean(record.targets)),
+            }
     report = {
         "steps": steps,
         "warmup": warmup,
@@ -190,6 +295,11 @@ def run_benchmark(
         "por": TokenCounts(sum(flat_tokens), sum(tree_tokens)).por,
         "modes": report_modes,
     }
+    if rl:
+        report["objective"] = objective.kind
+        report["estimator"] = objective.estimator
+        report["ppo_epochs"] = objective.ppo_epochs
+        report["rl_settings"] = asdict(objective.rl_settings())
     if "flat" in modes and "tree" in modes:
         flat, tree = report_modes["flat"], report_modes["tree"]
         report["speedup"] = flat["step_time_s"] / tree["step_time_s"]
@@ -200,4 +310,8 @@ def run_benchmark(
         report["visible_pair_ratio"] = flat["visible_pairs_per_step"] / tree["visible_pairs_per_step"]
         if flat["peak_memory_bytes"] and tree["peak_memory_bytes"]:
             report["memory_ratio_tree_over_flat"] = tree["peak_memory_bytes"] / flat["peak_memory_bytes"]
+        if rl:  # the two passes of a step, each flat over tree
+            report["old_forward_speedup"] = flat["old_forward_time_s"] / tree["old_forward_time_s"]
+            report["updates_speedup"] = flat["updates_time_s"] / tree["updates_time_s"]
+            report["target_ratio"] = flat["targets_per_step"] / tree["targets_per_step"]
     return report

@@ -1,7 +1,8 @@
 """ds-tree bench and bench-attention on a small synthetic set: the report's contract.
 
 Timings are not asserted (they are machine-dependent); the token counts the ratios are built on
-are, against packing done here.
+are, against packing done here (and, for RL steps, the LM-head targets against a count of the
+trained tokens: every trajectory's in flat mode, each distinct trained prefix once in the tree).
 """
 
 import json
@@ -19,7 +20,12 @@ from ds_tree.packing.modes import pack_trajectories
 def synthetic(tmp_path_factory):
     trajectories = list(generate(SyntheticConfig(groups=2, por=0.7, max_tokens=128, vocab_size=1024)))
     lines = [
-        {"group_id": t.group_id, "input_ids": t.input_ids.tolist(), "loss_mask": t.loss_mask.astype(int).tolist()}
+        {
+            "group_id": t.group_id,
+            "input_ids": t.input_ids.tolist(),
+            "loss_mask": t.loss_mask.astype(int).tolist(),
+            "reward": t.reward,
+        }
         for t in trajectories
     ]
     return write_jsonl(tmp_path_factory.mktemp("bench") / "tokens.jsonl", lines), trajectories
@@ -29,21 +35,48 @@ def packed_tokens(trajectories, mode, budget):
     return sum(row.n_tokens for row in pack_trajectories(trajectories, mode, budget, 1))
 
 
-def test_bench_report(synthetic, tmp_path):
+def trained_targets(trajectories, mode) -> int:
+    """Tokens an RL pass scores: trained tokens of every trajectory (flat), or of every distinct prefix (tree)."""
+    if mode == "flat":
+        return sum(int((t.loss_mask[1:] != 0).sum()) for t in trajectories)
+    return len({(t.group_id, *t.input_ids[: k + 1]) for t in trajectories for k in range(1, len(t)) if t.loss_mask[k]})
+
+
+@pytest.mark.parametrize("objective", [[], ["--objective", "grpo", "--ppo-epochs", "2"]], ids=["sft", "grpo"])
+def test_bench_report(synthetic, tmp_path, objective):
     path, trajectories = synthetic
     out = tmp_path / "bench.json"
     argv = ["--data", str(path), "--model", "configs/models/tiny_llama.json", "--steps", "1", "--warmup", "0"]
-    assert bench_main([*argv, "--budget", "512", "--json", str(out)]) == 0
+    assert bench_main([*argv, *objective, "--budget", "512", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     flat, tree = packed_tokens(trajectories, "flat", 512), packed_tokens(trajectories, "tree", 512)
     assert report["ideal_speedup"] == pytest.approx(flat / tree)
     modes = report["modes"]
+    assert (modes["flat"]["packed_tokens_per_step"], modes["tree"]["packed_tokens_per_step"]) == (flat, tree)
     assert report["speedup"] == pytest.approx(modes["flat"]["step_time_s"] / modes["tree"]["step_time_s"])
     assert report["efficiency"] == pytest.approx(report["speedup"] / report["ideal_speedup"])
     for mode in ("flat", "tree"):
         assert report["modes"][mode]["step_time_s"] > 0
         assert report["modes"][mode]["peak_memory_bytes"] > 0
         assert report["modes"][mode]["page_faults_per_step"] >= 0
+    if not objective:
+        assert "objective" not in report and "old_forward_time_s" not in modes["tree"]
+        return
+    assert (report["objective"], report["estimator"], report["ppo_epochs"]) == ("grpo", "grpo", 2)
+    for mode in ("flat", "tree"):
+        assert modes[mode]["targets_per_step"] == trained_targets(trajectories, mode)
+        timed = modes[mode]["old_forward_time_s"] + modes[mode]["updates_time_s"] + modes[mode]["pack_time_s"]
+        assert timed == pytest.approx(modes[mode]["step_time_s"])  # one step: medians are its times
+        assert 0 < modes[mode]["old_forward_share"] < 1
+    assert report["target_ratio"] == pytest.approx(
+        trained_targets(trajectories, "flat") / trained_targets(trajectories, "tree")
+    )
+
+
+def test_bench_rl_needs_rewards(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "plain.jsonl", [{"group_id": "g", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    assert bench_main(["--data", str(path), "--model", "configs/models/tiny_llama.json", "--objective", "grpo"]) == 2
+    assert f"{path}:1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("hub_min_keys", [1, 10**9])  # hubs everywhere a chain has descendants; none

@@ -1,11 +1,18 @@
 """Benchmark tree vs flat training steps on one model, one data set, in one run.
 
     ds-tree bench --data PATH --model CONFIG --modes flat,tree --steps N [--json OUT]
+        [--objective sft|grpo|ppo [--estimator E] [--ppo-epochs N] ...]
 
 PATH is a tokens JSONL or a converted dataset directory. Prints (and with --json writes) a JSON
 report with top-level ``speedup``, ``ideal_speedup``, ``efficiency`` and ``modes.<mode>`` with
 ``step_time_s`` and ``peak_memory_bytes`` (bytes autograd saves for backward in the largest
 micro-batch: the activation memory, measured identically for both modes).
+
+``--objective grpo`` / ``ppo`` times RL steps instead (docs/RL.md; the data needs rewards, or
+per-token advantages for the ``given`` estimator): the old policy's no-grad forward, then
+``--ppo-epochs`` updates. ``modes.<mode>`` then also has ``old_forward_time_s``,
+``updates_time_s``, ``old_forward_share`` and ``targets_per_step`` (tokens the LM head scores),
+and the report ``old_forward_speedup``, ``updates_speedup`` and ``target_ratio`` (flat / tree).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from tqdm import tqdm
 
 from ds_tree.attention.registry import ENGINES
 from ds_tree.benchmark import BENCH_DTYPES, run_benchmark
+from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
 from ds_tree.packing.modes import MODES
@@ -42,7 +50,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument("--profile", type=Path, default=None, help="profile one more step per mode, tables here")
+    add_objective_arguments(parser, epochs=True)
     args = parser.parse_args(argv)
+    objective = objective_config(parser, args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -62,6 +72,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 warmup=args.warmup,
                 dtype=args.dtype,
                 attention=args.attention,
+                objective=objective,
                 progress=bar,
                 profile_path=args.profile,
             )
