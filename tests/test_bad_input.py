@@ -57,6 +57,9 @@ BAD_LINES = {
     "labels_differ": ({"input_ids": [5, 6, 7], "labels": [-100, 6, 9]}, r"'labels' must equal 'input_ids'"),
     "id_beyond_int64": ({"input_ids": [5, 2**70], "loss_mask": [0, 1]}, r".*(input_ids|token id)"),
     "id_over_vocab": ({"input_ids": [5, 1024, 7], "loss_mask": [0, 1, 1]}, r"token id 1024 .*vocab size 1024"),
+    "logprob_positive": ({**GOOD, "logprobs": [None, -1, 0.5, -1]}, r"logprobs has 0\.5 at token 2"),
+    "advantages_length": ({**GOOD, "advantages": [0, 1]}, r"advantages has 2 entries but input_ids has 4"),
+    "advantages_not_numbers": ({**GOOD, "advantages": [0, 1, None, 1]}, r"field 'advantages' must be a list"),
 }
 
 

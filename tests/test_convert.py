@@ -186,6 +186,7 @@ BAD_LINES = {
     "bad_group_id": [{k: v for k, v in GOOD[0].items() if k != "group_id"}],
     "no_assistant": [{**GOOD[0], "messages": GOOD[0]["messages"][:2]}],
     "bad_record": [{**GOOD[0], "reward": "yes"}],
+    "per_token_fields_in_chat": [{**GOOD[0], "logprobs": [-1.0]}, {**GOOD[0], "advantages": [0.0]}],
 }
 
 

@@ -70,6 +70,29 @@ def test_message_nodes_render_the_whole_path():
         trajectories_from_explicit_tree(record, WHERE)
 
 
+def test_rollout_fields_concatenate_along_each_path():
+    nan = np.nan
+    record = {
+        "nodes": [
+            node("prompt", None, [5, 6], loss_mask=[0, 0], advantages=[0.0, 0.0]),
+            node("a", "prompt", [7, 8], logprobs=[-0.5, None], advantages=[1.5, -2.0]),
+            node("a1", "a", [9], logprobs=[-1.25], advantages=[3.0]),
+            node("a2", "a", [10, 11], advantages=[4.0, 5.0]),
+            node("b", "prompt", [12], logprobs=[-0.0], advantages=[-6.0]),
+        ]
+    }
+    a1, a2, b = trajectories_from_explicit_tree(record, WHERE)
+    np.testing.assert_array_equal(a1.logprobs, [nan, nan, -0.5, nan, -1.25])  # nodes without: not sampled
+    np.testing.assert_array_equal(a2.logprobs, [nan, nan, -0.5, nan, nan, nan])
+    np.testing.assert_array_equal(b.logprobs, [nan, nan, -0.0])
+    assert np.signbit(b.logprobs[-1])
+    np.testing.assert_array_equal(a1.advantages, [0.0, 0.0, 1.5, -2.0, 3.0])
+    np.testing.assert_array_equal(a2.advantages, [0.0, 0.0, 1.5, -2.0, 4.0, 5.0])
+    np.testing.assert_array_equal(b.advantages, [0.0, 0.0, -6.0])
+    plain = trajectories_from_explicit_tree(TREE, WHERE)
+    assert all(t.logprobs is None and t.advantages is None for t in plain)
+
+
 def with_nodes(*nodes, **fields):
     return {"nodes": list(nodes), **fields}
 
@@ -95,6 +118,43 @@ def with_nodes(*nodes, **fields):
         ({"nodes": []}, "non-empty list"),
         ({}, "non-empty list"),
         (with_nodes(node(1, None, [])), "empty trajectory"),
+        (
+            with_nodes(node(1, None, [5, 6], logprobs=[-1.0])),
+            "node 1: field 'logprobs' has 1 entries but 'input_ids' has 2",
+        ),
+        (
+            with_nodes(node(1, None, [5], advantages=[1, 2])),
+            "node 1: field 'advantages' has 2 entries but 'input_ids' has 1",
+        ),
+        (
+            with_nodes(node(1, None, [5], logprobs=["-1"])),
+            "node 1: field 'logprobs' must be a list of finite numbers or null",
+        ),
+        (
+            with_nodes(node(1, None, [5], advantages=[True])),
+            "node 1: field 'advantages' must be a list of finite numbers",
+        ),
+        (
+            with_nodes(node(1, None, [5], advantages=[float("nan")])),
+            "node 1: field 'advantages' must be a list of finite",
+        ),
+        (with_nodes(node(1, None, [5, 6], logprobs=[None, 0.5])), "leaf 1: logprobs has 0.5 at token 1"),
+        (
+            with_nodes(node(1, None, [5], advantages=[0]), node(2, 1, [6], advantages=[1]), node(3, 1, [7])),
+            "node 3 has no field 'advantages' but another node on the path to leaf 3 has",
+        ),
+        (
+            with_nodes(node(1, None, [5]), node(2, 1, [6], advantages=[1])),
+            "node 1 has no field 'advantages' but another node on the path to leaf 2 has",
+        ),
+        (
+            with_nodes({"id": 1, "parent": None, "messages": [], "logprobs": [-1.0]}),
+            "node 1: field 'logprobs' is only allowed on 'input_ids' nodes",
+        ),
+        (
+            with_nodes({"id": 1, "parent": None, "messages": [], "advantages": [0.5]}),
+            "node 1: field 'advantages' is only allowed on 'input_ids' nodes",
+        ),
     ],
 )
 def test_bad_trees(record, fragment):

@@ -2,8 +2,10 @@
 
 Formats (inputs .jsonl or .jsonl.gz, one record a line):
   chat    {"group_id", "trial"?, "messages": [OpenAI messages], "tools"?, "reward"?}
-  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?}
+  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?}
   tree    {"group_id"?, "tools"?, "nodes": [{"id", "parent", "input_ids" | "messages", ...}]}
+The RL rollout fields ``logprobs`` and ``advantages`` (one entry per token) pass through the tokens
+and tree formats; a chat record cannot carry them, since its tokens are known only after rendering.
 A bad line stops the run with its file:line and reason; ``skip_bad`` skips it and counts it by
 reason instead. ``prefix_policy`` says what happens to a conversation whose chat template is not
 prefix-stable: "full" keeps it with the unstable assistant turns untrained, "drop" skips it,
@@ -25,6 +27,7 @@ from tqdm import tqdm
 from ds_tree.data.chat import TRAIN_ON, render_chat
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
+from ds_tree.data.records import PER_TOKEN_FIELDS
 from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tokens import trajectory_from_record
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
@@ -129,6 +132,13 @@ class Converter:
             return trajectories
         group = self.group_id(where, record)
         if form == "chat":
+            carried = [name for name in PER_TOKEN_FIELDS if record.get(name) is not None]
+            if carried:
+                raise RecordError(
+                    "per_token_fields_in_chat",
+                    f"{where}: field {carried[0]!r} is not allowed in a chat record (its tokens are known only "
+                    "after rendering); give rollouts with their tokens (--format tokens or tree)",
+                )
             input_ids, loss_mask = self.render(where, record.get("messages"), record.get("tools"))
             # Reuse the tokens reader's field checks (reward, trial) on the rendered record.
             record = {**record, "input_ids": input_ids.tolist(), "loss_mask": loss_mask.tolist()}

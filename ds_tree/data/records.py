@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ds_tree.errors import DataError
 
 INT64_MAX = 2**63 - 1
+PER_TOKEN_FIELDS = {"logprobs": True, "advantages": False}
+"""The RL rollout fields aligned with a record's tokens, and whether their entries may be null."""
 
 
 def is_integer(value: object) -> bool:
@@ -46,14 +50,38 @@ def group_id(where: str, value: object) -> str:
     return str(value)
 
 
+def _as_float(value: object) -> float:
+    """A JSON number as a float; NaN for anything else, infinity for an integer beyond the float range."""
+    try:
+        return float(value) if is_number(value) else math.nan
+    except OverflowError:
+        return math.inf
+
+
 def optional_finite_number(where: str, name: str, value: object) -> float | None:
     """``None`` for a missing or null value, else a finite number as a float (rewards)."""
     if value is None:
         return None
-    try:
-        number = float(value) if is_number(value) else math.nan
-    except OverflowError:  # an integer beyond the float range
-        number = math.inf
+    number = _as_float(value)
     if not math.isfinite(number):
         raise DataError(f"{where}: field {name!r} must be a finite number or null")
     return number
+
+
+def optional_per_token(where: str, name: str, value: object, nulls: bool) -> np.ndarray | None:
+    """``None`` for a missing or null field, else a float64 array with one value per entry (the
+    sampler's log-probs, advantages; ``Trajectory`` checks the length and the range).
+
+    Entries are finite numbers; with ``nulls`` an entry may also be ``null``, stored as NaN (a
+    token the sampler did not produce). A JSON ``NaN`` or ``Infinity`` literal is an error.
+    """
+    if value is None:
+        return None
+    allowed = "finite numbers or null" if nulls else "finite numbers"
+    if not isinstance(value, list) or not all(is_number(v) or (nulls and v is None) for v in value):
+        raise DataError(f"{where}: field {name!r} must be a list of {allowed}")
+    numbers = np.array([math.nan if v is None else _as_float(v) for v in value], dtype=np.float64)
+    given = np.array([v is not None for v in value], dtype=bool)
+    if not np.all(np.isfinite(numbers[given])):
+        raise DataError(f"{where}: field {name!r} must be a list of {allowed}; it holds a non-finite value")
+    return numbers

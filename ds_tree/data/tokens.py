@@ -1,8 +1,14 @@
 """The tokens JSONL format: one trajectory a line, already tokenised.
 
-``{"group_id": str, "input_ids": [int], "loss_mask": [number], "reward": number?, "trial": int?}``;
+``{"group_id": str, "input_ids": [int], "loss_mask": [number], "reward": number?, "trial": int?,
+"logprobs": [number | null]?, "advantages": [number]?}``;
 ``"labels"`` with ``-100`` for untrained tokens may stand instead of ``loss_mask`` (Hugging Face
 style, labels equal to input_ids elsewhere). Trajectories sharing a ``group_id`` form one tree.
+
+RL rollouts may carry, one entry per token of ``input_ids``: ``logprobs``, the sampling policy's
+log-probability of each token (``<= 0``; ``null`` where the token was not sampled, such as the
+prompt or tool output), and ``advantages``, per-token advantages computed elsewhere (finite; the
+first token's value is never used) for the ``given`` estimator.
 """
 
 from __future__ import annotations
@@ -12,7 +18,15 @@ from pathlib import Path
 import numpy as np
 
 from ds_tree.data.jsonl import read_jsonl
-from ds_tree.data.records import group_id, integer_list, is_integer, number_list, optional_finite_number
+from ds_tree.data.records import (
+    PER_TOKEN_FIELDS,
+    group_id,
+    integer_list,
+    is_integer,
+    number_list,
+    optional_finite_number,
+    optional_per_token,
+)
 from ds_tree.errors import DataError
 from ds_tree.trees.trajectory import Trajectory
 
@@ -41,6 +55,7 @@ def trajectory_from_record(where: str, record: dict) -> Trajectory:
         reward=optional_finite_number(where, "reward", record.get("reward")),
         trial=trial if is_integer(trial) else None,
         source=where,
+        **{name: optional_per_token(where, name, record.get(name), nulls) for name, nulls in PER_TOKEN_FIELDS.items()},
     )
 
 

@@ -9,14 +9,17 @@ import numpy as np
 
 from ds_tree.errors import DataError
 
+LOGPROB_ROUNDOFF = 1e-6
+"""How far above 0 a sampler's log-probability may round (a probability of 1 computed in float32)."""
+
 
 @dataclass
 class Trajectory:
-    """A token sequence with a per-token loss coefficient.
+    """A token sequence with a per-token loss coefficient, and for RL the sampler's data.
 
     ``loss_mask[t]`` weights the loss of predicting token ``t`` from tokens ``< t``; the first
     token is never predicted, so ``loss_mask[0]`` is ignored everywhere (as in the flat
-    baseline with Hugging Face's shifted labels).
+    baseline with Hugging Face's shifted labels), and so are ``advantages[0]`` and ``logprobs[0]``.
     """
 
     input_ids: np.ndarray
@@ -31,22 +34,52 @@ class Trajectory:
     """Index of this trial inside its group, when the source has one."""
     source: str = ""
     """Where the trajectory came from (``file:line``), used in error messages."""
+    logprobs: np.ndarray | None = None
+    """float64 log-probabilities of the tokens under the sampling policy, same length as input_ids,
+    NaN where a token was not sampled (the prompt, tool output); ``None`` when the data has none."""
+    advantages: np.ndarray | None = None
+    """float64 finite per-token advantages computed outside (the ``given`` estimator reads them),
+    same length as input_ids; ``None`` when the data has none."""
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, dtype=np.int64).reshape(-1)
-        self.loss_mask = np.asarray(self.loss_mask, dtype=np.float64).reshape(-1)
-        where = self.source or f"group {self.group_id!r}"
+        where = self.where
         if self.input_ids.size == 0:
             raise DataError(f"{where}: empty trajectory (input_ids has no tokens)")
-        if self.loss_mask.shape != self.input_ids.shape:
-            raise DataError(
-                f"{where}: loss_mask has {self.loss_mask.size} entries but input_ids has "
-                f"{self.input_ids.size}; they must have the same length"
-            )
+        self.loss_mask = self._per_token("loss_mask")
         if not np.all(np.isfinite(self.loss_mask)):
             raise DataError(f"{where}: loss_mask contains a non-finite value")
         if self.input_ids.min() < 0:
             raise DataError(f"{where}: negative token id {int(self.input_ids.min())}")
+        if self.advantages is not None:
+            self.advantages = self._per_token("advantages")
+            if not np.all(np.isfinite(self.advantages)):
+                raise DataError(f"{where}: advantages contains a non-finite value")
+        if self.logprobs is not None:
+            self.logprobs = self._per_token("logprobs")
+            if np.any(np.isinf(self.logprobs)):
+                raise DataError(f"{where}: logprobs contains an infinite value (NaN marks a token not sampled)")
+            above = np.flatnonzero(self.logprobs > LOGPROB_ROUNDOFF)  # NaN compares False
+            if above.size:
+                raise DataError(
+                    f"{where}: logprobs has {float(self.logprobs[above[0]])!r} at token {above[0]}; "
+                    "a log-probability is at most 0"
+                )
+
+    @property
+    def where(self) -> str:
+        """How error messages name this trajectory: its source, else its group."""
+        return self.source or f"group {self.group_id!r}"
+
+    def _per_token(self, name: str) -> np.ndarray:
+        """Field ``name`` as a float64 vector, checked to be as long as input_ids."""
+        values = np.asarray(getattr(self, name), dtype=np.float64).reshape(-1)
+        if values.shape != self.input_ids.shape:
+            raise DataError(
+                f"{self.where}: {name} has {values.size} entries but input_ids has "
+                f"{self.input_ids.size}; they must have the same length"
+            )
+        return values
 
     def __len__(self) -> int:
         return int(self.input_ids.size)
@@ -62,8 +95,7 @@ def check_vocab(trajectories: list[Trajectory], vocab_size: int) -> None:
     for trajectory in trajectories:
         top = int(trajectory.input_ids.max())
         if top >= vocab_size:
-            where = trajectory.source or f"group {trajectory.group_id!r}"
-            raise DataError(f"{where}: token id {top} is >= the model's vocab size {vocab_size}")
+            raise DataError(f"{trajectory.where}: token id {top} is >= the model's vocab size {vocab_size}")
 
 
 def group_trajectories(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
