@@ -3,8 +3,11 @@
 Columns: ``group_id`` (string), ``input_ids`` (list of int32 lists, one per trajectory),
 ``loss_mask`` (list of float32 lists, or float64 when a mask value is not exactly a float32, so
 masks always round-trip bit for bit), ``reward`` (list of float64, null when missing), ``trial``
-(list of int64, -1 when missing). Beside it, ``ds_tree_meta.json`` records the format version,
-the tokenizer identity and the counts (groups, trajectories, flat and tree tokens, skipped lines).
+(list of int64, -1 when missing), ``logprobs`` and ``advantages`` (list of float64 lists, a null
+list for a trajectory without them; NaN log-probs mark tokens not sampled). Beside it,
+``ds_tree_meta.json`` records the format version, the tokenizer identity and the counts (groups,
+trajectories, flat and tree tokens, skipped lines). Version 1 datasets, written before the
+rollout columns existed, still load (their trajectories have neither).
 
 One row per tree keeps a group together for the packer (a tree is never split across workers by
 accident) and stores trajectories rather than the trie: the trie is rebuilt on load in seconds
@@ -30,9 +33,14 @@ from ds_tree.errors import DataError
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 META_FILE = "ds_tree_meta.json"
-COLUMNS = ("group_id", "input_ids", "loss_mask", "reward", "trial")
+ROLLOUT_COLUMNS = ("logprobs", "advantages")
+"""The per-token RL columns, new in format version 2."""
+COLUMNS = ("group_id", "input_ids", "loss_mask", "reward", "trial", *ROLLOUT_COLUMNS)
+SCALAR_COLUMNS = ("group_id", "reward", "trial")
+"""Columns with one value per trajectory (the group id: one per row); the others hold one list per trajectory."""
 
 
 def _features(mask_dtype: str):
@@ -45,6 +53,7 @@ def _features(mask_dtype: str):
             "loss_mask": List(List(Value(mask_dtype))),
             "reward": List(Value("float64")),
             "trial": List(Value("int64")),
+            **{name: List(List(Value("float64"))) for name in ROLLOUT_COLUMNS},
         }
     )
 
@@ -94,6 +103,7 @@ def save_tree_dataset(
         "loss_mask": [[t.loss_mask.astype(mask_dtype) for t in members] for members in groups],
         "reward": [[t.reward for t in members] for members in groups],
         "trial": [[-1 if t.trial is None else t.trial for t in members] for members in groups],
+        **{name: [[getattr(t, name) for t in members] for members in groups] for name in ROLLOUT_COLUMNS},
     }
     full_meta = {
         "format_version": FORMAT_VERSION,
@@ -122,22 +132,36 @@ def read_meta(dataset_dir: str | Path) -> dict:
         meta = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise DataError(f"{path}: damaged meta file ({error})") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path}: format_version {meta.get('format_version')!r}, this code reads {FORMAT_VERSION}")
+    if meta.get("format_version") not in READABLE_VERSIONS:
+        raise DataError(
+            f"{path}: format_version {meta.get('format_version')!r}, this code reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
     return meta
 
 
-def _nested_lists(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(row offsets into lists, list offsets into values, values) of a list<list<x>> column.
+class _NestedLists:
+    """A list<list<x>> column (one list per trajectory, grouped by row) read through Arrow offsets.
 
-    Reading through Arrow offsets instead of Python lists keeps loading at numpy speed.
+    Reading offsets and value buffers instead of Python lists keeps loading at numpy speed.
     """
-    outer = column.combine_chunks()
-    inner = outer.flatten()
-    rows = outer.offsets.to_numpy() - outer.offsets[0].as_py()
-    lists = inner.offsets.to_numpy()
-    values = inner.flatten().to_numpy(zero_copy_only=False)
-    return rows, lists - lists[0], values
+
+    def __init__(self, column: pa.ChunkedArray) -> None:
+        outer = column.combine_chunks()
+        inner = outer.flatten()
+        self.rows = outer.offsets.to_numpy() - outer.offsets[0].as_py()
+        self.lists = inner.offsets.to_numpy()  # into inner.values (a null list may still span values)
+        self.values = inner.values.to_numpy(zero_copy_only=False)
+        self.valid = inner.is_valid().to_numpy(zero_copy_only=False)
+
+    def count(self, row: int) -> int:
+        """How many lists row ``row`` holds."""
+        return int(self.rows[row + 1] - self.rows[row])
+
+    def get(self, row: int, j: int) -> np.ndarray | None:
+        """List ``j`` of row ``row`` as a numpy view, ``None`` where it is null."""
+        k = self.rows[row] + j
+        return self.values[self.lists[k] : self.lists[k + 1]] if self.valid[k] else None
 
 
 def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
@@ -150,31 +174,30 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
         table = load_from_disk(str(dataset_dir)).data.table
     except (OSError, ValueError, pa.ArrowException) as error:  # a truncated or corrupt Arrow file
         raise DataError(f"{dataset_dir}: damaged dataset ({type(error).__name__}: {error})") from None
-    missing = [name for name in COLUMNS if name not in table.column_names]
+    version_1 = meta["format_version"] == 1  # no rollout columns: trajectories without logprobs and advantages
+    required = [name for name in COLUMNS if not (version_1 and name in ROLLOUT_COLUMNS)]
+    missing = [name for name in required if name not in table.column_names]
     if missing:
         raise DataError(f"{dataset_dir}: missing column(s) {', '.join(missing)}")
-    id_rows, id_lists, ids = _nested_lists(table.column("input_ids"))
-    mask_rows, mask_lists, masks = _nested_lists(table.column("loss_mask"))
+    per_token = {name: _NestedLists(table.column(name)) for name in required if name not in SCALAR_COLUMNS}
     group_ids = table.column("group_id").to_pylist()
     rewards = table.column("reward").to_pylist()
     trials = table.column("trial").to_pylist()
     trajectories = []
     for row, group_id in enumerate(group_ids):
         where = f"{dataset_dir}:row {row}"
-        count = id_rows[row + 1] - id_rows[row]
-        if not (mask_rows[row + 1] - mask_rows[row] == count == len(rewards[row]) == len(trials[row])):
-            raise DataError(f"{where}: input_ids, loss_mask, reward and trial hold different numbers of trajectories")
+        count = len(trials[row])
+        if {len(rewards[row]), *(column.count(row) for column in per_token.values())} != {count}:
+            raise DataError(f"{where}: the columns {', '.join(required[1:])} hold different numbers of trajectories")
         for j in range(count):
-            token_list, mask_list = id_rows[row] + j, mask_rows[row] + j
             reward, trial = rewards[row][j], trials[row][j]
             trajectories.append(
                 Trajectory(
-                    input_ids=ids[id_lists[token_list] : id_lists[token_list + 1]],
-                    loss_mask=masks[mask_lists[mask_list] : mask_lists[mask_list + 1]],
                     group_id=group_id,
                     reward=None if reward is None or math.isnan(reward) else reward,
                     trial=None if trial < 0 else trial,
                     source=f"{where}:trajectory {j}",
+                    **{name: column.get(row, j) for name, column in per_token.items()},
                 )
             )
     expected = meta["counts"]["trajectories"]
