@@ -20,6 +20,7 @@ from ds_tree import config as config_module
 from ds_tree.engine import rl_step
 from ds_tree.engine.rl_step import RLSettings
 from ds_tree.engine.step import run_rows
+from ds_tree.errors import DataError
 from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, trajectory_coefficients
 from ds_tree.losses.sft import Normalisers
@@ -86,10 +87,15 @@ def _flat_logprobs(model, trajectories) -> dict[int, np.ndarray]:
         return run_rows(model, rows, Normalisers(1.0, 1.0, 1.0), collect_logprobs=True).trajectory_logprobs
 
 
-def oracle_loss(trajectories, advantages, settings: RLSettings) -> float:
-    """``sum_i sum_t c_it * (-g(r_t, A_it) + beta * kl_t)``, one trajectory at a time (no entropy)."""
+def oracle_loss(trajectories, advantages, settings: RLSettings, logp_old=None, importance=None) -> float:
+    """``sum_i sum_t c_it * (-w_it g(r_t, A_it) + beta * kl_t)``, one trajectory at a time (no entropy).
+
+    ``logp_old``: the old log-probs per trajectory (default: the old policy's); ``importance``: the
+    truncated importance weights ``w_it`` per trajectory (default 1). The KL reference is the old policy.
+    """
     old, new = _policies()
-    logp_old, logp_new = _flat_logprobs(old, trajectories), _flat_logprobs(new, trajectories)
+    logp_ref, logp_new = _flat_logprobs(old, trajectories), _flat_logprobs(new, trajectories)
+    logp_old = logp_old or logp_ref
     trained = [t.trained_tokens for t in trajectories]
     total, sequences = sum(trained), sum(n > 0 for n in trained)
     loss = 0.0
@@ -104,10 +110,12 @@ def oracle_loss(trajectories, advantages, settings: RLSettings) -> float:
         a = advantage[1:]
         ratio = np.exp(logp_new[id(trajectory)] - logp_old[id(trajectory)])
         clipped = np.clip(ratio, 1 - settings.eps_low, 1 + settings.eps_high)
+        if importance is not None:
+            a = a * importance[id(trajectory)]
         surrogate = np.minimum(ratio * a, clipped * a)
         if settings.dual_clip:
             surrogate = np.where(a < 0, np.maximum(surrogate, settings.dual_clip * a), surrogate)
-        x = logp_old[id(trajectory)] - logp_new[id(trajectory)]  # the reference is the old policy
+        x = logp_ref[id(trajectory)] - logp_new[id(trajectory)]
         kl = {"k1": -x, "k2": 0.5 * x**2, "k3": np.expm1(x) - x}[settings.kl_estimator]
         loss += float((c * (-surrogate + settings.kl_coef * kl)).sum())
     return loss
@@ -142,3 +150,73 @@ def test_config_choices_are_the_library_registries():
     assert typing.get_args(config_module.Aggregation) == AGGREGATIONS
     assert typing.get_args(config_module.KLEstimator) == KL_ESTIMATORS
     assert typing.get_args(config_module.OldLogprobs) == rl_step.OLD_LOGPROBS
+
+
+def with_sampler_logprobs(trajectories, *, agree_on_shared: bool, seed: int = 5) -> list[Trajectory]:
+    """Copies carrying sampler log-probs: the old policy's plus noise, so ratios leave the clip range.
+
+    ``agree_on_shared``: the noise is a function of the token's context (its prefix), so trajectories
+    through a shared token carry the same value (as a tree sampler writes them); otherwise each
+    trajectory draws its own (independent samples).
+    """
+    old, _ = _policies()
+    logprobs = _flat_logprobs(old, trajectories)
+    rng = np.random.default_rng(seed)
+    copies = []
+    for trajectory in trajectories:
+        ids = trajectory.input_ids.tolist()
+        if agree_on_shared:
+            noise = [
+                np.random.default_rng(hash(tuple(ids[: k + 1])) % 2**32).normal(0, 0.3) for k in range(1, len(ids))
+            ]
+        else:
+            noise = rng.normal(0, 0.3, len(ids) - 1)
+        values = np.full(len(ids), np.nan)
+        values[1:] = logprobs[id(trajectory)] + np.asarray(noise)
+        copies.append(
+            Trajectory(
+                trajectory.input_ids,
+                trajectory.loss_mask,
+                group_id=trajectory.group_id,
+                reward=trajectory.reward,
+                source=trajectory.source,
+                logprobs=values,
+            )
+        )
+    return copies
+
+
+@pytest.mark.parametrize("budget", [4096, 64])
+def test_old_logprobs_from_data(budget):
+    trajectories = with_sampler_logprobs(forest(seed=2), agree_on_shared=True)
+    settings = RLSettings(old_logprobs="data", dual_clip=1.5)
+    report = compare_rl(trajectories, MODEL, settings=settings, budget=budget)
+    assert report["passed"], report
+    metrics = report["metrics_flat"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics
+    computed = ESTIMATORS["grpo"](trajectories)
+    old = {id(t): t.logprobs[1:] for t in trajectories}
+    expected = oracle_loss(trajectories, computed.values, settings, logp_old=old)
+    assert abs(report["loss_tree"] - expected) <= 1e-10 * abs(expected), (report["loss_tree"], expected)
+
+
+def test_old_logprobs_from_data_must_agree_on_shared_tokens():
+    trajectories = with_sampler_logprobs(forest(seed=2), agree_on_shared=False)
+    with pytest.raises(DataError, match="differ by"):
+        compare_rl(trajectories, MODEL, settings=RLSettings(old_logprobs="data"))
+
+
+@pytest.mark.parametrize("budget", [4096, 64])
+def test_truncated_importance_weights(budget):
+    """Per-trajectory sampler log-probs that differ on shared tokens: the weights fold into P and N."""
+    trajectories = with_sampler_logprobs(forest(seed=3), agree_on_shared=False)
+    settings = RLSettings(importance_truncation=1.2)
+    report = compare_rl(trajectories, MODEL, settings=settings, budget=budget)
+    assert report["passed"], report
+    computed = ESTIMATORS["grpo"](trajectories)
+    old, _ = _policies()
+    logp_old = _flat_logprobs(old, trajectories)
+    weights = {id(t): np.minimum(np.exp(logp_old[id(t)] - t.logprobs[1:]), 1.2) for t in trajectories}
+    assert any(np.any(w == 1.2) for w in weights.values()) and any(np.any(w < 1) for w in weights.values())
+    expected = oracle_loss(trajectories, computed.values, settings, importance=weights)
+    assert abs(report["loss_tree"] - expected) <= 1e-10 * abs(expected), (report["loss_tree"], expected)
