@@ -168,8 +168,8 @@ class ObjectiveConfig:
             raise ConfigError("objective.kl_coef, entropy_coef and importance_truncation must be >= 0")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ConfigError("objective.ppo_epochs and objective.mini_batches must be >= 1")
-        if self.estimator == "given" and self.normalise_advantages:
-            raise ConfigError("objective.normalise_advantages does not apply to the given estimator")
+        if self.estimator in ("given", "rloo") and self.normalise_advantages:
+            raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
 
     @property
     def is_rl(self) -> bool:

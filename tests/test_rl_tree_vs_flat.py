@@ -27,6 +27,7 @@ from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.trie import build_forest
 from ds_tree.verification import compare_rl, perturb_parameters
 
 MODEL = "configs/models/tiny_llama.json"
@@ -220,3 +221,16 @@ def test_truncated_importance_weights(budget):
     assert any(np.any(w == 1.2) for w in weights.values()) and any(np.any(w < 1) for w in weights.values())
     expected = oracle_loss(trajectories, computed.values, settings, importance=weights)
     assert abs(report["loss_tree"] - expected) <= 1e-10 * abs(expected), (report["loss_tree"], expected)
+
+
+def test_shared_logprobs_checked_before_training():
+    """The trainer's up-front check (``old_logprobs: data``) refuses what the step would refuse later."""
+    agreeing = with_sampler_logprobs(forest(seed=2), agree_on_shared=True)
+    for tree in build_forest(agreeing):
+        rl_step.check_shared_logprobs(tree)
+    disagreeing = with_sampler_logprobs(forest(seed=2), agree_on_shared=False)
+    with pytest.raises(
+        DataError, match=r"g\d:\d, g\d:\d: these trajectories share a token whose sampler log-probs differ"
+    ):
+        for tree in build_forest(disagreeing):
+            rl_step.check_shared_logprobs(tree)

@@ -28,6 +28,7 @@ from ds_tree.losses.rl import TokenSums, ppo_tree_loss, token_sums, trajectory_c
 from ds_tree.models.logprobs import logprobs_and_entropy_at, logprobs_at
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.trie import TokenTree
 
 OLD_LOGPROBS = ("recompute", "data")
 
@@ -175,6 +176,30 @@ def logprobs_from_data(row: PackedRow, copies: list[tuple[Trajectory, np.ndarray
             f"(> {SHARED_LOGPROB_TOLERANCE}); use objective.old_logprobs=recompute"
         )
     return low[targets]
+
+
+def check_shared_logprobs(tree: TokenTree) -> None:
+    """For ``old_logprobs: data``: every trained token has a sampler log-prob, equal on every
+    trajectory through it (to :data:`SHARED_LOGPROB_TOLERANCE`); else a :class:`DataError` naming them."""
+    low = np.full(tree.n_tokens, np.inf)
+    high = np.full(tree.n_tokens, -np.inf)
+    for trajectory, path in zip(tree.trajectories, tree.paths, strict=True):
+        values = _sampler_logprobs(trajectory)
+        trained = np.flatnonzero(trajectory.loss_mask[1:] != 0) + 1
+        if np.any(np.isnan(values[trained])):
+            t = int(trained[np.isnan(values[trained])][0])
+            raise DataError(f"{trajectory.where}: token {t} is trained but has no sampler log-prob (null)")
+        np.minimum.at(low, path[trained], values[trained])
+        np.maximum.at(high, path[trained], values[trained])
+    spread = np.where(np.isfinite(low), high - low, 0.0)
+    if np.any(spread > SHARED_LOGPROB_TOLERANCE):
+        k = int(np.argmax(spread))
+        through = [t.where for t, path in zip(tree.trajectories, tree.paths, strict=True) if k in path]
+        raise DataError(
+            f"{', '.join(through[:3])}: these trajectories share a token whose sampler log-probs differ by "
+            f"{spread[k]:.3g} (> {SHARED_LOGPROB_TOLERANCE}); the tree shares one ratio per token, so use "
+            "objective.old_logprobs=recompute"
+        )
 
 
 def _dummy_forward(model: PreTrainedModel, row: PackedRow, device) -> torch.Tensor:

@@ -43,6 +43,7 @@ from ds_tree.engine.rl_step import (
     RLRow,
     StepNormalisers,
     add_metrics,
+    check_shared_logprobs,
     prepare_rl_rows,
     rl_scalars,
     run_rl_rows,
@@ -185,6 +186,9 @@ class Trainer:
                         f"{missing.source or missing.group_id}: objective.old_logprobs=data and "
                         "objective.importance_truncation need the sampler's per-token 'logprobs'"
                     )
+            if objective.old_logprobs == "data":
+                for tree in build_forest(self.trajectories, merge=self.config.data.merge):
+                    check_shared_logprobs(tree)
         except DataError as error:
             raise ConfigError(f"data.path: {error}") from None
 
