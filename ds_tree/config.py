@@ -57,10 +57,28 @@ class ModelConfig:
     """Build the model inside ``deepspeed.zero.Init`` (ZeRO-3: for models that do not fit one rank)."""
     tokenizer: str = ""
     """Optional tokenizer directory, saved beside the exported Hugging Face model."""
+    activation_checkpointing: bool = False
+    """Recompute decoder layers in the backward instead of keeping their activations (less memory,
+    one more forward of the checkpointed layers)."""
+    checkpoint_every: int = 1
+    """With ``activation_checkpointing``: checkpoint every k-th decoder layer only (1: all of them)."""
+    head_chunk: int = 0
+    """LM head, log-softmax and entropy over chunks of this many targets, each recomputed in the
+    backward: the head's peak memory is ``head_chunk x vocabulary`` (0: all targets at once)."""
 
     def __post_init__(self) -> None:
         if not self.source:
             raise ConfigError("model.source is required (a config JSON or a model directory)")
+        if self.checkpoint_every < 1 or self.head_chunk < 0:
+            raise ConfigError(
+                f"model.checkpoint_every must be >= 1 and model.head_chunk >= 0, got {self.checkpoint_every}, "
+                f"{self.head_chunk}"
+            )
+
+    @property
+    def checkpointed_every(self) -> int:
+        """Every how many decoder layers one is checkpointed (0: activation checkpointing off)."""
+        return self.checkpoint_every if self.activation_checkpointing else 0
 
 
 @dataclass

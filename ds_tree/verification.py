@@ -38,12 +38,19 @@ class ModeResult:
     rows: int
 
 
-def run_mode(model, trajectories, mode, budget, block, normalisation, policy) -> ModeResult:
+def run_mode(model, trajectories, mode, budget, block, normalisation, policy, head_chunk: int = 0) -> ModeResult:
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = Normalisers.from_rows(rows)
     model.zero_grad(set_to_none=True)
     output = run_rows(
-        model, rows, normalisers, normalisation, policy, backward=torch.Tensor.backward, collect_logprobs=True
+        model,
+        rows,
+        normalisers,
+        normalisation,
+        policy,
+        backward=torch.Tensor.backward,
+        collect_logprobs=True,
+        head_chunk=head_chunk,
     )
     gradients = {
         name: parameter.grad.detach().clone()
@@ -170,16 +177,18 @@ class RLModeResult:
 
 
 def run_rl_mode(
-    model, old_model, reference, trajectories, mode, budget, block, advantages, settings
+    model, old_model, reference, trajectories, mode, budget, block, advantages, settings, head_chunk: int = 0
 ) -> RLModeResult:
     """One RL pass (old log-probs from ``old_model``, loss and gradients of ``model``) in ``mode``."""
     from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = StepNormalisers.of(trajectories)
-    prepared = prepare_rl_rows(old_model, rows, advantages, settings, normalisers, reference=reference)
+    prepared = prepare_rl_rows(
+        old_model, rows, advantages, settings, normalisers, reference=reference, head_chunk=head_chunk
+    )
     model.zero_grad(set_to_none=True)
-    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
+    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, head_chunk=head_chunk)
     gradients = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return RLModeResult(
         output.loss, gradients, output.metrics or {}, sum(r.n_tokens for r in rows), len(rows)
@@ -199,12 +208,16 @@ def compare_rl(
     block: int = 1,
     attention: str = "torch",
     perturbation: float = 0.5,
+    head_chunk: int = 0,
+    checkpoint_every: int = 0,
 ) -> dict:
     """RL objective, tree vs flat: old log-probs, loss, metrics and every gradient (``ds-tree verify --objective``).
 
     The old policy is the model at ``seed``; the trained policy is that model with every parameter
     moved by ``perturbation`` times its spread, so ratios leave the clip range on both sides (the
     report counts the clipped tokens of each side). The reference policy (KL) is the old policy.
+    ``head_chunk`` and ``checkpoint_every`` (of the trained policy) are the memory modes of
+    :func:`ds_tree.models.logprobs.logprobs_at` and :func:`ds_tree.models.loading.load_model`.
     """
     from ds_tree.engine.rl_step import RLSettings
     from ds_tree.losses.advantages import ESTIMATORS
@@ -213,7 +226,9 @@ def compare_rl(
     torch_dtype = verification_dtype(trajectories, dtype)
     old_model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
     check_vocab(trajectories, old_model.config.vocab_size)
-    model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
+    model = load_model(
+        model_source, attention=attention, dtype=torch_dtype, seed=seed, checkpoint_every=checkpoint_every
+    )
     perturb_parameters(model, perturbation, seed + 1)
     for parameter in old_model.parameters():
         parameter.requires_grad_(False)
@@ -226,12 +241,15 @@ def compare_rl(
             mode: run_rows(
                 old_model, pack_trajectories(trajectories, mode, budget, block), Normalisers(1.0, 1.0, 1.0),
                 collect_logprobs=True,
+                head_chunk=head_chunk,
             ).trajectory_logprobs
             for mode in ("flat", "tree")
         }
     logprob_err = max((np.abs(old["tree"][k] - old["flat"][k]).max(initial=0.0) for k in old["flat"]), default=0.0)
-    flat = run_rl_mode(model, old_model, reference, trajectories, "flat", budget, block, advantages, settings)
-    tree = run_rl_mode(model, old_model, reference, trajectories, "tree", budget, block, advantages, settings)
+    flat, tree = (
+        run_rl_mode(model, old_model, reference, trajectories, mode, budget, block, advantages, settings, head_chunk)
+        for mode in ("flat", "tree")
+    )
 
     grad_errors = gradient_errors(flat.gradients, tree.gradients)
     metric_errors = {

@@ -202,17 +202,18 @@ def check_shared_logprobs(tree: TokenTree) -> None:
         )
 
 
-def _dummy_forward(model: PreTrainedModel, row: PackedRow, device) -> torch.Tensor:
+def _dummy_forward(model: PreTrainedModel, row: PackedRow, device, head_chunk: int) -> torch.Tensor:
     """A one-target forward for a row with nothing to score (ZeRO-3 needs every rank's forward)."""
-    return logprobs_at(model, row, np.zeros(1, dtype=np.int64), row.input_ids[:1], device)
+    return logprobs_at(model, row, np.zeros(1, dtype=np.int64), row.input_ids[:1], device, head_chunk=head_chunk)
 
 
 @torch.no_grad()
-def _logprobs(model: PreTrainedModel, row: PackedRow, targets: np.ndarray, device) -> np.ndarray:
+def _logprobs(model: PreTrainedModel, row: PackedRow, targets: np.ndarray, device, head_chunk: int) -> np.ndarray:
     if targets.size == 0:
-        _dummy_forward(model, row, device)
+        _dummy_forward(model, row, device, head_chunk)
         return np.zeros(0)
-    return logprobs_at(model, row, row.pred_pos[targets], row.input_ids[targets], device).double().cpu().numpy()
+    logprobs = logprobs_at(model, row, row.pred_pos[targets], row.input_ids[targets], device, head_chunk=head_chunk)
+    return logprobs.double().cpu().numpy()
 
 
 def prepare_rl_rows(
@@ -224,11 +225,13 @@ def prepare_rl_rows(
     *,
     reference: PreTrainedModel | None = None,
     device: torch.device | str = "cpu",
+    head_chunk: int = 0,
 ) -> list[RLRow]:
     """Targets, per-token sums, old and reference log-probs of every row (no gradients).
 
     ``advantages`` maps ``id(trajectory)`` to its per-token advantages. ``model`` is the policy
     before this step's updates (its log-probs are ``logp_old`` unless ``old_logprobs`` is ``data``).
+    ``head_chunk``: see :mod:`ds_tree.models.logprobs`.
     """
     prepared = []
     for row in rows:
@@ -238,12 +241,12 @@ def prepare_rl_rows(
         if settings.old_logprobs == "data":
             logp_old = logprobs_from_data(row, copies, targets) if targets.size else np.zeros(0)
         else:
-            logp_old = _logprobs(model, row, targets, device)
+            logp_old = _logprobs(model, row, targets, device, head_chunk)
         if settings.importance_truncation is not None:
             by_token = np.full(row.n_tokens, np.nan)
             by_token[targets] = logp_old
             sums = row_sums(row, copies, advantages, settings, normalisers, logp_old=by_token)
-        logp_ref = _logprobs(reference, row, targets, device) if reference is not None else None
+        logp_ref = _logprobs(reference, row, targets, device, head_chunk) if reference is not None else None
         prepared.append(RLRow(row, targets, sums.take(targets), logp_old, logp_ref))
     return prepared
 
@@ -269,16 +272,17 @@ def run_rl_rows(
     *,
     backward: Callable[[torch.Tensor], None] | None = None,
     device: torch.device | str = "cpu",
+    head_chunk: int = 0,
 ) -> RLOutput:
     """Forward every prepared row with gradients; hand each row's loss to ``backward``."""
     output = RLOutput()
     for item in prepared:
         row, targets = item.row, item.targets
         if targets.size == 0:
-            loss = _dummy_forward(model, row, device).sum() * 0.0
+            loss = _dummy_forward(model, row, device, head_chunk).sum() * 0.0
         else:
             logp, entropy = logprobs_and_entropy_at(
-                model, row, row.pred_pos[targets], row.input_ids[targets], device, entropy=True
+                model, row, row.pred_pos[targets], row.input_ids[targets], device, entropy=True, head_chunk=head_chunk
             )
             loss, metrics = ppo_tree_loss(
                 logp,

@@ -32,23 +32,27 @@ def run_rows(
     backward: Callable[[torch.Tensor], None] | None = None,
     collect_logprobs: bool = False,
     device: torch.device | str = "cpu",
+    head_chunk: int = 0,
 ) -> StepOutput:
     """Forward every row, and hand each row's loss to ``backward`` (e.g. ``Tensor.backward``).
 
     Only tokens with a non-zero weight reach the LM head, unless ``collect_logprobs`` asks for
     every trajectory's log-probabilities (then every predicted token does). A row with nothing to
     train (an empty padding row) still runs forward and backward with a zero loss: under ZeRO-3
-    every rank must take part in the same number of forwards and backwards.
+    every rank must take part in the same number of forwards and backwards. ``head_chunk``: see
+    :mod:`ds_tree.models.logprobs`.
     """
     output = StepOutput()
     for row in rows:
         weights = restoration_weights(row, normalisers, normalisation, policy)
         targets = predicted_tokens(row) if collect_logprobs else np.flatnonzero(weights)
         if targets.size == 0:
-            logprobs = logprobs_at(model, row, np.zeros(1, dtype=np.int64), row.input_ids[:1], device)
+            logprobs = logprobs_at(
+                model, row, np.zeros(1, dtype=np.int64), row.input_ids[:1], device, head_chunk=head_chunk
+            )
             loss = weighted_nll(logprobs, np.zeros(1))
         else:
-            logprobs = target_logprobs(model, row, targets, device)
+            logprobs = target_logprobs(model, row, targets, device, head_chunk=head_chunk)
             loss = weighted_nll(logprobs, weights[targets])
         if backward is not None:
             backward(loss)

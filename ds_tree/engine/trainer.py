@@ -232,7 +232,13 @@ class Trainer:
             # deepspeed.zero.Init itself, partitioning weights as they are created or read,
             # including the init details (padding rows, tied weights) a bare zero.Init breaks.
             self._hf_deepspeed_config = HfDeepSpeedConfig(self.ds_config)
-        model = load_model(config.model.source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
+        model = load_model(
+            config.model.source,
+            attention=config.model.attention,
+            dtype=dtype,
+            seed=config.model.seed,
+            checkpoint_every=config.model.checkpointed_every,
+        )
         self.build_engine(model)
         check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
         self.reference = None
@@ -339,6 +345,7 @@ class Trainer:
             self.config.objective.policy,
             backward=self.backward_function(len(rows)),
             device=self.engine.device,
+            head_chunk=self.config.model.head_chunk,
         )
 
     def optimizer_step(self) -> None:
@@ -425,6 +432,7 @@ class Trainer:
                 StepNormalisers.of(batch),
                 reference=self.reference,
                 device=self.engine.device,
+                head_chunk=self.config.model.head_chunk,
             )
             for plan, batch in zip(plans, batches, strict=True)
         ]
@@ -434,7 +442,14 @@ class Trainer:
         """Forward and backward of one mini-batch's rows (one optimizer update's gradient)."""
         settings = self.config.objective.rl_settings()
         backward = self.backward_function(len(rows))
-        return run_rl_rows(self.engine, rows, settings, backward=backward, device=self.engine.device)
+        return run_rl_rows(
+            self.engine,
+            rows,
+            settings,
+            backward=backward,
+            device=self.engine.device,
+            head_chunk=self.config.model.head_chunk,
+        )
 
     def rl_step(self, step: int) -> tuple[list[StepPlan], float, float | None, dict[str, float]]:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).

@@ -59,12 +59,14 @@ def load_model(
     attention: str = "torch",
     dtype: str | torch.dtype = "float32",
     seed: int = 0,
+    checkpoint_every: int = 0,
 ) -> PreTrainedModel:
     """A causal LM with ``attn_implementation = tree_<attention>``, in training mode.
 
     Random init (seeded with ``seed``) from a config file or a weightless directory; weights
     from a directory that has them. A config whose ``layer_types`` name token mixing outside the
-    attention interface is refused before anything is built.
+    attention interface is refused before anything is built. ``checkpoint_every = k > 0``
+    recomputes every k-th decoder layer in the backward (:func:`enable_activation_checkpointing`).
     """
     register_tree_attention()
     implementation = implementation_name(attention)
@@ -86,8 +88,31 @@ def load_model(
     if dtype == torch.float64:
         keep_norms_in_float64(model)
     model.config.use_cache = False
+    if checkpoint_every:
+        enable_activation_checkpointing(model, checkpoint_every)
     model.train()
     return model
+
+
+def enable_activation_checkpointing(model: PreTrainedModel, every: int = 1) -> None:
+    """Recompute every ``every``-th decoder layer in the backward instead of keeping its activations.
+
+    transformers' own mechanism (``activation_checkpointing_enable``): each
+    ``GradientCheckpointingLayer`` runs its ``forward`` inside non-reentrant
+    :func:`torch.utils.checkpoint.checkpoint`, its keyword arguments bound to it, so the tree's
+    ``kv_end`` and ``position_ids`` reach the recomputed forward unchanged. It wraps ``forward``,
+    not ``__call__``: the layer's own module hooks (ZeRO-3 gathers and releases a layer's
+    parameters there) stay outside the checkpoint and run once per forward; the recompute gathers
+    the parameters through its submodules' hooks in the backward, where ZeRO-3 needs them for the
+    layer's gradient anyway. DeepSpeed's ``deepspeed.checkpointing.checkpoint`` is reentrant and
+    takes positional tensors only (the keyword inputs would have to be re-packed), and what it adds
+    (partitioning activations across model-parallel ranks, CPU offload) has no use here.
+    """
+    if every < 1:
+        raise ValueError(f"activation checkpointing every {every} layers: must be >= 1")
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
+    )
 
 
 def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:

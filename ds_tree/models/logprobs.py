@@ -5,15 +5,39 @@ then gathered at ``pred_pos`` of the requested target tokens *before* the LM hea
 own ``logits_to_keep`` with indices), so the head and the softmax run on exactly one row per
 target: a fork position that predicts several children appears once per child, and untrained
 tokens cost nothing.
+
+With ``head_chunk > 0`` the head, log-softmax and entropy run over chunks of that many targets,
+each inside a non-reentrant :func:`torch.utils.checkpoint.checkpoint`: a chunk's ``[chunk, vocab]``
+logits are freed after its forward and recomputed in the backward, so the head's peak memory is
+``head_chunk x vocab`` instead of ``targets x vocab``. Same numbers as the unchunked head (each
+target's softmax row is computed alone either way). The chunks run inside the model's single call
+of its head module (its ``forward`` replaced for that call), so the model's forward, the DeepSpeed
+engine's and ZeRO-3's module hooks see exactly what they see unchunked.
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from ds_tree.packing.rows import PackedRow
+
+# Config fields of models whose forward transforms the logits after ``lm_head`` (Gemma's
+# soft-capping, Cohere's and Granite's scaling), with the values that leave them unchanged. The
+# chunked head applies ``lm_head`` alone, so it refuses any other value.
+LOGIT_TRANSFORMS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1.0), "logits_scaling": (None, 1.0)}
+
+
+def check_head_chunking(config) -> None:
+    """Refuse a model whose logits are more than ``lm_head(hidden)`` (the chunked head would differ)."""
+    for name, identities in LOGIT_TRANSFORMS.items():
+        value = getattr(config, name, None)
+        if value not in identities:
+            raise ValueError(f"model.head_chunk: this model transforms its logits ({name}={value}); set head_chunk=0")
 
 
 def target_logprobs(
@@ -21,6 +45,8 @@ def target_logprobs(
     row: PackedRow,
     targets: np.ndarray,
     device: torch.device | str = "cpu",
+    *,
+    head_chunk: int = 0,
 ) -> torch.Tensor:
     """``log p(input_ids[t] | context of t)`` for every row index ``t`` in ``targets``.
 
@@ -30,7 +56,7 @@ def target_logprobs(
     predictors = row.pred_pos[targets]
     if np.any(predictors < 0):
         raise ValueError("a target token has no prediction (a root's first token or padding)")
-    return logprobs_at(model, row, predictors, row.input_ids[targets], device)
+    return logprobs_at(model, row, predictors, row.input_ids[targets], device, head_chunk=head_chunk)
 
 
 def logprobs_at(
@@ -39,14 +65,17 @@ def logprobs_at(
     predictors: np.ndarray,
     labels: np.ndarray,
     device: torch.device | str = "cpu",
+    *,
+    head_chunk: int = 0,
 ) -> torch.Tensor:
     """``log p(labels[j])`` from the hidden state at row position ``predictors[j]``.
 
     ``model`` may be the DeepSpeed engine itself: its forward does the ZeRO bookkeeping
     (ZeRO-3 counts micro-steps there to accumulate rather than overwrite gradients).
-    ``logits_to_keep`` given as indices makes the model apply its LM head to those rows only.
+    ``logits_to_keep`` given as indices makes the model apply its LM head to those rows only;
+    ``head_chunk > 0`` applies it ``head_chunk`` targets at a time (module docstring).
     """
-    return logprobs_and_entropy_at(model, row, predictors, labels, device, entropy=False)[0]
+    return logprobs_and_entropy_at(model, row, predictors, labels, device, entropy=False, head_chunk=head_chunk)[0]
 
 
 def logprobs_and_entropy_at(
@@ -57,6 +86,7 @@ def logprobs_and_entropy_at(
     device: torch.device | str = "cpu",
     *,
     entropy: bool = True,
+    head_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`logprobs_at` and, with ``entropy``, the entropy of each predicted distribution.
 
@@ -64,11 +94,56 @@ def logprobs_and_entropy_at(
     several targets contributes once per target, as each flat trajectory through it would.
     """
     index = torch.as_tensor(predictors, device=device)
-    logits = model(**row.tensors(device), logits_to_keep=index, use_cache=False).logits[0]
+    target = torch.as_tensor(labels, device=device)
+    if head_chunk <= 0:
+        logits = model(**row.tensors(device), logits_to_keep=index, use_cache=False).logits[0]
+        return _head_outputs(logits, target, entropy)
+    causal_lm = getattr(model, "module", model)  # the DeepSpeed engine wraps the Hugging Face model
+    check_head_chunking(causal_lm.config)
+    head = causal_lm.get_output_embeddings()
+    # One call of the head module per forward, as unchunked: ZeRO-3 gathers its weight in that
+    # call's hooks (and again before its backward, where the chunks are recomputed), and every
+    # rank must make the same calls whatever its number of targets. Only ``forward`` is replaced,
+    # for this call: the module's hooks stay.
+    head.forward = functools.partial(_chunked_head, head, target, head_chunk, entropy)
+    try:
+        outputs = model(**row.tensors(device), logits_to_keep=index, use_cache=False).logits[0]
+    finally:
+        del head.forward
+    return outputs[:, 0], outputs[:, 1] if entropy else None
+
+
+def _chunked_head(
+    head: torch.nn.Module, target: torch.Tensor, head_chunk: int, entropy: bool, hidden: torch.Tensor
+) -> torch.Tensor:
+    """``[1, targets, hidden]`` -> ``[1, targets, 2]``: each target's log-prob and entropy (or 0)."""
+    chunks = [
+        checkpoint(
+            _chunk_outputs,
+            head,
+            hidden[0, start : start + head_chunk],
+            target[start : start + head_chunk],
+            entropy,
+            use_reentrant=False,
+        )
+        for start in range(0, len(target), head_chunk)
+    ]
+    logprobs = torch.cat([chunk[0] for chunk in chunks])
+    entropies = torch.cat([chunk[1] for chunk in chunks]) if entropy else torch.zeros_like(logprobs)
+    return torch.stack([logprobs, entropies], dim=-1)[None]
+
+
+def _chunk_outputs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, entropy: bool):
+    """One chunk: the head's class ``forward`` on the (gathered) weights, bypassing the module hooks."""
+    return _head_outputs(type(head).forward(head, hidden), target, entropy)
+
+
+def _head_outputs(
+    logits: torch.Tensor, target: torch.Tensor, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
     log_softmax = torch.log_softmax(logits, dim=-1)
-    target = torch.as_tensor(labels, device=device)
     logprobs = log_softmax.gather(-1, target[:, None])[:, 0]
     if not entropy:
         return logprobs, None
