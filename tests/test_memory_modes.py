@@ -78,6 +78,8 @@ def test_chunked_head_equals_unchunked(name, chunk_calls):
         errors = gradient_errors(gradients, chunked[2])
         assert set(errors) == {n for n, _ in model.named_parameters()}
         assert max(errors.values()) < EXACT, (head_chunk, max(errors.items(), key=lambda item: item[1]))
+    nothing = np.zeros(0, dtype=np.int64)  # no target: empty outputs, as unchunked
+    assert [t.shape for t in logprobs_and_entropy_at(model, row, nothing, nothing, head_chunk=4)] == [(0,), (0,)]
 
 
 def test_chunked_head_refuses_transformed_logits():

@@ -126,7 +126,7 @@ def _chunked_head(
             entropy,
             use_reentrant=False,
         )
-        for start in range(0, len(target), head_chunk)
+        for start in range(0, max(len(target), 1), head_chunk)  # no target: one empty chunk, as unchunked
     ]
     logprobs = torch.cat([chunk[0] for chunk in chunks])
     entropies = torch.cat([chunk[1] for chunk in chunks]) if entropy else torch.zeros_like(logprobs)
