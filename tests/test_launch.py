@@ -91,6 +91,9 @@ def script_dry_runs(tokens_file, tmp_path_factory) -> dict[str, tuple[subprocess
     """The three script dry runs, started together: each spends ~4 s of CPU importing the trainer."""
     hostfile = tmp_path_factory.mktemp("slurm") / "hostfile"
     data = f"data.path={tokens_file}"
+    # A fresh output_dir: the dry run also checks what a resume would load, and the config's own
+    # output_dir (runs/quickstart/train) holds the quickstart's 2-rank checkpoints once it has run.
+    output = f"output_dir={tmp_path_factory.mktemp('dry_run') / 'run'}"
     cpu_env = {"DRY_RUN": "1"}
     if shutil.which("nvidia-smi"):  # the default NGPU follows the GPUs; the test checks the CPU default
         cpu_env["NGPU"] = "2"
@@ -105,7 +108,7 @@ def script_dry_runs(tokens_file, tmp_path_factory) -> dict[str, tuple[subprocess
     }
     started = {
         name: subprocess.Popen(
-            ["bash", str(script), "configs/tiny_cpu.yaml", data],
+            ["bash", str(script), "configs/tiny_cpu.yaml", data, output],
             cwd=REPO,
             env=script_env(**env),
             stdout=subprocess.PIPE,
@@ -128,7 +131,7 @@ def test_train_sh_dry_run_cpu_quickstart(script_dry_runs, tokens_file):
     command = would_run(result.stdout, "train.sh")
     assert "deepspeed --num_gpus 2 " in command
     assert "--module ds_tree.train --config configs/tiny_cpu.yaml" in command
-    assert command.endswith(f"data.path={tokens_file}")
+    assert f"data.path={tokens_file} output_dir=" in command
 
 
 def test_slurm_dry_run_torchrun(script_dry_runs):
