@@ -147,45 +147,21 @@ def _sampler_logprobs(trajectory: Trajectory) -> np.ndarray:
     return np.asarray(values, dtype=np.float64)
 
 
-def logprobs_from_data(row: PackedRow, copies: list[tuple[Trajectory, np.ndarray]], targets: np.ndarray) -> np.ndarray:
-    """Old log-probs at ``targets`` read from the trajectories' sampler log-probs.
+def shared_sampler_logprobs(n_tokens: int, copies: Sequence[tuple[Trajectory, np.ndarray]]) -> np.ndarray:
+    """Per token, the sampler log-prob of the trajectories trained on it (``inf`` where none is).
 
-    Every trajectory through a target carries a value for it, and they agree to
-    :data:`SHARED_LOGPROB_TOLERANCE`: the tree shares one ratio per token, so disagreeing values
-    (independent samples that happen to share tokens) cannot be trained exactly on the tree.
+    ``copies`` pairs each trajectory with the index of each of its tokens (``-1`` where absent), as
+    :func:`trajectory_copies` gives them for a row or ``zip(tree.trajectories, tree.paths)`` for a
+    tree. Every trained token must carry a value, and the trajectories trained on one token must agree
+    to :data:`SHARED_LOGPROB_TOLERANCE`: the tree shares one ratio per token, so disagreeing values
+    (independent samples that happen to share tokens) cannot be trained exactly on the tree. Either
+    failure is a :class:`DataError` naming the trajectories.
     """
-    low = np.full(row.n_tokens, np.inf)
-    high = np.full(row.n_tokens, -np.inf)
-    who: dict[int, str] = {}
+    low = np.full(n_tokens, np.inf)
+    high = np.full(n_tokens, -np.inf)
     for trajectory, path in copies:
         values = _sampler_logprobs(trajectory)
-        present = np.flatnonzero(path[1:] >= 0) + 1
-        index = path[present]
-        np.minimum.at(low, index, values[present])
-        np.maximum.at(high, index, values[present])
-        for k in index[np.isnan(values[present])]:
-            who.setdefault(int(k), trajectory.source or trajectory.group_id)
-    missing = [k for k in targets if int(k) in who or not np.isfinite(low[k])]
-    if missing:
-        k = int(missing[0])
-        raise DataError(f"{who.get(k, 'a trajectory')}: no sampler log-prob for a trained token (row index {k})")
-    spread = high[targets] - low[targets]
-    if np.any(spread > SHARED_LOGPROB_TOLERANCE):
-        raise DataError(
-            f"trajectories sharing a token carry sampler log-probs that differ by {spread.max():.3g} "
-            f"(> {SHARED_LOGPROB_TOLERANCE}); use objective.old_logprobs=recompute"
-        )
-    return low[targets]
-
-
-def check_shared_logprobs(tree: TokenTree) -> None:
-    """For ``old_logprobs: data``: every trained token has a sampler log-prob, equal on every
-    trajectory through it (to :data:`SHARED_LOGPROB_TOLERANCE`); else a :class:`DataError` naming them."""
-    low = np.full(tree.n_tokens, np.inf)
-    high = np.full(tree.n_tokens, -np.inf)
-    for trajectory, path in zip(tree.trajectories, tree.paths, strict=True):
-        values = _sampler_logprobs(trajectory)
-        trained = np.flatnonzero(trajectory.loss_mask[1:] != 0) + 1
+        trained = np.flatnonzero((trajectory.loss_mask[1:] != 0) & (path[1:] >= 0)) + 1
         if np.any(np.isnan(values[trained])):
             t = int(trained[np.isnan(values[trained])][0])
             raise DataError(f"{trajectory.where}: token {t} is trained but has no sampler log-prob (null)")
@@ -194,12 +170,18 @@ def check_shared_logprobs(tree: TokenTree) -> None:
     spread = np.where(np.isfinite(low), high - low, 0.0)
     if np.any(spread > SHARED_LOGPROB_TOLERANCE):
         k = int(np.argmax(spread))
-        through = [t.where for t, path in zip(tree.trajectories, tree.paths, strict=True) if k in path]
+        through = [t.where for t, path in copies if k in path]
         raise DataError(
             f"{', '.join(through[:3])}: these trajectories share a token whose sampler log-probs differ by "
             f"{spread[k]:.3g} (> {SHARED_LOGPROB_TOLERANCE}); the tree shares one ratio per token, so use "
             "objective.old_logprobs=recompute"
         )
+    return low
+
+
+def check_shared_logprobs(tree: TokenTree) -> None:
+    """For ``old_logprobs: data``, before training: :func:`shared_sampler_logprobs` holds on ``tree``."""
+    shared_sampler_logprobs(tree.n_tokens, list(zip(tree.trajectories, tree.paths, strict=True)))
 
 
 def _dummy_forward(model: PreTrainedModel, row: PackedRow, device, head_chunk: int) -> torch.Tensor:
@@ -239,7 +221,7 @@ def prepare_rl_rows(
         sums = row_sums(row, copies, advantages, settings, normalisers)
         targets = sums.active()
         if settings.old_logprobs == "data":
-            logp_old = logprobs_from_data(row, copies, targets) if targets.size else np.zeros(0)
+            logp_old = shared_sampler_logprobs(row.n_tokens, copies)[targets]
         else:
             logp_old = _logprobs(model, row, targets, device, head_chunk)
         if settings.importance_truncation is not None:

@@ -455,7 +455,7 @@ class Trainer:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
         Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
         rollouts = self.rl_rollouts(step)
-        if all(StepNormalisers.of(batch).total_tokens == 0 for batch in rollouts.batches):
+        if StepNormalisers.of(rollouts.trajectories).total_tokens == 0:
             self.count_untrained(step + 1)
         losses, metrics, grad_norm = [], None, None
         for _ in range(self.config.objective.ppo_epochs):
