@@ -250,7 +250,8 @@ class _TreeSampler:
             if settings.top_p < 1:
                 sorted_probs, order = torch.sort(probs, descending=True)
                 before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-                sorted_probs[before >= settings.top_p] = 0  # keeps the smallest set reaching top_p (always the top token)
+                # the smallest set reaching top_p; the most likely token is always kept
+                sorted_probs[before >= settings.top_p] = 0
                 probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
             probs = probs.to(self.generator.device)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
