@@ -17,6 +17,7 @@ import torch
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
+from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
@@ -36,9 +37,13 @@ class ModeResult:
     logprobs: dict[int, np.ndarray]
     packed_tokens: int
     rows: int
+    router_aux: float | None = None
+    """The router load-balancing loss (MoE models), before its coefficient."""
 
 
-def run_mode(model, trajectories, mode, budget, block, normalisation, policy, head_chunk: int = 0) -> ModeResult:
+def run_mode(
+    model, trajectories, mode, budget, block, normalisation, policy, head_chunk: int = 0, router_aux=None
+) -> ModeResult:
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = Normalisers.from_rows(rows)
     model.zero_grad(set_to_none=True)
@@ -51,6 +56,7 @@ def run_mode(model, trajectories, mode, budget, block, normalisation, policy, he
         backward=torch.Tensor.backward,
         collect_logprobs=True,
         head_chunk=head_chunk,
+        router_aux=router_aux,
     )
     gradients = {
         name: parameter.grad.detach().clone()
@@ -63,6 +69,7 @@ def run_mode(model, trajectories, mode, budget, block, normalisation, policy, he
         logprobs=output.trajectory_logprobs,
         packed_tokens=sum(row.n_tokens for row in rows),
         rows=len(rows),
+        router_aux=output.router_aux,
     )
 
 
@@ -105,14 +112,20 @@ def compare(
     attention: str = "torch",
     normalisation: str = "token_mean",
     policy: str = "exact",
+    router_aux_loss_coef: float | None = None,
 ) -> dict:
-    """Run flat and tree mode and return the verification report (see ``ds_tree.cli.verify``)."""
+    """Run flat and tree mode and return the verification report (see ``ds_tree.cli.verify``).
+
+    An MoE model's objective includes its router load-balancing loss (:mod:`ds_tree.models.moe`),
+    weighted by ``router_aux_loss_coef`` (None: the model config's ``router_aux_loss_coef``).
+    """
     check_objective(normalisation, policy)
     torch_dtype = verification_dtype(trajectories, dtype)
     model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
     check_vocab(trajectories, model.config.vocab_size)
-    flat = run_mode(model, trajectories, "flat", budget, block, normalisation, policy)
-    tree = run_mode(model, trajectories, "tree", budget, block, normalisation, policy)
+    router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
+    flat = run_mode(model, trajectories, "flat", budget, block, normalisation, policy, router_aux=router_aux)
+    tree = run_mode(model, trajectories, "tree", budget, block, normalisation, policy, router_aux=router_aux)
 
     grad_errors = gradient_errors(flat.gradients, tree.gradients)
     if set(tree.logprobs) != set(flat.logprobs):
@@ -124,6 +137,9 @@ def compare(
     max_rel_grad_err = max(grad_errors.values(), default=0.0)
     max_abs_logprob_err = float(max(logprob_errors, default=0.0))
     loss_rel_err = abs(tree.loss - flat.loss) / max(abs(flat.loss), 1e-300)
+    router_aux_rel_err = (
+        abs(tree.router_aux - flat.router_aux) / max(abs(flat.router_aux), 1e-300) if router_aux else 0.0
+    )
     return {
         "n_trajectories": len(trajectories),
         "n_groups": len({t.group_id for t in trajectories}),
@@ -141,6 +157,10 @@ def compare(
         "loss_flat": flat.loss,
         "loss_tree": tree.loss,
         "loss_rel_err": loss_rel_err,
+        "router_aux_loss_coef": router_aux.coefficient if router_aux else None,
+        "router_aux_flat": flat.router_aux,
+        "router_aux_tree": tree.router_aux,
+        "router_aux_rel_err": router_aux_rel_err,
         "max_rel_grad_err": max_rel_grad_err,
         "worst_parameter": max(grad_errors, key=grad_errors.get) if grad_errors else None,
         "max_abs_logprob_err": max_abs_logprob_err,
@@ -150,6 +170,7 @@ def compare(
             and max_rel_grad_err <= tolerance
             and max_abs_logprob_err <= tolerance
             and loss_rel_err <= tolerance
+            and router_aux_rel_err <= tolerance
         ),
     }
 

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
+from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,6 +74,7 @@ def load_model(
     dtype = parse_dtype(dtype)
     config = load_config(source)
     check_layer_types(config)
+    check_router_noise(config)
     if has_weights(source):
         model = AutoModelForCausalLM.from_pretrained(
             source, attn_implementation=implementation, dtype=dtype, local_files_only=True
@@ -87,6 +89,7 @@ def load_model(
             model.to(dtype)
     if dtype == torch.float64:
         keep_norms_in_float64(model)
+        use_float64_routing(model)
     model.config.use_cache = False
     if checkpoint_every:
         enable_activation_checkpointing(model, checkpoint_every)
