@@ -32,6 +32,23 @@ def key_block_end_bounds(kv_end: torch.Tensor, block_n: int) -> tuple[torch.Tens
     return padded.amax(dim=-1).contiguous(), padded.amin(dim=-1).contiguous()
 
 
+def block_position_bounds(positions: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of ``block`` tokens the max and min of ``positions`` (the depths): two int32 tensors
+    ``[B, ceil(N / block)]``, the ragged last block's missing tokens left out of both.
+
+    With a sliding window the Triton kernels skip a tile when its shallowest query is ``window`` or
+    more deeper than its deepest key, and drop the element mask when even its deepest query is
+    within ``window`` of its shallowest key.
+    """
+    positions = positions.reshape(-1, positions.shape[-1]).to(torch.int32)
+    n = positions.shape[-1]
+    num_blocks = -(-n // block)
+    missing = num_blocks * block - n
+    highest = F.pad(positions, (0, missing), value=-(2**30)).view(positions.shape[0], num_blocks, block)
+    lowest = F.pad(positions, (0, missing), value=2**30).view(positions.shape[0], num_blocks, block)
+    return highest.amax(dim=-1).contiguous(), lowest.amin(dim=-1).contiguous()
+
+
 def block_stats(kv_end: torch.Tensor, block_m: int, block_n: int) -> dict:
     """Tile counts and tile efficiency of ``kv_end`` (``[N]`` or ``[B, N]``), summed over rows.
 

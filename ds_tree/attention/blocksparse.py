@@ -19,8 +19,14 @@ backward of that call with the merged output and log-sum-exp, which gives exactl
 share of those keys. A flat row has no hub (no token's subtree reaches past its own sequence), so
 flat mode runs the same per-block calls as without hubs.
 
-The plan depends only on ``kv_end``, which every layer of a forward shares: it is built once and
-cached by the bytes of ``kv_end``.
+A sliding window (``positions[q] - positions[k] < window``, reference module) enters the plan
+only: the element masks carry it, keys that no query of a block sees inside the window are not
+gathered, and a hub is kept only where every one of its queries has all of its keys in the window.
+Soft-capping (``cap * tanh(s / cap)`` on the scaled scores) has no flash kernel: each tile then
+runs a plain softmax of the capped scores, with a hand-written backward that recomputes them.
+
+The plan depends only on ``kv_end`` (and the positions when there is a window), which every
+layer of a forward shares: it is built once and cached by their bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from ds_tree.attention.reference import check_window, soft_cap
 
 DEFAULT_BLOCK = 128
 HUB_MIN_KEYS = 64
@@ -63,20 +71,24 @@ class RowPlan:
 
     def computed_scores(self) -> int:
         """Scores the plan computes: each task's queries x its keys, masked-out pairs included."""
-        total = 0
-        for task in (*self.tasks, *self.hubs):
-            keys = task.keys.stop - task.keys.start if isinstance(task.keys, slice) else task.keys.size
-            total += (task.query.stop - task.query.start) * keys
-        return total
+        return sum(_pairs(task) for task in (*self.tasks, *self.hubs))
 
 
 _PLANS: OrderedDict[bytes, RowPlan] = OrderedDict()
 _PLAN_CACHE_SIZE = 16
 
 
-def find_hubs(kv_end: np.ndarray, block: int, min_keys: int, min_queries: int) -> list[_BlockTask]:
+def find_hubs(
+    kv_end: np.ndarray,
+    block: int,
+    min_keys: int,
+    min_queries: int,
+    positions: np.ndarray | None = None,
+    window: int | None = None,
+) -> list[_BlockTask]:
     """Runs ``[a, b)`` of equal ``kv_end = E`` with at least ``min_keys`` tokens and at least
-    ``min_queries`` queries in ``[ceil(b / block) * block, E)``: those queries all see the run."""
+    ``min_queries`` queries in ``[ceil(b / block) * block, E)``: those queries all see the run
+    (with a window, only runs whose first key is within it of every such query qualify)."""
     n = kv_end.size
     starts = np.flatnonzero(np.diff(kv_end, prepend=-1) != 0)
     ends = np.append(starts[1:], n)
@@ -84,13 +96,21 @@ def find_hubs(kv_end: np.ndarray, block: int, min_keys: int, min_queries: int) -
     for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
         end = int(kv_end[a])
         first = -(-b // block) * block  # whole query blocks only: queries before it see the run causally
-        if b - a >= min_keys and end - first >= min_queries:
-            hubs.append(_BlockTask(query=slice(first, end), keys=slice(a, b), mask=None, merge=True))
+        if b - a < min_keys or end - first < min_queries:
+            continue
+        if window is not None and positions[first:end].max() - positions[a:b].min() >= window:
+            continue
+        hubs.append(_BlockTask(query=slice(first, end), keys=slice(a, b), mask=None, merge=True))
     return hubs
 
 
 def block_plan(
-    kv_end: np.ndarray, block: int, hub_min_keys: int = HUB_MIN_KEYS, hub_min_queries: int = HUB_MIN_QUERIES
+    kv_end: np.ndarray,
+    block: int,
+    hub_min_keys: int = HUB_MIN_KEYS,
+    hub_min_queries: int = HUB_MIN_QUERIES,
+    positions: np.ndarray | None = None,
+    window: int | None = None,
 ) -> RowPlan:
     """Hubs, then the visible keys and masks of every query block for one row's ``kv_end``.
 
@@ -98,11 +118,12 @@ def block_plan(
     (``k < q1`` and ``kv_end[k] > q0``), at token granularity, less the keys of hubs whose query
     range holds the block: ancestors' siblings that merely share a block with an ancestor are
     left out (about 30% fewer computed scores than gathering whole key blocks, on agentic trees
-    with 128-token blocks).
+    with 128-token blocks). With a ``window`` (and the tokens' ``positions``) the masks also hold
+    ``positions[q] - positions[k] < window`` and keys outside every query's window are left out.
     """
     n = kv_end.size
-    positions = np.arange(n)
-    hubs = find_hubs(kv_end, block, hub_min_keys, hub_min_queries)
+    index = np.arange(n)
+    hubs = find_hubs(kv_end, block, hub_min_keys, hub_min_queries, positions, window)
     tasks = []
     for q0 in range(0, n, block):
         q1 = min(n, q0 + block)
@@ -111,8 +132,12 @@ def block_plan(
             if hub.query.start <= q0 < hub.query.stop:
                 visible[hub.keys] = False  # the hub's call covers every query of this block that sees them
         keys = np.flatnonzero(visible)  # never empty: q0 sees itself, and q0 >= any hub's run end
-        queries = positions[q0:q1]
+        queries = index[q0:q1]
         mask = (keys[None, :] <= queries[:, None]) & (queries[:, None] < kv_end[keys][None, :])
+        if window is not None:
+            mask &= positions[q0:q1, None] - positions[keys][None, :] < window
+            seen = mask.any(axis=0)  # never empty: every query sees itself
+            keys, mask = keys[seen], mask[:, seen]
         contiguous = keys[-1] - keys[0] + 1 == keys.size
         tasks.append(
             _BlockTask(
@@ -121,15 +146,36 @@ def block_plan(
                 mask=None if mask.all() else mask,
             )
         )
-    return RowPlan(tasks=tasks, hubs=hubs, visible_pairs=int((kv_end - positions).sum()))
+    if window is None:
+        visible_pairs = int((kv_end - index).sum())
+    else:  # the tasks' masks and the (unmasked) hubs partition the visible pairs
+        visible_pairs = sum(int(task.mask.sum()) if task.mask is not None else _pairs(task) for task in tasks)
+        visible_pairs += sum(_pairs(hub) for hub in hubs)
+    return RowPlan(tasks=tasks, hubs=hubs, visible_pairs=visible_pairs)
 
 
-def _cached_plan(kv_end: torch.Tensor, block: int, hub_min_keys: int, hub_min_queries: int) -> RowPlan:
+def _pairs(task: _BlockTask) -> int:
+    keys = task.keys.stop - task.keys.start if isinstance(task.keys, slice) else task.keys.size
+    return (task.query.stop - task.query.start) * keys
+
+
+def _cached_plan(
+    kv_end: torch.Tensor,
+    block: int,
+    hub_min_keys: int,
+    hub_min_queries: int,
+    positions: torch.Tensor | None,
+    window: int | None,
+) -> RowPlan:
     values = kv_end.detach().to("cpu", torch.int64).numpy()
-    cache_key = values.tobytes() + np.array([block, hub_min_keys, hub_min_queries], dtype=np.int64).tobytes()
+    settings = [block, hub_min_keys, hub_min_queries, -1 if window is None else window]
+    cache_key = values.tobytes() + np.array(settings, dtype=np.int64).tobytes()
+    if window is not None:
+        positions = positions.detach().to("cpu", torch.int64).numpy()
+        cache_key += positions.tobytes()
     plan = _PLANS.get(cache_key)
     if plan is None:
-        plan = block_plan(values, block, hub_min_keys, hub_min_queries)
+        plan = block_plan(values, block, hub_min_keys, hub_min_queries, positions, window)
         _PLANS[cache_key] = plan
         if len(_PLANS) > _PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
@@ -176,6 +222,40 @@ def _additive_mask(task: _BlockTask, group: int, like: torch.Tensor) -> torch.Te
     return mask
 
 
+def _tile_forward(query, key, value, mask, scale, softcap):
+    """One tile's output and natural log-sum-exp: the flash kernel, or the capped softmax by hand."""
+    if softcap is None:
+        return _flash_forward(query, key, value, 0.0, False, attn_mask=mask, scale=scale)
+    scores = soft_cap(torch.matmul(query, key.transpose(-1, -2)) * scale, softcap)
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value), lse.to(_lse_dtype(query))
+
+
+def _tile_backward(grad_out, query, key, value, out, lse, mask, scale, softcap):
+    """dq, dk, dv of one tile given the row's final output and log-sum-exp (FlashAttention-2 style)."""
+    if softcap is None:
+        return _flash_backward(grad_out, query, key, value, out, lse, 0.0, False, attn_mask=mask, scale=scale)
+    capped = torch.tanh(torch.matmul(query, key.transpose(-1, -2)) * (scale / softcap))
+    scores = capped * softcap
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.exp(scores - lse.to(query.dtype).unsqueeze(-1))
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    # d(cap * tanh(s / cap)) / ds = 1 - tanh^2, and s = scale * q . k
+    grad_scores = probs * (torch.matmul(grad_out, value.transpose(-1, -2)) - delta) * (1 - capped * capped) * scale
+    return (
+        torch.matmul(grad_scores, key),
+        torch.matmul(grad_scores.transpose(-1, -2), query),
+        torch.matmul(probs.transpose(-1, -2), grad_out),
+    )
+
+
+def _lse_dtype(query: torch.Tensor) -> torch.dtype:
+    return torch.float64 if query.dtype == torch.float64 else torch.float32
+
+
 class _BlockSparseAttention(torch.autograd.Function):
     """One row of tree attention on PyTorch's CPU flash kernels, saving only q, k, v, out and lse.
 
@@ -185,21 +265,20 @@ class _BlockSparseAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, plan, scale):
+    def forward(ctx, query, key, value, plan, scale, softcap):
         heads_q, heads_kv = query.shape[1], key.shape[1]
         group = heads_q // heads_kv
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = torch.empty_like(query)
-        lse = torch.empty(query.shape[:3], dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+        lse = torch.empty(query.shape[:3], dtype=_lse_dtype(query))
         for task in (*plan.tasks, *plan.hubs):
-            block_out, block_lse = _flash_forward(
+            block_out, block_lse = _tile_forward(
                 _grouped(query, heads_kv, task.query),
                 _tile(key, task.keys),
                 _tile(value, task.keys),
-                0.0,
-                False,
-                attn_mask=_additive_mask(task, group, query),
-                scale=scale,
+                _additive_mask(task, group, query),
+                scale,
+                softcap,
             )
             block_out, block_lse = _ungrouped(block_out, heads_q), block_lse.reshape(1, heads_q, -1)
             if not task.merge:
@@ -213,7 +292,7 @@ class _BlockSparseAttention(torch.autograd.Function):
             out[:, :, task.query].mul_(torch.exp(old_lse - new_lse).unsqueeze(-1)).add_(block_out)
             old_lse.copy_(new_lse)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.softcap = plan, scale, softcap
         return out
 
     @staticmethod
@@ -229,17 +308,16 @@ class _BlockSparseAttention(torch.autograd.Function):
         # share of every gradient.
         for task in (*ctx.plan.tasks, *ctx.plan.hubs):
             block_lse = lse[:, :, task.query].reshape(1, heads_kv, -1)
-            d_query, d_key, d_value = _flash_backward(
+            d_query, d_key, d_value = _tile_backward(
                 _grouped(grad_out, heads_kv, task.query),
                 _grouped(query, heads_kv, task.query),
                 _tile(key, task.keys),
                 _tile(value, task.keys),
                 _grouped(out, heads_kv, task.query),
                 block_lse,
-                0.0,
-                False,
-                attn_mask=_additive_mask(task, group, query),
-                scale=ctx.scale,
+                _additive_mask(task, group, query),
+                ctx.scale,
+                ctx.softcap,
             )
             if task.merge:
                 grad_query[:, :, task.query] += _ungrouped(d_query, heads_q)
@@ -252,7 +330,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                 index = torch.as_tensor(task.keys, device=key.device)
                 grad_key.index_add_(2, index, d_key)
                 grad_value.index_add_(2, index, d_value)
-        return grad_query, grad_key, grad_value, None, None
+        return grad_query, grad_key, grad_value, None, None, None
 
 
 def blocksparse_tree_attention(
@@ -264,21 +342,24 @@ def blocksparse_tree_attention(
     block: int = DEFAULT_BLOCK,
     hub_min_keys: int = HUB_MIN_KEYS,
     hub_min_queries: int = HUB_MIN_QUERIES,
+    *,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Tree attention, ``[B, Hq, N, D]`` x ``[B, Hkv, N, D]`` -> ``[B, N, Hq, D]`` (see reference)."""
+    """Tree attention, ``[B, Hq, N, D]`` x ``[B, Hkv, N, D]`` -> ``[B, N, Hq, D]``; ``positions``,
+    ``window`` and ``softcap`` as in the reference."""
     batch, heads_q, n, head_dim = query.shape
     if heads_q % key.shape[1]:
         raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({key.shape[1]})")
+    if window is not None:
+        check_window(positions, window, kv_end.shape)
     if scale is None:
         scale = head_dim**-0.5
-    rows = [
-        _BlockSparseAttention.apply(
-            query[b : b + 1],
-            key[b : b + 1],
-            value[b : b + 1],
-            _cached_plan(kv_end[b], block, hub_min_keys, hub_min_queries),
-            scale,
-        )
-        for b in range(batch)
-    ]
+    rows = []
+    for b in range(batch):
+        row_positions = None if window is None else positions[b]
+        plan = _cached_plan(kv_end[b], block, hub_min_keys, hub_min_queries, row_positions, window)
+        row = slice(b, b + 1)
+        rows.append(_BlockSparseAttention.apply(query[row], key[row], value[row], plan, scale, softcap))
     return torch.cat(rows, dim=0).transpose(1, 2).contiguous()

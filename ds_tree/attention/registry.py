@@ -4,7 +4,10 @@ Engines: ``reference`` (dense mask, any dtype: the oracle), ``torch`` (block-spa
 default) and ``triton`` (the GPU kernel; on a machine without a GPU only under
 ``TRITON_INTERPRET=1``). Each is registered in transformers' ``AttentionInterface`` as
 ``tree_<engine>``; a model built with that ``attn_implementation`` receives ``kv_end`` (and
-``position_ids``) as forward kwargs and runs unchanged otherwise.
+``position_ids``) as forward kwargs and runs unchanged otherwise. A layer that passes
+``sliding_window`` (Mistral, Qwen2/3 sliding layers, Gemma2/3 local layers) gets the window rule on
+the tree depths, ``position_ids``; one that passes ``softcap`` (Gemma2) gets capped scores, except
+on the Triton engine, which refuses it.
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from ds_tree.attention.blocksparse import blocksparse_tree_attention
 from ds_tree.attention.reference import tree_attention_reference
 
 
-def _triton(query, key, value, kv_end, scale=None):
+def _triton(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
     from ds_tree.attention.triton import triton_tree_attention  # imports triton: only on demand
 
-    return triton_tree_attention(query, key, value, kv_end, scale)
+    if softcap is not None:
+        raise ValueError(
+            "the triton tree-attention engine does not implement attention soft-capping (the model config's "
+            "attn_logit_softcapping); use the torch engine, or a model config with attn_logit_softcapping null"
+        )
+    return triton_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window)
 
 
 ENGINES: dict[str, Callable[..., torch.Tensor]] = {
@@ -30,13 +38,19 @@ ENGINES: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def tree_attention(query, key, value, kv_end, scale=None, engine: str = "torch") -> torch.Tensor:
-    """``[B, Hq, N, D]``, ``[B, Hkv, N, D]`` x2, ``kv_end [B, N]`` -> ``[B, N, Hq, D]``."""
+def tree_attention(
+    query, key, value, kv_end, scale=None, engine: str = "torch", *, positions=None, window=None, softcap=None
+) -> torch.Tensor:
+    """``[B, Hq, N, D]``, ``[B, Hkv, N, D]`` x2, ``kv_end [B, N]`` -> ``[B, N, Hq, D]``.
+
+    ``window`` (None: unlimited) limits query ``q`` to keys with ``positions[q] - positions[k] <
+    window`` (``positions [B, N]``: the depths); ``softcap`` caps the scaled scores (reference module).
+    """
     try:
         function = ENGINES[engine]
     except KeyError:
         raise ValueError(f"unknown attention engine {engine!r}; choose one of {sorted(ENGINES)}") from None
-    return function(query, key, value, kv_end, scale)
+    return function(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
 
 
 def implementation_name(engine: str) -> str:
@@ -56,10 +70,25 @@ def _hf_attention(engine: str):
             )
         if dropout:
             raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
-        for unsupported in ("sliding_window", "softcap"):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(f"tree attention does not support {unsupported} (layer {module.__class__.__name__})")
-        return tree_attention(query, key, value, kv_end.to(query.device), scaling, engine), None
+        window, positions = kwargs.get("sliding_window"), kwargs.get("position_ids")
+        if window is not None:
+            if positions is None:
+                raise ValueError(
+                    f"{module.__class__.__name__} uses a sliding window ({window}): tree attention needs the tokens' "
+                    "depths, pass the packed row's position_ids to the model's forward"
+                )
+            positions = positions.to(query.device).expand(query.shape[0], -1)
+        return tree_attention(
+            query,
+            key,
+            value,
+            kv_end.to(query.device),
+            scaling,
+            engine,
+            positions=positions,
+            window=window,
+            softcap=kwargs.get("softcap"),
+        ), None
 
     return attention
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ds_tree.attention.reference import check_window
 from ds_tree.attention.triton import kernels
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -29,24 +30,26 @@ class TreeAttentionFunction(torch.autograd.Function):
     """``tree_attention`` forward/backward on the Triton kernels (FlashAttention-2 style)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, kv_end, scale):
+    def forward(ctx, query, key, value, kv_end, scale, positions, window):
         head_dim = query.shape[-1]
         padded = _padded_head_dim(head_dim)
         query, key, value = (_pad(x, padded) for x in (query, key, value))
         kv_end = kv_end.to(device=query.device, dtype=torch.int32).contiguous()
-        out, lse = kernels.forward(query, key, value, kv_end, scale)
-        ctx.save_for_backward(query, key, value, out, lse, kv_end)
-        ctx.scale = scale
+        if window is not None:
+            positions = positions.to(device=query.device, dtype=torch.int32).contiguous()
+        out, lse = kernels.forward(query, key, value, kv_end, scale, positions, window)
+        ctx.save_for_backward(query, key, value, out, lse, kv_end, positions)
+        ctx.scale, ctx.window = scale, window
         ctx.head_dim = head_dim
         return out if padded == head_dim else out[..., :head_dim].contiguous()
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, out, lse, kv_end = ctx.saved_tensors
+        query, key, value, out, lse, kv_end, positions = ctx.saved_tensors
         grad_out = _pad(grad_out, query.shape[-1])
-        grads = kernels.backward(grad_out, query, key, value, out, lse, kv_end, ctx.scale)
+        grads = kernels.backward(grad_out, query, key, value, out, lse, kv_end, ctx.scale, positions, ctx.window)
         grad_q, grad_k, grad_v = (g[..., : ctx.head_dim] for g in grads)
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
 def triton_tree_attention(
@@ -55,12 +58,16 @@ def triton_tree_attention(
     value: torch.Tensor,
     kv_end: torch.Tensor,
     scale: float | None = None,
+    *,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Tree attention (docs/DESIGN.md section 4 contract) on the Triton kernels.
 
     query ``[B, Hq, N, D]``, key/value ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0`` (query head
     ``h`` uses kv head ``h // (Hq // Hkv)``), ``kv_end`` ``[B, N]`` integer: query ``q`` sees key
-    ``k`` iff ``k <= q < kv_end[k]``. fp32, fp16 or bf16. Returns ``[B, N, Hq, D]`` in the input
+    ``k`` iff ``k <= q < kv_end[k]`` (and, with a ``window``, ``positions[q] - positions[k] <
+    window``, ``positions`` ``[B, N]`` the depths). fp32, fp16 or bf16. Returns ``[B, N, Hq, D]`` in the input
     dtype; differentiable in query, key and value.
     """
     if not (kernels.INTERPRET or (torch.cuda.is_available() and query.is_cuda)):
@@ -78,6 +85,9 @@ def triton_tree_attention(
         raise ValueError(f"kv_end must be [B, N] = {(batch, n)}, got {tuple(kv_end.shape)}")
     if query.dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {query.dtype}: use float32, float16 or bfloat16")
+    if window is not None:
+        check_window(positions, window, kv_end.shape)
+        window = int(window)
     if scale is None:
         scale = head_dim**-0.5
-    return TreeAttentionFunction.apply(query, key, value, kv_end, float(scale))
+    return TreeAttentionFunction.apply(query, key, value, kv_end, float(scale), positions, window)

@@ -18,6 +18,11 @@ Algorithm
   exceeds its last row is fully visible and skips the element mask. The per-key-block max/min of
   ``kv_end`` come from the host (``block_stats.key_block_end_bounds``), which also reports how
   many tiles these rules visit.
+- Sliding window (``HAS_WINDOW``, a constexpr: the kernels without it are unchanged): query ``q``
+  sees key ``k`` only if also ``positions[q] - positions[k] < window`` (the tokens' depths). The
+  element mask loads the positions; a tile is skipped when its shallowest query is ``window`` or
+  more deeper than its deepest key, and stays on the unmasked path only when its deepest query is
+  within ``window`` of its shallowest key (per-block bounds from ``block_stats.block_position_bounds``).
 - GQA: query head ``h`` uses kv head ``h // group`` (HF ``repeat_kv`` order). K/V are never
   repeated in memory; the dK/dV program loops over the ``group`` query heads of its kv head and
   accumulates their contributions in registers, so no atomics are needed.
@@ -53,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds_tree.attention.block_stats import key_block_end_bounds
+from ds_tree.attention.block_stats import block_position_bounds, key_block_end_bounds
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = math.log2(math.e)
@@ -116,20 +121,43 @@ def _tile_is_full(key_start, query_start, min_end, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _visible(query_index, key_index, key_end):
-    """The tree mask ``k <= q < kv_end[k]``, broadcast over whatever tile shape the indices span.
+def _visible(query_index, key_index, key_end, query_pos, key_pos, window, HAS_WINDOW: tl.constexpr):
+    """The tree mask ``k <= q < kv_end[k]`` (and the window on the positions), broadcast over
+    whatever tile shape the indices span.
 
     Callers pass ``[queries, 1]`` and ``[1, keys]`` indices, or the transpose for a
     ``[keys, queries]`` tile, so no boolean tile needs a ``tl.trans``.
     """
-    return (key_index <= query_index) & (query_index < key_end)
+    visible = (key_index <= query_index) & (query_index < key_end)
+    if HAS_WINDOW:
+        visible = visible & (query_pos - key_pos < window)
+    return visible
+
+
+@triton.jit
+def _load_positions(pos_base, index, n, HAS_WINDOW: tl.constexpr):
+    """Positions of ``index`` (0 past ``n``, where kv_end masks anyway); ``index`` itself without a window."""
+    if HAS_WINDOW:
+        return tl.load(pos_base + index, mask=index < n, other=0)
+    return index
+
+
+@triton.jit
+def _query_block_positions(QUERY_MAX_POS, QUERY_MIN_POS, block, HAS_WINDOW: tl.constexpr):
+    """Deepest and shallowest position of a query block (unused zeros without a window)."""
+    query_max_pos = 0
+    query_min_pos = 0
+    if HAS_WINDOW:
+        query_max_pos = tl.load(QUERY_MAX_POS + block)
+        query_min_pos = tl.load(QUERY_MIN_POS + block)
+    return query_max_pos, query_min_pos
 
 
 @triton.jit
 def _forward_tile(
     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
-    qk_scale, offs_n, offs_d,
-    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     key_index = key_start + offs_n
     k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
@@ -138,7 +166,10 @@ def _forward_tile(
     if MASKED:
         # Keys past n read kv_end = 0 and so are invisible to every query.
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
-        visible = _visible(query_index[:, None], key_index[None, :], key_end[None, :])
+        key_pos = _load_positions(pos_base, key_index, n, HAS_WINDOW)
+        visible = _visible(
+            query_index[:, None], key_index[None, :], key_end[None, :], query_pos[:, None], key_pos[None, :], window,
+            HAS_WINDOW)
         scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     correction = tl.exp2(row_max - new_max)
@@ -151,10 +182,11 @@ def _forward_tile(
 @triton.jit
 def _forward_kernel(
     Q, K, V, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, OUT, LSE,
+    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, group, num_key_blocks, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -168,6 +200,10 @@ def _forward_kernel(
     v_base = V + batch * stride_kb + (head // group) * stride_kh
     end_base = KV_END + batch * n
     bounds = batch * num_key_blocks
+    pos_base = POSITIONS + batch * n
+    query_pos = _load_positions(pos_base, query_index, n, HAS_WINDOW)
+    query_max_pos, query_min_pos = _query_block_positions(
+        QUERY_MAX_POS, QUERY_MIN_POS, batch * tl.num_programs(0) + tl.program_id(0), HAS_WINDOW)
 
     row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -175,16 +211,24 @@ def _forward_kernel(
     last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
     for key_block in range(0, last_key_block + 1):
         key_start = key_block * BLOCK_N
-        if tl.load(BLOCK_MAX_END + bounds + key_block) > query_start:
+        visible = tl.load(BLOCK_MAX_END + bounds + key_block) > query_start
+        if HAS_WINDOW:  # no pair in the window: the shallowest query is too deep for the deepest key
+            visible = visible & (query_min_pos - tl.load(KEY_MAX_POS + bounds + key_block) < window)
+        if visible:
             min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
-            if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
+            full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
+            if HAS_WINDOW:  # every pair in the window: the deepest query reaches the shallowest key
+                full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
+            if full:
                 acc, row_max, row_sum = _forward_tile(
                     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, False, INTERPRET_BF16, DOT_PRECISION)
+                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
             else:
                 acc, row_max, row_sum = _forward_tile(
                     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, True, INTERPRET_BF16, DOT_PRECISION)
+                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
 
     # Rows past n never saw a key; keep them finite (they are not stored).
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
@@ -214,8 +258,8 @@ def _delta_kernel(
 @triton.jit
 def _key_value_tile(
     grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-    n, stride_qn, stride_on, qk_scale, offs_m, offs_d,
-    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Add one query block's contribution to dK and dV, in transposed ``[keys, queries]`` form."""
     query_index = query_start + offs_m
@@ -229,7 +273,11 @@ def _key_value_tile(
         delta = tl.load(delta_base + query_index)
     p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
     if MASKED:
-        p_t = tl.where(_visible(query_index[None, :], key_index[:, None], key_end[:, None]), p_t, 0.0)
+        query_pos = _load_positions(pos_base, query_index, n, HAS_WINDOW)
+        visible = _visible(
+            query_index[None, :], key_index[:, None], key_end[:, None], query_pos[None, :], key_pos[:, None], window,
+            HAS_WINDOW)
+        p_t = tl.where(visible, p_t, 0.0)
     grad_v += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=DOT_PRECISION)
     grad_p_t = tl.dot(v, tl.trans(grad_out), input_precision=DOT_PRECISION)
     grad_s_t = p_t * (grad_p_t - delta[None, :])
@@ -238,12 +286,33 @@ def _key_value_tile(
 
 
 @triton.jit
+def _key_value_block(
+    full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
+    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """:func:`_key_value_tile` without the element mask when the tile is ``full``, with it otherwise."""
+    if full:
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
+            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+            False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+    else:
+        grad_k, grad_v = _key_value_tile(
+            grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
+            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+            True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+    return grad_k, grad_v
+
+
+@triton.jit
 def _key_value_kernel(
     Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_K, GRAD_V,
+    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, heads_kv, group, num_key_blocks, scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     key_block = tl.program_id(0)
     batch = tl.program_id(1) // heads_kv
@@ -258,6 +327,14 @@ def _key_value_kernel(
     key_end = tl.load(KV_END + batch * n + key_index, mask=key_index < n, other=0)
     max_end = tl.load(BLOCK_MAX_END + batch * num_key_blocks + key_block)
     min_end = tl.load(BLOCK_MIN_END + batch * num_key_blocks + key_block)
+    pos_base = POSITIONS + batch * n
+    key_pos = _load_positions(pos_base, key_index, n, HAS_WINDOW)
+    key_max_pos = 0
+    key_min_pos = 0
+    if HAS_WINDOW:
+        key_max_pos = tl.load(KEY_MAX_POS + batch * num_key_blocks + key_block)
+        key_min_pos = tl.load(KEY_MIN_POS + batch * num_key_blocks + key_block)
+    num_query_blocks = tl.cdiv(n, BLOCK_M)
 
     grad_k = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     grad_v = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
@@ -272,16 +349,21 @@ def _key_value_kernel(
         delta_base = DELTA + (batch * heads_q + head) * n
         for query_block in range(first_query_block, last_query_block + 1):
             query_start = query_block * BLOCK_M
-            if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
-                grad_k, grad_v = _key_value_tile(
-                    grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
-                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, False, INTERPRET_BF16,
-                    DOT_PRECISION)
+            query_max_pos, query_min_pos = _query_block_positions(
+                QUERY_MAX_POS, QUERY_MIN_POS, batch * num_query_blocks + query_block, HAS_WINDOW)
+            full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
+            if HAS_WINDOW:
+                full = full & (query_max_pos - key_min_pos < window)
+                if query_min_pos - key_max_pos < window:  # else no pair of the tile is in the window
+                    grad_k, grad_v = _key_value_block(
+                        full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
+                        query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+                        INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
             else:
-                grad_k, grad_v = _key_value_tile(
-                    grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
-                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, True, INTERPRET_BF16,
-                    DOT_PRECISION)
+                grad_k, grad_v = _key_value_block(
+                    full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
+                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+                    INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
 
     in_range = (key_index < n)[:, None]
     pointers = kv_offset + key_index[:, None] * stride_kn + offs_d[None, :]
@@ -293,8 +375,8 @@ def _key_value_kernel(
 @triton.jit
 def _query_tile(
     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
-    qk_scale, offs_n, offs_d,
-    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Add one key block's contribution to dQ."""
     key_index = key_start + offs_n
@@ -303,7 +385,11 @@ def _query_tile(
     p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
     if MASKED:
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
-        p = tl.where(_visible(query_index[:, None], key_index[None, :], key_end[None, :]), p, 0.0)
+        key_pos = _load_positions(pos_base, key_index, n, HAS_WINDOW)
+        visible = _visible(
+            query_index[:, None], key_index[None, :], key_end[None, :], query_pos[:, None], key_pos[None, :], window,
+            HAS_WINDOW)
+        p = tl.where(visible, p, 0.0)
     grad_p = tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION)
     grad_s = p * (grad_p - delta[:, None])
     return grad_q + tl.dot(grad_s.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -312,10 +398,11 @@ def _query_tile(
 @triton.jit
 def _query_kernel(
     Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_Q,
+    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, group, num_key_blocks, scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -335,21 +422,33 @@ def _query_kernel(
     v_base = V + batch * stride_kb + (head // group) * stride_kh
     end_base = KV_END + batch * n
     bounds = batch * num_key_blocks
+    pos_base = POSITIONS + batch * n
+    query_pos = _load_positions(pos_base, query_index, n, HAS_WINDOW)
+    query_max_pos, query_min_pos = _query_block_positions(
+        QUERY_MAX_POS, QUERY_MIN_POS, batch * tl.num_programs(0) + tl.program_id(0), HAS_WINDOW)
 
     grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
     for key_block in range(0, last_key_block + 1):
         key_start = key_block * BLOCK_N
-        if tl.load(BLOCK_MAX_END + bounds + key_block) > query_start:
+        visible = tl.load(BLOCK_MAX_END + bounds + key_block) > query_start
+        if HAS_WINDOW:
+            visible = visible & (query_min_pos - tl.load(KEY_MAX_POS + bounds + key_block) < window)
+        if visible:
             min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
-            if _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N):
+            full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
+            if HAS_WINDOW:
+                full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
+            if full:
                 grad_q = _query_tile(
                     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, False, INTERPRET_BF16, DOT_PRECISION)
+                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
             else:
                 grad_q = _query_tile(
                     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, True, INTERPRET_BF16, DOT_PRECISION)
+                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
 
     pointers = GRAD_Q + q_offset + query_index[:, None] * stride_qn + offs_d[None, :]
     tl.store(pointers, _to_storage(grad_q * scale, GRAD_Q.dtype.element_ty, INTERPRET_BF16), mask=in_range[:, None])
@@ -362,27 +461,44 @@ def _dot_options(dtype: torch.dtype) -> dict:
     }
 
 
+def _window_arguments(kv_end, positions, window, block_m, block_n) -> tuple[list, dict]:
+    """``POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window`` and the
+    ``HAS_WINDOW`` switch; without a window ``kv_end`` stands in for the unused pointers."""
+    if window is None:
+        return [kv_end] * 5 + [0], {"HAS_WINDOW": False}
+    query_bounds = block_position_bounds(positions, block_m)
+    key_bounds = block_position_bounds(positions, block_n)
+    return [positions, *query_bounds, *key_bounds, window], {"HAS_WINDOW": True}
+
+
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_end: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_end: torch.Tensor,
+    scale: float,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output ``[B, N, Hq, D]`` and log2-domain log-sum-exp ``[B, Hq, N]`` (fp32).
 
     q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]``, all contiguous with D a power of two >= 16;
-    kv_end ``[B, N]`` int32 contiguous.
+    kv_end ``[B, N]`` int32 contiguous; with a ``window``, positions ``[B, N]`` int32 contiguous.
     """
     batch, heads_q, n, head_dim = q.shape
     config = block_sizes(head_dim)
     block_m, block_n = config["forward"]
     max_end, min_end = key_block_end_bounds(kv_end, block_n)
+    window_arguments, window_switch = _window_arguments(kv_end, positions, window, block_m, block_n)
     out = torch.empty(batch, n, heads_q, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads_q, n, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(n, block_m), batch * heads_q)
     _forward_kernel[grid](
-        q, k, v, kv_end, max_end, min_end, out, lse,
+        q, k, v, kv_end, max_end, min_end, out, lse, *window_arguments,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(2), out.stride(1),
         n, heads_q, heads_q // k.shape[1], max_end.shape[1], scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, **_dot_options(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, **_dot_options(q.dtype), **window_switch,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out, lse
@@ -391,6 +507,7 @@ def forward(
 def backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, kv_end: torch.Tensor, scale: float,
+    positions: torch.Tensor | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` shaped like q, k, v; grad_out and out are ``[B, N, Hq, D]``.
 
@@ -401,6 +518,7 @@ def backward(
     config = block_sizes(head_dim)
     block_m, block_n = config["backward"]
     max_end, min_end = key_block_end_bounds(kv_end, block_n)
+    window_arguments, window_switch = _window_arguments(kv_end, positions, window, block_m, block_n)
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     out_strides = (out.stride(0), out.stride(2), out.stride(1))
     delta = torch.empty_like(lse)
@@ -408,14 +526,16 @@ def backward(
         out, grad_out, delta, *out_strides, n, heads_q, BLOCK_M=block_m, HEAD_DIM=head_dim, **launch)
 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *out_strides)
-    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype)}
+    constants = {
+        "BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype), **window_switch
+    }
     grad_k = torch.empty_like(k)
     grad_v = torch.empty_like(v)
     _key_value_kernel[(max_end.shape[1], batch * heads_kv)](
-        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_k, grad_v, *strides,
+        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_k, grad_v, *window_arguments, *strides,
         n, heads_q, heads_kv, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
     grad_q = torch.empty_like(q)
     _query_kernel[(triton.cdiv(n, block_m), batch * heads_q)](
-        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_q, *strides,
+        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_q, *window_arguments, *strides,
         n, heads_q, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
     return grad_q, grad_k, grad_v
