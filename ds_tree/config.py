@@ -16,6 +16,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import UnionType
 from typing import Any, Literal
 
 import yaml
@@ -65,10 +66,15 @@ class ModelConfig:
     head_chunk: int = 0
     """LM head, log-softmax and entropy over chunks of this many targets, each recomputed in the
     backward: the head's peak memory is ``head_chunk x vocabulary`` (0: all targets at once)."""
+    router_aux_loss_coef: float | None = None
+    """MoE models: weight of the router load-balancing loss in the SFT objective (docs/MODELS.md);
+    null: the model config's ``router_aux_loss_coef``; 0: off. Ignored by models without a router."""
 
     def __post_init__(self) -> None:
         if not self.source:
             raise ConfigError("model.source is required (a config JSON or a model directory)")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (or null), got {self.router_aux_loss_coef}")
         if self.checkpoint_every < 1 or self.head_chunk < 0:
             raise ConfigError(
                 f"model.checkpoint_every must be >= 1 and model.head_chunk >= 0, got {self.checkpoint_every}, "
@@ -359,6 +365,11 @@ def _build(cls: type, values: Any, where: str, prefix: str) -> Any:
 def _coerce(hint: Any, value: Any, where: str, dotted: str) -> Any:
     """``value`` checked against the field type ``hint`` (and converted where YAML needs it)."""
     origin = typing.get_origin(hint)
+    if origin is UnionType and type(None) in typing.get_args(hint):  # optional: null or the other type
+        if value is None:
+            return None
+        (other,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
+        return _coerce(other, value, where, dotted)
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

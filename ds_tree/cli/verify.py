@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
     parser.add_argument("--normalisation", choices=NORMALISATIONS, help="SFT only (default token_mean)")
     parser.add_argument("--policy", choices=POLICIES, help="SFT only (default exact)")
+    parser.add_argument(
+        "--router-aux-loss-coef",
+        type=float,
+        help="SFT only, MoE models: weight of the router load-balancing loss (default: the model config's)",
+    )
     rl_group = add_objective_arguments(parser)
     rl_group.add_argument(
         "--perturbation",
@@ -52,7 +57,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         f"(default {DEFAULT_PERTURBATION})",
     )
     args = parser.parse_args(argv)
-    objective = objective_config(parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy"))
+    objective = objective_config(
+        parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
+    )
     try:
         trajectories = load_trajectories(args.data)
         if args.limit is not None:
@@ -64,6 +71,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 args.model,
                 normalisation=args.normalisation or "token_mean",
                 policy=args.policy or "exact",
+                router_aux_loss_coef=args.router_aux_loss_coef,
                 **common,
             )
         else:

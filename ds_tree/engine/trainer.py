@@ -54,6 +54,7 @@ from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
+from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import make_parts
@@ -163,6 +164,11 @@ class Trainer:
         self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
         if config.objective.is_rl:
             self.check_rl_data()
+            if config.model.router_aux_loss_coef:
+                raise ConfigError(
+                    "model.router_aux_loss_coef: the router load-balancing loss is part of the SFT objective only; "
+                    "set it to 0 or null for an RL objective"
+                )
         hidden = getattr(self.model_config, "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
         self.plan_resume()
@@ -334,7 +340,9 @@ class Trainer:
 
         return backward
 
-    def forward_backward(self, rows: list[PackedRow], normalisers: Normalisers | None = None) -> StepOutput:
+    def forward_backward(
+        self, rows: list[PackedRow], normalisers: Normalisers | None = None, router_aux: RouterAuxLoss | None = None
+    ) -> StepOutput:
         if normalisers is None:
             normalisers = self.global_normalisers(rows)
         return run_rows(
@@ -346,6 +354,7 @@ class Trainer:
             backward=self.backward_function(len(rows)),
             device=self.engine.device,
             head_chunk=self.config.model.head_chunk,
+            router_aux=router_aux,
         )
 
     def optimizer_step(self) -> None:
@@ -354,6 +363,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
         lr = float(self.engine.get_lr()[0])  # the rate this step applies (its first update's, for RL)
+        router_scalars = {}
         if self.config.objective.is_rl:
             plans, loss, grad_norm, rl_scalars = self.rl_step(step)
         else:
@@ -361,8 +371,13 @@ class Trainer:
             normalisers = self.global_normalisers(plan.rows)
             if normalisers.target_tokens == 0:
                 self.count_untrained(step + 1)
-            output = self.forward_backward(plan.rows, normalisers)
+            router_aux = RouterAuxLoss.of_model(self.engine, self.config.model.router_aux_loss_coef, plan.flat_tokens)
+            output = self.forward_backward(plan.rows, normalisers, router_aux)
             plans, rl_scalars = [plan], {}
+            if output.router_aux is not None:  # every rank alike: MoE or not is the model's
+                share = torch.tensor([output.router_aux], dtype=torch.float64)
+                dist.all_reduce(share)
+                router_scalars["loss/router_aux"] = float(share.item())
             loss, grad_norm = self.apply_update(step + 1, output.loss)
         elapsed = time.perf_counter() - started
         peak = (
@@ -387,6 +402,7 @@ class Trainer:
             "memory/peak_bytes": float(peak),
             "data/epoch": self.sampler.epoch_of_step(step + 1),
             **rl_scalars,
+            **router_scalars,
         }
 
     def apply_update(self, step: int, local_loss: float) -> tuple[float, float | None]:
