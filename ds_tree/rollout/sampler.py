@@ -206,6 +206,14 @@ class _Branch:
     """Leaves this branch still owns."""
 
 
+def repeats_ngram(completion: Sequence[int], n: int) -> bool:
+    """Whether the last ``n`` tokens of ``completion`` also occur earlier in it (overlaps count); n = 0: never."""
+    if n == 0 or len(completion) <= n:
+        return False
+    last = list(completion[-n:])
+    return any(list(completion[start : start + n]) == last for start in range(len(completion) - n))
+
+
 @contextmanager
 def generation_mode(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """``model`` in eval mode with a cached causal attention; its attention and mode restored afterwards."""
@@ -261,13 +269,6 @@ class _TreeSampler:
         self.nodes.append(SampledNode(parent))
         return len(self.nodes) - 1
 
-    def repeats(self, completion: list[int]) -> bool:
-        n = self.settings.repetition_ngram
-        if n == 0 or len(completion) <= n:
-            return False
-        last = completion[-n:]
-        return any(completion[start : start + n] == last for start in range(len(completion) - n))
-
     def decode_segment(self, branch: _Branch) -> str | None:
         """Sample one segment into ``branch.node``; the finish reason if the branch stopped."""
         settings = self.settings
@@ -281,7 +282,7 @@ class _TreeSampler:
             reason = None
             if token in self.eos:
                 reason = "eos"
-            elif self.repeats(branch.completion):
+            elif repeats_ngram(branch.completion, settings.repetition_ngram):
                 reason = "repetition"
             elif len(branch.completion) == segment_end:
                 if settings.logprob_floor is not None and np.mean(node.logprobs) < settings.logprob_floor:
