@@ -82,12 +82,12 @@ def test_chunked_head_equals_unchunked(name, chunk_calls):
     assert [t.shape for t in logprobs_and_entropy_at(model, row, nothing, nothing, head_chunk=4)] == [(0,), (0,)]
 
 
-def test_chunked_head_refuses_transformed_logits():
+def test_chunked_head_refuses_transformed_logits(monkeypatch):
     model = _model("llama")
-    model.config.final_logit_softcapping = 30.0
+    monkeypatch.setattr(model.config, "logit_scale", 0.5, raising=False)  # Cohere's scaling
     row = pack_trajectories(_forest(), "tree", 4096)[0]
     targets = predicted_tokens(row)
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
+    with pytest.raises(ValueError, match="logit_scale"):
         logprobs_and_entropy_at(model, row, row.pred_pos[targets], row.input_ids[targets], head_chunk=8)
     logprobs_and_entropy_at(model, row, row.pred_pos[targets], row.input_ids[targets], head_chunk=0)
 

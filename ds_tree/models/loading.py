@@ -123,6 +123,15 @@ def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _gemma_rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return hidden_states * torch.rsqrt(variance + self.eps) * (1.0 + self.weight)
+
+
+# Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps``.
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+
+
 def keep_norms_in_float64(model: torch.nn.Module) -> int:
     """Make RMSNorm layers compute in float64 when the model is float64; returns how many.
 
@@ -130,11 +139,14 @@ def keep_norms_in_float64(model: torch.nn.Module) -> int:
     model that silently rounds every hidden state to float32 precision in the backward, so a
     prefix gradient summed over branches differs from the flat per-branch sum by ~3e-8
     relative: the float64 oracle would only be a float32 one. The replacement is the same
-    formula without the cast.
+    formula without the cast (Gemma's, :data:`GEMMA_NORMS`, likewise).
     """
     patched = 0
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        if type(module).__name__ in GEMMA_NORMS:
+            module.forward = _gemma_rms_norm_float64.__get__(module)
+            patched += 1
+        elif type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             module.forward = _rms_norm_float64.__get__(module)
             patched += 1
     return patched

@@ -26,10 +26,13 @@ from transformers import PreTrainedModel
 
 from ds_tree.packing.rows import PackedRow
 
-# Config fields of models whose forward transforms the logits after ``lm_head`` (Gemma's
-# soft-capping, Cohere's and Granite's scaling), with the values that leave them unchanged. The
-# chunked head applies ``lm_head`` alone, so it refuses any other value.
-LOGIT_TRANSFORMS = {"final_logit_softcapping": (None,), "logit_scale": (None, 1.0), "logits_scaling": (None, 1.0)}
+# Config fields of models whose forward transforms the logits after ``lm_head`` (Cohere's and
+# Granite's scaling), with the values that leave them unchanged. The chunked head applies
+# ``lm_head`` alone, so it refuses any other value. Gemma's ``final_logit_softcapping`` is the
+# exception: the chunks apply it themselves, with the model's own operations in the model's
+# order, while the model's forward sees it switched off (:func:`logprobs_and_entropy_at`).
+LOGIT_TRANSFORMS = {"logit_scale": (None, 1.0), "logits_scaling": (None, 1.0)}
+SOFTCAP = "final_logit_softcapping"
 
 
 def check_head_chunking(config) -> None:
@@ -101,20 +104,30 @@ def logprobs_and_entropy_at(
     causal_lm = getattr(model, "module", model)  # the DeepSpeed engine wraps the Hugging Face model
     check_head_chunking(causal_lm.config)
     head = causal_lm.get_output_embeddings()
+    softcap = getattr(causal_lm.config, SOFTCAP, None)
     # One call of the head module per forward, as unchunked: ZeRO-3 gathers its weight in that
     # call's hooks (and again before its backward, where the chunks are recomputed), and every
     # rank must make the same calls whatever its number of targets. Only ``forward`` is replaced,
     # for this call: the module's hooks stay.
-    head.forward = functools.partial(_chunked_head, head, target, head_chunk, entropy)
+    head.forward = functools.partial(_chunked_head, head, target, head_chunk, entropy, softcap)
+    if softcap is not None:  # the chunks cap their logits; the model must not cap their outputs
+        setattr(causal_lm.config, SOFTCAP, None)
     try:
         outputs = model(**row.tensors(device), logits_to_keep=index, use_cache=False).logits[0]
     finally:
         del head.forward
+        if softcap is not None:
+            setattr(causal_lm.config, SOFTCAP, softcap)
     return outputs[:, 0], outputs[:, 1] if entropy else None
 
 
 def _chunked_head(
-    head: torch.nn.Module, target: torch.Tensor, head_chunk: int, entropy: bool, hidden: torch.Tensor
+    head: torch.nn.Module,
+    target: torch.Tensor,
+    head_chunk: int,
+    entropy: bool,
+    softcap: float | None,
+    hidden: torch.Tensor,
 ) -> torch.Tensor:
     """``[1, targets, hidden]`` -> ``[1, targets, 2]``: each target's log-prob and entropy (or 0)."""
     chunks = [
@@ -124,6 +137,7 @@ def _chunked_head(
             hidden[0, start : start + head_chunk],
             target[start : start + head_chunk],
             entropy,
+            softcap,
             use_reentrant=False,
         )
         for start in range(0, max(len(target), 1), head_chunk)  # no target: one empty chunk, as unchunked
@@ -133,9 +147,15 @@ def _chunked_head(
     return torch.stack([logprobs, entropies], dim=-1)[None]
 
 
-def _chunk_outputs(head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, entropy: bool):
-    """One chunk: the head's class ``forward`` on the (gathered) weights, bypassing the module hooks."""
-    return _head_outputs(type(head).forward(head, hidden), target, entropy)
+def _chunk_outputs(
+    head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, entropy: bool, softcap: float | None
+):
+    """One chunk: the head's class ``forward`` on the (gathered) weights, bypassing the module hooks,
+    then the model's final soft-capping if it has one (Gemma 2: ``tanh(logits / cap) * cap``)."""
+    logits = type(head).forward(head, hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return _head_outputs(logits, target, entropy)
 
 
 def _head_outputs(
