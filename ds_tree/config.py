@@ -99,8 +99,6 @@ class DataConfig:
     """Seed of the per-epoch shuffle; with the step number it fixes every step's data."""
 
     def __post_init__(self) -> None:
-        if not self.path:
-            raise ConfigError("data.path is required")
         if self.groups_per_step < 1:
             raise ConfigError(f"data.groups_per_step must be >= 1, got {self.groups_per_step}")
 
@@ -310,9 +308,94 @@ class DistributedConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """Online RL (docs/RL.md, *Online RL*): each step samples its groups from the current policy."""
+
+    enabled: bool = False
+    """Sample, score and train each step (``data.path`` must then be empty); needs an RL ``objective``
+    whose estimator uses rewards and ``model.tokenizer`` (prompts are encoded, completions decoded)."""
+    prompts: str = ""
+    """Prompts JSONL: one ``{"prompt": text}`` or ``{"prompt_ids": [ids]}`` a line, with an optional
+    ``"metadata": {...}`` object handed to the reward function (the answer, the puzzle's numbers)."""
+    reward: str = ""
+    """Reward function: a name in ``ds_tree.rollout.rewards.REWARDS`` (``game24``, ``exact_match``) or a
+    ``package.module:function`` taking a ``RewardRequest`` (importable on every rank)."""
+    prompts_per_step: int = 4
+    """Prompts per training step over all ranks, each sampled as one tree (one group)."""
+    seed: int = 0
+    """Seed of the prompt order (reshuffled each pass over the prompts) and, with the step and the
+    prompt's slot in it, of the slot's sampling generator: a resumed run samples what an uninterrupted
+    one would have, without generator state in the checkpoint."""
+    segment_length: int = 16
+    """Sampler (docs/ROLLOUTS.md): tokens decoded per segment before a branch decision."""
+    branching: int = 2
+    """Sampler: children per branch point."""
+    max_depth: int = 3
+    """Sampler: branch levels (at most ``branching ** max_depth`` leaves)."""
+    width: int = 8
+    """Sampler: leaves per prompt (the group size)."""
+    max_new_tokens: int = 64
+    """Sampler: most tokens of one completion."""
+    temperature: float = 1.0
+    """Sampler: softmax temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Sampler: nucleus sampling mass."""
+    repetition_ngram: int = 0
+    """Sampler: stop a branch that repeats an n-gram of this length (0: off)."""
+    logprob_floor: float = 0.0
+    """Sampler: stop a branch whose mean segment log-prob falls below this (< 0; 0: off)."""
+    refill: bool = True
+    """Sampler: re-branch from live or finished paths to keep ``width`` leaves."""
+    independent: bool = False
+    """Sampler: ``width`` independent completions instead of a tree (the baseline, same leaves)."""
+
+    def sampler_settings(self):
+        """These fields as :class:`ds_tree.rollout.sampler.SamplerSettings`."""
+        from ds_tree.rollout.sampler import SamplerSettings
+
+        names = [f.name for f in dataclasses.fields(SamplerSettings)]
+        values = {name: getattr(self, name) for name in names}
+        values["logprob_floor"] = self.logprob_floor or None
+        return SamplerSettings(**values)
+
+    def check_with(self, config: Config) -> None:
+        """What an enabled rollout section needs from itself and from the rest of the config."""
+        from ds_tree.rollout.online import reward_function
+
+        if not self.prompts:
+            raise ConfigError("rollout.prompts is required with rollout.enabled (a prompts JSONL)")
+        try:
+            reward_function(self.reward)
+        except ValueError as error:
+            raise ConfigError(f"rollout.reward {error}") from None
+        if self.prompts_per_step < 1 or self.logprob_floor > 0:
+            raise ConfigError("rollout.prompts_per_step must be >= 1 and rollout.logprob_floor <= 0")
+        try:
+            self.sampler_settings()
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"rollout: {error}") from None
+        if config.data.path:
+            raise ConfigError("data.path must be empty with rollout.enabled: each step's data is sampled")
+        objective = config.objective
+        if not objective.is_rl or objective.estimator == "given":
+            raise ConfigError(
+                "rollout.enabled needs objective.kind grpo or ppo with a reward-based objective.estimator "
+                f"(grpo, rloo, treepo); got kind {objective.kind!r}, estimator {objective.estimator!r}"
+            )
+        if objective.mini_batches > self.prompts_per_step:
+            raise ConfigError(
+                f"objective.mini_batches ({objective.mini_batches}) is more than rollout.prompts_per_step "
+                f"({self.prompts_per_step}): a mini-batch is a set of whole groups"
+            )
+        if not config.model.tokenizer:
+            raise ConfigError("rollout.enabled needs model.tokenizer (prompts are encoded, completions decoded)")
+
+
+@dataclass
 class Config:
     model: ModelConfig
-    data: DataConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training data; required unless ``rollout.enabled`` (then its trees are sampled each step)."""
     deepspeed: str = "configs/ds/zero3.json"
     """DeepSpeed JSON; its ``auto`` values are resolved from this config."""
     output_dir: str = "runs/default"
@@ -327,10 +410,17 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.objective.is_rl and self.objective.kl_coef and self.model.zero_init:
+            raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
+        if self.rollout.enabled:
+            self.rollout.check_with(self)
+        elif not self.data.path:
+            raise ConfigError("data.path is required")
         if not self.output_dir:
             raise ConfigError("output_dir is required")
 

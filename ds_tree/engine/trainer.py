@@ -138,6 +138,8 @@ class Trainer:
         """Steps whose update was discarded (``optimizer.non_finite: skip``), this run and the ones it resumed."""
         self.untrained_steps = 0
         """Steps without a trained token (every loss weight 0)."""
+        self.online = None
+        """Online RL (``rollout.enabled``): samples each step's groups (:mod:`ds_tree.rollout.online`)."""
 
     # ----------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -145,6 +147,8 @@ class Trainer:
         config = self.config
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         run_dir.check_writable(self.output_dir)
+        if config.rollout.enabled:
+            return self.prepare_online()
         try:
             self.trajectories = load_trajectories(config.data.path)
         except DataError as error:
@@ -173,6 +177,18 @@ class Trainer:
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
         self.plan_resume()
 
+    def prepare_online(self) -> None:
+        """:meth:`prepare` for online RL: prompts, tokenizer and reward function instead of a dataset."""
+        from ds_tree.rollout.online import OnlineRollouts
+
+        self.model_config = load_model_config(self.config.model.source)
+        check_layer_types(self.model_config)
+        self.online = OnlineRollouts(self.config, self.model_config)
+        self.sampler = self.online.sampler
+        hidden = getattr(self.model_config, "hidden_size", None)
+        self.ds_config = resolve_deepspeed_config(self.config, self.world_size, hidden)
+        self.plan_resume()
+
     def check_rl_data(self) -> None:
         """What the RL objective needs from the data, checked before any rank builds a model."""
         objective = self.config.objective
@@ -181,8 +197,6 @@ class Trainer:
                 f"objective.mini_batches ({objective.mini_batches}) is more than data.groups_per_step "
                 f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
             )
-        if objective.kl_coef and self.config.model.zero_init:
-            raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
         try:
             ESTIMATORS[objective.estimator](self.trajectories, normalise=objective.normalise_advantages)
             if objective.old_logprobs == "data" or objective.importance_truncation:
@@ -228,6 +242,8 @@ class Trainer:
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"WORLD_SIZE={self.world_size} but the process group has {dist.get_world_size()}")
         config = self.config
+        if self.online is not None:  # before any zero.Init: the generation copy is never partitioned
+            self.online.build_model(deepspeed.get_accelerator().current_device_name())
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
         if config.model.zero_init:
             if self.ds_config["zero_optimization"].get("stage") != 3:
@@ -292,6 +308,8 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def step_trajectories(self, step: int) -> list[Trajectory]:
         """The trajectories of ``step``'s groups (every rank computes the same list)."""
+        if self.online is not None:  # sampled from the current policy (a collective)
+            return self.online.step_trajectories(step, self.engine.module)
         return [t for g in self.sampler.groups_for_step(step) for t in self.groups[g]]
 
     def plan_step(self, step: int, rank: int | None = None) -> StepPlan:
@@ -483,6 +501,8 @@ class Trainer:
                 losses.append(loss)
         scalars = rl_scalars(rollouts.trajectories, rollouts.advantages, self.global_metrics(metrics))
         scalars["rl/singleton_trajectories"] = float(rollouts.singletons)
+        if self.online is not None:
+            scalars.update(self.online.scalars)
         return rollouts.plans, float(np.mean(losses)), grad_norm, scalars
 
     def global_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:

@@ -1,0 +1,299 @@
+"""Online RL: every training step samples trees from the current policy, scores them and trains on them.
+
+One step (``rollout.enabled``; docs/RL.md, *Online RL*):
+
+1. the step's prompts come from ``(rollout.prompt_seed, step)`` as a dataset's groups do
+   (:class:`~ds_tree.data.sampler.StepSampler`): ``prompts_per_step`` slots, slot ``j`` sampled by
+   rank ``j mod world_size``;
+2. every rank copies the current weights into its generation model: under ZeRO-3 the partitioned
+   parameters are gathered for the copy (``deepspeed.zero.GatheredParameters``, a collective), so each
+   rank briefly holds the whole model once more. That is fine for the small models this trains on the
+   CPU; for large ones DeepSpeed's hybrid engine (inference kernels over the gathered weights) is the
+   alternative. The copy has no ZeRO hooks, so ranks then sample different amounts without any
+   collective, in eval mode and without gradients; the training model is left as it was;
+3. each slot is sampled with its own ``torch.Generator`` seeded from ``(rollout.seed, step, slot)``:
+   the samples are a function of the weights and the step only, so a run resumed from a checkpoint
+   samples exactly what the uninterrupted run did, with no generator state to save, and the result does
+   not depend on the number of ranks;
+4. each rank scores its own completions (``rollout.reward``), then ``all_gather_object`` gives every
+   rank the same trajectory list in slot order. A trajectory whose reward function failed (reward
+   ``None``) is dropped with a warning naming it, and counted in ``rollout/reward_failures``.
+
+The trajectories then go through the RL step exactly as offline rollouts do (advantages, old
+log-probs, updates). :func:`rollout_scalars` gives the ``rollout/`` metrics.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds_tree.data.jsonl import read_jsonl
+from ds_tree.data.sampler import StepSampler
+from ds_tree.errors import DataError
+from ds_tree.rollout.rewards import REWARDS, RewardRequest, score
+from ds_tree.rollout.sampler import sample_tree
+from ds_tree.trees.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One line of ``rollout.prompts``."""
+
+    ids: np.ndarray
+    """int64 token ids the sampler continues."""
+    text: str
+    """The prompt as the reward function sees it (decoded from ``prompt_ids`` when given as ids)."""
+    metadata: dict
+    """Passed to the reward function untouched (the answer, the puzzle's numbers, ...)."""
+    source: str
+    """``file:line``."""
+
+
+def read_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
+    """The prompts JSONL: ``{"prompt": str}`` or ``{"prompt_ids": [int, ...]}``, optional ``"metadata": {...}``.
+
+    Errors name ``file:line``: neither or both prompt keys, ids that are not non-negative integers below
+    ``vocab_size``, an empty prompt, metadata that is not an object, a file without prompts.
+    """
+    prompts = []
+    for where, record in read_jsonl(path):
+        unknown = sorted(set(record) - {"prompt", "prompt_ids", "metadata"})
+        if unknown:
+            raise DataError(f"{where}: unknown key {unknown[0]!r} (known: metadata, prompt, prompt_ids)")
+        if ("prompt" in record) == ("prompt_ids" in record):
+            raise DataError(f"{where}: give exactly one of 'prompt' (text) and 'prompt_ids' (token ids)")
+        metadata = record.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise DataError(f"{where}: 'metadata' must be an object, got {type(metadata).__name__}")
+        if "prompt" in record:
+            text = record["prompt"]
+            if not isinstance(text, str):
+                raise DataError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = record["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                raise DataError(f"{where}: 'prompt_ids' must be a list of integers")
+            text = tokenizer.decode(ids)
+        if not ids:
+            raise DataError(f"{where}: the prompt has no tokens")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise DataError(f"{where}: prompt token ids must be in [0, {vocab_size}) (the model's vocab size)")
+        prompts.append(Prompt(np.asarray(ids, dtype=np.int64), text, metadata, where))
+    if not prompts:
+        raise DataError(f"{path}: no prompts")
+    return prompts
+
+
+def slot_generator(seed: int, step: int, slot: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of one prompt slot of one step: a function of ``(seed, step, slot)`` only."""
+    state = np.random.SeedSequence([seed, step, slot]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state))
+
+
+def rank_slots(n_slots: int, rank: int, world_size: int) -> list[int]:
+    """The slots ``rank`` samples: every ``world_size``-th, starting at ``rank``."""
+    return list(range(rank, n_slots, world_size))
+
+
+@dataclass
+class SlotResult:
+    """One slot's sampled tree, scored (what a rank sends to the others)."""
+
+    slot: int
+    trajectories: list[Trajectory]
+    """The tree's leaves as trajectories, rewards set (``None`` where the reward function failed)."""
+    prompt_tokens: int
+    leaves: int
+    depth: int
+    sampled_tokens: int
+    """Distinct tokens the sampler drew (each shared segment once)."""
+    forward_tokens: int
+    """Tokens the sampler ran through the model (prompt prefill included)."""
+    failures: list[str] = field(default_factory=list)
+    """The reward function's failure messages."""
+
+
+def kept_trajectories(results: list[SlotResult]) -> list[Trajectory]:
+    """Every slot's trajectories in slot order, those without a reward dropped with one warning naming them."""
+    kept, dropped = [], []
+    for result in sorted(results, key=lambda r: r.slot):
+        for trajectory in result.trajectories:
+            (dropped if trajectory.reward is None else kept).append(trajectory)
+    if dropped:
+        names = ", ".join(t.where for t in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
+        logger.warning(
+            "%d trajectories without a reward (the reward function failed) are dropped: %s", len(dropped), names
+        )
+    return kept
+
+
+def rollout_scalars(results: list[SlotResult]) -> dict[str, float]:
+    """The ``rollout/`` metrics of one step's slots (all ranks).
+
+    ``reward_mean`` over the trajectories with a reward; ``leaves`` and ``depth`` are means per tree;
+    ``por`` is 1 - tree tokens / flat tokens of the sampled trees (prompt once per tree against the
+    prompt once per trajectory); ``tokens_saved`` the completion tokens that sampling every leaf on its
+    own would draw minus those the sampler drew (0 for independent sampling).
+    """
+    rewards = [t.reward for r in results for t in r.trajectories if t.reward is not None]
+    flat = sum(len(t) for r in results for t in r.trajectories)
+    tree = sum(r.prompt_tokens + r.sampled_tokens for r in results)
+    independent = sum(len(t) - r.prompt_tokens for r in results for t in r.trajectories)
+    sampled = sum(r.sampled_tokens for r in results)
+    return {
+        "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
+        "rollout/leaves": float(np.mean([r.leaves for r in results])),
+        "rollout/depth": float(np.mean([r.depth for r in results])),
+        "rollout/por": 1.0 - tree / flat if flat else 0.0,
+        "rollout/sampled_tokens": float(sampled),
+        "rollout/forward_tokens": float(sum(r.forward_tokens for r in results)),
+        "rollout/tokens_saved": float(independent - sampled),
+        "rollout/reward_failures": float(sum(len(r.failures) for r in results)),
+    }
+
+
+def reward_function(name: str) -> Callable[[RewardRequest], float]:
+    """A reward by name: one of ``REWARDS``, or a user's ``package.module:function`` (importable on every rank)."""
+    if name in REWARDS:
+        return REWARDS[name]
+    module, _, attribute = name.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"must be one of {', '.join(sorted(REWARDS))} or 'package.module:function', got {name!r}")
+    try:
+        function = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{name!r} cannot be imported: {error}") from None
+    if not callable(function):
+        raise ValueError(f"{name!r} is not a function")
+    return function
+
+
+def load_tokenizer(directory: str):
+    """The tokenizer of ``model.tokenizer`` (a local directory; nothing is downloaded)."""
+    from transformers import AutoTokenizer
+
+    if not Path(directory, "tokenizer.json").is_file() and not Path(directory, "tokenizer_config.json").is_file():
+        raise DataError(f"{directory}: no tokenizer there (ds-tree make-tokenizer --output {directory} builds one)")
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
+
+
+def stop_token_ids(tokenizer, model_config) -> list[int]:
+    """Where a completion ends: the model's and the tokenizer's EOS, and the chat turn's end token."""
+    ids = model_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    ids.add(tokenizer.eos_token_id)
+    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if turn_end is not None and turn_end != tokenizer.unk_token_id:
+        ids.add(turn_end)
+    return sorted(i for i in ids if i is not None)
+
+
+class OnlineRollouts:
+    """The online loop on one rank: prompts, tokenizer, reward function and the generation model."""
+
+    def __init__(self, config, model_config) -> None:
+        from ds_tree.config import ConfigError
+
+        rollout = config.rollout
+        try:
+            self.tokenizer = load_tokenizer(config.model.tokenizer)
+        except DataError as error:
+            raise ConfigError(f"model.tokenizer: {error}") from None
+        try:
+            self.prompts = read_prompts(rollout.prompts, self.tokenizer, model_config.vocab_size)
+        except DataError as error:
+            raise ConfigError(f"rollout.prompts: {error}") from None
+        longest = max(self.prompts, key=lambda p: p.ids.size)
+        if longest.ids.size + rollout.max_new_tokens > config.packing.budget:
+            raise ConfigError(
+                f"packing.budget ({config.packing.budget}) is below the longest prompt ({longest.ids.size} tokens, "
+                f"{longest.source}) plus rollout.max_new_tokens ({rollout.max_new_tokens}); "
+                "every root-to-leaf path must fit one row"
+            )
+        self.config = config
+        self.model_config = model_config
+        self.settings = rollout.sampler_settings()
+        self.reward = reward_function(rollout.reward)
+        self.stop_ids = stop_token_ids(self.tokenizer, model_config)
+        self.sampler = StepSampler(len(self.prompts), rollout.prompts_per_step, rollout.seed)
+        self.model: torch.nn.Module | None = None
+        self.scalars: dict[str, float] = {}
+        """The ``rollout/`` metrics of the last step sampled."""
+
+    def build_model(self, device: torch.device | str) -> None:
+        """The generation model: same architecture and dtype as the policy, its own (unpartitioned) weights.
+
+        Built before the policy, outside any ZeRO-3 ``zero.Init``; :meth:`copy_weights` fills it each step.
+        """
+        from transformers import AutoModelForCausalLM
+
+        dtype = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
+        model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa", dtype=dtype)
+        self.model = model.to(device).eval().requires_grad_(False)
+
+    def copy_weights(self, policy: torch.nn.Module) -> None:
+        """The policy's current weights into the generation model (a collective under ZeRO-3: every rank calls it)."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        source = dict(policy.named_parameters())
+        partitioned = [p for p in source.values() if hasattr(p, "ds_id")]
+        with GatheredParameters(partitioned, enabled=bool(partitioned)), torch.no_grad():
+            for name, target in self.model.named_parameters():
+                target.copy_(source[name])
+
+    def sample_slot(self, step: int, slot: int, prompt_index: int) -> SlotResult:
+        """One prompt slot: sample its tree, decode and score the leaves."""
+        prompt = self.prompts[prompt_index]
+        device = next(self.model.parameters()).device
+        generator = slot_generator(self.config.rollout.seed, step, slot, device)
+        with torch.no_grad():
+            tree = sample_tree(
+                self.model, prompt.ids.tolist(), self.settings, generator=generator, eos_token_ids=self.stop_ids
+            )
+        trajectories = tree.trajectories(f"step{step}/slot{slot}")
+        requests = []
+        for leaf, trajectory in enumerate(trajectories):
+            trajectory.source = f"{prompt.source} (step {step}, slot {slot}, leaf {leaf})"
+            completion = trajectory.input_ids[prompt.ids.size :]
+            text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
+            requests.append(RewardRequest(prompt=prompt.text, completion=text, metadata=prompt.metadata))
+        rewards, failures = score(self.reward, requests)
+        for trajectory, reward in zip(trajectories, rewards, strict=True):
+            trajectory.reward = reward
+        return SlotResult(
+            slot=slot,
+            trajectories=trajectories,
+            prompt_tokens=int(prompt.ids.size),
+            leaves=tree.leaves,
+            depth=tree.depth,
+            sampled_tokens=tree.sampled_tokens,
+            forward_tokens=tree.forward_tokens,
+            failures=list(failures),
+        )
+
+    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
+        """``step``'s sampled and scored trajectories, the same list on every rank (collective)."""
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.copy_weights(policy)
+        started = time.perf_counter()
+        prompt_indices = self.sampler.groups_for_step(step)
+        slots = rank_slots(len(prompt_indices), rank, world_size)
+        mine = [self.sample_slot(step, slot, prompt_indices[slot]) for slot in slots]
+        gathered: list[tuple[list[SlotResult], float] | None] = [None] * world_size
+        dist.all_gather_object(gathered, (mine, time.perf_counter() - started))
+        results = [result for share, _ in gathered for result in share]
+        self.scalars = rollout_scalars(results)
+        self.scalars["rollout/time_s"] = max(seconds for _, seconds in gathered)  # the slowest rank's
+        return kept_trajectories(results)
