@@ -21,6 +21,7 @@ from ds_tree.verification import gradient_errors
 if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -39,11 +40,12 @@ def forest(seed: int) -> list[Trajectory]:
 
 
 def step(engine: str, trajectories: list[Trajectory]) -> tuple[float, dict[str, torch.Tensor]]:
-    model = load_model(os.path.join(ROOT, "configs/models/tiny_llama.json"), attention=engine, seed=1)
+    device = DEVICE if engine == "triton" else "cpu"
+    model = load_model(os.path.join(ROOT, "configs/models/tiny_llama.json"), attention=engine, seed=1).to(device)
     # the longest path (< 70 tokens) fits the budget; a group's tree is usually larger, and is split
     rows = pack_trajectories(trajectories, "tree", budget=72, block=16)
-    output = run_rows(model, rows, Normalisers.from_rows(rows), backward=torch.Tensor.backward)
-    return output.loss, {name: p.grad.clone() for name, p in model.named_parameters()}
+    output = run_rows(model, rows, Normalisers.from_rows(rows), backward=torch.Tensor.backward, device=device)
+    return output.loss, {name: p.grad.cpu() for name, p in model.named_parameters()}
 
 
 def test_triton_step_equals_torch_step() -> None:
