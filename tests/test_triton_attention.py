@@ -61,13 +61,16 @@ def random_forest_kv_end(rng, n, max_depth, branching, max_node_len, padding):
     return kv_end
 
 
+# GPU tiles are 128x64 (16x16 under the interpreter): on a GPU the rows and nodes grow by GROW so
+# that every layout spans several tiles in both directions, as it does under the interpreter.
+GROW = 1 if kernels.INTERPRET else 9
 LAYOUTS = {
-    # name: (n, builder(rng, n)); n is never a multiple of the 16-wide interpreter blocks.
-    "causal": (77, lambda rng, n: [n] * n),
-    "deep_chain": (61, lambda rng, n: random_forest_kv_end(rng, n, 12, 1, 6, 1)),
-    "wide_fork": (70, lambda rng, n: random_forest_kv_end(rng, n, 1, 12, 3, 2)),
-    "one_token_nodes": (53, lambda rng, n: random_forest_kv_end(rng, n, 4, 3, 1, 1)),
-    "forest": (90, lambda rng, n: random_forest_kv_end(rng, n, 4, 3, 9, 3)),
+    # name: (n, builder(rng, n)); n is never a multiple of the 16-wide interpreter blocks (nor of 64).
+    "causal": (77 * GROW, lambda rng, n: [n] * n),
+    "deep_chain": (61 * GROW, lambda rng, n: random_forest_kv_end(rng, n, 12, 1, 6 * GROW, 1)),
+    "wide_fork": (70 * GROW, lambda rng, n: random_forest_kv_end(rng, n, 1, 12, 3 * GROW, 2)),
+    "one_token_nodes": (53 * GROW, lambda rng, n: random_forest_kv_end(rng, n, 4 + GROW // 3, 3, 1, 1)),
+    "forest": (90 * GROW, lambda rng, n: random_forest_kv_end(rng, n, 4, 3, 9 * GROW, 3)),
 }
 
 # (layout, batch, query heads, kv heads, head dim): GQA ratios 1/2/4, native and padded head dims.
