@@ -5,12 +5,16 @@ Greedy leaves equal ``generate``, KV-reuse log-probs equal re-encoding, budgets 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from ds_tree.cli.sample import main as sample_main
+from ds_tree.data.explicit import trajectories_from_explicit_tree
+from ds_tree.data.tokens import read_tokens_jsonl
 from ds_tree.engine.rl_step import check_shared_logprobs
 from ds_tree.models.loading import load_model
 from ds_tree.rollout.sampler import FINISH_REASONS, SamplerSettings, generation_mode, repeats_ngram, sample_tree
@@ -175,3 +179,35 @@ def test_settings_are_checked():
         SamplerSettings(top_p=0)
     with pytest.raises(ValueError, match="logprob_floor"):
         SamplerSettings(logprob_floor=0.5)
+
+
+def test_sample_cli_writes_rollouts_the_readers_take(tmp_path, tokenizer_dir, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [
+        {"group_id": "g24", "prompt": "Input: 4 4 6 8\n", "metadata": {"numbers": [4, 4, 6, 8]}},
+        {"prompt_ids": [1, 5, 9]},  # no numbers: the game24 reward fails, reported, not fatal
+    ]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    common = ["--model", str(MODEL), "--tokenizer", str(tokenizer_dir), "--prompts", str(prompts)]
+    common += "--reward game24 --width 4 --max-depth 2 --segment-length 3 --max-new-tokens 6".split()
+    read = {}
+    for kind in ("tree", "tokens"):
+        output = tmp_path / f"{kind}.jsonl"
+        assert sample_main([*common, "--output", str(output), "--format", kind]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert summary["trajectories"] == 8 and summary["reward_failures"] == 4
+        if kind == "tree":
+            records = [json.loads(line) for line in output.read_text().splitlines()]
+            read[kind] = [t for i, r in enumerate(records) for t in trajectories_from_explicit_tree(r, f"line {i}")]
+        else:
+            read[kind] = read_tokens_jsonl(output)
+    for tree, tokens in zip(read["tree"], read["tokens"], strict=True):
+        assert tree.group_id == tokens.group_id and tree.reward == tokens.reward
+        np.testing.assert_array_equal(tree.input_ids, tokens.input_ids)
+        np.testing.assert_array_equal(tree.loss_mask, tokens.loss_mask)
+        np.testing.assert_array_equal(tree.logprobs, tokens.logprobs)
+    assert [t.reward for t in read["tokens"]] == [0.0] * 4 + [None] * 4
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "prompt_ids": [1]}\n')
+    assert sample_main([*common[:4], "--prompts", str(bad), "--output", str(tmp_path / "x.jsonl")]) == 2
+    assert "exactly one of 'prompt', 'messages', 'prompt_ids'" in capsys.readouterr().err

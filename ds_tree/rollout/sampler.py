@@ -169,6 +169,34 @@ class SampledTree:
             logprobs += self.nodes[index].logprobs
         return tokens, logprobs
 
+    def explicit_record(self, group_id: str, rewards: Sequence[float | None] | None = None) -> dict:
+        """The tree as an explicit-tree JSONL record (:mod:`ds_tree.data.explicit`).
+
+        Node ``"prompt"`` (loss_mask 0, no logprobs) roots nodes ``0, 1, ...`` (this tree's nodes,
+        with ``logprobs``); each leaf carries its ``finish_reason`` and, when given,
+        ``rewards[i]`` for the i-th leaf (:meth:`leaf_nodes` order, as :meth:`trajectories`).
+        """
+        leaves = self.leaf_nodes()
+        if rewards is not None and len(rewards) != len(leaves):
+            raise ValueError(f"{len(rewards)} rewards for a tree with {len(leaves)} leaves")
+        reward_of = dict(zip(leaves, rewards, strict=True)) if rewards is not None else {}
+        nodes = [
+            {"id": "prompt", "parent": None, "input_ids": self.prompt_ids, "loss_mask": [0] * len(self.prompt_ids)}
+        ]
+        for index, node in enumerate(self.nodes):
+            entry = {
+                "id": index,
+                "parent": "prompt" if node.parent < 0 else node.parent,
+                "input_ids": node.token_ids,
+                "logprobs": node.logprobs,
+            }
+            if node.finish_reason is not None:
+                entry["finish_reason"] = node.finish_reason
+            if reward_of.get(index) is not None:
+                entry["reward"] = reward_of[index]
+            nodes.append(entry)
+        return {"group_id": group_id, "nodes": nodes}
+
     def trajectories(self, group_id: str) -> list[Trajectory]:
         """One trajectory per leaf: prompt + completion, trained on the sampled tokens only.
 
