@@ -2,8 +2,9 @@
 
 Masks come from real packed rows of hypothesis forests (several trees and parts per row, padding
 to a block multiple); the block size of the attention engine is drawn independently, including
-sizes that do not divide the row. q/k/v and the output gradient are fresh random numbers every
-run; a failure message carries the seed to replay it.
+sizes that do not divide the row. Half the examples add a sliding window shorter than the
+deepest token (on the rows' own depths) and some a soft cap on the scores. q/k/v and the output
+gradient are fresh random numbers every run; a failure message carries the seed to replay it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.attention.blocksparse import block_plan, blocksparse_tree_attention
-from ds_tree.attention.reference import tree_attention_reference
+from ds_tree.attention.reference import tree_attention_reference, visibility_mask
 from ds_tree.attention.registry import tree_attention
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
@@ -29,9 +30,9 @@ TOLERANCES = {torch.float64: 1e-12, torch.float32: 1e-5}
 GQA = [(2, 2), (4, 2), (4, 1)]  # (query heads, kv heads): ratios 1, 2, 4
 
 
-def _run(function, inputs, kv_end, grad_out):
+def _run(function, inputs, kv_end, grad_out, **options):
     leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    out = function(*leaves, kv_end)
+    out = function(*leaves, kv_end, **options)
     out.backward(grad_out)
     return [out.detach()] + [x.grad for x in leaves]
 
@@ -44,14 +45,14 @@ def _random_inputs(seed, batch, heads_q, heads_kv, n, head_dim, dtype):
     return inputs, grad_out
 
 
-def _rows_kv_end(trajectories, budget, pad_block, batch) -> torch.Tensor:
-    """kv_end of up to ``batch`` packed rows, padded alike (padding sees only itself) to one length."""
+def _rows_kv_end(trajectories, budget, pad_block, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_end and positions of up to ``batch`` packed rows, padded alike (padding sees only itself,
+    depth 0) to one length."""
     rows = pack_trajectories(trajectories, "tree", budget, pad_block)[:batch]
     n = max(row.n_tokens for row in rows)
-    ends = []
-    for row in rows:
-        ends.append(np.concatenate([row.kv_end, np.arange(row.n_tokens, n) + 1]))
-    return torch.as_tensor(np.stack(ends))
+    ends = [np.concatenate([row.kv_end, np.arange(row.n_tokens, n) + 1]) for row in rows]
+    positions = [np.concatenate([row.position_ids, np.zeros(n - row.n_tokens, dtype=np.int64)]) for row in rows]
+    return torch.as_tensor(np.stack(ends)), torch.as_tensor(np.stack(positions))
 
 
 def _assert_close(name, actual, expected, tolerance, seed):
@@ -76,19 +77,25 @@ def test_blocksparse_matches_reference(trajectories, data, dtype, heads, block):
     # small hub thresholds put shared runs on the hub path in most forests; the defaults in some
     hub_min_keys = data.draw(st.sampled_from([1, 2, 5, 64]), "hub_min_keys")
     hub_min_queries = data.draw(st.sampled_from([1, 3, 128]), "hub_min_queries")
-    kv_end = _rows_kv_end(trajectories, budget, pad_block, batch)
+    kv_end, positions = _rows_kv_end(trajectories, budget, pad_block, batch)
+    # windows shorter than the deepest path, down to 1 (each token sees only itself)
+    depth = int(positions.max()) + 1
+    window = data.draw(st.one_of(st.none(), st.integers(1, max(1, depth - 1))), "window")
+    softcap = data.draw(st.sampled_from([None, None, 0.5, 30.0]), "softcap")
+    options = {"positions": positions, "window": window, "softcap": softcap}
     heads_q, heads_kv = heads
     seed = random.randrange(2**31)
     inputs, grad_out = _random_inputs(seed, kv_end.shape[0], heads_q, heads_kv, kv_end.shape[1], head_dim, dtype)
 
-    expected = _run(tree_attention_reference, inputs, kv_end, grad_out)
+    expected = _run(tree_attention_reference, inputs, kv_end, grad_out, **options)
     actual = _run(
-        lambda q, k, v, e: blocksparse_tree_attention(
-            q, k, v, e, block=block, hub_min_keys=hub_min_keys, hub_min_queries=hub_min_queries
+        lambda q, k, v, e, **options: blocksparse_tree_attention(
+            q, k, v, e, block=block, hub_min_keys=hub_min_keys, hub_min_queries=hub_min_queries, **options
         ),
         inputs,
         kv_end,
         grad_out,
+        **options,
     )
     for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == dtype
@@ -170,3 +177,43 @@ def test_model_without_kv_end_raises_clear_error():
         model(input_ids=input_ids)
     # and with it the same model runs
     assert model(input_ids=input_ids, kv_end=torch.full((1, 4), 4)).logits.shape == (1, 4, 1024)
+
+
+def test_reference_window_and_softcap_by_hand():
+    """The oracle's window and soft cap on the hand-built tree: depths [0 1 2 2 3 0], window 2."""
+    kv_end = torch.tensor([[5, 5, 3, 5, 5, 6]])
+    positions = torch.tensor([[0, 1, 2, 2, 3, 0]])
+    in_window = {0: [0], 1: [0, 1], 2: [1, 2], 3: [1, 3], 4: [3, 4], 5: [5]}
+    seed = random.randrange(2**31)
+    (query, key, value), _ = _random_inputs(seed, 1, 2, 1, 6, 4, torch.float64)
+    out = tree_attention_reference(query, key, value, kv_end, scale=0.5, positions=positions, window=2, softcap=0.7)
+    for q, visible in in_window.items():
+        scores = 0.7 * torch.tanh((query[0, :, q] @ key[0, 0, visible].T) * 0.5 / 0.7)
+        expected = torch.softmax(scores, -1) @ value[0, 0, visible]
+        torch.testing.assert_close(out[0, q], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_window_plan_gathers_only_keys_in_the_window():
+    """A 200-token chain with window 8 and 16-token blocks: each block gathers its 16 queries' keys
+    and the 7 before them, nothing older; the visible pairs are the reference mask's."""
+    n, window, block = 200, 8, 16
+    kv_end = np.full(n, n)
+    positions = np.arange(n)
+    plan = block_plan(kv_end, block, hub_min_keys=1, hub_min_queries=1, positions=positions, window=window)
+    assert not plan.hubs  # no run is within the window of all its later queries
+    for task in plan.tasks:
+        keys = np.arange(n)[task.keys]
+        assert keys.min() == max(0, task.query.start - window + 1) and keys.max() == task.query.stop - 1
+    mask = visibility_mask(torch.as_tensor(kv_end)[None], torch.as_tensor(positions)[None], window)
+    assert plan.visible_pairs == int(mask.sum()) == n * window - window * (window - 1) // 2
+    assert plan.computed_scores() < n * (block + window)
+
+
+def test_window_errors_name_what_is_missing():
+    inputs, _ = _random_inputs(0, 1, 2, 2, 4, 8, torch.float64)
+    kv_end = torch.full((1, 4), 4)
+    for function in (tree_attention_reference, blocksparse_tree_attention):
+        with pytest.raises(ValueError, match="position_ids"):
+            function(*inputs, kv_end, window=2)
+        with pytest.raises(ValueError, match="at least 1"):
+            function(*inputs, kv_end, positions=torch.arange(4)[None], window=0)

@@ -21,13 +21,13 @@ from ds_tree.attention.reference import tree_attention_reference
 
 
 def _triton(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
-    from ds_tree.attention.triton import triton_tree_attention  # imports triton: only on demand
-
     if softcap is not None:
         raise ValueError(
             "the triton tree-attention engine does not implement attention soft-capping (the model config's "
             "attn_logit_softcapping); use the torch engine, or a model config with attn_logit_softcapping null"
         )
+    from ds_tree.attention.triton import triton_tree_attention  # imports triton: only on demand
+
     return triton_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window)
 
 

@@ -29,7 +29,7 @@ import math
 import torch
 
 # Layer kinds whose token mixing is the attention interface's, or that act on each token alone.
-SUPPORTED_LAYER_TYPES = ("full_attention", "mlp", "moe")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "mlp", "moe")
 LEAK_THRESHOLD = 1e-3
 """A layer leaks when its output at the isolated positions moves by more than this fraction of its update there."""
 
@@ -55,9 +55,9 @@ def check_layer_types(config) -> None:
         listed = "; ".join(f"{kind} (layers {', '.join(map(str, layers))})" for kind, layers in unsupported.items())
         raise UnsupportedModelError(
             f"{type(config).__name__} ({config.model_type}): layer_types has {listed}. Tree training is exact only "
-            f"for layers that mix tokens through transformers' attention interface with full causal attention "
-            f"(supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}); state-space, linear-attention, "
-            "convolution and windowed layers would train with wrong gradients"
+            f"for layers that mix tokens through transformers' attention interface with causal (or sliding-window) "
+            f"attention (supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}); state-space, linear-attention "
+            "and convolution layers would train with wrong gradients"
         )
 
 
