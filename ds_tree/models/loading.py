@@ -74,7 +74,6 @@ def load_model(
     dtype = parse_dtype(dtype)
     config = load_config(source)
     check_layer_types(config)
-    check_router_noise(config)
     if has_weights(source):
         model = AutoModelForCausalLM.from_pretrained(
             source, attn_implementation=implementation, dtype=dtype, local_files_only=True
@@ -87,6 +86,7 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32)
         if not is_deepspeed_zero3_enabled():
             model.to(dtype)
+    check_router_noise(model)
     if dtype == torch.float64:
         keep_norms_in_float64(model)
         use_float64_routing(model)

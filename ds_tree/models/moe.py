@@ -7,7 +7,7 @@ that compute in the model dtype (:func:`use_float64_routing`): with float32 rout
 weight gradient of the tree differs from the flat one by ~1e-8 relative (measured on tiny
 Qwen3-MoE and Mixtral configs), because a shared prefix token's routing backward runs once on a
 summed gradient instead of once per trajectory, each rounded to float32. Routers other than
-:data:`FLOAT64_ROUTERS` are refused in float64.
+:data:`SOFTMAX_TOP_K_ROUTERS` are refused in float64.
 
 Load-balancing loss, per trajectory (a sequence-wise balance loss). For trajectory ``i`` of
 ``|i|`` tokens (all of them: prompt, first token and trained tokens alike), over the ``L`` MoE
@@ -21,7 +21,9 @@ logits in layer ``l``:
 which is transformers' ``load_balancing_loss_func`` applied to trajectory ``i`` alone (it pools
 the layers the same way). The step's loss is the token-weighted mean
 ``aux = sum_i |i| aux_i / N_flat`` with ``N_flat = sum_i |i|`` over every trajectory of the
-optimizer step (all ranks), and the trained objective adds ``coefficient * aux``.
+optimizer step (all ranks), and the trained objective adds ``coefficient * aux``. It is defined
+for the softmax-top-k routers of :data:`SOFTMAX_TOP_K_ROUTERS`; a model with another router
+must set the coefficient to 0.
 
 Why per trajectory: transformers pools ``f`` and ``P`` over a whole forward batch, so its value
 depends on which sequences share a micro-batch, and tree and flat packing put different
@@ -50,8 +52,9 @@ import torch.nn.functional as F
 from ds_tree.models.token_mixing import UnsupportedModelError
 from ds_tree.packing.rows import PackedRow
 
-FLOAT64_ROUTERS = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
-"""Softmax-top-k routers whose float64 forward :func:`_router_forward_float64` reproduces."""
+SOFTMAX_TOP_K_ROUTERS = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+"""Routers that pick the top-k of a softmax over their logits (the load-balancing loss's model), whose
+float64 forward :func:`_router_forward_float64` reproduces."""
 
 
 def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -64,19 +67,25 @@ def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [module for module in model.modules() if isinstance(module, target)]
 
 
-def check_router_noise(config) -> None:
+def check_router_noise(model: torch.nn.Module) -> None:
     """Refuse router jitter: each copy of a token would draw its own noise, the tree's one copy one draw."""
-    noise = getattr(config, "router_jitter_noise", 0.0) or 0.0
-    if noise > 0:
-        raise UnsupportedModelError(
-            f"{type(config).__name__}: router_jitter_noise={noise} multiplies each token's hidden state by random "
-            "noise in its sparse MoE block during training, so a shared prefix token (one copy in the tree, one per "
-            "trajectory in the flat baseline) is routed differently in the two modes; set router_jitter_noise to 0"
-        )
+    for module in model.modules():
+        noise = getattr(module, "jitter_noise", 0.0) or 0.0
+        if noise > 0:
+            raise UnsupportedModelError(
+                f"{type(module).__name__}: router jitter noise ({noise}, config router_jitter_noise) multiplies each "
+                "token's hidden state by random noise during training, so a shared prefix token (one copy in the "
+                "tree, one per trajectory in the flat baseline) would be routed differently in the two modes; set "
+                "router_jitter_noise to 0"
+            )
+
+
+def _unknown_routers(routers: list[torch.nn.Module]) -> list[str]:
+    return sorted({type(router).__name__ for router in routers} - set(SOFTMAX_TOP_K_ROUTERS))
 
 
 def _router_forward_float64(self, hidden_states: torch.Tensor):
-    """The routers of :data:`FLOAT64_ROUTERS` without their float32 cast: same outputs, in the model dtype."""
+    """The routers of :data:`SOFTMAX_TOP_K_ROUTERS` without their float32 cast: same outputs, in the model dtype."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
     top_value, top_index = torch.topk(torch.softmax(router_logits, dim=-1), self.top_k, dim=-1)
@@ -90,11 +99,11 @@ def use_float64_routing(model) -> int:
     routers = router_modules(model)
     if not routers:
         return 0
-    refused = sorted({type(router).__name__ for router in routers} - set(FLOAT64_ROUTERS))
+    refused = _unknown_routers(routers)
     if refused:
         raise UnsupportedModelError(
             f"{type(model).__name__}: router {', '.join(refused)} computes in float32, which float64 verification "
-            f"cannot check to float64 round-off; float64 routing is known for {', '.join(FLOAT64_ROUTERS)}. "
+            f"cannot check to float64 round-off; float64 routing is known for {', '.join(SOFTMAX_TOP_K_ROUTERS)}. "
             "Run this model in float32"
         )
     model.set_experts_implementation("eager")  # grouped_mm refuses float64
@@ -145,12 +154,22 @@ class RouterAuxLoss:
 
     @classmethod
     def of_model(cls, model, coefficient: float | None, flat_tokens: float) -> RouterAuxLoss | None:
-        """The loss for ``model`` (``None`` when it has no router); ``coefficient`` None: the model's own."""
+        """The loss for ``model`` (``None`` without a router, or with another router and coefficient 0);
+        ``coefficient`` None: the model config's own."""
         routers = router_modules(model)
         if not routers:
             return None
         if coefficient is None:
             coefficient = default_coefficient(model)
+        unknown = _unknown_routers(routers)
+        if unknown:
+            if coefficient:
+                raise UnsupportedModelError(
+                    f"model.router_aux_loss_coef ({coefficient}): the load-balancing loss is implemented for the "
+                    f"softmax-top-k routers {', '.join(SOFTMAX_TOP_K_ROUTERS)}, not for {', '.join(unknown)}; "
+                    "set it to 0"
+                )
+            return None
         return cls(float(coefficient), float(flat_tokens), int(routers[0].num_experts), int(routers[0].top_k))
 
     def row_share(self, router_logits: list[torch.Tensor], row: PackedRow) -> torch.Tensor:
