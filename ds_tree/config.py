@@ -392,6 +392,21 @@ class RolloutConfig:
 
 
 @dataclass
+class ParallelConfig:
+    sequence_parallel_size: int = 1
+    """Ranks per sequence-parallel group (Ulysses, docs/DESIGN.md section 5). With S > 1 the ranks
+    form data-parallel x sequence-parallel groups of S consecutive ranks; a tree whose longest path
+    is over ``packing.budget`` goes to sequence-parallel rows of up to S x ``packing.budget`` tokens,
+    each cut into S contiguous shards, one per rank of a group. The world size and the model's
+    attention heads must be multiples of S, and its key/value heads must divide S or be a multiple
+    of it (checked at start-up). SFT objective only."""
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel_size < 1:
+            raise ConfigError(f"parallel.sequence_parallel_size must be >= 1, got {self.sequence_parallel_size}")
+
+
+@dataclass
 class Config:
     model: ModelConfig
     data: DataConfig = field(default_factory=DataConfig)
@@ -410,6 +425,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:

@@ -59,6 +59,8 @@ from ds_tree.models.token_mixing import check_branch_isolation, check_layer_type
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import make_parts
 from ds_tree.packing.rows import PackedRow
+from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
+from ds_tree.parallel import check_sequence_parallel, enable_sequence_parallel
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 from ds_tree.trees.trie import build_forest
@@ -156,12 +158,17 @@ class Trainer:
         self.model_config = load_model_config(config.model.source)
         check_layer_types(self.model_config)
         check_vocab(self.trajectories, self.model_config.vocab_size)
-        budget = config.packing.budget
+        check_sequence_parallel(config, self.world_size, self.model_config)
+        size = config.parallel.sequence_parallel_size
+        budget = config.packing.budget * size
         longest = max(self.trajectories, key=len)
         if len(longest) > budget:
             where = longest.source or f"group {longest.group_id!r}"
+            limit = f"packing.budget ({budget})"
+            if size > 1:
+                limit = f"packing.budget x parallel.sequence_parallel_size ({config.packing.budget} x {size})"
             raise ConfigError(
-                f"packing.budget ({budget}) is below the longest trajectory ({len(longest)} tokens, {where}); "
+                f"{limit} is below the longest trajectory ({len(longest)} tokens, {where}); "
                 "every root-to-leaf path must fit one row"
             )
         self.groups = group_trajectories(self.trajectories)
@@ -261,6 +268,8 @@ class Trainer:
             seed=config.model.seed,
             checkpoint_every=config.model.checkpointed_every,
         )
+        if config.parallel.sequence_parallel_size > 1:
+            self.sequence_parallel = enable_sequence_parallel(model, config.parallel.sequence_parallel_size)
         self.build_engine(model)
         check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
         self.reference = None
@@ -321,6 +330,8 @@ class Trainer:
         config = self.config
         rank = self.rank if rank is None else rank
         trees = build_forest(trajectories, merge=config.data.merge)
+        if config.parallel.sequence_parallel_size > 1:
+            return self.plan_sequence_parallel(trajectories, trees, rank)
         parts = make_parts(trajectories, config.packing.mode, config.packing.budget, trees=trees)
         shares = rows_per_rank(
             parts,
@@ -334,6 +345,24 @@ class Trainer:
         counts = token_counts(trees)
         packed = sum(row.n_tokens for rows in shares for row in rows if row.n_real)
         return StepPlan(shares[rank], counts.flat_tokens, counts.tree_tokens, packed)
+
+    def plan_sequence_parallel(self, trajectories: list[Trajectory], trees: list, rank: int) -> StepPlan:
+        """This rank's shards of its sequence-parallel group's rows, then its own rows
+        (:mod:`ds_tree.packing.sequence_parallel`)."""
+        packing, size = self.config.packing, self.config.parallel.sequence_parallel_size
+        layout = trees if packing.mode == "tree" else build_forest(trajectories, merge="none")
+        rows = plan_sequence_parallel_rows(
+            layout,
+            self.world_size,
+            size,
+            packing.budget,
+            packing.block,
+            packing.cost_per_token,
+            packing.cost_per_pair,
+            pad_id=self.model_config.pad_token_id or 0,
+        )
+        counts = token_counts(trees)
+        return StepPlan(rows.rank_rows(rank, size), counts.flat_tokens, counts.tree_tokens, rows.packed_tokens)
 
     def global_normalisers(self, rows: list[PackedRow]) -> Normalisers:
         values = Normalisers.from_rows(rows).as_tensor()
