@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ds_tree.attention.block_stats import block_stats
-from ds_tree.attention.reference import tree_attention_reference
+from ds_tree.attention.reference import tree_attention_reference, visibility_mask
 
 if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -204,3 +204,48 @@ def test_block_stats_two_independent_sequences():
     batch = block_stats(torch.stack([two_sequences, torch.full((4,), 4)]), block_m=2, block_n=2)
     assert (batch["visited_tiles"], batch["fully_visible_tiles"], batch["total_tiles"]) == (5, 1, 8)
     assert (batch["useful_elements"], batch["computed_elements"]) == (16, 20)
+
+
+# ---------------------------------------------------------------- sliding window
+
+
+def _depths(kv_end: torch.Tensor) -> torch.Tensor:
+    """Each token's depth: the keys it sees besides itself are its ancestors (padding: depth 0)."""
+    return visibility_mask(kv_end).sum(-1) - 1
+
+
+# (layout, batch, query heads, kv heads, head dim, window). The causal window spans two to three
+# key blocks, so its rows meet skipped, fully visible and masked tiles; the tree windows are shorter
+# than the trees' depths.
+WINDOW_SHAPES = [
+    ("causal", 1, 2, 1, 16, 40 * GROW),
+    ("deep_chain", 1, 4, 2, 16, 3),
+    ("forest", 2, 2, 1, 16, 7 * GROW),
+]
+
+
+@pytest.mark.parametrize("layout,batch,heads_q,heads_kv,head_dim,window", WINDOW_SHAPES)
+def test_window_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, window):
+    """fp32 with a sliding window on the tokens' depths: forward and dq/dk/dv to fp32 round-off."""
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kv_end = _kv_end(layout, batch, rng)
+    positions = _depths(kv_end)
+    assert int(positions.max()) >= window  # the window cuts some path
+    n = kv_end.shape[1]
+    inputs = [torch.randn(batch, heads, n, head_dim, dtype=torch.float64) for heads in (heads_q, heads_kv, heads_kv)]
+    grad_out = torch.randn(batch, n, heads_q, head_dim, dtype=torch.float64)
+    expected = _run(
+        lambda q, k, v, e: tree_attention_reference(q, k, v, e, positions=positions, window=window),
+        inputs, kv_end, grad_out,
+    )
+    windowed = positions.to(DEVICE)
+    actual = _run(
+        lambda q, k, v, e: triton_tree_attention(q, k, v, e, positions=windowed, window=window),
+        [x.float().to(DEVICE) for x in inputs], kv_end, grad_out.float().to(DEVICE),
+    )
+    for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected, strict=True):
+        error = _max_error(a.cpu(), e)
+        bound = 1e-5 * (1 + e.abs().max().item())
+        assert error <= bound, f"{name}: max error {error:.3g} > {bound:.3g}; seed {seed}, window {window}"
