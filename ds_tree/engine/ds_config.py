@@ -81,6 +81,12 @@ def resolve_deepspeed_config(config: Config, world_size: int, hidden_size: int |
             f"{path}: optimizer.non_finite=skip needs ZeRO stage 1-3 or bf16, where DeepSpeed discards a step whose "
             "gradient norm is not finite; at stage 0 in float32 it applies it"
         )
+    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    if offloaded and ds.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise ConfigError(
+            f"{path}: zero_optimization.offload_optimizer needs \"zero_force_ds_cpu_optimizer\": false; ds_tree gives "
+            "DeepSpeed a torch AdamW (fused), which DeepSpeed otherwise refuses to offload (docs/MEMORY.md)"
+        )
     sizes = {
         "reduce_bucket_size": lambda h: h * h,
         "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),

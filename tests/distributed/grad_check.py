@@ -78,6 +78,10 @@ def main() -> None:
         report = {
             "world_size": dist.get_world_size(),
             "zero_stage": trainer.engine.zero_optimization_stage(),
+            # what ZeRO-3's optimizer really offloaded (its flags, set from the DeepSpeed JSON)
+            "offloaded": [
+                name for name in ("optimizer", "param") if getattr(trainer.engine.optimizer, f"offload_{name}", False)
+            ],
             "min_micro_batches_per_rank": int(micro_batches.item()),
             "max_rel_grad_err": max(relative(gradients[n], g) for n, g in reference_grads.items()),
             "max_rel_param_err": max(
