@@ -216,7 +216,7 @@ def _depths(kv_end: torch.Tensor) -> torch.Tensor:
 
 # (layout, batch, query heads, kv heads, head dim, window). The causal window spans two to three
 # key blocks, so its rows meet skipped, fully visible and masked tiles; the tree windows are shorter
-# than the trees' depths.
+# than the trees' depths (made so when a random forest comes out shallower).
 WINDOW_SHAPES = [
     ("causal", 1, 2, 1, 16, 40 * GROW),
     ("deep_chain", 1, 4, 2, 16, 3),
@@ -232,7 +232,7 @@ def test_window_matches_float64_reference(layout, batch, heads_q, heads_kv, head
     torch.manual_seed(seed)
     kv_end = _kv_end(layout, batch, rng)
     positions = _depths(kv_end)
-    assert int(positions.max()) >= window  # the window cuts some path
+    window = max(1, min(window, int(positions.max())))  # a random forest may be shallow: still cut its deepest path
     n = kv_end.shape[1]
     inputs = [torch.randn(batch, heads, n, head_dim, dtype=torch.float64) for heads in (heads_q, heads_kv, heads_kv)]
     grad_out = torch.randn(batch, n, heads_q, head_dim, dtype=torch.float64)
