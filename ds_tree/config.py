@@ -368,8 +368,10 @@ class RolloutConfig:
             reward_function(self.reward)
         except ValueError as error:
             raise ConfigError(f"rollout.reward {error}") from None
-        if self.prompts_per_step < 1 or self.logprob_floor > 0:
-            raise ConfigError("rollout.prompts_per_step must be >= 1 and rollout.logprob_floor <= 0")
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.logprob_floor > 0:
+            raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
         try:
             self.sampler_settings()
         except (TypeError, ValueError) as error:

@@ -20,6 +20,7 @@ COMMANDS = {
     "bench-kernel": "time the Triton tree-attention kernel (a smoke run without a GPU)",
     "make-tokenizer": "train the project's byte-level BPE tokenizer",
     "make-synthetic": "write synthetic agentic tree data with a target POR",
+    "plot-online": "reward curves and sampler tokens of online RL runs (metrics.jsonl) into a PNG and a table",
     "sample": "sample prompts' groups as trees with a HF model, score them, write rollouts JSONL",
 }
 USAGE = "usage: ds-tree COMMAND [options]   (ds-tree COMMAND --help for a command's options)\n\ncommands:\n" + "".join(

@@ -1,0 +1,61 @@
+"""Run with 2 ranks: an online RL run, and a second one resumed from its middle checkpoint, in one launch.
+
+Trainer A samples, scores and trains ``max_steps`` steps from scratch (the config saves a checkpoint
+at ``--resume-step``). Trainer B starts in its own output directory that holds a copy of that
+checkpoint, resumes from it and trains the remaining steps. Every step's sampled trajectories (token
+ids, rewards) of both are recorded, with each run's ``metrics.jsonl``; rank 0 writes them to
+``--out`` as JSON for the test to compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ds_tree.engine import checkpoint
+from tests.distributed.common import check_arguments, started_trainer
+
+
+def recorded_run(config, samples: dict[int, list]) -> dict:
+    """Train ``config``; every sampled step's (token ids, reward) pairs go to ``samples``; its records back."""
+    trainer = started_trainer(config)
+    sample = trainer.online.step_trajectories
+
+    def recording(step, policy):
+        trajectories = sample(step, policy)
+        samples[step + 1] = [[t.input_ids.tolist(), t.reward] for t in trajectories]
+        return trajectories
+
+    trainer.online.step_trajectories = recording
+    trainer.train()
+    trainer.metrics.close()
+    lines = (trainer.output_dir / "metrics.jsonl").read_text().splitlines() if trainer.rank == 0 else []
+    return {"start_step": trainer.start_step, "metrics": [json.loads(line) for line in lines if line]}
+
+
+def main() -> None:
+    args, config = check_arguments((("--resume-step",), {"type": int, "required": True}))
+    samples_a: dict[int, list] = {}
+    run_a = recorded_run(config, samples_a)
+    resumed_dir = Path(config.output_dir + "_resumed")
+    if dist.get_rank() == 0:
+        source = Path(config.output_dir) / "checkpoints" / checkpoint.tag_for(args.resume_step)
+        shutil.copytree(source, resumed_dir / "checkpoints" / source.name)
+        (resumed_dir / "checkpoints" / "latest").write_text(source.name)
+    dist.barrier()
+    samples_b: dict[int, list] = {}
+    run_b = recorded_run(dataclasses.replace(config, output_dir=str(resumed_dir)), samples_b)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(
+            json.dumps({"a": {**run_a, "samples": samples_a}, "b": {**run_b, "samples": samples_b}})
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Online RL (rollout.enabled): config checks, the prompt source, the rollout metrics, and a 2-rank
+run that samples, trains and resumes from a checkpoint to the same next-step samples, rewards and loss."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from ds_tree.config import ConfigError, load_config
+from ds_tree.errors import DataError
+from ds_tree.rollout import digit_parity
+from ds_tree.rollout.online import (
+    SlotResult,
+    kept_trajectories,
+    rank_slots,
+    read_prompts,
+    reward_function,
+    rollout_scalars,
+    slot_generator,
+)
+from ds_tree.rollout.rewards import REWARDS, RewardRequest
+from ds_tree.trees.trajectory import Trajectory
+from tests.test_engine import torchrun, write_config
+from tests.test_reliability import dry_run
+
+PARITY = "ds_tree.rollout.digit_parity:reward"
+ROLLOUT_KEYS = {
+    "rollout/reward_mean",
+    "rollout/leaves",
+    "rollout/depth",
+    "rollout/por",
+    "rollout/sampled_tokens",
+    "rollout/forward_tokens",
+    "rollout/tokens_saved",
+    "rollout/reward_failures",
+    "rollout/time_s",
+}
+
+
+def write_prompts(path: Path) -> Path:
+    lines = [
+        {"prompt": "Write even digits:", "metadata": {"parity": "even"}},
+        {"prompt": "odd:", "metadata": {"parity": "odd"}},
+        {"prompt": "even:", "metadata": {"parity": "even"}},
+        {"prompt_ids": [300, 301, 302], "metadata": {"parity": "odd"}},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def online_config(tmp_path: Path, tokenizer_dir: Path, **sections) -> Path:
+    rollout = {
+        "enabled": True,
+        "prompts": str(write_prompts(tmp_path / "prompts.jsonl")),
+        "reward": PARITY,
+        "prompts_per_step": 2,
+        "segment_length": 3,
+        "branching": 2,
+        "max_depth": 2,
+        "width": 4,
+        "max_new_tokens": 6,
+    }
+    rollout.update(sections.pop("rollout", {}))
+    sections = {
+        "model": {"tokenizer": str(tokenizer_dir)},
+        "objective": {"kind": "grpo", "normalise_advantages": True, "eps_high": 0.28},
+        "packing": {"budget": 64},
+        "rollout": rollout,
+        **sections,
+    }
+    return without_data(write_config(tmp_path, Path(""), **sections))
+
+
+def without_data(path: Path) -> Path:
+    """``path`` (a config written by ``write_config``) without its data section."""
+    config = yaml.safe_load(path.read_text())
+    del config["data"]
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+# ------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.reward=nope", r"rollout.reward must be one of exact_match, game24 or 'package.module:function'"),
+        ("rollout.reward=ds_tree.nowhere:f", r"rollout.reward 'ds_tree.nowhere:f' cannot be imported"),
+        ("rollout.prompts=", r"rollout.prompts is required with rollout.enabled"),
+        ("rollout.width=5", r"rollout: sampler width 5 exceeds branching\*\*max_depth"),
+        ("rollout.logprob_floor=0.5", r"rollout.logprob_floor must be <= 0 \(0: off\), got 0.5"),
+        ("rollout.prompts_per_step=0", r"rollout.prompts_per_step must be >= 1, got 0"),
+        ("data.path=somewhere.jsonl", r"data.path must be empty with rollout.enabled"),
+        ("objective.kind=sft", r"rollout.enabled needs objective.kind grpo or ppo .* got kind 'sft'"),
+        ("objective.mini_batches=3", r"objective.mini_batches \(3\) is more than rollout.prompts_per_step \(2\)"),
+        ("model.tokenizer=", r"rollout.enabled needs model.tokenizer"),
+    ],
+)
+def test_rollout_config_errors_name_the_key(tmp_path: Path, override: str, message: str) -> None:
+    config = online_config(tmp_path, tmp_path / "tokenizer")
+    assert load_config(config).rollout.enabled
+    with pytest.raises(ConfigError, match=rf"config.yaml: {message}"):
+        load_config(config, [override])
+
+
+def test_without_rollout_data_path_is_required(tmp_path: Path) -> None:
+    config = without_data(write_config(tmp_path, Path("")))
+    with pytest.raises(ConfigError, match="config.yaml: data.path is required"):
+        load_config(config)
+
+
+def test_dry_run_names_a_missing_prompts_file_and_tokenizer(monkeypatch, capsys, tmp_path, tokenizer_dir) -> None:
+    config = online_config(tmp_path, tokenizer_dir)
+    assert dry_run(monkeypatch, capsys, config)[0] == 0
+    absent = tmp_path / "absent.jsonl"
+    code, err = dry_run(monkeypatch, capsys, config, f"rollout.prompts={absent}")
+    assert code == 2 and f"config error: rollout.prompts: {absent}: no such file" in err, err
+    code, err = dry_run(monkeypatch, capsys, config, f"model.tokenizer={tmp_path}")
+    assert code == 2 and f"config error: model.tokenizer: {tmp_path}: no tokenizer there" in err, err
+    code, err = dry_run(monkeypatch, capsys, config, "packing.budget=8")
+    assert code == 2 and "packing.budget (8) is below the longest prompt" in err, err
+
+
+# ------------------------------------------------------------ prompt source
+def test_prompts_from_text_and_ids(tmp_path: Path, tokenizer) -> None:
+    prompts = read_prompts(write_prompts(tmp_path / "prompts.jsonl"), tokenizer, vocab_size=1024)
+    assert [p.metadata["parity"] for p in prompts] == ["even", "odd", "even", "odd"]
+    assert prompts[0].ids.tolist() == tokenizer.encode("Write even digits:", add_special_tokens=False)
+    assert prompts[0].text == "Write even digits:" and prompts[0].source.endswith("prompts.jsonl:1")
+    assert prompts[3].ids.tolist() == [300, 301, 302] and prompts[3].text == tokenizer.decode([300, 301, 302])
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ({"metadata": {}}, "give exactly one of 'prompt'"),
+        ({"prompt": "a", "prompt_ids": [5]}, "give exactly one of 'prompt'"),
+        ({"prompt_ids": [5, 2000]}, r"prompt token ids must be in \[0, 1024\)"),
+        ({"prompt_ids": []}, "the prompt has no tokens"),
+        ({"prompt": "a", "metadata": [1]}, "'metadata' must be an object"),
+        ({"prompt": "a", "answer": "b"}, "unknown key 'answer'"),
+    ],
+)
+def test_bad_prompt_lines_name_file_and_line(tmp_path: Path, tokenizer, line: dict, message: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(DataError, match=rf"prompts.jsonl:2: {message}"):
+        read_prompts(path, tokenizer, vocab_size=1024)
+
+
+def test_slots_and_generators_depend_on_seed_step_and_slot_only() -> None:
+    assert sorted(rank_slots(5, 0, 2) + rank_slots(5, 1, 2)) == [0, 1, 2, 3, 4]
+    assert rank_slots(5, 1, 2) == [1, 3]
+
+    def draw(seed, step, slot):
+        return slot_generator(seed, step, slot).initial_seed()
+
+    assert draw(0, 3, 1) == draw(0, 3, 1)
+    assert len({draw(0, 3, 1), draw(0, 4, 1), draw(0, 3, 2), draw(1, 3, 1)}) == 4
+
+
+def test_reward_functions_by_name_or_import_path() -> None:
+    assert reward_function("exact_match") is REWARDS["exact_match"]
+    assert reward_function(PARITY) is digit_parity.reward
+    request = RewardRequest(prompt="even:", completion=" 24 8x", metadata={"parity": "even"})
+    assert digit_parity.reward(request) == pytest.approx(3 / 4)
+    assert digit_parity.reward(RewardRequest("odd:", " ", {"parity": "odd"})) == 0.0
+    with pytest.raises(ValueError, match="metadata\\['parity'\\]"):
+        digit_parity.reward(RewardRequest("?", "1", {}))
+
+
+# ------------------------------------------------------------------ metrics
+def trajectory(prompt: int, completion: int, reward: float | None, source: str) -> Trajectory:
+    ids = np.arange(prompt + completion) + 5
+    mask = np.r_[np.zeros(prompt), np.ones(completion)]
+    return Trajectory(ids, mask, group_id=source, reward=reward, source=source)
+
+
+def test_rollout_scalars_and_dropped_trajectories(caplog) -> None:
+    # Slot 0: a prompt of 3 tokens, two leaves of 4 completion tokens sharing 2 (6 sampled, 9 forwarded).
+    # Slot 1: a prompt of 2 tokens, three leaves of 5 (independent: 15 sampled), one reward failed.
+    slot0 = SlotResult(0, [trajectory(3, 4, 1.0, "a0"), trajectory(3, 4, 0.0, "a1")], 3, 2, 1, 6, 9)
+    leaves1 = [trajectory(2, 5, 0.5, "b0"), trajectory(2, 5, None, "b1"), trajectory(2, 5, 0.0, "b2")]
+    slot1 = SlotResult(1, leaves1, 2, 3, 1, 15, 17, failures=["b1 failed"])
+    scalars = rollout_scalars([slot1, slot0])
+    assert scalars == {
+        "rollout/reward_mean": pytest.approx(1.5 / 4),
+        "rollout/leaves": 2.5,
+        "rollout/depth": 1.0,
+        "rollout/por": pytest.approx(1 - (3 + 6 + 2 + 15) / (2 * 7 + 3 * 7)),
+        "rollout/sampled_tokens": 21.0,
+        "rollout/forward_tokens": 26.0,
+        "rollout/tokens_saved": 2.0,  # 8 + 15 completion tokens for 6 + 15 sampled
+        "rollout/reward_failures": 1.0,
+    }
+    logger = logging.getLogger("ds_tree.rollout.online")
+    logger.addHandler(caplog.handler)  # the ds_tree console set-up stops propagation
+    try:
+        kept = kept_trajectories([slot1, slot0])
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert [t.source for t in kept] == ["a0", "a1", "b0", "b2"]  # slot order
+    assert "1 trajectories without a reward (the reward function failed) are dropped: b1" in caplog.text
+
+
+# -------------------------------------------------------- 2 ranks, resumed
+@pytest.mark.distributed
+def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path, tokenizer_dir: Path) -> None:
+    config = online_config(
+        tmp_path,
+        tokenizer_dir,
+        max_steps=3,
+        objective={"kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "kl_coef": 0.01},
+        optimizer={"lr": 2e-2, "schedule": "constant"},
+        checkpoint={"every": 2, "keep_last": 3, "export_hf": False},
+    )
+    out = tmp_path / "runs.json"
+    torchrun(
+        "tests/distributed/online_resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2"
+    )
+    runs = json.loads(out.read_text())
+    first, resumed = runs["a"], runs["b"]
+    assert first["start_step"] == 0 and resumed["start_step"] == 2
+    assert sorted(first["samples"]) == ["1", "2", "3"] and sorted(resumed["samples"]) == ["3"]
+    # The resumed run samples exactly what the uninterrupted one did at step 3: tokens and rewards.
+    assert resumed["samples"]["3"] == first["samples"]["3"]
+    assert first["samples"]["3"] != first["samples"]["2"]
+    records = {r["step"]: r for r in first["metrics"]}
+    assert [r["step"] for r in resumed["metrics"]] == [3]
+    again = resumed["metrics"][0]
+    for key in (ROLLOUT_KEYS - {"rollout/time_s"}) | {"loss/train", "optim/grad_norm", "rl/reward_mean", "rl/kl_ref"}:
+        assert again[key] == records[3][key], key
+    for record in records.values():
+        assert ROLLOUT_KEYS <= set(record) and all(math.isfinite(record[key]) for key in ROLLOUT_KEYS), record
+        assert record["rollout/leaves"] == 4 and record["rollout/reward_failures"] == 0
+        assert record["rollout/sampled_tokens"] > 0 and record["rollout/tokens_saved"] > 0  # a tree, not 4 paths
+        assert record["rollout/reward_mean"] == record["rl/reward_mean"]
+        assert record["optim/grad_norm"] > 0  # trained
+    assert records[3]["rl/kl_ref"] > 0  # the policy moved
