@@ -87,6 +87,7 @@ def test_kv_reuse_logprobs_equal_reencoding_and_feed_the_rl_checks(model):
     assert all(node.finish_reason in (None, "length") for node in tree.nodes)
     # the prompt once, then one step per sampled token except each leaf's last: no prefix re-encoded
     assert tree.forward_tokens == len(PROMPT) + tree.sampled_tokens - tree.leaves
+    assert tree.forward_passes == 1 + 9 - 1  # the prompt, then all live branches as one batch per step
     trajectories = assert_logprobs_equal_reencoding(model, tree)
     for trajectory in trajectories:
         assert np.all(np.isnan(trajectory.logprobs[: len(PROMPT)]))

@@ -2,9 +2,11 @@
 
 A group is sampled as a tree instead of ``width`` independent completions: branches decode
 fixed-length segments, fork at segment boundaries, and every shared prefix is encoded once. The
-prompt is encoded once; a child continues from a copy of its parent's KV cache
-(:class:`transformers.DynamicCache`), never by re-encoding the prefix. docs/ROLLOUTS.md describes
-the parameters; the rules in short:
+prompt is encoded once; a child continues from its parent's keys and values (shared tensors,
+never re-encoded). Live branches whose paths are equally long (all of them, unless a re-branch
+started one later) decode as one batch: their keys/values are stacked into one
+:class:`transformers.DynamicCache` per segment, one model call per token step. docs/ROLLOUTS.md
+describes the parameters; the rules in short:
 
 - quota: the prompt owns ``width`` leaves. At segment boundary ``k`` (``k = 0`` is the end of the
   prompt) with ``k < max_depth``, a live branch owning ``q > 1`` leaves forks into
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from ds_tree.trees.trajectory import Trajectory
 
@@ -119,6 +122,8 @@ class SampledTree:
     nodes: list[SampledNode]
     forward_tokens: int
     """Tokens the sampler ran through the model: the prompt once, one per decode step, one per re-branch."""
+    forward_passes: int = 0
+    """Model calls: live branches with equally long paths decode as one batch."""
 
     def children(self) -> list[list[int]]:
         """Child node indices per node."""
@@ -220,11 +225,19 @@ class SampledTree:
         return trajectories
 
 
+KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, the keys and values ``[1, kv_heads, tokens, head_dim]`` of every token fed on a branch's path."""
+
+
 @dataclass
 class _Branch:
-    """A live branch: its cache (everything but the last sampled token), next-token logits and completion."""
+    """A live branch: its keys/values (everything but the last sampled token), next-token logits and completion.
 
-    cache: DynamicCache
+    Children share their parent's key/value tensors: nothing writes to them in place (a forward
+    copies them into a fresh batched cache, and cropping slices them).
+    """
+
+    key_values: KeyValues
     logits: torch.Tensor
     completion: list[int]
     node: int
@@ -258,6 +271,21 @@ def generation_mode(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
         model.train(training)
 
 
+def check_cache_layers(model: PreTrainedModel) -> None:
+    """Refuse models whose KV cache is not a plain growing cache per layer (sliding windows, state-space layers)."""
+    kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
+    if kinds != {DynamicLayer.__name__}:
+        raise ValueError(
+            f"sample_tree needs a full KV cache on every layer; {model.config.model_type} uses {sorted(kinds)} "
+            "(a sliding window or a recurrent state cannot be cropped back to a branch point)"
+        )
+
+
+def cache_row(cache: DynamicCache, row: int) -> KeyValues:
+    """Row ``row`` of a batched cache, as views."""
+    return [(layer.keys[row : row + 1], layer.values[row : row + 1]) for layer in cache.layers]
+
+
 class _TreeSampler:
     def __init__(self, model, settings: SamplerSettings, generator: torch.Generator, eos_token_ids: Sequence[int]):
         self.model = model
@@ -267,13 +295,18 @@ class _TreeSampler:
         self.device = next(model.parameters()).device
         self.nodes: list[SampledNode] = []
         self.forward_tokens = 0
+        self.forward_passes = 0
 
-    def forward(self, token_ids: Sequence[int], cache: DynamicCache) -> torch.Tensor:
-        """Feed ``token_ids`` after ``cache`` (updated in place); the logits after the last one."""
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+    def forward(self, token_ids: list[list[int]], key_values: list[KeyValues]) -> tuple[torch.Tensor, DynamicCache]:
+        """Feed one row of ``token_ids`` after each branch's ``key_values`` (all as long): last logits, the cache."""
+        layers = range(len(key_values[0]))
+        stacked = [tuple(torch.cat([kv[layer][i] for kv in key_values]) for i in (0, 1)) for layer in layers]
+        cache = DynamicCache(ddp_cache_data=stacked, config=self.model.config)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         output = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        self.forward_tokens += len(token_ids)
-        return output.logits[0, -1]
+        self.forward_tokens += input_ids.numel()
+        self.forward_passes += 1
+        return output.logits[:, -1], cache
 
     def sample(self, logits: torch.Tensor) -> tuple[int, float]:
         """A token from ``logits`` (temperature, top-p) and the model's log-prob of it."""
@@ -297,45 +330,66 @@ class _TreeSampler:
         self.nodes.append(SampledNode(parent))
         return len(self.nodes) - 1
 
-    def decode_segment(self, branch: _Branch) -> str | None:
-        """Sample one segment into ``branch.node``; the finish reason if the branch stopped."""
+    def stop_reason(self, branch: _Branch, segment_end: int) -> str | None:
+        """Why ``branch`` stops after its newest token, or None."""
         settings = self.settings
         node = self.nodes[branch.node]
-        segment_end = min(settings.segment_length * (branch.boundary + 1), settings.max_new_tokens)
-        while True:
-            token, logprob = self.sample(branch.logits)
-            node.token_ids.append(token)
-            node.logprobs.append(logprob)
-            branch.completion.append(token)
-            reason = None
-            if token in self.eos:
-                reason = "eos"
-            elif repeats_ngram(branch.completion, settings.repetition_ngram):
-                reason = "repetition"
-            elif len(branch.completion) == segment_end:
-                if settings.logprob_floor is not None and np.mean(node.logprobs) < settings.logprob_floor:
-                    reason = "logprob_floor"
-                elif segment_end == settings.max_new_tokens:
-                    reason = "length"
-            if reason is not None:
-                node.finish_reason = reason
-                return reason
-            if len(branch.completion) == segment_end:
-                branch.boundary += 1
-                branch.logits = self.forward([token], branch.cache)
-                return None
-            branch.logits = self.forward([token], branch.cache)
+        if branch.completion[-1] in self.eos:
+            return "eos"
+        if repeats_ngram(branch.completion, settings.repetition_ngram):
+            return "repetition"
+        if len(branch.completion) == segment_end:
+            if settings.logprob_floor is not None and np.mean(node.logprobs) < settings.logprob_floor:
+                return "logprob_floor"
+            if segment_end == settings.max_new_tokens:
+                return "length"
+        return None
+
+    def decode_segment(self, group: list[_Branch]) -> tuple[list[_Branch], list[_Branch]]:
+        """Decode one segment of branches with equally long paths as one batch; (stopped, at the next boundary)."""
+        settings = self.settings
+        segment_end = min(settings.segment_length * (group[0].boundary + 1), settings.max_new_tokens)
+        rows, stopped = list(group), []
+        logits = torch.stack([branch.logits for branch in group])
+        cache = None
+        while rows:
+            going, tokens = [], []
+            for row, branch in enumerate(rows):
+                token, logprob = self.sample(logits[row])
+                node = self.nodes[branch.node]
+                node.token_ids.append(token)
+                node.logprobs.append(logprob)
+                branch.completion.append(token)
+                node.finish_reason = self.stop_reason(branch, segment_end)
+                if node.finish_reason is None:
+                    going.append(row)
+                    tokens.append([token])
+                    continue
+                if cache is not None:
+                    branch.key_values = cache_row(cache, row)
+                stopped.append(branch)
+            rows = [rows[row] for row in going]
+            if not rows:
+                break
+            past = [cache_row(cache, row) for row in going] if cache is not None else [b.key_values for b in rows]
+            logits, cache = self.forward(tokens, past)
+            if len(rows[0].completion) == segment_end:
+                for row, branch in enumerate(rows):
+                    branch.key_values = cache_row(cache, row)
+                    branch.logits = logits[row]
+                    branch.boundary += 1
+                break
+        return stopped, rows
 
     def rebranch(self, stopped: _Branch, quota: int) -> _Branch:
-        """A new sibling of ``stopped``'s last segment, from its cache cropped back to that segment's start."""
+        """A new sibling of ``stopped``'s last segment, from its keys/values cropped back to that segment's start."""
         start = self.settings.segment_length * stopped.boundary  # completion tokens before the segment
-        fed = stopped.cache.get_seq_length()
         kept = len(self.prompt_ids) + start - 1  # keep all but the token before the boundary, then re-feed it
-        stopped.cache.crop(kept - fed)
+        cropped = [(keys[:, :, :kept], values[:, :, :kept]) for keys, values in stopped.key_values]
         last = (self.prompt_ids + stopped.completion)[kept]
-        logits = self.forward([last], stopped.cache)
+        logits, cache = self.forward([[last]], [cropped])
         parent = self.nodes[stopped.node].parent
-        return _Branch(stopped.cache, logits, stopped.completion[:start], parent, stopped.boundary, quota)
+        return _Branch(cache_row(cache, 0), logits[0], stopped.completion[:start], parent, stopped.boundary, quota)
 
     def fork(self, branch: _Branch) -> list[_Branch]:
         """The children of ``branch`` at its boundary (itself continuing as the first), each in a new node."""
@@ -343,29 +397,27 @@ class _TreeSampler:
         can_fork = branch.boundary < self.settings.branch_levels
         count = (branch.quota if last_level else min(branch.quota, self.settings.branching)) if can_fork else 1
         shares = [branch.quota // count + (i < branch.quota % count) for i in range(count)]
-        children = []
-        for i, share in enumerate(shares):
-            child = branch if i == 0 else copy.copy(branch)
-            if i > 0:
-                child.cache = copy.deepcopy(branch.cache)
-                child.completion = list(branch.completion)
+        parent, completion = branch.node, branch.completion
+        children = [branch] + [copy.copy(branch) for _ in range(count - 1)]
+        for child, share in zip(children, shares, strict=True):
+            child.completion = list(completion)
             child.quota = share
-            children.append(child)
-        parent = branch.node
-        for child in children:
             child.node = self.new_node(parent)
         return children
 
     def run(self, prompt_ids: list[int]) -> SampledTree:
         self.prompt_ids = prompt_ids
-        cache = DynamicCache(config=self.model.config)
-        logits = self.forward(prompt_ids, cache)
-        live = self.fork(_Branch(cache, logits, [], -1, 0, self.settings.width))
+        logits, key_values = self.encode_prompt(prompt_ids)
+        live = self.fork(_Branch(key_values, logits, [], -1, 0, self.settings.width))
         while live:
-            stopped = []
-            survivors = []
+            groups: dict[int, list[_Branch]] = {}
             for branch in live:
-                (stopped if self.decode_segment(branch) else survivors).append(branch)
+                groups.setdefault(len(branch.completion), []).append(branch)
+            stopped, survivors = [], []
+            for group in groups.values():
+                done, going = self.decode_segment(group)
+                stopped += done
+                survivors += going
             at_fork = [b for b in survivors if b.boundary < self.settings.branch_levels]
             respawned = []
             for branch in stopped:
@@ -378,7 +430,15 @@ class _TreeSampler:
                 else:
                     respawned.append(self.rebranch(branch, freed))
             live = [child for branch in survivors + respawned for child in self.fork(branch)]
-        return SampledTree(list(prompt_ids), self.nodes, self.forward_tokens)
+        return SampledTree(list(prompt_ids), self.nodes, self.forward_tokens, self.forward_passes)
+
+    def encode_prompt(self, prompt_ids: list[int]) -> tuple[torch.Tensor, KeyValues]:
+        cache = DynamicCache(config=self.model.config)
+        input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        self.forward_tokens += len(prompt_ids)
+        self.forward_passes += 1
+        return logits, cache_row(cache, 0)
 
 
 @torch.no_grad()
@@ -394,5 +454,6 @@ def sample_tree(
     prompt_ids = [int(token) for token in prompt_ids]
     if not prompt_ids:
         raise ValueError("sample_tree needs a non-empty prompt (the first token is never sampled)")
+    check_cache_layers(model)
     with generation_mode(model):
         return _TreeSampler(model, settings, generator, eos_token_ids).run(prompt_ids)
