@@ -173,6 +173,15 @@ def test_logprob_floor(model):
         assert not (below and children[index])
 
 
+def test_refill_from_the_prompt_when_every_branch_stops(model):
+    """A floor no segment reaches: every branch stops, and refill re-branches from a one-token prompt."""
+    settings = SamplerSettings(width=8, segment_length=3, max_new_tokens=9, logprob_floor=-1e-9)
+    tree = sample_tree(model, [1], settings, generator=torch.Generator().manual_seed(0), eos_token_ids=EOS)
+    assert tree.leaves == 8 and tree.depth == 1
+    assert all(node.parent == -1 and node.finish_reason == "logprob_floor" for node in tree.nodes)
+    assert_logprobs_equal_reencoding(model, tree)
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="width 9 exceeds branching"):
         SamplerSettings(width=9, branching=2, max_depth=3)
