@@ -27,7 +27,8 @@ import yaml
 Dtype = Literal["float32", "bfloat16"]
 AttentionEngine = Literal["reference", "torch", "triton"]
 Merge = Literal["group", "global"]
-PackingMode = Literal["tree", "flat"]
+PackingMode = Literal["tree", "flat", "dfs"]
+OverBudget = Literal["error", "dfs"]
 Normalisation = Literal["token_mean", "sequence_mean", "sum"]
 WeightPolicy = Literal["exact", "dedup"]
 Schedule = Literal["cosine", "constant"]
@@ -106,7 +107,8 @@ class DataConfig:
 @dataclass
 class PackingConfig:
     mode: PackingMode = "tree"
-    """``tree`` (tree packing, the default) or ``flat`` (the baseline: every trajectory alone)."""
+    """``tree`` (tree packing, the default), ``flat`` (the baseline: every trajectory alone) or ``dfs``
+    (each tree walked depth-first, one root-to-leaf path in memory; no budget applies, see ``dfs_chunk``)."""
     budget: int = 2048
     """Tokens of one packed row (one micro-batch). Larger trees are split into parts."""
     block: int = 1
@@ -115,10 +117,20 @@ class PackingConfig:
     """Balancing cost model: cost = cost_per_token * tokens + cost_per_pair * visible pairs."""
     cost_per_pair: float = 0.002
     """See ``cost_per_token``; attention's share of the work grows with visible pairs."""
+    over_budget: OverBudget = "error"
+    """Tree mode, a trajectory longer than ``budget`` (no row can hold its path): ``error`` stops before
+    training; ``dfs`` walks that trajectory's tree in dfs mode, the other trees are packed as usual."""
+    dfs_chunk: int = 0
+    """Dfs mode: most tokens forwarded at once; a longer node is cut into chained chunks (0: ``budget``)."""
+    dfs_recompute: bool = False
+    """Dfs mode: forward each chunk twice (without grad for its children, again with grad before its
+    backward), so only one chunk's activations are kept instead of a root-to-leaf path's."""
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.block < 1:
             raise ConfigError("packing.budget and packing.block must be >= 1")
+        if self.dfs_chunk < 0:
+            raise ConfigError(f"packing.dfs_chunk must be >= 0 (0: packing.budget), got {self.dfs_chunk}")
         if self.cost_per_token < 0 or self.cost_per_pair < 0:
             raise ConfigError("packing.cost_per_token and packing.cost_per_pair must be >= 0")
 
@@ -433,6 +445,8 @@ class Config:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.objective.is_rl and (self.packing.mode == "dfs" or self.packing.over_budget == "dfs"):
+            raise ConfigError("packing.mode=dfs and packing.over_budget=dfs train the sft objective only")
         if self.objective.is_rl and self.objective.kl_coef and self.model.zero_init:
             raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
         if self.rollout.enabled:

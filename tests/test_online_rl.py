@@ -121,7 +121,7 @@ def test_dry_run_names_a_missing_prompts_file_and_tokenizer(monkeypatch, capsys,
     code, err = dry_run(monkeypatch, capsys, config, f"rollout.prompts={absent}")
     assert code == 2 and f"config error: rollout.prompts: {absent}: no such file" in err, err
     code, err = dry_run(monkeypatch, capsys, config, f"model.tokenizer={tmp_path}")
-    assert code == 2 and f"config error: model.tokenizer: {tmp_path}: no tokenizer there" in err, err
+    assert code == 2 and f"config error: model.tokenizer: {tmp_path}: not a loadable tokenizer directory" in err, err
     code, err = dry_run(monkeypatch, capsys, config, "packing.budget=8")
     assert code == 2 and "packing.budget (8) is below the longest prompt" in err, err
 
@@ -133,15 +133,21 @@ def test_prompts_from_text_and_ids(tmp_path: Path, tokenizer) -> None:
     assert prompts[0].ids.tolist() == tokenizer.encode("Write even digits:", add_special_tokens=False)
     assert prompts[0].text == "Write even digits:" and prompts[0].source.endswith("prompts.jsonl:1")
     assert prompts[3].ids.tolist() == [300, 301, 302] and prompts[3].text == tokenizer.decode([300, 301, 302])
+    assert [p.label for p in prompts] == ["prompt-0", "prompt-1", "prompt-2", "prompt-3"]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"group_id": "q7", "messages": [{"role": "user", "content": "odd:"}]}) + "\n")
+    (prompt,) = read_prompts(chat, tokenizer, vocab_size=1024)
+    assert prompt.text == "<|im_start|>user\nodd:<|im_end|>\n<|im_start|>assistant\n" and prompt.label == "q7"
+    assert prompt.metadata == {} and prompt.ids.tolist() == tokenizer.encode(prompt.text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize(
     "line, message",
     [
-        ({"metadata": {}}, "give exactly one of 'prompt'"),
-        ({"prompt": "a", "prompt_ids": [5]}, "give exactly one of 'prompt'"),
-        ({"prompt_ids": [5, 2000]}, r"prompt token ids must be in \[0, 1024\)"),
-        ({"prompt_ids": []}, "the prompt has no tokens"),
+        ({"metadata": {}}, "a prompt line needs exactly one of 'prompt', 'messages', 'prompt_ids'"),
+        ({"prompt": "a", "prompt_ids": [5]}, "a prompt line needs exactly one of"),
+        ({"prompt_ids": [5, 2000]}, "prompt token id 2000 is >= the model's vocab size 1024"),
+        ({"prompt_ids": []}, "'prompt_ids' must be a non-empty list of token ids"),
         ({"prompt": "a", "metadata": [1]}, "'metadata' must be an object"),
         ({"prompt": "a", "answer": "b"}, "unknown key 'answer'"),
     ],

@@ -1,12 +1,14 @@
 """Reward curves of online RL runs, and their sampling cost, from each run's ``metrics.jsonl``.
 
-Usage: ds-tree plot-online LABEL=RUN_DIR [LABEL=RUN_DIR ...] --output FILE.png [--window N]
+Usage: ds-tree plot-online LABEL=RUN_DIR[,RUN_DIR ...] [LABEL=...] --output FILE.png [--window N]
 
-Plots ``rollout/reward_mean`` per step for every run (thin) with its running mean over ``--window``
-steps (thick), and prints a Markdown table: steps, reward of the first and last ``--window`` steps,
-and the tokens the sampler drew and ran through the model (``rollout/sampled_tokens``,
-``rollout/forward_tokens``, summed over the run). A run directory without ``metrics.jsonl`` or
-without ``rollout/`` metrics exits 2 naming it.
+Several run directories under one label (runs with different seeds) are averaged step by step; they
+must have the same steps. Plots ``rollout/reward_mean`` against the training step (left) and against
+the tokens the sampler ran through the model so far (right, ``rollout/forward_tokens`` summed), per
+step (thin) and as a running mean over ``--window`` steps (thick), and prints a Markdown table: runs,
+steps, mean reward of the first and of the last ``--window`` steps, and the tokens the sampler drew
+and ran through the model in one run (``rollout/sampled_tokens``, ``rollout/forward_tokens``). A run
+directory without ``metrics.jsonl`` or without ``rollout/`` metrics exits 2 naming it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ def read_run(directory: Path) -> dict[str, np.ndarray]:
     return {name: np.array([record[name] for record in records], dtype=np.float64) for name in names}
 
 
+def average_runs(runs: list[dict[str, np.ndarray]], label: str) -> dict[str, np.ndarray]:
+    """Step-by-step mean of runs with the same steps."""
+    if any(not np.array_equal(run["step"], runs[0]["step"]) for run in runs):
+        raise ValueError(f"{label}: the runs do not have the same steps")
+    return {name: np.mean([run[name] for run in runs], axis=0) for name in runs[0]} | {"runs": np.array(len(runs))}
+
+
 def running_mean(values: np.ndarray, window: int) -> np.ndarray:
     """Mean over the last ``window`` values at each step (fewer at the start)."""
     sums = np.cumsum(np.r_[0.0, values])
@@ -41,13 +50,14 @@ def running_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def table(runs: dict[str, dict[str, np.ndarray]], window: int) -> str:
-    columns = ["run", "steps", f"reward, first {window} steps", f"reward, last {window} steps"]
+    columns = ["sampler", "runs", "steps", f"reward, first {window} steps", f"reward, last {window} steps"]
     columns += ["sampled tokens", "forward tokens"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for label, run in runs.items():
         reward = run["rollout/reward_mean"]
         lines.append(
-            f"| {label} | {reward.size} | {reward[:window].mean():.3f} | {reward[-window:].mean():.3f} | "
+            f"| {label} | {run['runs']} | {reward.size} | {reward[:window].mean():.3f} | "
+            f"{reward[-window:].mean():.3f} | "
             f"{run['rollout/sampled_tokens'].sum():.0f} | {run['rollout/forward_tokens'].sum():.0f} |"
         )
     return "\n".join(lines)
@@ -59,23 +69,22 @@ def plot(runs: dict[str, dict[str, np.ndarray]], window: int, output: Path) -> N
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    figure, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for index, (label, run) in enumerate(runs.items()):
         color = f"C{index}"
-        tokens = run["rollout/forward_tokens"].sum()
-        axes.plot(run["step"], run["rollout/reward_mean"], color=color, alpha=0.3, linewidth=1)
-        axes.plot(
-            run["step"],
-            running_mean(run["rollout/reward_mean"], window),
-            color=color,
-            linewidth=2.5,
-            label=f"{label} ({tokens:.0f} sampler forward tokens)",
-        )
-    axes.set_xlabel("training step")
-    axes.set_ylabel(f"mean reward (thin: per step; thick: mean of {window})")
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="upper left")
+        reward, smooth = run["rollout/reward_mean"], running_mean(run["rollout/reward_mean"], window)
+        tokens = np.cumsum(run["rollout/forward_tokens"])
+        name = f"{label} ({run['runs']} run{'s' if run['runs'] > 1 else ''})"
+        for axis, x in ((by_step, run["step"]), (by_tokens, tokens)):
+            axis.plot(x, reward, color=color, alpha=0.3, linewidth=1)
+            axis.plot(x, smooth, color=color, linewidth=2.5, label=name)
+    by_step.set_xlabel("training step")
+    by_tokens.set_xlabel("tokens the sampler ran through the model (cumulative)")
+    by_step.set_ylabel(f"mean reward (thin: per step; thick: mean of {window} steps)")
+    for axis in (by_step, by_tokens):
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+        axis.legend(loc="upper left")
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)
@@ -86,7 +95,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("runs", nargs="+", metavar="LABEL=RUN_DIR", help="a label and an online RL run's output_dir")
+    parser.add_argument(
+        "runs", nargs="+", metavar="LABEL=RUN_DIR[,RUN_DIR ...]", help="a label and online RL runs' output_dirs"
+    )
     parser.add_argument("--output", type=Path, required=True, help="the PNG to write")
     parser.add_argument("--window", type=int, default=10, help="steps of the running mean and of the table's columns")
     args = parser.parse_args(argv)
@@ -94,11 +105,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--window must be >= 1")
     runs = {}
     for item in args.runs:
-        label, separator, directory = item.partition("=")
-        if not separator or not label or not directory:
-            parser.error(f"{item!r} is not LABEL=RUN_DIR")
+        label, separator, directories = item.partition("=")
+        if not separator or not label or not directories:
+            parser.error(f"{item!r} is not LABEL=RUN_DIR[,RUN_DIR ...]")
         try:
-            runs[label] = read_run(Path(directory))
+            runs[label] = average_runs([read_run(Path(d)) for d in directories.split(",")], label)
         except ValueError as error:
             print(f"ds-tree plot-online: error: {error}", file=sys.stderr)
             return 2

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
-from ds_tree.engine import checkpoint, run_dir
+from ds_tree.engine import checkpoint, dfs, run_dir
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
 from ds_tree.engine.rl_step import (
@@ -57,6 +57,7 @@ from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.packing.balance import rows_per_rank
+from ds_tree.packing.dfs_rows import split_over_budget, with_walked_rows
 from ds_tree.packing.modes import make_parts
 from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
@@ -162,7 +163,7 @@ class Trainer:
         size = config.parallel.sequence_parallel_size
         budget = config.packing.budget * size
         longest = max(self.trajectories, key=len)
-        if len(longest) > budget:
+        if len(longest) > budget and not dfs.uses_dfs(config.packing):  # dfs walks paths of any length
             where = longest.source or f"group {longest.group_id!r}"
             limit = f"packing.budget ({budget})"
             if size > 1:
@@ -182,6 +183,7 @@ class Trainer:
                 )
         hidden = getattr(self.model_config, "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
+        dfs.check_zero_stage(config.packing, self.ds_config, config.deepspeed)
         self.plan_resume()
 
     def prepare_online(self) -> None:
@@ -332,7 +334,9 @@ class Trainer:
         trees = build_forest(trajectories, merge=config.data.merge)
         if config.parallel.sequence_parallel_size > 1:
             return self.plan_sequence_parallel(trajectories, trees, rank)
-        parts = make_parts(trajectories, config.packing.mode, config.packing.budget, trees=trees)
+        packing = config.packing
+        packed_trees, walked = split_over_budget(trees, packing.mode, packing.over_budget, packing.budget)
+        parts = make_parts(trajectories, config.packing.mode, config.packing.budget, trees=packed_trees)
         shares = rows_per_rank(
             parts,
             self.world_size,
@@ -342,6 +346,8 @@ class Trainer:
             config.packing.cost_per_pair,
             pad_id=self.model_config.pad_token_id or 0,
         )
+        pad_id = self.model_config.pad_token_id or 0
+        shares = with_walked_rows(shares, walked, packing.cost_per_token, packing.cost_per_pair, pad_id)
         counts = token_counts(trees)
         packed = sum(row.n_tokens for rows in shares for row in rows if row.n_real)
         return StepPlan(shares[rank], counts.flat_tokens, counts.tree_tokens, packed)
@@ -392,6 +398,18 @@ class Trainer:
     ) -> StepOutput:
         if normalisers is None:
             normalisers = self.global_normalisers(rows)
+        if dfs.uses_dfs(self.config.packing):  # packed rows and walked trees, backward calls counted alike
+            return dfs.run_step(
+                self.engine,
+                rows,
+                normalisers,
+                self.config.objective.normalisation,
+                self.config.objective.policy,
+                dfs.settings_of(self.config.packing),
+                backward_for=self.backward_function,
+                device=self.engine.device,
+                head_chunk=self.config.model.head_chunk,
+            )
         return run_rows(
             self.engine,
             rows,

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError
@@ -58,39 +59,36 @@ class Prompt:
     """Passed to the reward function untouched (the answer, the puzzle's numbers, ...)."""
     source: str
     """``file:line``."""
+    label: str
+    """The line's ``group_id``, else ``prompt-<index>``: the start of its groups' ids."""
 
 
 def read_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
-    """The prompts JSONL: ``{"prompt": str}`` or ``{"prompt_ids": [int, ...]}``, optional ``"metadata": {...}``.
+    """The prompts JSONL, in ``ds-tree sample``'s format (:func:`ds_tree.cli.sample.prompt_ids`): one of
+    ``"prompt"`` (text), ``"messages"`` (a chat, rendered with the generation prompt) or ``"prompt_ids"``,
+    an optional ``"metadata"`` object for the reward and an optional ``"group_id"`` label.
 
-    Errors name ``file:line``: neither or both prompt keys, ids that are not non-negative integers below
-    ``vocab_size``, an empty prompt, metadata that is not an object, a file without prompts.
+    Errors name ``file:line``: unknown keys, not exactly one prompt, ids outside ``[0, vocab_size)``,
+    metadata that is not an object, a file without prompts.
     """
+    from ds_tree.cli.sample import prompt_ids
+
     prompts = []
     for where, record in read_jsonl(path):
-        unknown = sorted(set(record) - {"prompt", "prompt_ids", "metadata"})
+        unknown = sorted(set(record) - {"prompt", "messages", "prompt_ids", "metadata", "group_id"})
         if unknown:
-            raise DataError(f"{where}: unknown key {unknown[0]!r} (known: metadata, prompt, prompt_ids)")
-        if ("prompt" in record) == ("prompt_ids" in record):
-            raise DataError(f"{where}: give exactly one of 'prompt' (text) and 'prompt_ids' (token ids)")
+            raise DataError(
+                f"{where}: unknown key {unknown[0]!r} (known: group_id, messages, metadata, prompt, prompt_ids)"
+            )
         metadata = record.get("metadata", {})
         if not isinstance(metadata, dict):
             raise DataError(f"{where}: 'metadata' must be an object, got {type(metadata).__name__}")
-        if "prompt" in record:
-            text = record["prompt"]
-            if not isinstance(text, str):
-                raise DataError(f"{where}: 'prompt' must be a string, got {type(text).__name__}")
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = record["prompt_ids"]
-            if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                raise DataError(f"{where}: 'prompt_ids' must be a list of integers")
-            text = tokenizer.decode(ids)
-        if not ids:
-            raise DataError(f"{where}: the prompt has no tokens")
-        if min(ids) < 0 or max(ids) >= vocab_size:
-            raise DataError(f"{where}: prompt token ids must be in [0, {vocab_size}) (the model's vocab size)")
-        prompts.append(Prompt(np.asarray(ids, dtype=np.int64), text, metadata, where))
+        ids = prompt_ids(where, record, tokenizer)
+        if max(ids) >= vocab_size:
+            raise DataError(f"{where}: prompt token id {max(ids)} is >= the model's vocab size {vocab_size}")
+        text = record["prompt"] if "prompt" in record else tokenizer.decode(ids)
+        label = str(record.get("group_id", f"prompt-{len(prompts)}"))
+        prompts.append(Prompt(np.asarray(ids, dtype=np.int64), text, metadata, where, label))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
@@ -180,15 +178,6 @@ def reward_function(name: str) -> Callable[[RewardRequest], float]:
     return function
 
 
-def load_tokenizer(directory: str):
-    """The tokenizer of ``model.tokenizer`` (a local directory; nothing is downloaded)."""
-    from transformers import AutoTokenizer
-
-    if not Path(directory, "tokenizer.json").is_file() and not Path(directory, "tokenizer_config.json").is_file():
-        raise DataError(f"{directory}: no tokenizer there (ds-tree make-tokenizer --output {directory} builds one)")
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-
-
 def stop_token_ids(tokenizer, model_config) -> list[int]:
     """Where a completion ends: the model's and the tokenizer's EOS, and the chat turn's end token."""
     ids = model_config.eos_token_id
@@ -262,7 +251,7 @@ class OnlineRollouts:
             tree = sample_tree(
                 self.model, prompt.ids.tolist(), self.settings, generator=generator, eos_token_ids=self.stop_ids
             )
-        trajectories = tree.trajectories(f"step{step}/slot{slot}")
+        trajectories = tree.trajectories(f"{prompt.label}/step{step}/slot{slot}")
         requests = []
         for leaf, trajectory in enumerate(trajectories):
             trajectory.source = f"{prompt.source} (step {step}, slot {slot}, leaf {leaf})"
