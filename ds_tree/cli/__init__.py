@@ -22,6 +22,7 @@ COMMANDS = {
     "make-synthetic": "write synthetic agentic tree data with a target POR",
     "plot-online": "reward curves and sampler tokens of online RL runs (metrics.jsonl) into a PNG and a table",
     "sample": "sample prompts' groups as trees with a HF model, score them, write rollouts JSONL",
+    "plan": "predicted peak memory per rank of a training config, and the largest row that fits",
 }
 USAGE = "usage: ds-tree COMMAND [options]   (ds-tree COMMAND --help for a command's options)\n\ncommands:\n" + "".join(
     f"  {name:<16} {summary}\n" for name, summary in COMMANDS.items()

@@ -1,0 +1,148 @@
+"""Predicted peak memory per rank of a training config, and the largest row that fits.
+
+    ds-tree plan CONFIG [--world-size N] [--memory-gib G] [--json] [key=value ...]
+
+Reads the training YAML (``key=value`` overrides as the trainer takes them), its model config and
+its DeepSpeed JSON (ZeRO stage, ``offload_optimizer`` / ``offload_param``), and prints per rank:
+parameters, gradients and optimizer states, activations of one packed row of ``packing.budget``
+tokens with and without activation checkpointing, the LM head's share (``model.head_chunk``), and
+the largest ``packing.budget`` whose predicted peak fits ``--memory-gib`` of accelerator memory.
+The row is planned as if every token were a target (the head's worst case). The arithmetic and its
+measured error are in docs/MEMORY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ds_tree.config import ConfigError, load_config
+from ds_tree.memory_plan import GIB, ModelShape, activation_bytes, largest_budget, state_bytes
+from ds_tree.models.loading import load_config as load_model_config
+
+
+def zero_settings(path: str) -> tuple[int, bool, bool]:
+    """ZeRO stage and whether optimizer / parameters are offloaded, from a DeepSpeed JSON."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"deepspeed: {file}: no such DeepSpeed config file")
+    try:
+        zero = json.loads(file.read_text()).get("zero_optimization", {})
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file}: malformed JSON ({error.msg} at line {error.lineno})") from None
+
+    def offloaded(key: str) -> bool:
+        return zero.get(key, {}).get("device", "none") not in ("none", None)
+
+    return int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param")
+
+
+def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gib: float) -> dict:
+    config = load_config(config_path, overrides)
+    stage, offload_optimizer, offload_param = zero_settings(config.deepspeed)
+    shape = ModelShape.of(load_model_config(config.model.source))
+    dtype, budget = config.model.dtype, config.packing.budget
+    entropy = config.objective.is_rl  # RL computes each target's entropy for its metric
+    states = state_bytes(
+        shape, dtype, stage, world_size, offload_optimizer=offload_optimizer, offload_param=offload_param
+    )
+    every = config.model.checkpointed_every
+    modes = {"without_checkpointing": 0, "with_checkpointing": every or 1}
+    free = int(memory_gib * GIB) - states.total
+    activations, budgets = {}, {}
+    for name, checkpoint_every in modes.items():
+        plan = activation_bytes(
+            shape, dtype, budget, checkpoint_every=checkpoint_every, head_chunk=config.model.head_chunk, entropy=entropy
+        )
+        activations[name] = {"layers": plan.layers, "head": plan.head, "recompute": plan.recompute, "peak": plan.peak}
+        budgets[name] = largest_budget(
+            shape, dtype, free, checkpoint_every=checkpoint_every, head_chunk=config.model.head_chunk, entropy=entropy
+        )
+    chosen = "with_checkpointing" if every else "without_checkpointing"
+    return {
+        "config": config_path,
+        "model": config.model.source,
+        "parameters": shape.parameters,
+        "dtype": dtype,
+        "zero_stage": stage,
+        "world_size": world_size,
+        "offload_optimizer": offload_optimizer,
+        "offload_param": offload_param,
+        "budget": budget,
+        "checkpoint_every": modes["with_checkpointing"],
+        "head_chunk": config.model.head_chunk,
+        "states": {
+            "parameters": states.parameters,
+            "gradients": states.gradients,
+            "optimizer": states.optimizer,
+            "gathered": states.gathered,
+            "total": states.total,
+            "cpu": states.cpu,
+        },
+        "activations": activations,
+        "config_uses": chosen,
+        "peak_bytes": states.total + activations[chosen]["peak"],
+        "memory_gib": memory_gib,
+        "largest_budget": budgets,
+    }
+
+
+def format_plan(plan: dict) -> str:
+    offload = [name for name in ("optimizer", "param") if plan[f"offload_{name}"]]
+    states, activations = plan["states"], plan["activations"]
+    rows = [
+        ("parameters", states["parameters"]),
+        ("gradients", states["gradients"]),
+        ("optimizer states (fp32 master, AdamW moments)", states["optimizer"]),
+        ("ZeRO-3 gathered module", states["gathered"]),
+        ("model states", states["total"]),
+        ("in CPU memory (offload)", states["cpu"]),
+    ]
+    for name, label in (
+        ("without_checkpointing", "no checkpointing"),
+        ("with_checkpointing", f"checkpointing every {plan['checkpoint_every']}"),
+    ):
+        values = activations[name]
+        rows += [
+            (f"{label}: kept by the layers", values["layers"]),
+            (f"{label}: head at its backward", values["head"]),
+            (f"{label}: at a layer's recompute", values["recompute"]),
+            (f"{label}: activation peak", values["peak"]),
+        ]
+    chosen = plan["config_uses"].replace("_", " ")
+    rows.append((f"predicted peak per rank ({chosen}, as configured)", plan["peak_bytes"]))
+    budgets = plan["largest_budget"]
+    header = (
+        f"{plan['config']}: {plan['parameters'] / 1e9:.3f} B parameters ({plan['model']}), {plan['dtype']}, "
+        f"ZeRO-{plan['zero_stage']} over {plan['world_size']} rank(s), offload: {', '.join(offload) or 'none'}\n"
+        f"activations: one row of {plan['budget']} tokens, every token a target, head_chunk {plan['head_chunk']}\n"
+    )
+    table = [f"{'per rank':<56}{'GiB':>10}"] + [f"{label:<56}{value / GIB:>10.2f}" for label, value in rows]
+    footer = (
+        f"largest packing.budget within {plan['memory_gib']:g} GiB: {budgets['without_checkpointing']} tokens "
+        f"without checkpointing, {budgets['with_checkpointing']} with"
+    )
+    return "\n".join([header, *table, footer])
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("config", help="training YAML")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, as the trainer takes them")
+    parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--memory-gib", type=float, default=80.0, help="accelerator memory per rank (default 80)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    args = parser.parse_intermixed_args(argv)
+    if args.world_size < 1 or args.memory_gib <= 0:
+        parser.error("--world-size must be >= 1 and --memory-gib > 0")
+    try:
+        plan = make_plan(args.config, args.overrides, args.world_size, args.memory_gib)
+    except (ConfigError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0

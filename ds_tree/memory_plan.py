@@ -1,0 +1,254 @@
+"""Predicted peak memory per rank: model states under ZeRO, activations of one packed row, the LM head.
+
+Pure arithmetic on the model's shape and the training config (``ds-tree plan``, docs/MEMORY.md).
+
+Model states, ``P`` parameters over ``N`` data-parallel ranks (DeepSpeed's layout):
+
+- parameters in the model dtype (2 bytes bf16, 4 float32), gradients likewise;
+- optimizer states: an fp32 master copy of the parameters (DeepSpeed keeps one at stages 1-3 even
+  in float32, and bf16 always needs it) and AdamW's two fp32 moments: 12 bytes per parameter
+  (stage 0 in float32: 8, the moments only: the torch optimizer updates the parameters in place);
+- stage 1 partitions the optimizer states over the ranks, stage 2 the gradients as well, stage 3
+  the parameters too, which are then gathered one module at a time (the largest module's full
+  parameters are the working set);
+- ``offload_optimizer`` moves the optimizer states and (stages 2-3) the gradient partition, kept
+  there in fp32, to CPU memory; ``offload_param`` (stage 3) the parameter partition.
+
+Activations of one row of ``tokens`` tokens, the bytes autograd keeps for the backward, per token
+and decoder layer of a Llama-style layer (hidden ``h``, MLP width ``I``, ``Hq`` query and ``Hkv``
+key/value heads of width ``d``, ``b`` bytes per element of the model dtype):
+
+- each RMSNorm: its float32 input, the normalised float32 value, the cast and weighted outputs:
+  ``12 h`` bytes (float32 and bf16 alike: transformers normalises in float32) + 4 (the rsqrt);
+- attention: RoPE'd queries and keys, values, the output and its copy laid out for the output
+  projection: ``b (3 Hq d + 2 Hkv d)``, and the float32 log-sum-exp per query head ``4 Hq``;
+- the gated MLP: gate and up projections, the activation and the product: ``4 b I``.
+
+With checkpointing (every ``k``-th layer: ``ceil(L / k)`` layers) a checkpointed layer keeps only its
+input, ``b h`` per token, and the backward recomputes one layer at a time: its activations and the
+gradient temporaries of its backward (``GRADIENT_WORKING_SET``) are live on top of what is kept.
+
+The LM head runs on targets only (tokens with a loss weight): worst case every token of the row.
+Per target and vocabulary entry it holds the float32 log-softmax (saved), its gradient and the
+logits' gradient at the backward's start (plus the float32 ``exp`` and product of the entropy in
+RL); ``head_chunk`` bounds the targets that hold them at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+ADAM_STATE_BYTES = 8
+"""AdamW's two fp32 moments per parameter."""
+MASTER_BYTES = 4
+"""DeepSpeed's fp32 master copy of a parameter (ZeRO stages 1-3, and bf16 at any stage)."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a decoder-only model's config."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    parameters: int
+    """Trainable parameters (embedding and an untied LM head included)."""
+    largest_module: int
+    """Parameters of the largest module ZeRO-3 gathers at once (an embedding or the LM head)."""
+
+    @classmethod
+    def of(cls, config) -> ModelShape:
+        """From a Hugging Face config (``ds_tree.models.loading.load_config``): parameters counted on
+        a model built on the ``meta`` device (no memory), so any architecture is counted exactly."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        parameters = sum(p.numel() for p in model.parameters())
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        heads = config.num_attention_heads
+        return cls(
+            vocab=config.vocab_size,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            layers=config.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            parameters=parameters,
+            largest_module=largest,
+        )
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Model-state bytes of one rank, on the accelerator and in CPU memory."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    gathered: int
+    """ZeRO-3: the largest module's parameters, gathered whole for its forward and backward."""
+    cpu: int
+    """What offload keeps in CPU memory instead (not part of the accelerator's total)."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.gathered
+
+
+def state_bytes(
+    shape: ModelShape,
+    dtype: str,
+    stage: int,
+    world_size: int,
+    *,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+) -> StateBytes:
+    """Parameters, gradients and AdamW states per rank under ZeRO ``stage`` (module docstring)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0-3, got {stage}")
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if offload_param and stage != 3:
+        raise ValueError("zero_optimization.offload_param needs ZeRO stage 3")
+    if offload_optimizer and stage == 0:
+        raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1-3")
+    count, width = shape.parameters, DTYPE_BYTES[dtype]
+    master = 0 if stage == 0 and dtype == "float32" else MASTER_BYTES
+    parameters = count * width // (world_size if stage == 3 else 1)
+    gradients = count * width // (world_size if stage >= 2 else 1)
+    optimizer = count * (master + ADAM_STATE_BYTES) // (world_size if stage >= 1 else 1)
+    gathered = shape.largest_module * width if stage == 3 and (world_size > 1 or offload_param) else 0
+    cpu = 0
+    if offload_optimizer:  # the fp32 master, the moments and the gradient partition (in fp32) go to CPU memory
+        cpu += optimizer + count * 4 // world_size
+        optimizer = 0
+        if stage >= 2:
+            gradients = 0
+    if offload_param:
+        cpu += parameters
+        parameters = 0
+    return StateBytes(parameters, gradients, optimizer, gathered, cpu)
+
+
+def layer_bytes_per_token(shape: ModelShape, dtype: str) -> int:
+    """Bytes one decoder layer keeps for the backward per token (module docstring)."""
+    width = DTYPE_BYTES[dtype]
+    norms = 2 * (12 * shape.hidden + 4)
+    attention = width * (3 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + 4 * shape.heads
+    mlp = 4 * width * shape.intermediate
+    return norms + attention + mlp
+
+
+def gradient_working_set_per_token(shape: ModelShape, dtype: str) -> int:
+    """What one layer's backward adds per token to its saved activations at its start: the incoming
+    hidden-state gradient, and the MLP's two ``I``-wide gradients (of the activation and of the up
+    projection), made while the product they come from is still held."""
+    return DTYPE_BYTES[dtype] * (2 * shape.intermediate + shape.hidden)
+
+
+def head_bytes_per_target(shape: ModelShape, entropy: bool = False) -> int:
+    """The LM head's float32 tensors of one target at the start of its backward (module docstring)."""
+    return 4 * shape.vocab * (3 + (2 if entropy else 0))
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Activation bytes of one row's forward and backward at the two moments that can be its peak."""
+
+    layers: int
+    """What the decoder layers keep for the backward (a checkpointed layer: its input only)."""
+    head: int
+    """The final norm's and the LM head's tensors at the start of the head's backward, and the head
+    weight's new gradient (``vocab x hidden``, made before it is added to the stored one); chunked,
+    also two ``targets x hidden`` gradients of the gathered hidden states (each chunk's slice
+    gradient comes back full-length and is summed into a buffer)."""
+    recompute: int
+    """At the recompute of the highest checkpointed layer: what the layers below it keep, its input, its
+    recomputed activations and its backward's first gradients (0 without checkpointing)."""
+
+    @property
+    def peak(self) -> int:
+        # The head's backward runs first, with everything the layers keep; the recomputes come later,
+        # once the layers above have released theirs, the highest one with the most still held below it.
+        return max(self.layers + self.head, self.recompute)
+
+
+def activation_bytes(
+    shape: ModelShape,
+    dtype: str,
+    tokens: int,
+    *,
+    checkpoint_every: int = 0,
+    head_chunk: int = 0,
+    targets: int | None = None,
+    entropy: bool = False,
+) -> ActivationBytes:
+    """Activation memory of one packed row of ``tokens`` tokens, ``targets`` of them scored (default all).
+
+    ``checkpoint_every = k > 0``: layers ``0, k, 2k, ...`` are checkpointed (transformers' choice)."""
+    targets = tokens if targets is None else targets
+    width = DTYPE_BYTES[dtype]
+    per_layer = layer_bytes_per_token(shape, dtype)
+    checkpointed = [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
+    kept = [width * shape.hidden if again else per_layer for again in checkpointed]
+    recompute = 0
+    if any(checkpointed):
+        top = max(index for index, again in enumerate(checkpointed) if again)
+        recompute = sum(kept[: top + 1]) + per_layer + gradient_working_set_per_token(shape, dtype)
+    held = min(targets, head_chunk) if head_chunk else targets
+    final_norm = 12 * shape.hidden + 4
+    head = final_norm * tokens + head_bytes_per_target(shape, entropy) * held + width * shape.vocab * shape.hidden
+    if head_chunk and targets > head_chunk:  # each chunk's gradient arrives as a whole-length one, summed in a buffer
+        head += 2 * width * targets * shape.hidden
+    return ActivationBytes(sum(kept) * tokens, head, recompute * tokens)
+
+
+def largest_budget(
+    shape: ModelShape,
+    dtype: str,
+    free_bytes: int,
+    *,
+    checkpoint_every: int = 0,
+    head_chunk: int = 0,
+    entropy: bool = False,
+) -> int:
+    """The most tokens a row may hold with every token a target and ``free_bytes`` left after the model
+    states (0 if not even one token fits). The peak grows linearly with tokens, so halving bisection
+    over ``[0, free_bytes]`` finds it exactly."""
+
+    def fits(tokens: int) -> bool:
+        plan = activation_bytes(
+            shape, dtype, tokens, checkpoint_every=checkpoint_every, head_chunk=head_chunk, entropy=entropy
+        )
+        return plan.peak <= free_bytes
+
+    low, high = 0, max(free_bytes, 0) // layer_bytes_per_token(shape, dtype) + 1
+    while low < high:  # the largest ``tokens`` with fits(tokens); fits(0) holds for free_bytes >= 0
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def profiled_peak_bytes(run) -> int:
+    """Measured counterpart of :attr:`ActivationBytes.peak`: the most bytes torch held at once during
+    ``run()`` beyond what it held before (``torch.profiler`` memory events, allocations minus frees in
+    order). Run it on a step whose parameter gradients already exist, so it counts activations only."""
+    import numpy as np
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    return int(max(0, np.cumsum([n for _, n in events]).max(initial=0)))
