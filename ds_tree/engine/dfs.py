@@ -21,7 +21,8 @@ forwarded again with grad right before its backward: one more forward of every t
 activations of a single chunk plus the path's keys and values.
 
 Every chunk's backward goes through ``backward`` (the engine's): under DeepSpeed one call per
-chunk, the gradient-accumulation boundary on the step's last. ZeRO stages 0 and 1 reduce
+chunk, the gradient-accumulation boundary on the step's last; whatever factor it applies (the
+world size, a loss scale) is measured and taken out of the cached gradients. ZeRO stages 0 and 1 reduce
 gradients at the boundary only; stage 2 reduces at every backward, so every rank makes the same
 number of calls (:func:`run_step` pads with empty-row steps). ZeRO-3 is refused: its forwards and
 backwards gather parameters collectively, so every rank would have to interleave forwards and
@@ -39,18 +40,12 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.attention.cached import IMPLEMENTATION, LayerKV, PathCache, register_cached_attention
+from ds_tree.config import ConfigError
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
 from ds_tree.models.logprobs import logprobs_at
-from ds_tree.packing.balance import balance_parts
-from ds_tree.packing.parts import whole_tree
+from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.rows import PackedRow, assemble_row
-from ds_tree.trees.trie import TokenTree
-
-
-@dataclass(kw_only=True)
-class DfsRow(PackedRow):
-    """A packed row that the dfs walk runs (whole trees; no budget applies to it)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +54,26 @@ class DfsSettings:
     """Most tokens forwarded at once (longer nodes are cut into chained chunks)."""
     recompute: bool = False
     """Forward each chunk twice (without, then with grad) to keep one chunk's activations, not a path's."""
+
+
+def uses_dfs(packing) -> bool:
+    """Whether ``packing`` (the config section) walks any tree: ``mode: dfs`` or ``over_budget: dfs``."""
+    return packing.mode == "dfs" or (packing.mode == "tree" and packing.over_budget == "dfs")
+
+
+def settings_of(packing) -> DfsSettings:
+    return DfsSettings(chunk=packing.dfs_chunk or packing.budget, recompute=packing.dfs_recompute)
+
+
+def check_zero_stage(packing, ds_config: dict, where: str) -> None:
+    """Refuse ZeRO-3 where trees are walked (module docstring); ``where`` names the DeepSpeed JSON."""
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if uses_dfs(packing) and stage == 3:
+        field = "packing.mode=dfs" if packing.mode == "dfs" else "packing.over_budget=dfs"
+        raise ConfigError(
+            f"{field} needs ZeRO stage 0, 1 or 2 ({where} has stage 3): ZeRO-3 gathers parameters collectively in "
+            "every forward and backward, and the walks of different trees interleave them differently on each rank"
+        )
 
 
 @dataclass
@@ -158,6 +173,8 @@ def walk_row(
     cache = PathCache()
     stats = stats if stats is not None else WalkStats()
     total = 0.0
+    scale = 1.0
+    """What ``backward`` multiplies its argument by (the same for every call of one step)."""
 
     def forward(index: int) -> tuple[torch.Tensor, LayerKV]:
         start, end = int(chunks.start[index]), int(chunks.end[index])
@@ -201,14 +218,17 @@ def walk_row(
         cache.ancestors.pop()
         if settings.recompute:
             loss, own = forward(index)
-        surrogate = loss
+        # ``backward`` may scale what it is given (DeepSpeed: the world size, a float16 loss scale), so
+        # the gradients on the leaves are ``scale`` times dL/dk: unscaled here, or the scale would
+        # compound once per level of the path. A zero-valued leaf added to the surrogate measures it.
+        probe = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+        surrogate = loss + probe
         for layer, (key, value) in own.items():
-            key_leaf, value_leaf = leaves[layer]
-            if key_leaf.grad is not None:
-                surrogate = surrogate + (key * key_leaf.grad).sum()
-            if value_leaf.grad is not None:
-                surrogate = surrogate + (value * value_leaf.grad).sum()
+            for tensor, leaf in zip((key, value), leaves[layer], strict=True):
+                if leaf.grad is not None:
+                    surrogate = surrogate + (tensor * (leaf.grad / scale)).sum()
         backward(surrogate)
+        scale = probe.grad.item()
         total += float(loss.detach())
         stats.chunks += 1
     return total
@@ -267,27 +287,3 @@ def run_step(
                 model, row, weights, settings, backward, device=device, head_chunk=head_chunk, stats=stats
             )
     return output
-
-
-def dfs_rows_per_rank(
-    trees: Sequence[TokenTree], world_size: int, cost_per_token: float, cost_per_pair: float, pad_id: int = 0
-) -> list[list[DfsRow]]:
-    """Whole trees balanced over ranks by the packing cost model, one :class:`DfsRow` each."""
-    shares = balance_parts([whole_tree(tree) for tree in trees], world_size, cost_per_token, cost_per_pair)
-    return [[_dfs_row(part, pad_id) for part in share] for share in shares]
-
-
-def _dfs_row(part, pad_id: int) -> DfsRow:
-    row = assemble_row([part], 1, pad_id)
-    return DfsRow(**{name: getattr(row, name) for name in row.__dataclass_fields__})
-
-
-def split_over_budget(trees: list[TokenTree], mode: str, over_budget: str, budget: int):
-    """``(packed trees, walked trees)``: every tree in dfs mode; with ``over_budget: dfs`` the trees
-    with a root-to-leaf path longer than the budget (which no row can hold); else none."""
-    if mode == "dfs":
-        return [], list(trees)
-    if over_budget != "dfs" or mode != "tree":
-        return list(trees), []
-    over = [tree.max_path_tokens > budget for tree in trees]
-    return [t for t, o in zip(trees, over, strict=True) if not o], [t for t, o in zip(trees, over, strict=True) if o]

@@ -2,19 +2,21 @@
 
 ``tree``: one trie per group (or over everything), trees larger than the budget split into parts
 that carry their ancestor path, parts bin-packed into rows. ``flat``: the baseline, every
-trajectory its own sequence, packed into rows the same way with the same kernels.
+trajectory its own sequence, packed into rows the same way with the same kernels. ``dfs``: whole
+trees, never split and under no budget (each is walked chunk by chunk, :mod:`ds_tree.engine.dfs`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ds_tree.packing.dfs_rows import dfs_row
 from ds_tree.packing.parts import TreePart, check_fits, split_tree, whole_tree
 from ds_tree.packing.rows import PackedRow, pack_rows
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree, build_forest
 
-MODES = ("tree", "flat")
+MODES = ("tree", "flat", "dfs")
 
 
 def make_parts(
@@ -36,6 +38,9 @@ def make_parts(
     if mode == "tree":
         trees = build_forest(trajectories, merge=merge) if trees is None else trees
         return [part for tree in trees for part in split_tree(tree, budget)]
+    if mode == "dfs":
+        trees = build_forest(trajectories, merge=merge) if trees is None else trees
+        return [whole_tree(tree) for tree in trees]
     raise ValueError(f"packing mode must be one of {MODES}, got {mode!r}")
 
 
@@ -47,5 +52,8 @@ def pack_trajectories(
     merge: str = "group",
     pad_id: int = 0,
 ) -> list[PackedRow]:
-    """Rows of at most ``budget`` real tokens, padded to a multiple of ``block``."""
-    return pack_rows(make_parts(trajectories, mode, budget, merge), budget, block, pad_id)
+    """Rows of at most ``budget`` real tokens, padded to a multiple of ``block`` (dfs: one whole tree each)."""
+    parts = make_parts(trajectories, mode, budget, merge)
+    if mode == "dfs":
+        return [dfs_row(part, pad_id) for part in parts]
+    return pack_rows(parts, budget, block, pad_id)
