@@ -20,7 +20,7 @@ describes the parameters; the rules in short:
 - refill: a branch that stops while it still owns ``q > 1`` leaves frees ``q - 1``. With
   ``refill``, live branches standing at a fork boundary take the freed leaves (the one owning
   fewest first), so they fork more; when none is, the stopped branch re-branches from its own last
-  boundary (a new sibling of its last segment, from its cache cropped to that point). Every leaf
+  boundary (a new sibling of its last segment, from its keys/values cropped to that point). Every leaf
   is then sampled: a tree has exactly ``width`` leaves. Without ``refill`` freed leaves are lost.
 - ``independent``: the baseline, ``width`` completions forked at the prompt (a depth-1 tree).
 
