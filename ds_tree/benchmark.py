@@ -13,6 +13,12 @@ measured steps.
 Ideal speedup = tokens the flat mode computes / tokens the tree mode computes (duplicated prefix
 context of split trees and padding included): what a perfectly token-proportional trainer would
 gain. Efficiency = measured speedup / ideal.
+
+Attention costs per visible (query, key) pair, the rest per token, and the tokens a tree saves are
+short-context prefix tokens: so the token ideal can be out of reach by construction. The
+cost-weighted ideal (SFT) prices each mode's step as ``a * tokens + b * visible pairs``, with ``a``
+and ``b`` fitted to every measured row of both modes (:func:`fit_token_pair_cost`);
+``efficiency_cost`` = speedup / that ideal.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.sft import Normalisers
+from ds_tree.memory_plan import profiled_peak_bytes
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import TokenCounts, token_counts
@@ -56,6 +63,8 @@ class ModeTimes:
     """RL: every update epoch's forward, backward and optimizer step."""
     targets: list[int] = field(default_factory=list)
     """RL: tokens the LM head scores in one pass (owned tokens with a non-zero sum)."""
+    rows: list[list[tuple[int, int, float]]] = field(default_factory=list)
+    """SFT: per step, every row's (tokens, visible pairs, forward+backward seconds), for the cost fit."""
 
 
 class SavedTensorMeter:
@@ -111,9 +120,15 @@ def step_once(model, optimizer, trajectories, mode, budget, block, normalisation
     normalisers = Normalisers.from_rows(rows)
     packed = time.perf_counter()
     backward = torch.Tensor.backward
-    saved = run_measuring(
-        lambda some: run_rows(model, some, normalisers, normalisation, backward=backward), rows, measure_memory
-    )
+    row_times = []
+
+    def run_timed(some):  # one row at a time, as run_rows runs them, each row timed for the cost fit
+        for row in some:
+            row_started = time.perf_counter()
+            run_rows(model, [row], normalisers, normalisation, backward=backward)
+            row_times.append((row.n_tokens, sum(p.visible_pairs for p in row.parts), time.perf_counter() - row_started))
+
+    saved = run_measuring(run_timed, rows, measure_memory)
     computed = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -126,7 +141,27 @@ def step_once(model, optimizer, trajectories, mode, budget, block, normalisation
         **row_counts(rows),
         "saved_bytes": saved,
         "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+        "rows": row_times,
     }
+
+
+def fit_token_pair_cost(rows: list[tuple[int, int, float]]) -> tuple[float, float]:
+    """Seconds per token ``a`` and per visible pair ``b`` of ``seconds ~ a * tokens + b * pairs``: least
+    squares over rows of both modes, each weighted by 1 / seconds (relative errors, so that the long flat
+    rows do not outweigh the short tree rows), both coefficients kept >= 0 (else the best one-term fit)."""
+    tokens, pairs, seconds = (np.array(column, dtype=np.float64) for column in zip(*rows, strict=True))
+    design = np.stack([tokens, pairs], axis=1) / seconds[:, None]
+    target = np.ones_like(seconds)
+    (a, b), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    fits = []
+    for column in (0, 1):
+        x = design[:, column]
+        coefficient = max(0.0, float(x @ target / (x @ x)))
+        fits.append((float(np.sum((x * coefficient - target) ** 2)), column, coefficient))
+    _, column, coefficient = min(fits)
+    return (coefficient, 0.0) if column == 0 else (0.0, coefficient)
 
 
 def rl_step_once(
@@ -194,6 +229,8 @@ def run_benchmark(
     objective: ObjectiveConfig | None = None,
     progress=None,
     profile_path=None,
+    checkpoint_every: int = 0,
+    peak_memory: bool = False,
 ) -> dict:
     """Interleaved tree/flat steps; returns the report (see ``ds_tree.cli.bench``).
 
@@ -207,7 +244,9 @@ def run_benchmark(
     sampler = StepSampler(len(groups), per_step, seed)
     models, optimizers, times = {}, {}, {}
     for mode in modes:
-        models[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed)
+        models[mode] = load_model(
+            model_source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every
+        )
         optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
         times[mode] = ModeTimes()
     check_vocab(trajectories, models[modes[0]].config.vocab_size)
@@ -244,6 +283,21 @@ def run_benchmark(
         if progress is not None:
             progress.update(1)
 
+    peak_bytes = {}
+    if peak_memory and not rl:  # after the timed steps: the largest row once more, then again measured
+        batch = [t for g in sampler.groups_for_step(warmup + steps) for t in groups[g]]
+        for mode in [m for m in modes if m in ("flat", "tree")]:
+            rows = pack_trajectories(batch, mode, budget, block)
+            largest = [max(rows, key=lambda row: row.n_tokens)]
+            normalisers = Normalisers.from_rows(rows)
+
+            def largest_row(mode=mode, largest=largest, normalisers=normalisers):
+                run_rows(models[mode], largest, normalisers, normalisation, backward=torch.Tensor.backward)
+
+            largest_row()  # the parameter gradients exist from here on: the peak is the row's activations
+            peak_bytes[mode] = profiled_peak_bytes(largest_row)
+            optimizers[mode].zero_grad(set_to_none=True)
+
     if profile_path is not None:  # one more step per mode under the torch profiler
         batch = [t for g in sampler.groups_for_step(warmup + steps) for t in groups[g]]
         tables = []
@@ -270,6 +324,7 @@ def run_benchmark(
             "flat_tokens_per_s": float(np.mean(flat_tokens)) / median,
             "unique_tokens_per_s": float(np.mean(tree_tokens)) / median,
             "peak_memory_bytes": max(record.saved_bytes) if record.saved_bytes else None,
+            "activation_peak_bytes": peak_bytes.get(mode),
             # first touches of fresh memory: each costs microseconds, and allocator settings change them
             "page_faults_per_step": statistics.median(record.page_faults),
         }
@@ -290,6 +345,7 @@ def run_benchmark(
         "dtype": dtype,
         "attention": attention,
         "threads": torch.get_num_threads(),
+        "checkpoint_every": checkpoint_every,
         "flat_tokens_per_step": float(np.mean(flat_tokens)),
         "tree_tokens_per_step": float(np.mean(tree_tokens)),
         "por": TokenCounts(sum(flat_tokens), sum(tree_tokens)).por,
@@ -310,6 +366,15 @@ def run_benchmark(
         report["visible_pair_ratio"] = flat["visible_pairs_per_step"] / tree["visible_pairs_per_step"]
         if flat["peak_memory_bytes"] and tree["peak_memory_bytes"]:
             report["memory_ratio_tree_over_flat"] = tree["peak_memory_bytes"] / flat["peak_memory_bytes"]
+        if peak_bytes:
+            report["activation_peak_ratio_tree_over_flat"] = peak_bytes["tree"] / peak_bytes["flat"]
+        if not rl:  # the work a step does, priced by seconds per token and per visible pair fitted on its rows
+            a, b = fit_token_pair_cost([row for mode in ("flat", "tree") for step in times[mode].rows for row in step])
+            flat_cost = a * flat["packed_tokens_per_step"] + b * flat["visible_pairs_per_step"]
+            tree_cost = a * tree["packed_tokens_per_step"] + b * tree["visible_pairs_per_step"]
+            report["cost_per_token_s"], report["cost_per_pair_s"] = a, b
+            report["ideal_cost"] = flat_cost / tree_cost
+            report["efficiency_cost"] = report["speedup"] / report["ideal_cost"]
         if rl:  # the two passes of a step, each flat over tree
             report["old_forward_speedup"] = flat["old_forward_time_s"] / tree["old_forward_time_s"]
             report["updates_speedup"] = flat["updates_time_s"] / tree["updates_time_s"]

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from ds_tree.benchmark import fit_token_pair_cost
 from ds_tree.cli.bench import main as bench_main
 from ds_tree.cli.bench_attention import main as attention_main
 from ds_tree.data.jsonl import write_jsonl
@@ -42,7 +43,11 @@ def trained_targets(trajectories, mode) -> int:
     return len({(t.group_id, *t.input_ids[: k + 1]) for t in trajectories for k in range(1, len(t)) if t.loss_mask[k]})
 
 
-@pytest.mark.parametrize("objective", [[], ["--objective", "grpo", "--ppo-epochs", "2"]], ids=["sft", "grpo"])
+@pytest.mark.parametrize(
+    "objective",
+    [[], ["--activation-checkpointing"], ["--objective", "grpo", "--ppo-epochs", "2"]],
+    ids=["sft", "sft-checkpointing", "grpo"],
+)
 def test_bench_report(synthetic, tmp_path, objective):
     path, trajectories = synthetic
     out = tmp_path / "bench.json"
@@ -59,8 +64,21 @@ def test_bench_report(synthetic, tmp_path, objective):
         assert report["modes"][mode]["step_time_s"] > 0
         assert report["modes"][mode]["peak_memory_bytes"] > 0
         assert report["modes"][mode]["page_faults_per_step"] >= 0
-    if not objective:
+    if "--objective" not in objective:
         assert "objective" not in report and "old_forward_time_s" not in modes["tree"]
+        a, b = report["cost_per_token_s"], report["cost_per_pair_s"]
+        assert a >= 0 and b >= 0 and a + b > 0
+        cost = {m: a * modes[m]["packed_tokens_per_step"] + b * modes[m]["visible_pairs_per_step"] for m in modes}
+        assert report["ideal_cost"] == pytest.approx(cost["flat"] / cost["tree"])
+        assert report["efficiency_cost"] == pytest.approx(report["speedup"] / report["ideal_cost"])
+        checkpointing = bool(objective)
+        assert report["checkpoint_every"] == (1 if checkpointing else 0)
+        peaks = [modes[m]["activation_peak_bytes"] for m in ("flat", "tree")]
+        if not checkpointing:
+            assert peaks == [None, None] and "activation_peak_ratio_tree_over_flat" not in report
+            return
+        assert all(peak > 0 for peak in peaks)
+        assert report["activation_peak_ratio_tree_over_flat"] == pytest.approx(peaks[1] / peaks[0])
         return
     assert (report["objective"], report["estimator"], report["ppo_epochs"]) == ("grpo", "grpo", 2)
     for mode in ("flat", "tree"):
@@ -71,6 +89,16 @@ def test_bench_report(synthetic, tmp_path, objective):
     assert report["target_ratio"] == pytest.approx(
         trained_targets(trajectories, "flat") / trained_targets(trajectories, "tree")
     )
+
+
+def test_cost_fit_recovers_its_coefficients():
+    shapes = [(4096, 10**6), (1000, 4 * 10**6), (300, 9000)]
+    rows = [(tokens, pairs, 2e-6 * tokens + 3e-9 * pairs) for tokens, pairs in shapes]
+    assert fit_token_pair_cost(rows) == pytest.approx((2e-6, 3e-9))
+    # pairs that predict negative cost: the best fit with non-negative coefficients is tokens alone
+    rows = [(100, 10, 1.0), (200, 1000, 2.0), (400, 10, 4.0), (50, 5000, 0.4)]
+    a, b = fit_token_pair_cost(rows)
+    assert b == 0 and a == pytest.approx(0.01, rel=0.1)
 
 
 def test_bench_rl_needs_rewards(tmp_path, capsys):

@@ -6,7 +6,16 @@
 PATH is a tokens JSONL or a converted dataset directory. Prints (and with --json writes) a JSON
 report with top-level ``speedup``, ``ideal_speedup``, ``efficiency`` and ``modes.<mode>`` with
 ``step_time_s`` and ``peak_memory_bytes`` (bytes autograd saves for backward in the largest
-micro-batch: the activation memory, measured identically for both modes).
+micro-batch: the activation memory, measured identically for both modes). SFT reports also have
+``ideal_cost`` and ``efficiency_cost``: the ideal speedup with each step priced as
+``cost_per_token_s * tokens + cost_per_pair_s * visible pairs``, both fitted to the measured rows
+(docs/BENCHMARKS.md).
+
+``--activation-checkpointing [K]`` recomputes every K-th decoder layer (default every layer) in
+both modes, and with ``--peak-memory`` (implied by it) each mode's largest row is run once more
+after the timed steps under the torch profiler: ``modes.<mode>.activation_peak_bytes`` is the most
+bytes that row's forward and backward held at once, recomputation included (what the saved-tensor
+count cannot see), and ``activation_peak_ratio_tree_over_flat`` their ratio.
 
 ``--objective grpo`` / ``ppo`` times RL steps instead (docs/RL.md; the data needs rewards, or
 per-token advantages for the ``given`` estimator): the old policy's no-grad forward, then
@@ -50,6 +59,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument("--profile", type=Path, default=None, help="profile one more step per mode, tables here")
+    parser.add_argument(
+        "--activation-checkpointing", type=int, nargs="?", const=1, default=0, metavar="K",
+        help="recompute every K-th decoder layer in the backward (K default 1); implies --peak-memory",
+    )
+    parser.add_argument("--peak-memory", action="store_true", help="activation peak of each mode's largest row")
     add_objective_arguments(parser, epochs=True)
     args = parser.parse_args(argv)
     objective = objective_config(parser, args)
@@ -57,6 +71,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; this build has {', '.join(MODES)}")
+    if args.activation_checkpointing < 0:
+        parser.error("--activation-checkpointing K needs K >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -75,6 +91,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 objective=objective,
                 progress=bar,
                 profile_path=args.profile,
+                checkpoint_every=args.activation_checkpointing,
+                peak_memory=args.peak_memory or bool(args.activation_checkpointing),
             )
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
