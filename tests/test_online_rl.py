@@ -26,7 +26,7 @@ from ds_tree.rollout.online import (
 )
 from ds_tree.rollout.rewards import REWARDS, RewardRequest
 from ds_tree.trees.trajectory import Trajectory
-from tests.test_engine import torchrun, write_config
+from tests.test_engine import ROOT, torchrun, write_config
 from tests.test_reliability import dry_run
 
 PARITY = "ds_tree.rollout.digit_parity:reward"
@@ -117,6 +117,8 @@ def test_without_rollout_data_path_is_required(tmp_path: Path) -> None:
 def test_dry_run_names_a_missing_prompts_file_and_tokenizer(monkeypatch, capsys, tmp_path, tokenizer_dir) -> None:
     config = online_config(tmp_path, tokenizer_dir)
     assert dry_run(monkeypatch, capsys, config)[0] == 0
+    shipped = ROOT / "configs/online_parity_cpu.yaml"  # the demo's config and prompts
+    assert dry_run(monkeypatch, capsys, shipped, f"model.tokenizer={tokenizer_dir}", f"output_dir={tmp_path}")[0] == 0
     absent = tmp_path / "absent.jsonl"
     code, err = dry_run(monkeypatch, capsys, config, f"rollout.prompts={absent}")
     assert code == 2 and f"config error: rollout.prompts: {absent}: no such file" in err, err
@@ -248,3 +250,38 @@ def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path,
         assert record["rollout/reward_mean"] == record["rl/reward_mean"]
         assert record["optim/grad_norm"] > 0  # trained
     assert records[3]["rl/kl_ref"] > 0  # the policy moved
+
+
+# ------------------------------------------------------------------- plot
+def write_metrics(directory: Path, rewards: list[float], forward: int) -> Path:
+    directory.mkdir(parents=True)
+    lines = [
+        {
+            "step": step,
+            "rollout/reward_mean": r,
+            "rollout/sampled_tokens": forward - 2,
+            "rollout/forward_tokens": forward,
+        }
+        for step, r in enumerate(rewards, start=1)
+    ]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return directory
+
+
+def test_plot_online_averages_seeds_and_names_bad_runs(tmp_path: Path, capsys) -> None:
+    from ds_tree.cli.plot_online import main
+
+    seed0 = write_metrics(tmp_path / "tree0", [0.0, 0.2, 0.4, 0.6], forward=10)
+    seed1 = write_metrics(tmp_path / "tree1", [0.2, 0.4, 0.6, 0.8], forward=12)
+    independent = write_metrics(tmp_path / "independent", [0.1, 0.1, 0.2, 0.2], forward=20)
+    output = tmp_path / "curves.png"
+    assert main([f"tree={seed0},{seed1}", f"independent={independent}", "--output", str(output), "--window", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "| tree | 2 | 4 | 0.200 | 0.600 | 36 | 44 |" in table, table  # per-run means: 4 x 9 and 4 x 11
+    assert "| independent | 1 | 4 | 0.100 | 0.200 | 72 | 80 |" in table, table
+    assert output.stat().st_size > 0
+    assert main([f"x={tmp_path / 'absent'}", "--output", str(output)]) == 2
+    assert f"{tmp_path / 'absent' / 'metrics.jsonl'}: no such file" in capsys.readouterr().err
+    short = write_metrics(tmp_path / "short", [0.5], forward=1)
+    assert main([f"tree={seed0},{short}", "--output", str(output)]) == 2
+    assert "tree: the runs do not have the same steps" in capsys.readouterr().err
