@@ -40,6 +40,7 @@ from ds_tree.cli.objective_options import add_objective_arguments, objective_con
 from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
 from ds_tree.packing.modes import MODES
+from ds_tree.parallel.check import sequence_parallel_bench
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
@@ -64,9 +65,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         help="recompute every K-th decoder layer in the backward (K default 1); implies --peak-memory",
     )
     parser.add_argument("--peak-memory", action="store_true", help="activation peak of each mode's largest row")
+    parser.add_argument(
+        "--sequence-parallel", type=int, default=1, metavar="S",
+        help="SFT only: spawn S ranks with Ulysses; report activation memory and time per rank at S = 1 and S",
+    )
     add_objective_arguments(parser, epochs=True)
     args = parser.parse_args(argv)
     objective = objective_config(parser, args)
+    if args.sequence_parallel > 1:
+        if objective is not None:
+            parser.error("--sequence-parallel measures the sft objective only")
+        command = " ".join([prog or "python tools/bench.py", *(argv if argv is not None else sys.argv[1:])])
+        return sequence_parallel_bench(args, command)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

@@ -3,6 +3,7 @@
     ds-tree verify --data PATH --model CONFIG_OR_DIR [--dtype float64|float32]
         [--seed N] [--budget TOKENS] [--attention torch|reference|triton]
         [--objective sft|grpo|ppo [--estimator E] [--eps-low X] ... [--perturbation S]]
+        [--sequence-parallel S]
 
 PATH is a tokens JSONL file (one trajectory a line) or a dataset directory written by
 ``ds-tree convert``. ``--objective sft`` (the default) compares the weighted next-token loss,
@@ -10,6 +11,10 @@ every trajectory's log-probs and every gradient. ``grpo`` / ``ppo`` compare the 
 (docs/RL.md): the old policy's log-probs, then loss, clip/KL/entropy metrics and every gradient
 of a policy moved off the old one by ``--perturbation`` times each parameter's spread (so that
 ratios are clipped on both sides; the report's metrics count the clipped tokens).
+``--sequence-parallel S`` (SFT) spawns S processes with Ulysses around the tree attention: trees
+with a path over ``--budget`` go to rows of up to S x budget sharded over them; loss and gradients
+are compared with the single-process flat result, and the report adds each rank's activation
+memory and step time at S = 1 and S (:mod:`ds_tree.parallel.check`).
 Exits 1 when the errors exceed the dtype's tolerance, 2 on bad input (e.g. a reward missing for
 the estimator).
 """
@@ -25,6 +30,7 @@ from ds_tree.cli.objective_options import add_objective_arguments, objective_con
 from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
 from ds_tree.losses import NORMALISATIONS, POLICIES
+from ds_tree.parallel.check import sequence_parallel_report
 from ds_tree.verification import VERIFY_DTYPES, compare, compare_rl
 
 DEFAULT_PERTURBATION = 0.5
@@ -56,7 +62,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         help=f"move the trained policy off the old one by this times each parameter's spread "
         f"(default {DEFAULT_PERTURBATION})",
     )
+    parser.add_argument(
+        "--sequence-parallel", type=int, default=1, metavar="S", help="SFT only: ranks per sequence-parallel row"
+    )
     args = parser.parse_args(argv)
+    if args.sequence_parallel > 1 and args.objective not in (None, "sft"):
+        parser.error("--sequence-parallel checks the sft objective only")
     objective = objective_config(
         parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
     )
@@ -65,7 +76,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if args.limit is not None:
             trajectories = trajectories[: args.limit]
         common = dict(dtype=args.dtype, seed=args.seed, budget=args.budget, block=args.block, attention=args.attention)
-        if objective is None:
+        if objective is None and args.sequence_parallel > 1:
+            report = sequence_parallel_report(
+                trajectories,
+                args.model,
+                size=args.sequence_parallel,
+                normalisation=args.normalisation or "token_mean",
+                policy=args.policy or "exact",
+                **common,
+            )
+        elif objective is None:
             report = compare(
                 trajectories,
                 args.model,

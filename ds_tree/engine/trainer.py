@@ -252,7 +252,7 @@ class Trainer:
             raise RuntimeError(f"WORLD_SIZE={self.world_size} but the process group has {dist.get_world_size()}")
         config = self.config
         if self.online is not None:  # before any zero.Init: the generation copy is never partitioned
-            self.online.build_model(deepspeed.get_accelerator().current_device_name())
+            self.online.build_model()
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
         if config.model.zero_init:
             if self.ds_config["zero_optimization"].get("stage") != 3:

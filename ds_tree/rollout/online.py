@@ -221,16 +221,17 @@ class OnlineRollouts:
         self.scalars: dict[str, float] = {}
         """The ``rollout/`` metrics of the last step sampled."""
 
-    def build_model(self, device: torch.device | str) -> None:
+    def build_model(self) -> None:
         """The generation model: same architecture and dtype as the policy, its own (unpartitioned) weights.
 
-        Built before the policy, outside any ZeRO-3 ``zero.Init``; :meth:`copy_weights` fills it each step.
+        Built on the CPU before the policy, outside any ZeRO-3 ``zero.Init``; :meth:`copy_weights` moves it
+        to the policy's device and fills it each step.
         """
         from transformers import AutoModelForCausalLM
 
         dtype = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa", dtype=dtype)
-        self.model = model.to(device).eval().requires_grad_(False)
+        self.model = model.eval().requires_grad_(False)
 
     def copy_weights(self, policy: torch.nn.Module) -> None:
         """The policy's current weights into the generation model (a collective under ZeRO-3: every rank calls it)."""
@@ -239,6 +240,7 @@ class OnlineRollouts:
         source = dict(policy.named_parameters())
         partitioned = [p for p in source.values() if hasattr(p, "ds_id")]
         with GatheredParameters(partitioned, enabled=bool(partitioned)), torch.no_grad():
+            self.model.to(next(iter(source.values())).device)  # a no-op after the first step
             for name, target in self.model.named_parameters():
                 target.copy_(source[name])
 
@@ -285,4 +287,12 @@ class OnlineRollouts:
         results = [result for share, _ in gathered for result in share]
         self.scalars = rollout_scalars(results)
         self.scalars["rollout/time_s"] = max(seconds for _, seconds in gathered)  # the slowest rank's
-        return kept_trajectories(results)
+        kept = kept_trajectories(results)
+        groups = len({t.group_id for t in kept})
+        if groups < self.config.objective.mini_batches:
+            failures = [message for result in results for message in result.failures]
+            raise RuntimeError(
+                f"step {step + 1}: the reward function failed on every leaf of some prompts; {groups} group(s) are "
+                f"left for objective.mini_batches={self.config.objective.mini_batches}. First failure: {failures[0]}"
+            )
+        return kept

@@ -1,0 +1,209 @@
+"""Sequence parallelism checked and measured from the command line, without a launcher.
+
+:func:`sequence_parallel_report` spawns ``size`` processes on this machine (one sequence-parallel
+group, gloo). Each builds the model from the same seed with Ulysses around the tree attention and
+computes the plan's rows as the trainer does (trees with a path over ``budget`` sharded over the
+group, the others on one rank each), each rank backpropagating its own loss terms; the gradients
+are then summed over the ranks with plain ``all_reduce`` (no DeepSpeed engine: the trainer's
+gradient scale is pinned by the 2-rank DeepSpeed test). Process 0 compares loss and gradients with
+the single-process flat result and measures the single-process tree step (S = 1, one rank holding
+whole rows of up to ``size x budget`` tokens) on the same rows.
+
+Activation memory is the bytes of distinct tensors autograd saves for backward in the largest row
+(:class:`~ds_tree.benchmark.SavedTensorMeter`), parameters left out: per rank at S = ``size``
+(the largest over the ranks), and at S = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_tree.benchmark import SavedTensorMeter
+from ds_tree.data import load_trajectories
+from ds_tree.engine.step import run_rows
+from ds_tree.errors import DataError
+from ds_tree.losses.sft import Normalisers, check_objective
+from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.loading import load_model
+from ds_tree.packing.modes import pack_trajectories
+from ds_tree.packing.rows import PackedRow
+from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
+from ds_tree.parallel.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.trees.trie import build_forest
+from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype
+
+
+def sequence_parallel_report(
+    trajectories: list[Trajectory],
+    model_source: str,
+    *,
+    size: int = 2,
+    dtype: str = "float64",
+    seed: int = 0,
+    budget: int = 4096,
+    block: int = 1,
+    attention: str = "torch",
+    normalisation: str = "token_mean",
+    policy: str = "exact",
+    threads: int = 1,
+) -> dict:
+    """Loss and gradient errors against the flat baseline, time and activation memory at S = 1 and S = ``size``."""
+    check_objective(normalisation, policy)
+    verification_dtype(trajectories, dtype)
+    if size < 2:
+        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
+    model_config = load_model_config(model_source)
+    check_heads(model_config, size, str(model_source))
+    check_vocab(trajectories, model_config.vocab_size)
+    settings = dict(
+        model_source=str(model_source),
+        size=size,
+        dtype=dtype,
+        seed=seed,
+        budget=budget,
+        block=block,
+        attention=attention,
+        normalisation=normalisation,
+        policy=policy,
+        threads=threads,
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        out = Path(directory) / "report.json"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        # fork: the entry point may be a script without a ``__main__`` guard (tools/verify.py), which
+        # spawned processes would import and run again.
+        torch.multiprocessing.start_processes(
+            _rank, args=(trajectories, settings, port, str(out)), nprocs=size, start_method="fork"
+        )
+        return json.loads(out.read_text())
+
+
+def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+    import deepspeed
+
+    size = settings["size"]
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(settings["threads"])
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    torch_dtype = verification_dtype(trajectories, settings["dtype"])
+    source = settings["model_source"]
+    model = load_model(source, attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"])
+    enable_sequence_parallel(model, size)
+    budget, block = settings["budget"], settings["block"]
+    plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, budget, block)
+    rows = plan.rank_rows(rank, size)
+    values = Normalisers.from_rows(rows).as_tensor()
+    dist.all_reduce(values)
+    parallel = _measured_step(model, rows, Normalisers.from_tensor(values), settings)
+    loss = torch.tensor([parallel["loss"]], dtype=torch.float64)
+    dist.all_reduce(loss)
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    peaks = torch.tensor([parallel["activation_bytes"], parallel["time_s"]], dtype=torch.float64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        gradients = {name: p.grad for name, p in model.named_parameters()}
+        _write_report(out, trajectories, settings, plan, float(loss.item()), gradients, peaks.tolist())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _measured_step(model, rows: list[PackedRow], normalisers: Normalisers, settings: dict) -> dict:
+    """Forward and backward of ``rows``, one at a time: loss, seconds, the largest row's saved bytes."""
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    loss, largest, started = 0.0, 0, time.perf_counter()
+    for row in rows:
+        meter = SavedTensorMeter()
+        with meter.context():
+            output = run_rows(
+                model,
+                [row],
+                normalisers,
+                settings["normalisation"],
+                settings["policy"],
+                backward=torch.Tensor.backward,
+            )
+        loss += output.loss
+        largest = max(largest, sum(n for key, n in meter.storages.items() if key not in excluded))
+    return {"loss": loss, "time_s": time.perf_counter() - started, "activation_bytes": largest}
+
+
+def _write_report(out, trajectories, settings, plan, loss, gradients, peaks) -> None:
+    """Process 0: the flat baseline and the S = 1 tree step from the same seed, in this process."""
+    torch_dtype = verification_dtype(trajectories, settings["dtype"])
+    single = load_model(
+        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
+    )
+    size, budget, block = settings["size"], settings["budget"], settings["block"]
+    flat_rows = pack_trajectories(trajectories, "flat", size * budget, block)
+    flat = _measured_step(single, flat_rows, Normalisers.from_rows(flat_rows), settings)
+    flat_gradients = {name: p.grad.detach().clone() for name, p in single.named_parameters()}
+    single.zero_grad(set_to_none=True)
+    tree_rows = pack_trajectories(trajectories, "tree", size * budget, block)
+    tree = _measured_step(single, tree_rows, Normalisers.from_rows(tree_rows), settings)
+    errors = gradient_errors(flat_gradients, gradients)
+    tolerance = TOLERANCES[torch_dtype]
+    loss_rel_err = abs(loss - flat["loss"]) / max(abs(flat["loss"]), 1e-300)
+    max_rel_grad_err = max(errors.values(), default=0.0)
+    sharded = [row for rows in plan.sharded for row in rows if row.n_real]
+    report = {
+        "sequence_parallel_size": size,
+        "n_trajectories": len(trajectories),
+        "longest_trajectory": max(len(t) for t in trajectories),
+        "budget": budget,
+        "sharded_rows": len(sharded),
+        "longest_sharded_row": max((row.n_tokens for row in sharded), default=0),
+        "rows_per_rank": len(plan.rank_rows(0, size)),
+        "dtype": settings["dtype"],
+        "attention": settings["attention"],
+        "loss_flat": flat["loss"],
+        "loss_sequence_parallel": loss,
+        "loss_rel_err": loss_rel_err,
+        "max_rel_grad_err": max_rel_grad_err,
+        "worst_parameter": max(errors, key=errors.get) if errors else None,
+        "activation_bytes_per_rank": {"1": tree["activation_bytes"], str(size): int(peaks[0])},
+        "step_time_s_per_rank": {"1": tree["time_s"], str(size): peaks[1]},
+        "tolerance": tolerance,
+        "passed": bool(settings["policy"] == "exact" and max_rel_grad_err <= tolerance and loss_rel_err <= tolerance),
+    }
+    Path(out).write_text(json.dumps(report))
+
+
+def sequence_parallel_bench(args, command: str) -> int:
+    """``bench --sequence-parallel S``: the report of :func:`sequence_parallel_report` in the bench's dtype,
+    printed and written to ``--json``; 2 on bad input."""
+    try:
+        trajectories = load_trajectories(args.data)[: args.limit]
+        report = sequence_parallel_report(
+            trajectories,
+            args.model,
+            size=args.sequence_parallel,
+            dtype=args.dtype,
+            budget=args.budget,
+            attention=args.attention,
+            threads=args.threads or 1,
+        )
+    except (DataError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    report.update(command=command, data=str(args.data), model=str(args.model))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
