@@ -23,6 +23,7 @@ and ``b`` fitted to every measured row of both modes (:func:`fit_token_pair_cost
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import statistics
 import time
@@ -33,6 +34,7 @@ import torch
 
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
+from ds_tree.engine.dfs import DfsSettings, WalkStats, run_step
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.advantages import ESTIMATORS
@@ -40,6 +42,7 @@ from ds_tree.losses.sft import Normalisers
 from ds_tree.memory_plan import profiled_peak_bytes
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.peak_memory import PeakSavedMeter
 from ds_tree.trees.stats import TokenCounts, token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
@@ -112,8 +115,12 @@ def row_counts(rows) -> dict:
     }
 
 
-def step_once(model, optimizer, trajectories, mode, budget, block, normalisation, measure_memory) -> dict:
-    """One SFT step."""
+def step_once(
+    model, optimizer, trajectories, mode, budget, block, normalisation, measure_memory, dfs_settings=None
+) -> dict:
+    """One SFT step (``dfs``: :func:`dfs_step_once` with ``dfs_settings``)."""
+    if mode == "dfs":
+        return dfs_step_once(model, optimizer, trajectories, normalisation, measure_memory, dfs_settings)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     started = time.perf_counter()
     rows = pack_trajectories(trajectories, mode, budget, block)
@@ -142,6 +149,46 @@ def step_once(model, optimizer, trajectories, mode, budget, block, normalisation
         "saved_bytes": saved,
         "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
         "rows": row_times,
+    }
+
+
+def dfs_step_once(model, optimizer, trajectories, normalisation, measure_memory, settings: DfsSettings) -> dict:
+    """One SFT step of the dfs walk (:mod:`ds_tree.engine.dfs`), every tree one row.
+
+    Its memory is the peak of what autograd holds at once (:class:`~ds_tree.peak_memory.PeakSavedMeter`,
+    parameters included as :class:`SavedTensorMeter` includes them) plus the cached keys and values
+    with their gradients: the walk frees each chunk's graph at the chunk's backward.
+    """
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    started = time.perf_counter()
+    rows = pack_trajectories(trajectories, "dfs", settings.chunk)
+    normalisers = Normalisers.from_rows(rows)
+    packed = time.perf_counter()
+    meter, stats = PeakSavedMeter(), WalkStats()
+    with meter.context() if measure_memory else contextlib.nullcontext():
+        run_step(
+            model,
+            rows,
+            normalisers,
+            normalisation,
+            "exact",
+            settings,
+            backward_for=lambda n: torch.Tensor.backward,
+            stats=stats,
+        )
+    computed = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    done = time.perf_counter()
+    return {
+        "step": done - started,
+        "pack": packed - started,
+        "forward_backward": computed - packed,
+        "optimizer": done - computed,
+        **row_counts(rows),
+        "saved_bytes": meter.peak + stats.peak_cache_bytes if measure_memory else 0,
+        "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+        "rows": [],
     }
 
 
@@ -231,14 +278,19 @@ def run_benchmark(
     profile_path=None,
     checkpoint_every: int = 0,
     peak_memory: bool = False,
+    dfs_chunk: int = 0,
+    dfs_recompute: bool = False,
 ) -> dict:
     """Interleaved tree/flat steps; returns the report (see ``ds_tree.cli.bench``).
 
     ``objective``: an RL objective (``kind`` grpo or ppo) times RL steps; ``None`` (or ``sft``)
     times SFT steps with ``normalisation``. With a KL term, each mode's reference policy is a
-    frozen copy of its initial model, as the trainer's default.
+    frozen copy of its initial model, as the trainer's default. Mode ``dfs`` walks chunks of at most
+    ``dfs_chunk`` tokens (0: ``budget``), forwarding each twice with ``dfs_recompute``.
     """
     rl = objective is not None and objective.is_rl
+    if rl and "dfs" in modes:
+        raise ValueError("mode dfs runs the sft objective only (the trainer refuses dfs with RL as well)")
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
     sampler = StepSampler(len(groups), per_step, seed)
@@ -262,7 +314,10 @@ def run_benchmark(
                 models[mode], optimizers[mode], references[mode], batch, mode, budget, block, objective,
                 measure_memory,
             )
-        return step_once(models[mode], optimizers[mode], batch, mode, budget, block, normalisation, measure_memory)
+        dfs_settings = DfsSettings(dfs_chunk or budget, dfs_recompute)
+        return step_once(
+            models[mode], optimizers[mode], batch, mode, budget, block, normalisation, measure_memory, dfs_settings
+        )
 
     flat_tokens, tree_tokens = [], []
     for step in range(warmup + steps):
@@ -351,6 +406,11 @@ def run_benchmark(
         "por": TokenCounts(sum(flat_tokens), sum(tree_tokens)).por,
         "modes": report_modes,
     }
+    if "dfs" in modes and "tree" in modes:  # what walking costs where packed tree mode fits too
+        dfs, tree = report_modes["dfs"], report_modes["tree"]
+        report["dfs_time_over_tree"] = dfs["step_time_s"] / tree["step_time_s"]
+        if dfs["peak_memory_bytes"] and tree["peak_memory_bytes"]:
+            report["dfs_memory_over_tree"] = dfs["peak_memory_bytes"] / tree["peak_memory_bytes"]
     if rl:
         report["objective"] = objective.kind
         report["estimator"] = objective.estimator
