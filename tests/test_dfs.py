@@ -233,3 +233,20 @@ def test_two_ranks_zero2_dfs_match_single_process_flat(tmp_path: Path) -> None:
     # float32 round-off against the flat single process in plain PyTorch (test_engine's bound)
     assert report["rel_loss_err"] < 1e-5, report
     assert report["max_rel_grad_err"] < 1e-5, report
+
+
+def test_bench_reports_dfs_against_tree(tmp_path: Path, capsys) -> None:
+    from ds_tree.cli.bench import main as bench_main
+
+    data = write_forest(tmp_path / "forest.jsonl", groups=2)
+    out = tmp_path / "bench.json"
+    argv = ["--data", str(data), "--model", "configs/models/tiny_llama.json", "--steps", "1", "--warmup", "0"]
+    assert bench_main([*argv, "--modes", "tree,dfs", "--budget", "400", "--dfs-chunk", "64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    dfs, tree = report["modes"]["dfs"], report["modes"]["tree"]
+    assert dfs["packed_tokens_per_step"] == report["tree_tokens_per_step"]  # each tree once, never split
+    assert dfs["step_time_s"] > 0 and 0 < dfs["peak_memory_bytes"] < tree["peak_memory_bytes"]
+    assert report["dfs_time_over_tree"] == dfs["step_time_s"] / tree["step_time_s"]
+    assert report["dfs_memory_over_tree"] < 1
+    assert bench_main([*argv, "--modes", "dfs", "--objective", "grpo"]) == 2
+    assert "mode dfs runs the sft objective only" in capsys.readouterr().err

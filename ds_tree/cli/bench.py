@@ -17,6 +17,10 @@ after the timed steps under the torch profiler: ``modes.<mode>.activation_peak_b
 bytes that row's forward and backward held at once, recomputation included (what the saved-tensor
 count cannot see), and ``activation_peak_ratio_tree_over_flat`` their ratio.
 
+Mode ``dfs`` (SFT) walks every tree depth-first in chunks of at most ``--dfs-chunk`` tokens (default
+``--budget``; ``--dfs-recompute`` forwards each chunk twice); its ``peak_memory_bytes`` is the most
+the walk holds at once, and ``dfs_time_over_tree`` / ``dfs_memory_over_tree`` compare it with tree mode.
+
 ``--objective grpo`` / ``ppo`` times RL steps instead (docs/RL.md; the data needs rewards, or
 per-token advantages for the ``given`` estimator): the old policy's no-grad forward, then
 ``--ppo-epochs`` updates. ``modes.<mode>`` then also has ``old_forward_time_s``,
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         help="recompute every K-th decoder layer in the backward (K default 1); implies --peak-memory",
     )
     parser.add_argument("--peak-memory", action="store_true", help="activation peak of each mode's largest row")
+    parser.add_argument("--dfs-chunk", type=int, default=0, help="mode dfs: most tokens per forward (0: --budget)")
+    parser.add_argument("--dfs-recompute", action="store_true", help="mode dfs: forward every chunk twice")
     parser.add_argument(
         "--sequence-parallel", type=int, default=1, metavar="S",
         help="SFT only: spawn S ranks with Ulysses; report activation memory and time per rank at S = 1 and S",
@@ -103,6 +109,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 profile_path=args.profile,
                 checkpoint_every=args.activation_checkpointing,
                 peak_memory=args.peak_memory or bool(args.activation_checkpointing),
+                dfs_chunk=args.dfs_chunk,
+                dfs_recompute=args.dfs_recompute,
             )
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
