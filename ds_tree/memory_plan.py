@@ -19,7 +19,9 @@ and decoder layer of a Llama-style layer (hidden ``h``, MLP width ``I``, ``Hq`` 
 key/value heads of width ``d``, ``b`` bytes per element of the model dtype):
 
 - each RMSNorm: its float32 input, the normalised float32 value, the cast and weighted outputs:
-  ``12 h`` bytes (float32 and bf16 alike: transformers normalises in float32) + 4 (the rsqrt);
+  ``12 h`` bytes (float32 and bf16 alike: transformers normalises in float32) + 4 (the rsqrt); with
+  per-head query and key norms (Qwen3) ``(8 d + 4) (Hq + Hkv)`` more (their outputs go into RoPE,
+  which keeps only cos and sin);
 - attention: RoPE'd queries and keys, values, the output and its copy laid out for the output
   projection: ``b (3 Hq d + 2 Hkv d)``, and the float32 log-sum-exp per query head ``4 Hq``;
 - the gated MLP: gate and up projections, the activation and the product: ``4 b I``.
@@ -61,6 +63,8 @@ class ModelShape:
     """Trainable parameters (embedding and an untied LM head included)."""
     largest_module: int
     """Parameters of the largest module ZeRO-3 gathers at once (an embedding or the LM head)."""
+    qk_norm: bool = False
+    """Queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
 
     @classmethod
     def of(cls, config) -> ModelShape:
@@ -73,6 +77,7 @@ class ModelShape:
             model = AutoModelForCausalLM.from_config(config)
         parameters = sum(p.numel() for p in model.parameters())
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        qk_norm = any(name.endswith((".q_norm", ".k_norm")) for name, _ in model.named_modules())
         heads = config.num_attention_heads
         return cls(
             vocab=config.vocab_size,
@@ -84,6 +89,7 @@ class ModelShape:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
             parameters=parameters,
             largest_module=largest,
+            qk_norm=qk_norm,
         )
 
 
@@ -144,6 +150,8 @@ def layer_bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """Bytes one decoder layer keeps for the backward per token (module docstring)."""
     width = DTYPE_BYTES[dtype]
     norms = 2 * (12 * shape.hidden + 4)
+    if shape.qk_norm:  # RMSNorm over each query and key head; RoPE, next, keeps only cos and sin
+        norms += (8 * shape.head_dim + 4) * (shape.heads + shape.kv_heads)
     attention = width * (3 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + 4 * shape.heads
     mlp = 4 * width * shape.intermediate
     return norms + attention + mlp

@@ -9,6 +9,7 @@ gradients already exist. docs/MEMORY.md states the planner's error over a grid o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -42,8 +43,9 @@ def test_parameters_counted_from_the_config():
     assert shape.parameters == 2 * 1024 * 256 + 4 * (4 * 256 * 256 + 3 * 256 * 688 + 2 * 256) + 256
     assert shape.largest_module == 1024 * 256
     assert (shape.heads, shape.kv_heads, shape.head_dim) == (4, 4, 64)
+    assert not shape.qk_norm
     qwen3 = ModelShape.of(load_config("configs/models/tiny_qwen3.json"))
-    assert (qwen3.kv_heads, qwen3.head_dim) == (2, 32)  # an explicit head_dim, not hidden / heads
+    assert (qwen3.kv_heads, qwen3.head_dim, qwen3.qk_norm) == (2, 32, True)  # explicit head_dim; per-head norms
 
 
 @pytest.mark.parametrize(
@@ -81,6 +83,8 @@ def test_activation_arithmetic():
     # per layer and token: norms 2 x (12 h + 4), attention 4 (3 x 2 x 4 + 2 x 1 x 4) + 4 x 2, MLP 4 x 4 x 16
     per_layer = 2 * (12 * 8 + 4) + 4 * (24 + 8) + 8 + 256
     assert layer_bytes_per_token(SHAPE, "float32") == per_layer
+    # per-head query and key norms: input, normalised value (4 d each) and rsqrt per head, 2 + 1 heads
+    assert layer_bytes_per_token(dataclasses.replace(SHAPE, qk_norm=True), "float32") == per_layer + (8 * 4 + 4) * 3
     head = (12 * 8 + 4) * 10 + 3 * 4 * 100 * 10 + 4 * 100 * 8  # final norm, 3 logits-sized tensors, head weight grad
     plain = activation_bytes(SHAPE, "float32", 10)
     assert (plain.layers, plain.head, plain.recompute, plain.peak) == (
