@@ -9,6 +9,8 @@
 #   HOSTFILE     DeepSpeed hostfile ("host slots=N" per line) for multi-node runs [unset]
 #   MASTER_ADDR  address of rank 0 [unset: the launcher picks it]
 #   MASTER_PORT  port of rank 0 [29500]
+#   SP_SIZE      ranks per sequence-parallel group: adds parallel.sequence_parallel_size=SP_SIZE
+#                (a multiple of it must make up the world size) [unset: the config's]
 #   DEEPSPEED    launcher binary [.venv/bin/deepspeed if it exists, else deepspeed]
 #   PYTHON       interpreter of the dry run [.venv/bin/python if it exists, else python3]
 #   DRY_RUN=1    validate the config (python -m ds_tree.train --dry-run with WORLD_SIZE=NGPU*NNODES),
@@ -77,6 +79,14 @@ fi
 if [[ -n $HOSTFILE && ! -f $HOSTFILE ]]; then
     echo "train.sh: HOSTFILE=$HOSTFILE: no such file" >&2
     exit 2
+fi
+if [[ -n ${SP_SIZE:-} ]]; then
+    if ! [[ $SP_SIZE =~ ^[1-9][0-9]*$ ]]; then
+        echo "train.sh: SP_SIZE must be a positive integer (got SP_SIZE=$SP_SIZE)" >&2
+        exit 2
+    fi
+    # Last, so it overrides the config and any parallel.sequence_parallel_size given on the command line.
+    set -- "$@" "parallel.sequence_parallel_size=$SP_SIZE"
 fi
 
 launch=("$DEEPSPEED")

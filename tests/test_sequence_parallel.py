@@ -23,6 +23,7 @@ from ds_tree.parallel import check_heads
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trie import build_forest
 from tests.test_engine import ROOT, environment, torchrun, write_accumulating_ds_config, write_config
+from tests.test_launch import dry_run_in_process
 
 BUDGET, BLOCK, SIZE = 256, 16, 2
 
@@ -179,3 +180,18 @@ def test_verify_spawns_a_sequence_parallel_group_and_is_exact_in_float64(tmp_pat
     assert report["max_rel_grad_err"] < 1e-12 and report["loss_rel_err"] < 1e-12, report
     memory = report["activation_bytes_per_rank"]
     assert 0 < memory["2"] < memory["1"], memory
+
+
+def test_long_context_example_dry_runs_and_sp_size_reaches_the_config(tmp_path: Path, monkeypatch, capsys) -> None:
+    data = write_cases(tmp_path / "cases.jsonl")
+    example = str(ROOT / "configs/examples/long_context_sp.yaml")
+    code, out, err = dry_run_in_process(monkeypatch, capsys, 8, example, f"data.path={data}")
+    assert code == 0, err
+    assert json.loads(out)["world_size"] == 8
+    code, _, err = dry_run_in_process(monkeypatch, capsys, 6, example, f"data.path={data}")
+    assert code == 2 and "parallel.sequence_parallel_size (4) does not divide the world size (6)" in err
+    # launch/train.sh's SP_SIZE is the last override: 3 does not divide 8 ranks either.
+    env = {**environment(), "DRY_RUN": "1", "NGPU": "8", "SP_SIZE": "3"}
+    command = ["bash", str(ROOT / "launch/train.sh"), example, f"data.path={data}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2 and "parallel.sequence_parallel_size (3) does not divide" in result.stderr
