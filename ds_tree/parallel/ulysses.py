@@ -56,6 +56,11 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) does not divide the world size ({world_size})")
     if config.objective.is_rl:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) > 1 supports objective.kind=sft only")
+    if config.packing.mode == "dfs" or config.packing.over_budget == "dfs":
+        raise ConfigError(
+            f"parallel.sequence_parallel_size ({size}) > 1 shards packed rows; it does not combine with "
+            "packing.mode=dfs or packing.over_budget=dfs"
+        )
     check_heads(model_config, size, config.model.source)
 
 
