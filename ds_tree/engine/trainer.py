@@ -150,16 +150,31 @@ class Trainer:
         config = self.config
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         run_dir.check_writable(self.output_dir)
+        self.model_config = load_model_config(config.model.source)
+        check_layer_types(self.model_config)
+        check_sequence_parallel(config, self.world_size, self.model_config)
+        if config.objective.is_rl and config.model.router_aux_loss_coef:
+            raise ConfigError(
+                "model.router_aux_loss_coef: the router load-balancing loss is part of the SFT objective only; "
+                "set it to 0 or null for an RL objective"
+            )
         if config.rollout.enabled:
-            return self.prepare_online()
+            self.prepare_online()
+        else:
+            self.prepare_dataset()
+        hidden = getattr(self.model_config, "hidden_size", None)
+        self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
+        dfs.check_zero_stage(config.packing, self.ds_config, config.deepspeed)
+        self.plan_resume()
+
+    def prepare_dataset(self) -> None:
+        """:meth:`prepare`'s data: the trajectories of ``data.path``, their checks, the step sampler."""
+        config = self.config
         try:
             self.trajectories = load_trajectories(config.data.path)
         except DataError as error:
             raise ConfigError(f"data.path: {error}") from None
-        self.model_config = load_model_config(config.model.source)
-        check_layer_types(self.model_config)
         check_vocab(self.trajectories, self.model_config.vocab_size)
-        check_sequence_parallel(config, self.world_size, self.model_config)
         size = config.parallel.sequence_parallel_size
         budget = config.packing.budget * size
         longest = max(self.trajectories, key=len)
@@ -176,27 +191,13 @@ class Trainer:
         self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
         if config.objective.is_rl:
             self.check_rl_data()
-            if config.model.router_aux_loss_coef:
-                raise ConfigError(
-                    "model.router_aux_loss_coef: the router load-balancing loss is part of the SFT objective only; "
-                    "set it to 0 or null for an RL objective"
-                )
-        hidden = getattr(self.model_config, "hidden_size", None)
-        self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
-        dfs.check_zero_stage(config.packing, self.ds_config, config.deepspeed)
-        self.plan_resume()
 
     def prepare_online(self) -> None:
-        """:meth:`prepare` for online RL: prompts, tokenizer and reward function instead of a dataset."""
+        """:meth:`prepare`'s data for online RL: prompts, tokenizer and reward function instead of a dataset."""
         from ds_tree.rollout.online import OnlineRollouts
 
-        self.model_config = load_model_config(self.config.model.source)
-        check_layer_types(self.model_config)
         self.online = OnlineRollouts(self.config, self.model_config)
         self.sampler = self.online.sampler
-        hidden = getattr(self.model_config, "hidden_size", None)
-        self.ds_config = resolve_deepspeed_config(self.config, self.world_size, hidden)
-        self.plan_resume()
 
     def check_rl_data(self) -> None:
         """What the RL objective needs from the data, checked before any rank builds a model."""
