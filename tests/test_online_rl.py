@@ -285,3 +285,17 @@ def test_plot_online_averages_seeds_and_names_bad_runs(tmp_path: Path, capsys) -
     short = write_metrics(tmp_path / "short", [0.5], forward=1)
     assert main([f"tree={seed0},{short}", "--output", str(output)]) == 2
     assert "tree: the runs do not have the same steps" in capsys.readouterr().err
+
+
+def test_demo_script_parses_and_is_shellcheck_clean() -> None:
+    import subprocess
+
+    from tests.test_launch import find_shellcheck
+
+    script = ROOT / "launch" / "online_parity.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+    shellcheck = find_shellcheck()
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed")
+    lint = subprocess.run([shellcheck, str(script)], capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0, lint.stdout
