@@ -253,13 +253,22 @@ def run_step(
     device: torch.device | str = "cpu",
     head_chunk: int = 0,
     stats: WalkStats | None = None,
+    router_aux=None,
 ) -> StepOutput:
     """One accumulation of packed rows (:func:`run_rows`) and :class:`DfsRow` rows (walked).
+
+    ``router_aux`` (an MoE model's load-balancing loss, :mod:`ds_tree.models.moe`) is refused: the
+    walk does not implement it.
 
     ``backward_for(n)`` gives the ``backward`` of ``n`` calls (one per packed row and per chunk).
     In a process group every rank makes as many calls as the busiest one: the others add
     zero-loss steps of an empty row (ZeRO-2 reduces gradients collectively at every backward).
     """
+    if router_aux is not None:
+        raise ConfigError(
+            "packing.mode=dfs and packing.over_budget=dfs do not implement the MoE router load-balancing loss; "
+            "set model.router_aux_loss_coef: 0"
+        )
     walked = [row for row in rows if isinstance(row, DfsRow)]
     packed = [row for row in rows if not isinstance(row, DfsRow)]
     calls = len(packed) + sum(len(row_chunks(row, settings.chunk)) for row in walked)

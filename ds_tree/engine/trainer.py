@@ -410,6 +410,7 @@ class Trainer:
                 backward_for=self.backward_function,
                 device=self.engine.device,
                 head_chunk=self.config.model.head_chunk,
+                router_aux=router_aux,
             )
         return run_rows(
             self.engine,
