@@ -256,3 +256,27 @@ def test_bench_reports_dfs_against_tree(tmp_path: Path, capsys) -> None:
     assert report["dfs_memory_over_tree"] < 1
     assert bench_main([*argv, "--modes", "dfs", "--objective", "grpo"]) == 2
     assert "mode dfs runs the sft objective only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("packing", [{"mode": "dfs"}, {"mode": "tree", "over_budget": "dfs"}])
+def test_trainer_plans_walked_rows(tmp_path: Path, packing: dict) -> None:
+    """The trainer's plan: dfs mode walks every tree whole; over_budget dfs only the trees over the budget."""
+    data = write_forest(tmp_path / "forest.jsonl")
+    ds_path = tmp_path / "ds.json"
+    ds_path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}))
+    config = write_config(tmp_path, data, deepspeed=str(ds_path), packing={"budget": 150, **packing})
+    trainer = Trainer(load_config(config))
+    trainer.prepare()  # paths over the budget are no error here
+    plan = trainer.plan_step(0, rank=0)
+    walked = [row for row in plan.rows if isinstance(row, DfsRow)]
+    trees = build_forest(trainer.step_trajectories(0))
+    over = [tree for tree in trees if tree.max_path_tokens > 150]
+    expected = trees if packing["mode"] == "dfs" else over
+    assert sorted(row.n_real for row in walked) == sorted(tree.n_tokens for tree in expected)
+    assert all(row.n_real for row in plan.rows)  # no empty padding rows: the walk evens out backward calls
+    if packing["mode"] == "dfs":
+        assert plan.packed_tokens == plan.tree_tokens  # nothing split, nothing duplicated
+    else:
+        assert len(walked) < len(plan.rows) and all(
+            row.n_real <= 150 for row in plan.rows if not isinstance(row, DfsRow)
+        )
