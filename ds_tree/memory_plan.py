@@ -26,9 +26,9 @@ key/value heads of width ``d``, ``b`` bytes per element of the model dtype):
   projection: ``b (3 Hq d + 2 Hkv d)``, and the float32 log-sum-exp per query head ``4 Hq``;
 - the gated MLP: gate and up projections, the activation and the product: ``4 b I``.
 
-With checkpointing (every ``k``-th layer: ``ceil(L / k)`` layers) a checkpointed layer keeps only its
-input, ``b h`` per token, and the backward recomputes one layer at a time: its activations and the
-gradient temporaries of its backward (``GRADIENT_WORKING_SET``) are live on top of what is kept.
+With checkpointing (layers ``0, k, 2k, ...``) a checkpointed layer keeps only its input, ``b h`` per
+token, and the backward recomputes one layer at a time: its activations and the first gradients of
+its backward (:func:`gradient_working_set_per_token`) are live on top of what the layers below keep.
 
 The LM head runs on targets only (tokens with a loss weight): worst case every token of the row.
 Per target and vocabulary entry it holds the float32 log-softmax (saved), its gradient and the

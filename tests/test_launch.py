@@ -171,7 +171,9 @@ def dry_run_in_process(monkeypatch, capsys, world_size: int, config: str, *overr
 
 
 @pytest.mark.parametrize(
-    ("name", "world_size"), [("llama3_8b_zero3.yaml", 8), ("multinode_zero3.yaml", 32)], ids=["8gpu", "4x8gpu"]
+    ("name", "world_size"),
+    [("llama3_8b_zero3.yaml", 8), ("multinode_zero3.yaml", 32), ("llama3_8b_zero3_offload.yaml", 1)],
+    ids=["8gpu", "4x8gpu", "1gpu-offload"],
 )
 def test_example_configs_dry_run(name, world_size, tokens_file, monkeypatch, capsys):
     code, out, err = dry_run_in_process(
