@@ -140,13 +140,13 @@ def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, mode: s
 
 
 # --------------------------------------------------------------------- resume
-def launch_training(config: Path, *overrides: str) -> subprocess.Popen:
+def launch_training(config: Path, *overrides: str, port: int | None = None) -> subprocess.Popen:
     command = [
         str(BIN / "deepspeed"),
         "--num_gpus",
         "2",
         "--master_port",
-        str(free_port()),
+        str(port or free_port()),
         "--module",
         "ds_tree.train",
         "--config",
@@ -182,7 +182,8 @@ def test_resume_after_sigkill_repeats_the_same_losses(tmp_path: Path) -> None:
     assert sorted(expected) == list(range(1, 7))
 
     killed_dir = tmp_path / "killed"
-    process = launch_training(config, f"output_dir={killed_dir}")
+    killed_port = free_port()
+    process = launch_training(config, f"output_dir={killed_dir}", port=killed_port)
     deadline = time.time() + 300
     latest = killed_dir / "checkpoints" / "latest"
     while time.time() < deadline:  # kill once step 3's checkpoint is complete
@@ -205,6 +206,9 @@ def test_resume_after_sigkill_repeats_the_same_losses(tmp_path: Path) -> None:
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=0), (step, resumed, expected)
     kept = sorted(p.name for p in (killed_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_0000005", "step_0000006"]
+    # The deepspeed launcher gives DeepSpeed's CPU all-reduce its /dev/shm buffers (69 MB a rank);
+    # the trainer unlinks them once mapped, so not even the killed run leaves them behind.
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{killed_port}_*"))
 
 
 # --------------------------------------------------------------------- export

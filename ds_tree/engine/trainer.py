@@ -48,6 +48,7 @@ from ds_tree.engine.rl_step import (
     rl_scalars,
     run_rl_rows,
 )
+from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import ESTIMATORS
@@ -248,6 +249,7 @@ class Trainer:
 
         ensure_distributed_env()
         deepspeed.init_distributed(timeout=timedelta(seconds=self.config.distributed.timeout_s))
+        release_allreduce_buffers()
         self.rank = dist.get_rank()
         if dist.get_world_size() != self.world_size:
             raise RuntimeError(f"WORLD_SIZE={self.world_size} but the process group has {dist.get_world_size()}")
