@@ -19,11 +19,11 @@ from ds_tree.rollout.online import (
     SlotResult,
     kept_trajectories,
     rank_slots,
-    read_prompts,
     reward_function,
     rollout_scalars,
     slot_generator,
 )
+from ds_tree.rollout.prompts import read_prompts
 from ds_tree.rollout.rewards import REWARDS, RewardRequest
 from ds_tree.trees.trajectory import Trajectory
 from tests.test_engine import ROOT, torchrun, write_config

@@ -12,7 +12,8 @@ chat template with the generation prompt, ids as given; ``metadata`` goes to the
 (docs/ROLLOUTS.md). ``--format tree`` writes one explicit tree a line (train it after
 ``ds-tree convert --format tree``), ``tokens`` one trajectory a line (trains as ``data.path``);
 both carry the sampler's ``logprobs`` and the ``reward``. The model stops at the tokenizer's and
-the model config's EOS ids and at each ``--eos-token``. Prints one JSON summary; a failing reward
+the model config's EOS ids, the chat turn's end (``<|im_end|>``) when the tokenizer has
+one, and at each ``--eos-token``. Prints one JSON summary; a failing reward
 is reported on stderr and leaves that trajectory without a reward. Exits 2 on bad input.
 """
 
@@ -28,42 +29,12 @@ import numpy as np
 import torch
 
 from ds_tree.data.convert import load_tokenizer
-from ds_tree.data.jsonl import read_jsonl, write_jsonl
+from ds_tree.data.jsonl import write_jsonl
 from ds_tree.errors import DataError
 from ds_tree.models.loading import DTYPES, load_model
+from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import REWARDS, RewardRequest, score
 from ds_tree.rollout.sampler import SampledTree, SamplerSettings, sample_tree
-
-
-def prompt_ids(where: str, record: dict, tokenizer) -> list[int]:
-    """The token ids of a prompts line (module docstring)."""
-    given = [key for key in ("prompt", "messages", "prompt_ids") if key in record]
-    if len(given) != 1:
-        raise DataError(f"{where}: a prompt line needs exactly one of 'prompt', 'messages', 'prompt_ids'")
-    if "prompt_ids" in record:
-        ids = record["prompt_ids"]
-        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
-            raise DataError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
-        return ids
-    if "messages" in record:
-        text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-    else:
-        text = record["prompt"]
-    if not isinstance(text, str) or not text:
-        raise DataError(f"{where}: the prompt must be a non-empty string")
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def eos_ids(tokenizer, model, extra: list[str]) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    configured = model.config.eos_token_id
-    ids.update(configured if isinstance(configured, list) else [configured])
-    for token in extra:
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or token_id == tokenizer.unk_token_id:
-            raise DataError(f"--eos-token {token!r} is not a token of the tokenizer")
-        ids.add(token_id)
-    return sorted(i for i in ids if i is not None)
 
 
 def token_records(tree: SampledTree, group: str, rewards: list[float | None]) -> list[dict]:
@@ -120,13 +91,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error(str(error))
     try:
         tokenizer = load_tokenizer(args.tokenizer)
-        prompts = []
-        for where, record in read_jsonl(args.prompts):
-            if isinstance(record, DataError):
-                raise record
-            prompts.append((where, record, prompt_ids(where, record, tokenizer)))
         model = load_model(args.model, dtype=args.dtype, seed=args.seed)
-        eos = eos_ids(tokenizer, model, args.eos_token)
+        prompts = read_prompts(args.prompts, tokenizer, model.config.vocab_size)
+        eos = stop_token_ids(tokenizer, model.config, args.eos_token)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"ds-tree sample: error: {error}", file=sys.stderr)
         return 2
@@ -134,22 +101,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     records, failures, summary = [], [], {"groups": 0, "trajectories": 0, "sampled_tokens": 0, "forward_tokens": 0}
     flat_tokens = 0
-    for index, (where, record, ids) in enumerate(prompts):
-        group = str(record.get("group_id", f"prompt-{index}"))
-        tree = sample_tree(model, ids, settings, generator=generator, eos_token_ids=eos)
+    for prompt in prompts:
+        tree = sample_tree(model, prompt.ids, settings, generator=generator, eos_token_ids=eos)
         rewards: list[float | None] = [None] * tree.leaves
         if args.reward != "none":
-            prompt_text = tokenizer.decode(ids)
             requests = [
-                RewardRequest(prompt_text, tokenizer.decode(tree.completion(leaf)[0]), record.get("metadata") or {})
+                RewardRequest(prompt.text, tokenizer.decode(tree.completion(leaf)[0]), prompt.metadata)
                 for leaf in tree.leaf_nodes()
             ]
             rewards, failed = score(REWARDS[args.reward], requests)
-            failures += [f"{where}: {message}" for message in failed]
+            failures += [f"{prompt.source}: {message}" for message in failed]
         if args.format == "tree":
-            records.append(tree.explicit_record(group, rewards))
+            records.append(tree.explicit_record(prompt.label, rewards))
         else:
-            records += token_records(tree, group, rewards)
+            records += token_records(tree, prompt.label, rewards)
         summary["groups"] += 1
         summary["trajectories"] += tree.leaves
         summary["sampled_tokens"] += tree.sampled_tokens

@@ -30,68 +30,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ds_tree.data.convert import load_tokenizer
-from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError
+from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import REWARDS, RewardRequest, score
 from ds_tree.rollout.sampler import sample_tree
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One line of ``rollout.prompts``."""
-
-    ids: np.ndarray
-    """int64 token ids the sampler continues."""
-    text: str
-    """The prompt as the reward function sees it (decoded from ``prompt_ids`` when given as ids)."""
-    metadata: dict
-    """Passed to the reward function untouched (the answer, the puzzle's numbers, ...)."""
-    source: str
-    """``file:line``."""
-    label: str
-    """The line's ``group_id``, else ``prompt-<index>``: the start of its groups' ids."""
-
-
-def read_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
-    """The prompts JSONL, in ``ds-tree sample``'s format (:func:`ds_tree.cli.sample.prompt_ids`): one of
-    ``"prompt"`` (text), ``"messages"`` (a chat, rendered with the generation prompt) or ``"prompt_ids"``,
-    an optional ``"metadata"`` object for the reward and an optional ``"group_id"`` label.
-
-    Errors name ``file:line``: unknown keys, not exactly one prompt, ids outside ``[0, vocab_size)``,
-    metadata that is not an object, a file without prompts.
-    """
-    from ds_tree.cli.sample import prompt_ids
-
-    prompts = []
-    for where, record in read_jsonl(path):
-        unknown = sorted(set(record) - {"prompt", "messages", "prompt_ids", "metadata", "group_id"})
-        if unknown:
-            raise DataError(
-                f"{where}: unknown key {unknown[0]!r} (known: group_id, messages, metadata, prompt, prompt_ids)"
-            )
-        metadata = record.get("metadata", {})
-        if not isinstance(metadata, dict):
-            raise DataError(f"{where}: 'metadata' must be an object, got {type(metadata).__name__}")
-        ids = prompt_ids(where, record, tokenizer)
-        if max(ids) >= vocab_size:
-            raise DataError(f"{where}: prompt token id {max(ids)} is >= the model's vocab size {vocab_size}")
-        text = record["prompt"] if "prompt" in record else tokenizer.decode(ids)
-        label = str(record.get("group_id", f"prompt-{len(prompts)}"))
-        prompts.append(Prompt(np.asarray(ids, dtype=np.int64), text, metadata, where, label))
-    if not prompts:
-        raise DataError(f"{path}: no prompts")
-    return prompts
 
 
 def slot_generator(seed: int, step: int, slot: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -176,17 +128,6 @@ def reward_function(name: str) -> Callable[[RewardRequest], float]:
     if not callable(function):
         raise ValueError(f"{name!r} is not a function")
     return function
-
-
-def stop_token_ids(tokenizer, model_config) -> list[int]:
-    """Where a completion ends: the model's and the tokenizer's EOS, and the chat turn's end token."""
-    ids = model_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    ids.add(tokenizer.eos_token_id)
-    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if turn_end is not None and turn_end != tokenizer.unk_token_id:
-        ids.add(turn_end)
-    return sorted(i for i in ids if i is not None)
 
 
 class OnlineRollouts:
