@@ -19,7 +19,7 @@ from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.parts import split_tree
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows, shard_row
-from ds_tree.parallel import check_heads
+from ds_tree.parallel.ulysses import check_heads, check_router_loss
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trie import build_forest
 from tests.test_engine import ROOT, environment, torchrun, write_accumulating_ds_config, write_config
@@ -113,6 +113,16 @@ def test_heads_that_ulysses_cannot_split_are_config_errors() -> None:
     config.num_attention_heads, config.num_key_value_heads = 6, 3
     with pytest.raises(ConfigError, match="3 key/value heads, which neither divide 2"):
         check_heads(config, 2, "tiny")
+
+
+def test_an_moe_router_loss_is_refused_on_sharded_rows() -> None:
+    moe = load_model_config(ROOT / "configs/models/tiny_qwen3_moe.json")
+    assert moe.router_aux_loss_coef  # the model's own coefficient applies when the config says null
+    with pytest.raises(ConfigError, match="router_aux_loss_coef .* the shards of parallel.sequence_parallel_size=2"):
+        check_router_loss(moe, 2, None)
+    check_router_loss(moe, 2, 0.0)
+    check_router_loss(moe, 1, None)
+    check_router_loss(load_model_config(ROOT / "configs/models/tiny_llama.json"), 2, 0.5)  # no router
 
 
 def test_a_path_over_the_budget_needs_sequence_parallelism(tmp_path: Path, monkeypatch) -> None:
