@@ -115,10 +115,25 @@ def row_counts(rows) -> dict:
     }
 
 
+def synchronize(device: str) -> None:
+    """Wait for a GPU's queued work before reading a clock (nothing to wait for on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
 def step_once(
-    model, optimizer, trajectories, mode, budget, block, normalisation, measure_memory, dfs_settings=None
+    model,
+    optimizer,
+    trajectories,
+    mode,
+    budget,
+    block,
+    normalisation,
+    measure_memory,
+    dfs_settings=None,
+    device: str = "cpu",
 ) -> dict:
-    """One SFT step (``dfs``: :func:`dfs_step_once` with ``dfs_settings``)."""
+    """One SFT step (``dfs``: :func:`dfs_step_once` with ``dfs_settings``) on ``device``."""
     if mode == "dfs":
         return dfs_step_once(model, optimizer, trajectories, normalisation, measure_memory, dfs_settings)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -132,13 +147,15 @@ def step_once(
     def run_timed(some):  # one row at a time, as run_rows runs them, each row timed for the cost fit
         for row in some:
             row_started = time.perf_counter()
-            run_rows(model, [row], normalisers, normalisation, backward=backward)
+            run_rows(model, [row], normalisers, normalisation, backward=backward, device=device)
+            synchronize(device)
             row_times.append((row.n_tokens, sum(p.visible_pairs for p in row.parts), time.perf_counter() - row_started))
 
     saved = run_measuring(run_timed, rows, measure_memory)
     computed = time.perf_counter()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
     done = time.perf_counter()
     return {
         "step": done - started,
@@ -280,8 +297,12 @@ def run_benchmark(
     peak_memory: bool = False,
     dfs_chunk: int = 0,
     dfs_recompute: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """Interleaved tree/flat steps; returns the report (see ``ds_tree.cli.bench``).
+
+    ``device`` other than ``cpu`` (a GPU: ``cuda``) times SFT steps of modes flat and tree, with
+    the GPU synchronised before every clock read; memory is not measured there.
 
     ``objective``: an RL objective (``kind`` grpo or ppo) times RL steps; ``None`` (or ``sft``)
     times SFT steps with ``normalisation``. With a KL term, each mode's reference policy is a
@@ -291,6 +312,8 @@ def run_benchmark(
     rl = objective is not None and objective.is_rl
     if rl and "dfs" in modes:
         raise ValueError("mode dfs runs the sft objective only (the trainer refuses dfs with RL as well)")
+    if device != "cpu" and (rl or set(modes) - {"flat", "tree"} or peak_memory or profile_path):
+        raise ValueError(f"--device {device} times SFT steps of modes flat and tree only (no memory or profile)")
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
     sampler = StepSampler(len(groups), per_step, seed)
@@ -298,7 +321,7 @@ def run_benchmark(
     for mode in modes:
         models[mode] = load_model(
             model_source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every
-        )
+        ).to(device)
         optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
         times[mode] = ModeTimes()
     check_vocab(trajectories, models[modes[0]].config.vocab_size)
@@ -316,7 +339,16 @@ def run_benchmark(
             )
         dfs_settings = DfsSettings(dfs_chunk or budget, dfs_recompute)
         return step_once(
-            models[mode], optimizers[mode], batch, mode, budget, block, normalisation, measure_memory, dfs_settings
+            models[mode],
+            optimizers[mode],
+            batch,
+            mode,
+            budget,
+            block,
+            normalisation,
+            measure_memory and device == "cpu",
+            dfs_settings,
+            device,
         )
 
     flat_tokens, tree_tokens = [], []
@@ -400,6 +432,7 @@ def run_benchmark(
         "dtype": dtype,
         "attention": attention,
         "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
         "checkpoint_every": checkpoint_every,
         "flat_tokens_per_step": float(np.mean(flat_tokens)),
         "tree_tokens_per_step": float(np.mean(tree_tokens)),

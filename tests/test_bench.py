@@ -60,6 +60,7 @@ def test_bench_report(synthetic, tmp_path, objective):
     assert (modes["flat"]["packed_tokens_per_step"], modes["tree"]["packed_tokens_per_step"]) == (flat, tree)
     assert report["speedup"] == pytest.approx(modes["flat"]["step_time_s"] / modes["tree"]["step_time_s"])
     assert report["efficiency"] == pytest.approx(report["speedup"] / report["ideal_speedup"])
+    assert report["device"] == "cpu"
     for mode in ("flat", "tree"):
         assert report["modes"][mode]["step_time_s"] > 0
         assert report["modes"][mode]["peak_memory_bytes"] > 0
@@ -99,6 +100,13 @@ def test_cost_fit_recovers_its_coefficients():
     rows = [(100, 10, 1.0), (200, 1000, 2.0), (400, 10, 4.0), (50, 5000, 0.4)]
     a, b = fit_token_pair_cost(rows)
     assert b == 0 and a == pytest.approx(0.01, rel=0.1)
+
+
+def test_bench_on_a_gpu_times_sft_flat_and_tree_only(synthetic, capsys):
+    argv = ["--data", str(synthetic[0]), "--model", "configs/models/tiny_llama.json", "--device", "cuda"]
+    assert bench_main([*argv, "--objective", "grpo"]) == 2
+    assert "--device cuda times SFT steps of modes flat and tree only" in capsys.readouterr().err
+    assert bench_main([*argv, "--modes", "flat,tree", "--peak-memory"]) == 2
 
 
 def test_bench_rl_needs_rewards(tmp_path, capsys):

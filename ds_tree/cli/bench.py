@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES)
     parser.add_argument("--attention", default="torch", choices=ENGINES)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu", help="cpu, or a GPU (cuda): SFT steps of modes flat and tree")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument("--profile", type=Path, default=None, help="profile one more step per mode, tables here")
     parser.add_argument(
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 peak_memory=args.peak_memory or bool(args.activation_checkpointing),
                 dfs_chunk=args.dfs_chunk,
                 dfs_recompute=args.dfs_recompute,
+                device=args.device,
             )
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
