@@ -32,8 +32,9 @@ backwards identically, which trees of different shapes do not (docs/DESIGN.md se
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -45,7 +46,9 @@ from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
 from ds_tree.models.logprobs import logprobs_at
 from ds_tree.packing.dfs_rows import DfsRow
-from ds_tree.packing.rows import PackedRow, assemble_row
+from ds_tree.packing.rows import PackedRow
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class DfsSettings:
     """Most tokens forwarded at once (longer nodes are cut into chained chunks)."""
     recompute: bool = False
     """Forward each chunk twice (without, then with grad) to keep one chunk's activations, not a path's."""
+    lockstep: bool = False
+    """Make every rank's calls in one order of kinds (ZeRO-3, :func:`lockstep`); needs ``recompute``."""
 
 
 def uses_dfs(packing) -> bool:
@@ -152,54 +157,71 @@ class WalkStats:
     """Largest size of the cached ancestor keys and values with their accumulated gradients."""
 
 
-def walk_row(
+ChunkLoss = Callable[[int, ChunkInputs], torch.Tensor]
+"""``(chunk index, its inputs) -> the 0-dim loss of the targets predicted from inside the chunk``
+(a chunk without any still returns a zero loss of a forward through every parameter)."""
+
+# The calls a rank makes, in order, each one event for the lockstep schedule (:func:`lockstep`):
+FORWARD, BACKWARD = "forward", "backward"
+"""A forward with grad whose backward comes later, after the chunk's descendants' (dfs without recompute)."""
+NO_GRAD = "no_grad"
+"""A forward without grad (recompute's first forward of a chunk, log-probs)."""
+UPDATE = "forward_backward"
+"""A forward with grad and its backward at once (a packed row; recompute's second forward of a chunk)."""
+
+
+def walk_events(chunks: Chunks, recompute: bool) -> list[str]:
+    """The kinds of the calls :func:`walk` makes on ``chunks``, in order."""
+    enter, leave = (NO_GRAD, UPDATE) if recompute else (FORWARD, BACKWARD)
+    return [enter if entering else leave for _, entering in _dfs_order(chunks)]
+
+
+def _dfs_order(chunks: Chunks) -> Iterator[tuple[int, bool]]:
+    """``(chunk, True)`` on entering a chunk, ``(chunk, False)`` on leaving it (after its subtree)."""
+    children: list[list[int]] = [[] for _ in range(len(chunks))]
+    for index, parent in enumerate(chunks.parent):
+        if parent >= 0:
+            children[parent].append(index)
+    # Iterative (a deep chain of 1-token chunks is deeper than Python's recursion limit).
+    pending = [(i, True) for i in reversed(range(len(chunks))) if chunks.parent[i] < 0]
+    while pending:
+        index, entering = pending.pop()
+        yield index, entering
+        if entering:
+            pending.append((index, False))
+            pending.extend((child, True) for child in reversed(children[index]))
+
+
+def walk(
     model,
     row: PackedRow,
-    weights: np.ndarray,
+    chunks: Chunks,
+    chunk_loss: ChunkLoss,
     settings: DfsSettings,
     backward: Callable[[torch.Tensor], None],
-    *,
-    device: torch.device | str = "cpu",
-    head_chunk: int = 0,
     stats: WalkStats | None = None,
-) -> float:
-    """Forward and backward every chunk of ``row`` (module docstring); returns the row's loss.
+) -> Generator[None, None, float]:
+    """Forward and backward every chunk of ``row`` (module docstring), one call per step of the
+    generator (:func:`walk_events` lists them); returns the sum of the chunk losses.
 
-    ``weights``: every token's loss weight (:func:`restoration_weights`). Call inside :func:`chunk_attention`.
+    Call inside :func:`chunk_attention`.
     """
-    chunks = row_chunks(row, settings.chunk)
-    targets = np.flatnonzero(weights)
-    target_chunk = chunks.of_tokens(row.pred_pos[targets])
     cache = PathCache()
     stats = stats if stats is not None else WalkStats()
     total = 0.0
     scale = 1.0
     """What ``backward`` multiplies its argument by (the same for every call of one step)."""
+    held: dict[int, tuple] = {}
 
     def forward(index: int) -> tuple[torch.Tensor, LayerKV]:
         start, end = int(chunks.start[index]), int(chunks.end[index])
-        mine = targets[target_chunk == index]
         inputs = ChunkInputs(row.input_ids[start:end], row.position_ids[start:end], cache)
-        if mine.size == 0:  # still a forward and a backward through every parameter, with a zero loss
-            logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), row.input_ids[start : start + 1], device)
-            loss = weighted_nll(logprobs, np.zeros(1))
-        else:
-            logprobs = logprobs_at(
-                model, inputs, row.pred_pos[mine] - start, row.input_ids[mine], device, head_chunk=head_chunk
-            )
-            loss = weighted_nll(logprobs, weights[mine])
+        with chunk_attention(model):
+            loss = chunk_loss(index, inputs)
         return loss, cache.take_recorded()
 
-    children: list[list[int]] = [[] for _ in range(len(chunks))]
-    for index, parent in enumerate(chunks.parent):
-        if parent >= 0:
-            children[parent].append(index)
-    # Iterative DFS (a deep chain of 1-token chunks is deeper than Python's recursion limit):
-    # ``(chunk, None)`` enters a chunk, ``(chunk, state)`` leaves it.
-    pending: list[tuple[int, tuple | None]] = [(i, None) for i in reversed(range(len(chunks))) if chunks.parent[i] < 0]
-    while pending:
-        index, state = pending.pop()
-        if state is None:
+    for index, entering in _dfs_order(chunks):
+        if entering:
             if settings.recompute:
                 with torch.no_grad():
                     _, own = forward(index)
@@ -209,12 +231,12 @@ def walk_row(
             leaves = {
                 layer: (k.detach().requires_grad_(), v.detach().requires_grad_()) for layer, (k, v) in own.items()
             }
-            pending.append((index, (loss, own, leaves)))
-            pending.extend((child, None) for child in reversed(children[index]))
+            held[index] = (loss, own, leaves)
             cache.ancestors.append(leaves)
             stats.peak_cache_bytes = max(stats.peak_cache_bytes, _cache_bytes(cache))
+            yield
             continue
-        loss, own, leaves = state
+        loss, own, leaves = held.pop(index)
         cache.ancestors.pop()
         if settings.recompute:
             loss, own = forward(index)
@@ -231,7 +253,212 @@ def walk_row(
         scale = probe.grad.item()
         total += float(loss.detach())
         stats.chunks += 1
+        yield
     return total
+
+
+@torch.no_grad()
+def walk_logprobs(
+    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu", head_chunk: int = 0
+) -> Generator[None, None, np.ndarray]:
+    """``log p`` of the row's ``targets`` (row indices), one no-grad forward per chunk and step of the
+    generator (the old and reference policies' log-probs of a walked row); the path's keys and
+    values are the only memory kept. Call inside :func:`chunk_attention`."""
+    cache = PathCache()
+    out = np.zeros(targets.size)
+    target_chunk = chunks.of_tokens(row.pred_pos[targets])
+    for index, entering in _dfs_order(chunks):
+        if not entering:
+            cache.ancestors.pop()
+            continue
+        start, end = int(chunks.start[index]), int(chunks.end[index])
+        inputs = ChunkInputs(row.input_ids[start:end], row.position_ids[start:end], cache)
+        mine = np.flatnonzero(target_chunk == index)
+        predictors = row.pred_pos[targets[mine]] - start if mine.size else np.zeros(1, np.int64)
+        labels = row.input_ids[targets[mine]] if mine.size else row.input_ids[start : start + 1]
+        with chunk_attention(model):
+            logprobs = logprobs_at(model, inputs, predictors, labels, device, head_chunk=head_chunk)
+        if mine.size:
+            out[mine] = logprobs.double().cpu().numpy()
+        cache.ancestors.append(cache.take_recorded())
+        yield
+    return out
+
+
+def sft_chunk_loss(
+    model, row: PackedRow, chunks: Chunks, weights: np.ndarray, *, device="cpu", head_chunk: int = 0
+) -> ChunkLoss:
+    """The SFT loss of each chunk: the restoration-weighted NLL of the targets it predicts (``weights``:
+    every row token's loss weight, :func:`restoration_weights`)."""
+    targets = np.flatnonzero(weights)
+    target_chunk = chunks.of_tokens(row.pred_pos[targets])
+
+    def loss(index: int, inputs: ChunkInputs) -> torch.Tensor:
+        start = int(chunks.start[index])
+        mine = targets[target_chunk == index]
+        if mine.size == 0:  # still a forward and a backward through every parameter, with a zero loss
+            logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), row.input_ids[start : start + 1], device)
+            return weighted_nll(logprobs, np.zeros(1))
+        logprobs = logprobs_at(
+            model, inputs, row.pred_pos[mine] - start, row.input_ids[mine], device, head_chunk=head_chunk
+        )
+        return weighted_nll(logprobs, weights[mine])
+
+    return loss
+
+
+def run_to_end(generator: Generator[None, None, T]) -> T:
+    """Every step of ``generator``; its return value."""
+    while True:
+        try:
+            next(generator)
+        except StopIteration as stop:
+            return stop.value
+
+
+@dataclass
+class Task:
+    """One row's calls: their kinds (:func:`walk_events`) and the generator making them, one per step."""
+
+    events: list[str]
+    run: Generator
+    result: object = None
+
+    def step(self) -> None:
+        next(self.run)
+
+    def finish(self) -> None:
+        self.result = run_to_end(self.run)
+
+
+def lockstep(events: list[str], group=None) -> list[str]:
+    """One schedule of call kinds that every rank of ``group`` follows (ZeRO-3).
+
+    ZeRO-3 gathers parameters collectively in every forward and backward and checks at each
+    forward that the ranks traced the same modules, so the ranks must make calls of the same kind in
+    the same order. Each rank's own calls (``events``, in order) are a subsequence of the schedule;
+    where it has none of the slot's kind it makes a dummy one (:func:`run_tasks`). Each slot takes
+    the kind that the most ranks have next (ties: the cheaper, no-grad), so every slot advances at
+    least one rank. Only :data:`NO_GRAD` and :data:`UPDATE` calls can be dummies: a dummy
+    :data:`BACKWARD` would need a forward held for it.
+    """
+    code = {NO_GRAD: 0, UPDATE: 1}
+    if any(kind not in code for kind in events):
+        raise ValueError("a lockstep schedule needs forward-and-backward calls (packing.dfs_recompute: true)")
+    world = dist.get_world_size(group)
+    length = torch.tensor([len(events)])
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    mine = torch.full((longest,), -1, dtype=torch.int64)
+    mine[: len(events)] = torch.tensor([code[kind] for kind in events], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    sequences = [e[: int(n)].tolist() for e, n in zip(every, lengths, strict=True)]
+    position = [0] * world
+    schedule = []
+    while True:
+        upcoming = [s[p] for s, p in zip(sequences, position, strict=True) if p < len(s)]
+        if not upcoming:
+            return schedule
+        kind = int(upcoming.count(1) > upcoming.count(0))
+        schedule.append((NO_GRAD, UPDATE)[kind])
+        position = [p + (p < len(s) and s[p] == kind) for s, p in zip(sequences, position, strict=True)]
+
+
+def run_tasks(tasks: Sequence[Task], schedule: list[str] | None, dummy: Callable[[str], None]) -> None:
+    """Every task's calls, in order: as they come, or following ``schedule`` (:func:`lockstep`), with
+    ``dummy(kind)`` wherever this rank has no call of the slot's kind. A task finishes (its generator
+    returns, its memory is freed) right after its last call."""
+    queue = [(task, kind, i == len(task.events) - 1) for task in tasks for i, kind in enumerate(task.events)]
+    for task in tasks:
+        if not task.events:
+            task.finish()
+
+    def make(position: int) -> None:
+        task, _, last = queue[position]
+        task.step()
+        if last:
+            task.finish()
+
+    if schedule is None:
+        for position in range(len(queue)):
+            make(position)
+        return
+    position = 0
+    for kind in schedule:
+        if position < len(queue) and queue[position][1] == kind:
+            make(position)
+            position += 1
+        else:
+            dummy(kind)
+    if position != len(queue):
+        raise RuntimeError(f"the lockstep schedule left {len(queue) - position} of this rank's calls unmade")
+
+
+def dummy_call(model, backward: Callable[[torch.Tensor], None], device="cpu") -> Callable[[str], None]:
+    """``dummy(kind)``: a call of ``kind`` (:data:`NO_GRAD` or :data:`UPDATE`) on one token with a zero
+    loss, which gathers and reduces like any other (call inside :func:`chunk_attention`)."""
+
+    def dummy(kind: str) -> None:
+        inputs = ChunkInputs(np.zeros(1, np.int64), np.zeros(1, np.int64), PathCache())
+        with torch.set_grad_enabled(kind == UPDATE), chunk_attention(model):
+            logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), np.zeros(1, np.int64), device)
+        if kind == UPDATE:
+            backward(weighted_nll(logprobs, np.zeros(1)))
+
+    return dummy
+
+
+def in_process_group() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class DeferredBackward:
+    """The ``backward`` of tasks built before their number of calls is known (:func:`run_calls` sets it)."""
+
+    function: Callable[[torch.Tensor], None] | None = None
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        self.function(loss)
+
+
+def run_calls(
+    model,
+    tasks: Sequence[Task],
+    settings: DfsSettings,
+    backward: DeferredBackward,
+    backward_for: Callable[[int], Callable[[torch.Tensor], None]],
+    device="cpu",
+) -> None:
+    """Run ``tasks`` (built with ``backward``) as one accumulation: every rank makes as many backward
+    calls as the busiest (the others add zero-loss calls; ZeRO-2 reduces gradients collectively at
+    every backward), and with ``settings.lockstep`` (ZeRO-3) calls of the same kinds in the same
+    order (:func:`lockstep`)."""
+    events = [kind for task in tasks for kind in task.events]
+    schedule = lockstep(events) if settings.lockstep and in_process_group() else None
+    calls = sum(kind in (BACKWARD, UPDATE) for kind in (schedule if schedule is not None else events))
+    most = calls
+    if schedule is None and in_process_group():
+        count = torch.tensor([calls])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        most = int(count.item())
+    backward.function = backward_for(most)
+    dummy = dummy_call(model, backward, device)
+    run_tasks(tasks, schedule, dummy)
+    for _ in range(most - calls):
+        dummy(UPDATE)
+
+
+def packed_task(run: Callable[[], T], kind: str = UPDATE) -> Task:
+    """A task of one call (a packed row's forward and backward, or its no-grad forward)."""
+
+    def generator():
+        result = run()
+        yield
+        return result
+
+    return Task([kind], generator())
 
 
 def _cache_bytes(cache: PathCache) -> int:
@@ -255,44 +482,30 @@ def run_step(
     stats: WalkStats | None = None,
     router_aux=None,
 ) -> StepOutput:
-    """One accumulation of packed rows (:func:`run_rows`) and :class:`DfsRow` rows (walked).
+    """One SFT accumulation of packed rows (:func:`run_rows`) and :class:`DfsRow` rows (walked).
 
     ``router_aux`` (an MoE model's load-balancing loss, :mod:`ds_tree.models.moe`) is refused: the
-    walk does not implement it.
-
-    ``backward_for(n)`` gives the ``backward`` of ``n`` calls (one per packed row and per chunk).
-    In a process group every rank makes as many calls as the busiest one: the others add
-    zero-loss steps of an empty row (ZeRO-2 reduces gradients collectively at every backward).
+    walk does not implement it. ``backward_for(n)`` gives the ``backward`` of ``n`` calls
+    (:func:`run_calls`).
     """
     if router_aux is not None:
         raise ConfigError(
             "packing.mode=dfs and packing.over_budget=dfs do not implement the MoE router load-balancing loss; "
             "set model.router_aux_loss_coef: 0"
         )
-    walked = [row for row in rows if isinstance(row, DfsRow)]
-    packed = [row for row in rows if not isinstance(row, DfsRow)]
-    calls = len(packed) + sum(len(row_chunks(row, settings.chunk)) for row in walked)
-    most = calls
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        count = torch.tensor([calls])
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        most = int(count.item())
-    backward = backward_for(most)
-    padding = [assemble_row([]) for _ in range(most - calls)]
-    output = run_rows(
-        model,
-        packed + padding,
-        normalisers,
-        normalisation,
-        policy,
-        backward=backward,
-        device=device,
-        head_chunk=head_chunk,
-    )
-    with chunk_attention(model):
-        for row in walked:
-            weights = restoration_weights(row, normalisers, normalisation, policy)
-            output.loss += walk_row(
-                model, row, weights, settings, backward, device=device, head_chunk=head_chunk, stats=stats
-            )
-    return output
+    backward = DeferredBackward()
+
+    def packed(row: PackedRow) -> Task:
+        options = {"backward": backward, "device": device, "head_chunk": head_chunk}
+        return packed_task(lambda: run_rows(model, [row], normalisers, normalisation, policy, **options).loss)
+
+    def walked(row: DfsRow) -> Task:
+        chunks = row_chunks(row, settings.chunk)
+        weights = restoration_weights(row, normalisers, normalisation, policy)
+        chunk_loss = sft_chunk_loss(model, row, chunks, weights, device=device, head_chunk=head_chunk)
+        calls = walk(model, row, chunks, chunk_loss, settings, backward, stats)
+        return Task(walk_events(chunks, settings.recompute), calls)
+
+    tasks = [walked(row) if isinstance(row, DfsRow) else packed(row) for row in rows]
+    run_calls(model, tasks, settings, backward, backward_for, device)
+    return StepOutput(loss=sum(task.result for task in tasks))
