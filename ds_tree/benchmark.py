@@ -35,7 +35,7 @@ import torch
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.dfs import DfsSettings, WalkStats, run_step
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, run_rl_walk
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.sft import Normalisers
@@ -229,33 +229,53 @@ def fit_token_pair_cost(rows: list[tuple[int, int, float]]) -> tuple[float, floa
 
 
 def rl_step_once(
-    model, optimizer, reference, trajectories, mode, budget, block, objective: ObjectiveConfig, measure_memory
+    model,
+    optimizer,
+    reference,
+    trajectories,
+    mode,
+    budget,
+    block,
+    objective: ObjectiveConfig,
+    measure_memory,
+    dfs_settings: DfsSettings | None = None,
 ) -> dict:
     """One RL step: rows and advantages, the old policy's no-grad pass, ``objective.ppo_epochs`` updates.
 
-    The memory measured is the first update's (the no-grad pass saves nothing for backward).
+    The memory measured is the first update's (the no-grad pass saves nothing for backward); in mode
+    ``dfs`` (every tree walked with ``dfs_settings``) as :func:`dfs_step_once` measures it.
     """
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     settings = objective.rl_settings()
+    dfs = dfs_settings if mode == "dfs" else None
     started = time.perf_counter()
-    rows = pack_trajectories(trajectories, mode, budget, block)
+    rows = pack_trajectories(trajectories, mode, dfs.chunk if dfs else budget, block)
     computed = ESTIMATORS[objective.estimator](trajectories, normalise=objective.normalise_advantages)
     advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
     packed = time.perf_counter()
-    prepared = prepare_rl_rows(model, rows, advantages, settings, StepNormalisers.of(trajectories), reference=reference)
+    normalisers = StepNormalisers.of(trajectories)
+    prepared = prepare_rl_rows(model, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)
     old_done = time.perf_counter()
     forward_backward = optimizer_time = 0.0
     saved = 0
     for epoch in range(objective.ppo_epochs):
         epoch_started = time.perf_counter()
-        saved = max(
-            saved,
-            run_measuring(
-                lambda some: run_rl_rows(model, some, settings, backward=torch.Tensor.backward),
-                prepared,
-                measure_memory and epoch == 0,
-            ),
-        )
+        if dfs is not None:
+            meter, stats = PeakSavedMeter(), WalkStats()
+            with meter.context() if measure_memory and epoch == 0 else contextlib.nullcontext():
+                backward_for = lambda _: torch.Tensor.backward  # noqa: E731
+                run_rl_walk(model, prepared, settings, dfs, backward_for=backward_for, stats=stats)
+            if measure_memory and epoch == 0:
+                saved = meter.peak + stats.peak_cache_bytes
+        else:
+            saved = max(
+                saved,
+                run_measuring(
+                    lambda some: run_rl_rows(model, some, settings, backward=torch.Tensor.backward),
+                    prepared,
+                    measure_memory and epoch == 0,
+                ),
+            )
         epoch_computed = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -310,8 +330,6 @@ def run_benchmark(
     ``dfs_chunk`` tokens (0: ``budget``), forwarding each twice with ``dfs_recompute``.
     """
     rl = objective is not None and objective.is_rl
-    if rl and "dfs" in modes:
-        raise ValueError("mode dfs runs the sft objective only (the trainer refuses dfs with RL as well)")
     if device != "cpu" and (rl or set(modes) - {"flat", "tree"} or peak_memory or profile_path):
         raise ValueError(f"--device {device} times SFT steps of modes flat and tree only (no memory or profile)")
     groups = group_trajectories(trajectories)
@@ -331,13 +349,14 @@ def run_benchmark(
             references[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed)
             references[mode].requires_grad_(False)
 
+    dfs_settings = DfsSettings(dfs_chunk or budget, dfs_recompute)
+
     def step_of(mode: str, batch: list[Trajectory], measure_memory: bool) -> dict:
         if rl:
             return rl_step_once(
                 models[mode], optimizers[mode], references[mode], batch, mode, budget, block, objective,
-                measure_memory,
+                measure_memory, dfs_settings,
             )
-        dfs_settings = DfsSettings(dfs_chunk or budget, dfs_recompute)
         return step_once(
             models[mode],
             optimizers[mode],

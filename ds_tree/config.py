@@ -445,8 +445,6 @@ class Config:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.objective.is_rl and (self.packing.mode == "dfs" or self.packing.over_budget == "dfs"):
-            raise ConfigError("packing.mode=dfs and packing.over_budget=dfs train the sft objective only")
         if self.objective.is_rl and self.objective.kl_coef and self.model.zero_init:
             raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
         if self.rollout.enabled:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ds_tree.engine.dfs import DfsSettings, run_step, trajectory_logprobs
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
@@ -42,22 +43,46 @@ class ModeResult:
 
 
 def run_mode(
-    model, trajectories, mode, budget, block, normalisation, policy, head_chunk: int = 0, router_aux=None
+    model,
+    trajectories,
+    mode,
+    budget,
+    block,
+    normalisation,
+    policy,
+    head_chunk: int = 0,
+    router_aux=None,
+    dfs: DfsSettings | None = None,
 ) -> ModeResult:
+    """One SFT pass of ``trajectories`` in ``mode`` (``dfs``: every tree walked with ``dfs``)."""
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = Normalisers.from_rows(rows)
     model.zero_grad(set_to_none=True)
-    output = run_rows(
-        model,
-        rows,
-        normalisers,
-        normalisation,
-        policy,
-        backward=torch.Tensor.backward,
-        collect_logprobs=True,
-        head_chunk=head_chunk,
-        router_aux=router_aux,
-    )
+    if mode == "dfs":
+        output = run_step(
+            model,
+            rows,
+            normalisers,
+            normalisation,
+            policy,
+            dfs,
+            backward_for=lambda _: torch.Tensor.backward,
+            head_chunk=head_chunk,
+            router_aux=router_aux,
+        )
+        output.trajectory_logprobs = trajectory_logprobs(model, rows, dfs.chunk, head_chunk=head_chunk)
+    else:
+        output = run_rows(
+            model,
+            rows,
+            normalisers,
+            normalisation,
+            policy,
+            backward=torch.Tensor.backward,
+            collect_logprobs=True,
+            head_chunk=head_chunk,
+            router_aux=router_aux,
+        )
     gradients = {
         name: parameter.grad.detach().clone()
         for name, parameter in model.named_parameters()
@@ -113,11 +138,13 @@ def compare(
     normalisation: str = "token_mean",
     policy: str = "exact",
     router_aux_loss_coef: float | None = None,
+    dfs: DfsSettings | None = None,
 ) -> dict:
     """Run flat and tree mode and return the verification report (see ``ds_tree.cli.verify``).
 
     An MoE model's objective includes its router load-balancing loss (:mod:`ds_tree.models.moe`),
     weighted by ``router_aux_loss_coef`` (None: the model config's ``router_aux_loss_coef``).
+    With ``dfs``, every tree is also walked in dfs mode and compared with flat (``dfs_*`` fields).
     """
     check_objective(normalisation, policy)
     torch_dtype = verification_dtype(trajectories, dtype)
@@ -126,6 +153,12 @@ def compare(
     router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
     flat = run_mode(model, trajectories, "flat", budget, block, normalisation, policy, router_aux=router_aux)
     tree = run_mode(model, trajectories, "tree", budget, block, normalisation, policy, router_aux=router_aux)
+    walked = {}
+    if dfs is not None:
+        result = run_mode(
+            model, trajectories, "dfs", budget, block, normalisation, policy, router_aux=router_aux, dfs=dfs
+        )
+        walked = dfs_errors(flat, result, dfs)
 
     grad_errors = gradient_errors(flat.gradients, tree.gradients)
     if set(tree.logprobs) != set(flat.logprobs):
@@ -171,9 +204,36 @@ def compare(
             and max_abs_logprob_err <= tolerance
             and loss_rel_err <= tolerance
             and router_aux_rel_err <= tolerance
+            and all(walked[name] <= tolerance for name in DFS_ERRORS if name in walked)
         ),
+        **walked,
     }
 
+
+DFS_ERRORS = ("dfs_loss_rel_err", "dfs_max_rel_grad_err", "dfs_max_abs_logprob_err", "dfs_max_rel_metric_err")
+"""The ``dfs_*`` report fields that must stay within the tolerance."""
+
+
+def dfs_errors(flat, walked, dfs: DfsSettings, flat_logprobs=None, walked_logprobs=None) -> dict:
+    """The ``dfs_*`` report fields: the walked pass (SFT :class:`ModeResult`, RL :class:`RLModeResult`) against flat."""
+    errors = gradient_errors(flat.gradients, walked.gradients)
+    flat_logprobs = flat_logprobs if flat_logprobs is not None else flat.logprobs
+    walked_logprobs = walked_logprobs if walked_logprobs is not None else walked.logprobs
+    if set(flat_logprobs) != set(walked_logprobs):
+        raise AssertionError("dfs and flat mode disagree on which trajectories they computed")
+    report = {
+        "dfs_chunk": dfs.chunk,
+        "dfs_recompute": dfs.recompute,
+        "loss_dfs": walked.loss,
+        "dfs_loss_rel_err": abs(walked.loss - flat.loss) / max(abs(flat.loss), 1e-300),
+        "dfs_max_rel_grad_err": max(errors.values(), default=0.0),
+        "dfs_max_abs_logprob_err": float(
+            max((np.abs(walked_logprobs[k] - flat_logprobs[k]).max(initial=0.0) for k in flat_logprobs), default=0.0)
+        ),
+    }
+    if isinstance(walked, RLModeResult):
+        report["dfs_max_rel_metric_err"] = max(metric_errors(flat.metrics, walked.metrics).values(), default=0.0)
+    return report
 
 
 # ------------------------------------------------------------------------------------------ RL
@@ -198,22 +258,35 @@ class RLModeResult:
 
 
 def run_rl_mode(
-    model, old_model, reference, trajectories, mode, budget, block, advantages, settings, head_chunk: int = 0
+    model,
+    old_model,
+    reference,
+    trajectories,
+    mode,
+    budget,
+    block,
+    advantages,
+    settings,
+    head_chunk: int = 0,
+    dfs: DfsSettings | None = None,
 ) -> RLModeResult:
-    """One RL pass (old log-probs from ``old_model``, loss and gradients of ``model``) in ``mode``."""
-    from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+    """One RL pass (old log-probs from ``old_model``, loss and gradients of ``model``) in ``mode``
+    (``dfs``: every tree walked with ``dfs``, the old and reference log-probs too)."""
+    from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, run_rl_walk
 
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = StepNormalisers.of(trajectories)
     prepared = prepare_rl_rows(
-        old_model, rows, advantages, settings, normalisers, reference=reference, head_chunk=head_chunk
+        old_model, rows, advantages, settings, normalisers, reference=reference, head_chunk=head_chunk, dfs=dfs
     )
     model.zero_grad(set_to_none=True)
-    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, head_chunk=head_chunk)
+    if mode == "dfs":
+        backward_for = lambda _: torch.Tensor.backward  # noqa: E731
+        output = run_rl_walk(model, prepared, settings, dfs, backward_for=backward_for, head_chunk=head_chunk)
+    else:
+        output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, head_chunk=head_chunk)
     gradients = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return RLModeResult(
-        output.loss, gradients, output.metrics or {}, sum(r.n_tokens for r in rows), len(rows)
-    )
+    return RLModeResult(output.loss, gradients, output.metrics or {}, sum(r.n_tokens for r in rows), len(rows))
 
 
 def compare_rl(
@@ -231,6 +304,7 @@ def compare_rl(
     perturbation: float = 0.5,
     head_chunk: int = 0,
     checkpoint_every: int = 0,
+    dfs: DfsSettings | None = None,
 ) -> dict:
     """RL objective, tree vs flat: old log-probs, loss, metrics and every gradient (``ds-tree verify --objective``).
 
@@ -239,6 +313,7 @@ def compare_rl(
     report counts the clipped tokens of each side). The reference policy (KL) is the old policy.
     ``head_chunk`` and ``checkpoint_every`` (of the trained policy) are the memory modes of
     :func:`ds_tree.models.logprobs.logprobs_at` and :func:`ds_tree.models.loading.load_model`.
+    With ``dfs``, every tree is also walked in dfs mode and compared with flat (``dfs_*`` fields).
     """
     from ds_tree.engine.rl_step import RLSettings
     from ds_tree.losses.advantages import ESTIMATORS
@@ -260,7 +335,9 @@ def compare_rl(
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward
         old = {
             mode: run_rows(
-                old_model, pack_trajectories(trajectories, mode, budget, block), Normalisers(1.0, 1.0, 1.0),
+                old_model,
+                pack_trajectories(trajectories, mode, budget, block),
+                Normalisers(1.0, 1.0, 1.0),
                 collect_logprobs=True,
                 head_chunk=head_chunk,
             ).trajectory_logprobs
@@ -271,17 +348,22 @@ def compare_rl(
         run_rl_mode(model, old_model, reference, trajectories, mode, budget, block, advantages, settings, head_chunk)
         for mode in ("flat", "tree")
     )
+    walked = {}
+    if dfs is not None:
+        result = run_rl_mode(
+            model, old_model, reference, trajectories, "dfs", budget, block, advantages, settings, head_chunk, dfs
+        )
+        rows = pack_trajectories(trajectories, "dfs", budget, block)
+        old_walked = trajectory_logprobs(old_model, rows, dfs.chunk, head_chunk=head_chunk)
+        walked = dfs_errors(flat, result, dfs, old["flat"], old_walked)
 
     grad_errors = gradient_errors(flat.gradients, tree.gradients)
-    metric_errors = {
-        name: abs(tree.metrics.get(name, 0.0) - value) / max(abs(value), 1e-300) if value else abs(tree.metrics[name])
-        for name, value in flat.metrics.items()
-    }
+    errors_of_metrics = metric_errors(flat.metrics, tree.metrics)
     counts = token_counts(trajectories)
     tolerance = TOLERANCES[torch_dtype]
     loss_rel_err = abs(tree.loss - flat.loss) / max(abs(flat.loss), 1e-300)
     max_rel_grad_err = max(grad_errors.values(), default=0.0)
-    max_metric_err = max(metric_errors.values(), default=0.0)
+    max_metric_err = max(errors_of_metrics.values(), default=0.0)
     return {
         "n_trajectories": len(trajectories),
         "flat_tokens": counts.flat_tokens,
@@ -308,5 +390,15 @@ def compare_rl(
             and loss_rel_err <= tolerance
             and logprob_err <= tolerance
             and max_metric_err <= tolerance
+            and all(walked[name] <= tolerance for name in DFS_ERRORS if name in walked)
         ),
+        **walked,
+    }
+
+
+def metric_errors(flat: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """Relative error of each RL metric sum (absolute where the flat value is 0)."""
+    return {
+        name: abs(other.get(name, 0.0) - value) / max(abs(value), 1e-300) if value else abs(other[name])
+        for name, value in flat.items()
     }

@@ -17,7 +17,7 @@ after the timed steps under the torch profiler: ``modes.<mode>.activation_peak_b
 bytes that row's forward and backward held at once, recomputation included (what the saved-tensor
 count cannot see), and ``activation_peak_ratio_tree_over_flat`` their ratio.
 
-Mode ``dfs`` (SFT) walks every tree depth-first in chunks of at most ``--dfs-chunk`` tokens (default
+Mode ``dfs`` (SFT and RL) walks every tree depth-first in chunks of at most ``--dfs-chunk`` tokens (default
 ``--budget``; ``--dfs-recompute`` forwards each chunk twice); its ``peak_memory_bytes`` is the most
 the walk holds at once, and ``dfs_time_over_tree`` / ``dfs_memory_over_tree`` compare it with tree mode.
 

@@ -3,7 +3,7 @@
     ds-tree verify --data PATH --model CONFIG_OR_DIR [--dtype float64|float32]
         [--seed N] [--budget TOKENS] [--attention torch|reference|triton]
         [--objective sft|grpo|ppo [--estimator E] [--eps-low X] ... [--perturbation S]]
-        [--sequence-parallel S]
+        [--sequence-parallel S] [--dfs-chunk C [--dfs-recompute]]
 
 PATH is a tokens JSONL file (one trajectory a line) or a dataset directory written by
 ``ds-tree convert``. ``--objective sft`` (the default) compares the weighted next-token loss,
@@ -15,6 +15,9 @@ ratios are clipped on both sides; the report's metrics count the clipped tokens)
 with a path over ``--budget`` go to rows of up to S x budget sharded over them; loss and gradients
 are compared with the single-process flat result, and the report adds each rank's activation
 memory and step time at S = 1 and S (:mod:`ds_tree.parallel.check`).
+``--dfs-chunk C`` also walks every tree in dfs mode (docs/DESIGN.md section 5) in chunks of at most C
+tokens (``--dfs-recompute``: each forwarded twice) and compares it with flat as well: the ``dfs_*``
+fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the metrics).
 Exits 1 when the errors exceed the dtype's tolerance, 2 on bad input (e.g. a reward missing for
 the estimator).
 """
@@ -28,6 +31,7 @@ import sys
 from ds_tree.attention.registry import ENGINES
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data import load_trajectories
+from ds_tree.engine.dfs import DfsSettings
 from ds_tree.errors import DataError
 from ds_tree.losses import NORMALISATIONS, POLICIES
 from ds_tree.parallel.check import sequence_parallel_report
@@ -65,9 +69,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument(
         "--sequence-parallel", type=int, default=1, metavar="S", help="SFT only: ranks per sequence-parallel row"
     )
+    parser.add_argument(
+        "--dfs-chunk", type=int, default=0, metavar="C", help="also compare dfs mode, in chunks of at most C tokens"
+    )
+    parser.add_argument("--dfs-recompute", action="store_true", help="dfs mode: forward every chunk twice")
     args = parser.parse_args(argv)
     if args.sequence_parallel > 1 and args.objective not in (None, "sft"):
         parser.error("--sequence-parallel checks the sft objective only")
+    if args.dfs_chunk < 0 or (args.dfs_recompute and not args.dfs_chunk):
+        parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
+    if args.dfs_chunk and args.sequence_parallel > 1:
+        parser.error("--dfs-chunk and --sequence-parallel check different modes: give one")
+    dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
     objective = objective_config(
         parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
     )
@@ -92,6 +105,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 normalisation=args.normalisation or "token_mean",
                 policy=args.policy or "exact",
                 router_aux_loss_coef=args.router_aux_loss_coef,
+                dfs=dfs,
                 **common,
             )
         else:
@@ -103,6 +117,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 normalise_advantages=objective.normalise_advantages,
                 settings=objective.rl_settings(),
                 perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
+                dfs=dfs,
                 **common,
             )
     except (DataError, FileNotFoundError, ValueError) as error:

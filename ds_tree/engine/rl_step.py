@@ -23,9 +23,26 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from ds_tree.engine.dfs import (
+    NO_GRAD,
+    DeferredBackward,
+    DfsSettings,
+    Task,
+    WalkStats,
+    dummy_call,
+    in_process_group,
+    packed_task,
+    row_chunks,
+    run_calls,
+    run_to_end,
+    walk,
+    walk_events,
+    walk_logprobs,
+)
 from ds_tree.errors import DataError
 from ds_tree.losses.rl import TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.models.logprobs import logprobs_and_entropy_at, logprobs_at
+from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree
@@ -190,12 +207,26 @@ def _dummy_forward(model: PreTrainedModel, row: PackedRow, device, head_chunk: i
 
 
 @torch.no_grad()
-def _logprobs(model: PreTrainedModel, row: PackedRow, targets: np.ndarray, device, head_chunk: int) -> np.ndarray:
+def _logprobs(
+    model: PreTrainedModel, row: PackedRow, targets: np.ndarray, device, head_chunk: int, dfs: DfsSettings | None
+) -> np.ndarray:
+    """``log p`` of ``targets``: one forward of a packed row, a no-grad walk of a walked one
+    (:func:`_forwards` of them)."""
+    if isinstance(row, DfsRow):
+        if dfs is None:
+            raise ValueError("a walked (dfs) row needs the dfs settings")
+        chunks = row_chunks(row, dfs.chunk)
+        return run_to_end(walk_logprobs(model, row, chunks, targets, device=device, head_chunk=head_chunk))
     if targets.size == 0:
         _dummy_forward(model, row, device, head_chunk)
         return np.zeros(0)
     logprobs = logprobs_at(model, row, row.pred_pos[targets], row.input_ids[targets], device, head_chunk=head_chunk)
     return logprobs.double().cpu().numpy()
+
+
+def _forwards(row: PackedRow, dfs: DfsSettings | None) -> int:
+    """The forwards :func:`_logprobs` makes on ``row``."""
+    return len(row_chunks(row, dfs.chunk)) if isinstance(row, DfsRow) and dfs is not None else 1
 
 
 def prepare_rl_rows(
@@ -208,13 +239,23 @@ def prepare_rl_rows(
     reference: PreTrainedModel | None = None,
     device: torch.device | str = "cpu",
     head_chunk: int = 0,
+    dfs: DfsSettings | None = None,
 ) -> list[RLRow]:
     """Targets, per-token sums, old and reference log-probs of every row (no gradients).
 
     ``advantages`` maps ``id(trajectory)`` to its per-token advantages. ``model`` is the policy
     before this step's updates (its log-probs are ``logp_old`` unless ``old_logprobs`` is ``data``).
-    ``head_chunk``: see :mod:`ds_tree.models.logprobs`.
+    ``head_chunk``: see :mod:`ds_tree.models.logprobs`. ``dfs``: how walked rows (:class:`DfsRow`)
+    are walked; with ``dfs.lockstep`` (ZeRO-3) every rank makes as many forwards of ``model`` as the
+    busiest (the reference model is not sharded).
     """
+    if dfs is not None and dfs.lockstep and settings.old_logprobs != "data" and in_process_group():
+        count = torch.tensor([sum(_forwards(row, dfs) for row in rows)])
+        most = count.clone()
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        dummy = dummy_call(model, None, device)
+        for _ in range(int(most - count)):
+            dummy(NO_GRAD)
     prepared = []
     for row in rows:
         copies = trajectory_copies(row)
@@ -223,12 +264,12 @@ def prepare_rl_rows(
         if settings.old_logprobs == "data":
             logp_old = shared_sampler_logprobs(row.n_tokens, copies)[targets]
         else:
-            logp_old = _logprobs(model, row, targets, device, head_chunk)
+            logp_old = _logprobs(model, row, targets, device, head_chunk, dfs)
         if settings.importance_truncation is not None:
             by_token = np.full(row.n_tokens, np.nan)
             by_token[targets] = logp_old
             sums = row_sums(row, copies, advantages, settings, normalisers, logp_old=by_token)
-        logp_ref = _logprobs(reference, row, targets, device, head_chunk) if reference is not None else None
+        logp_ref = _logprobs(reference, row, targets, device, head_chunk, dfs) if reference is not None else None
         prepared.append(RLRow(row, targets, sums.take(targets), logp_old, logp_ref))
     return prepared
 
@@ -245,6 +286,29 @@ def add_metrics(total: dict[str, float] | None, new: dict[str, float]) -> dict[s
     if total is None:
         return dict(new)
     return {name: max(total[name], v) if name == "ratio_max" else total[name] + v for name, v in new.items()}
+
+
+def targets_loss(
+    settings: RLSettings,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    item: RLRow,
+    select: np.ndarray | slice = slice(None),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`ppo_tree_loss` of ``item``'s targets ``select`` (``logp`` and ``entropy`` computed at them)."""
+    return ppo_tree_loss(
+        logp,
+        item.logp_old[select],
+        item.sums.take(select) if isinstance(select, np.ndarray) else item.sums,
+        eps_low=settings.eps_low,
+        eps_high=settings.eps_high,
+        dual_clip=settings.dual_clip,
+        logp_ref=None if item.logp_ref is None else item.logp_ref[select],
+        kl_coef=settings.kl_coef,
+        kl_estimator=settings.kl_estimator,
+        entropy=entropy,
+        entropy_coef=settings.entropy_coef,
+    )
 
 
 def run_rl_rows(
@@ -266,23 +330,73 @@ def run_rl_rows(
             logp, entropy = logprobs_and_entropy_at(
                 model, row, row.pred_pos[targets], row.input_ids[targets], device, entropy=True, head_chunk=head_chunk
             )
-            loss, metrics = ppo_tree_loss(
-                logp,
-                item.logp_old,
-                item.sums,
-                eps_low=settings.eps_low,
-                eps_high=settings.eps_high,
-                dual_clip=settings.dual_clip,
-                logp_ref=item.logp_ref,
-                kl_coef=settings.kl_coef,
-                kl_estimator=settings.kl_estimator,
-                entropy=entropy,
-                entropy_coef=settings.entropy_coef,
-            )
+            loss, metrics = targets_loss(settings, logp, entropy, item)
             output.metrics = add_metrics(output.metrics, metrics)
         if backward is not None:
             backward(loss)
         output.loss += float(loss.detach())
+    return output
+
+
+def run_rl_walk(
+    model: PreTrainedModel,
+    prepared: Sequence[RLRow],
+    settings: RLSettings,
+    dfs: DfsSettings,
+    *,
+    backward_for: Callable[[int], Callable[[torch.Tensor], None]],
+    device: torch.device | str = "cpu",
+    head_chunk: int = 0,
+    stats: WalkStats | None = None,
+) -> RLOutput:
+    """:func:`run_rl_rows` for rows of which some are walked (:class:`DfsRow`, the dfs mode).
+
+    A walked row's loss is the sum over its chunks of :func:`ppo_tree_loss` on the targets each
+    chunk predicts (the loss is a sum of per-target terms), its metrics likewise (``ratio_max``
+    by max). ``backward_for(n)`` gives the ``backward`` of ``n`` calls
+    (:func:`ds_tree.engine.dfs.run_calls`).
+    """
+    backward = DeferredBackward()
+    output = RLOutput()
+
+    def chunk_loss(item: RLRow, chunks):
+        row = item.row
+        target_chunk = chunks.of_tokens(row.pred_pos[item.targets])
+
+        def loss(index: int, inputs) -> torch.Tensor:
+            start = int(chunks.start[index])
+            mine = np.flatnonzero(target_chunk == index)
+            if mine.size == 0:
+                logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), row.input_ids[start : start + 1], device)
+                return logprobs.sum() * 0.0
+            targets = item.targets[mine]
+            logp, entropy = logprobs_and_entropy_at(
+                model, inputs, row.pred_pos[targets] - start, row.input_ids[targets], device, head_chunk=head_chunk
+            )
+            value, metrics = targets_loss(settings, logp, entropy, item, mine)
+            output.metrics = add_metrics(output.metrics, metrics)
+            return value
+
+        return loss
+
+    def task(item: RLRow) -> Task:
+        if not isinstance(item.row, DfsRow):
+            return packed_task(
+                lambda: run_rl_rows(model, [item], settings, backward=backward, device=device, head_chunk=head_chunk)
+            )
+        chunks = row_chunks(item.row, dfs.chunk)
+        calls = walk(model, item.row, chunks, chunk_loss(item, chunks), dfs, backward, stats, device)
+        return Task(walk_events(chunks, dfs.recompute), calls)
+
+    tasks = [task(item) for item in prepared]
+    run_calls(model, tasks, dfs, backward, backward_for, device)
+    for done in tasks:
+        if isinstance(done.result, RLOutput):  # a packed row's
+            output.loss += done.result.loss
+            if done.result.metrics is not None:
+                output.metrics = add_metrics(output.metrics, done.result.metrics)
+        else:  # a walk's loss (its metrics were added chunk by chunk)
+            output.loss += done.result
     return output
 
 

@@ -1,0 +1,142 @@
+"""Run under ``torchrun --nproc_per_node 2``: dfs-mode SFT and RL gradients vs the single-process flat ones.
+
+The trainer's config walks the trees with a path over ``packing.budget`` (``over_budget: dfs``,
+with recompute) next to packed rows; the two ranks get trees of different shapes, so their walks
+make different sequences of calls. For each DeepSpeed JSON of ``--deepspeed`` (ZeRO-2, then ZeRO-3,
+where the ranks follow one lockstep schedule; a fresh engine on the same weights each time):
+
+- SFT: one accumulation of the trainer's first step (``forward_backward``);
+- RL: the trainer's rollouts of the step (old log-probs by a no-grad walk) and one update's
+  backward (``rl_backward``).
+
+Every rank gathers the full gradients, then the optimizer steps (ZeRO-3 keeps gradients until a
+step); rank 0 computes the same objective in one process, float64, flat layout, from the parameters
+the case started from, and records the relative errors and each rank's call kinds.
+Then one whole RL ``train_step`` under the last engine. Results go to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_tree.engine.dfs import row_chunks, settings_of, walk_events
+from ds_tree.engine.ds_config import resolve_deepspeed_config
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.step import run_rows
+from ds_tree.losses.sft import Normalisers
+from ds_tree.models.loading import load_model
+from ds_tree.packing.dfs_rows import DfsRow
+from ds_tree.packing.modes import pack_trajectories
+from tests.distributed.common import check_arguments, started_trainer
+from tests.distributed.grad_check import gather_full_gradients, relative
+from tests.distributed.sp_grad_check import full_parameters
+
+
+def call_kinds(trainer, rows) -> list[str]:
+    """This rank's calls for ``rows`` (before any lockstep padding)."""
+    settings = settings_of(trainer.config.packing, trainer.ds_config)
+    kinds = []
+    for row in rows:
+        kinds += walk_events(row_chunks(row, settings.chunk), True) if isinstance(row, DfsRow) else ["update"]
+    return kinds
+
+
+def flat_model(config, parameters):
+    model = load_model(config.model.source, attention="reference", dtype="float64", seed=config.model.seed)
+    model.load_state_dict({name: value.double() for name, value in parameters.items()})
+    return model
+
+
+def sft_case(trainer, step: int) -> dict:
+    config = trainer.config
+    parameters = full_parameters(trainer.engine)
+    plan = trainer.plan_step(0)
+    output = trainer.forward_backward(plan.rows)
+    gradients = gather_full_gradients(trainer.engine)
+    trainer.apply_update(step, output.loss)  # consumes the gradients (ZeRO-3 keeps them until a step)
+    loss = torch.tensor([output.loss], dtype=torch.float64)
+    dist.all_reduce(loss)
+    result = {"kinds": call_kinds(trainer, plan.rows), "walked": sum(isinstance(r, DfsRow) for r in plan.rows)}
+    if dist.get_rank() == 0:
+        model = flat_model(config, parameters)
+        trajectories = trainer.step_trajectories(0)
+        rows = pack_trajectories(trajectories, "flat", max(len(t) for t in trajectories))
+        flat = run_rows(
+            model,
+            rows,
+            Normalisers.from_rows(rows),
+            config.objective.normalisation,
+            config.objective.policy,
+            backward=torch.Tensor.backward,
+        )
+        result.update(
+            loss_rel_err=abs(float(loss.item()) - flat.loss) / abs(flat.loss),
+            max_rel_grad_err=max(relative(gradients[n], p.grad.numpy()) for n, p in model.named_parameters()),
+        )
+    return result
+
+
+def rl_case(trainer, step: int) -> dict:
+    config = trainer.config
+    parameters = full_parameters(trainer.engine)
+    rollouts = trainer.rl_rollouts(0)
+    (rows,) = rollouts.prepared
+    output = trainer.rl_backward(rows)
+    gradients = gather_full_gradients(trainer.engine)
+    trainer.apply_update(step, output.loss)
+    loss = torch.tensor([output.loss], dtype=torch.float64)
+    dist.all_reduce(loss)
+    result = {"kinds": call_kinds(trainer, [item.row for item in rows])}
+    if dist.get_rank() == 0:
+        model = flat_model(config, parameters)
+        trajectories = rollouts.trajectories
+        advantages = {id(t): a for t, a in zip(trajectories, rollouts.advantages, strict=True)}
+        settings = config.objective.rl_settings()
+        flat_rows = pack_trajectories(trajectories, "flat", max(len(t) for t in trajectories))
+        with torch.no_grad():
+            prepared = prepare_rl_rows(model, flat_rows, advantages, settings, StepNormalisers.of(trajectories))
+        flat = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
+        result.update(
+            loss_rel_err=abs(float(loss.item()) - flat.loss) / abs(flat.loss),
+            max_rel_grad_err=max(relative(gradients[n], p.grad.numpy()) for n, p in model.named_parameters()),
+        )
+    return result
+
+
+def main() -> None:
+    args, config = check_arguments((("--deepspeed",), {"nargs": "+", "required": True}))
+    config.deepspeed = args.deepspeed[0]
+    trainer = started_trainer(config)
+    weights = full_parameters(trainer.engine)
+    report = {"world_size": dist.get_world_size(), "runs": []}
+    step = 0
+    for ds_path in args.deepspeed:
+        if ds_path != args.deepspeed[0]:
+            trainer.config.deepspeed = ds_path
+            hidden = trainer.model_config.hidden_size
+            trainer.ds_config = resolve_deepspeed_config(trainer.config, trainer.world_size, hidden)
+            model = load_model(config.model.source, attention=config.model.attention, seed=config.model.seed)
+            model.load_state_dict(weights)
+            trainer.build_engine(model)
+        stage = trainer.engine.zero_optimization_stage()
+        for objective, case in (("sft", sft_case), ("grpo", rl_case)):
+            trainer.config.objective.kind = objective  # the config's is grpo (its data checks ran)
+            step += 1
+            result = case(trainer, step)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, result.pop("kinds"))
+            report["runs"].append({"stage": stage, "objective": objective, "kinds_per_rank": every, **result})
+    scalars = trainer.train_step(0)  # a whole RL step (objective.kind is grpo again)
+    report["train_step"] = {"loss": scalars["loss/train"], "grad_norm": scalars["optim/grad_norm"]}
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    dist.barrier()
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main()

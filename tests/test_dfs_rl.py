@@ -1,0 +1,171 @@
+"""The RL objectives in dfs mode: walked trees give the flat baseline's loss, metrics and gradients.
+
+A walked row's RL loss is the sum over its chunks of the clipped objective on the targets each
+chunk predicts; the old and reference policies' log-probs of walked rows come from a no-grad walk.
+float64, one process, through ``ds-tree verify``'s :func:`compare_rl` (old log-probs, loss, every
+metric sum and every gradient, 1e-10 relative), on the RL test forest (shared stems, advantages
+of both signs on shared tokens, clipping on both sides) in chunks small enough to cut nodes and
+with forks inside chunks; also the SFT report's ``dfs_*`` fields. The lockstep schedule that lets
+ZeRO-3 walk different trees on different ranks is checked here as a pure function; the 2-rank
+ZeRO-2 and ZeRO-3 steps are in ``tests/distributed/dfs_rl_check.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_tree.engine.dfs import NO_GRAD, UPDATE, DfsSettings, merge_schedules
+from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_walk
+from ds_tree.losses.advantages import ESTIMATORS
+from ds_tree.packing.balance import rows_per_rank
+from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
+from ds_tree.packing.parts import split_tree
+from ds_tree.trees.trie import build_forest
+from ds_tree.verification import compare, compare_rl, gradient_errors, metric_errors, run_rl_mode
+from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
+from tests.test_rl_tree_vs_flat import MODEL, _flat_logprobs, _policies, forest
+
+CASES = [
+    ("grpo", False, RLSettings(), DfsSettings(7)),
+    ("grpo", True, RLSettings(eps_low=0.1, eps_high=0.28, dual_clip=1.3), DfsSettings(3, recompute=True)),
+    (
+        "treepo",
+        True,
+        RLSettings(aggregation="seq_mean_token_sum", kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01),
+        DfsSettings(16),
+    ),
+    ("rloo", False, RLSettings(aggregation="seq_mean_token_mean", kl_coef=0.1, kl_estimator="k1"), DfsSettings(1)),
+]
+
+
+@pytest.mark.parametrize(("estimator", "normalise", "settings", "dfs"), CASES)
+def test_rl_dfs_equals_flat(estimator, normalise, settings, dfs):
+    report = compare_rl(
+        forest(), MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, dfs=dfs
+    )
+    assert report["passed"], report
+    for name in ("dfs_loss_rel_err", "dfs_max_rel_grad_err", "dfs_max_abs_logprob_err", "dfs_max_rel_metric_err"):
+        assert report[name] <= 1e-10, (name, report[name])
+    metrics = report["metrics_flat"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics  # both clipping branches ran
+
+
+def test_sft_verify_reports_dfs():
+    report = compare(forest(seed=1), MODEL, normalisation="sequence_mean", dfs=DfsSettings(5))
+    assert report["passed"], report
+    assert report["dfs_chunk"] == 5 and report["dfs_max_rel_grad_err"] <= 1e-10, report
+
+
+def _random_sequences(rng, ranks: int) -> list[list[int]]:
+    """Each rank's call kinds as a walk with recompute makes them: a no-grad forward entering each
+    chunk, a forward-and-backward leaving it, packed rows' forward-and-backward in between."""
+    sequences = []
+    for _ in range(ranks):
+        kinds, depth = [], 0
+        for _ in range(int(rng.integers(0, 30))):
+            if depth and rng.random() < 0.5:
+                kinds.append(1)
+                depth -= 1
+            elif rng.random() < 0.2:
+                kinds.append(1)
+            else:
+                kinds.append(0)
+                depth += 1
+        sequences.append(kinds + [1] * depth)
+    return sequences
+
+
+def _is_subsequence(sequence: list[int], schedule: list[int]) -> bool:
+    it = iter(schedule)
+    return all(any(kind == slot for slot in it) for kind in sequence)
+
+
+def test_lockstep_schedule_holds_every_ranks_calls():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sequences = _random_sequences(rng, int(rng.integers(1, 5)))
+        schedule = merge_schedules(sequences)
+        assert all(_is_subsequence(s, schedule) for s in sequences)
+        assert max(map(len, sequences), default=0) <= len(schedule) <= sum(map(len, sequences))
+    assert merge_schedules([[0, 0, 1, 1], [0, 1, 0, 1]]) == [0, 0, 1, 0, 1]
+    assert [NO_GRAD, UPDATE] == ["no_grad", "forward_backward"]
+
+
+def write_rewarded_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
+    """:func:`write_forest`'s trees, each trajectory with a reward of 0 or 1."""
+    write_forest(path, groups, seed)
+    rng = np.random.default_rng(seed + 1)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "reward": float(rng.integers(0, 2))}) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.distributed
+def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path) -> None:
+    """SFT and GRPO with over-budget trees walked (recompute) beside packed rows, ZeRO-2 then ZeRO-3, 2 ranks."""
+    data = write_rewarded_forest(tmp_path / "forest.jsonl")
+    stages = [str(write_accumulating_ds_config(tmp_path / f"ds{s}.json", s)) for s in (2, 3)]
+    config = write_config(
+        tmp_path,
+        data,
+        objective={"kind": "grpo"},
+        packing={"mode": "dfs", "budget": 150, "dfs_chunk": 64, "dfs_recompute": True},
+        distributed={"timeout_s": 60},  # a schedule that lost step would hang in a collective
+    )
+    out = tmp_path / "report.json"
+    torchrun("tests/distributed/dfs_rl_check.py", "--config", str(config), "--out", str(out), "--deepspeed", *stages)
+    report = json.loads(out.read_text())
+    runs = {(run["stage"], run["objective"]): run for run in report["runs"]}
+    assert set(runs) == {(2, "sft"), (2, "grpo"), (3, "sft"), (3, "grpo")}
+    for key, run in runs.items():
+        kinds = run["kinds_per_rank"]
+        assert kinds[0] != kinds[1], key  # different walks: ZeRO-3 needed the lockstep schedule
+        # float32 round-off against the flat single process (test_engine's bound)
+        assert run["loss_rel_err"] < 1e-5 and run["max_rel_grad_err"] < 1e-5, (key, run)
+    assert runs[(3, "sft")]["walked"] > 0
+    assert np.isfinite(report["train_step"]["loss"]) and report["train_step"]["grad_norm"] > 0
+
+
+def test_bench_times_rl_in_dfs_mode(tmp_path: Path) -> None:
+    from ds_tree.cli.bench import main as bench_main
+
+    data = write_rewarded_forest(tmp_path / "forest.jsonl", groups=2)
+    out = tmp_path / "bench.json"
+    argv = ["--data", str(data), "--model", MODEL, "--steps", "1", "--warmup", "0", "--objective", "grpo"]
+    assert bench_main([*argv, "--modes", "tree,dfs", "--dfs-chunk", "64", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    dfs, tree = report["modes"]["dfs"], report["modes"]["tree"]
+    assert dfs["step_time_s"] > 0 and 0 < dfs["peak_memory_bytes"] < tree["peak_memory_bytes"], report
+
+
+def test_rl_update_mixes_packed_and_walked_rows():
+    """Tree mode with ``over_budget: dfs``: the trees with a path over the budget walked, the rest packed
+    (split under the budget), one update; old and reference log-probs walked too (KL on), truncated
+    importance weights on the walked log-probs; float64 against the flat pass."""
+    trajectories = forest(seed=0, groups=4)  # longest paths 45, 33, 54, 44 tokens
+    budget, dfs = 44, DfsSettings(6)
+    packed, walked = split_over_budget(build_forest(trajectories), "tree", "dfs", budget)
+    assert packed and walked
+    parts = [part for tree in packed for part in split_tree(tree, budget)]
+    (rows,) = with_walked_rows(rows_per_rank(parts, 1, budget), walked, 1.0, 0.0)
+    assert any(isinstance(row, DfsRow) for row in rows) and not all(isinstance(row, DfsRow) for row in rows)
+    old, new = _policies()
+    settings = RLSettings(kl_coef=0.1, importance_truncation=2.0, old_logprobs="recompute")
+    computed = ESTIMATORS["grpo"](trajectories, normalise=False)
+    advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+    normalisers = StepNormalisers.of(trajectories)
+    for t in trajectories:  # the sampler's log-probs, for the truncated importance weights: another policy's
+        t.logprobs = np.concatenate([[np.nan], _flat_logprobs(new, [t])[id(t)]])
+    prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=old, dfs=dfs)
+    new.zero_grad(set_to_none=True)
+    output = run_rl_walk(new, prepared, settings, dfs, backward_for=lambda _: torch.Tensor.backward)
+    gradients = {name: p.grad.clone() for name, p in new.named_parameters()}
+    flat = run_rl_mode(new, old, old, trajectories, "flat", 4096, 1, advantages, settings)
+    assert abs(output.loss - flat.loss) <= 1e-10 * abs(flat.loss)
+    assert max(gradient_errors(flat.gradients, gradients).values()) <= 1e-10
+    assert max(metric_errors(flat.metrics, output.metrics).values()) <= 1e-10
