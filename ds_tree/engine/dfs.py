@@ -44,7 +44,7 @@ from ds_tree.attention.cached import IMPLEMENTATION, LayerKV, PathCache, registe
 from ds_tree.config import ConfigError
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
-from ds_tree.models.logprobs import logprobs_at
+from ds_tree.models.logprobs import logprobs_at, predicted_tokens
 from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.rows import PackedRow
 
@@ -66,18 +66,23 @@ def uses_dfs(packing) -> bool:
     return packing.mode == "dfs" or (packing.mode == "tree" and packing.over_budget == "dfs")
 
 
-def settings_of(packing) -> DfsSettings:
-    return DfsSettings(chunk=packing.dfs_chunk or packing.budget, recompute=packing.dfs_recompute)
+def settings_of(packing, ds_config: dict | None = None) -> DfsSettings:
+    """The walk's settings from the config's ``packing`` section; under ZeRO-3 (``ds_config``) in lockstep."""
+    stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
+    return DfsSettings(chunk=packing.dfs_chunk or packing.budget, recompute=packing.dfs_recompute, lockstep=stage == 3)
 
 
 def check_zero_stage(packing, ds_config: dict, where: str) -> None:
-    """Refuse ZeRO-3 where trees are walked (module docstring); ``where`` names the DeepSpeed JSON."""
+    """ZeRO-3 walks trees in lockstep (:func:`lockstep`), which needs ``packing.dfs_recompute``;
+    ``where`` names the DeepSpeed JSON."""
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if uses_dfs(packing) and stage == 3:
+    if uses_dfs(packing) and stage == 3 and not packing.dfs_recompute:
         field = "packing.mode=dfs" if packing.mode == "dfs" else "packing.over_budget=dfs"
         raise ConfigError(
-            f"{field} needs ZeRO stage 0, 1 or 2 ({where} has stage 3): ZeRO-3 gathers parameters collectively in "
-            "every forward and backward, and the walks of different trees interleave them differently on each rank"
+            f"{field} under ZeRO-3 ({where} has stage 3) needs packing.dfs_recompute: true. ZeRO-3 gathers "
+            "parameters collectively in every forward and backward, so every rank must make its calls in one "
+            "order of kinds; ranks walking different trees are kept in step with zero-loss calls, which exist "
+            "for a forward-and-backward and a no-grad forward (recompute's calls) but not for a lone backward"
         )
 
 
@@ -170,6 +175,10 @@ UPDATE = "forward_backward"
 """A forward with grad and its backward at once (a packed row; recompute's second forward of a chunk)."""
 
 
+_ONE_TARGET = (np.zeros(1, np.int64), np.zeros(1, np.int64))
+"""``(predictor, label)`` of a forward whose log-prob is not used: every parameter, the head included, still runs."""
+
+
 def walk_events(chunks: Chunks, recompute: bool) -> list[str]:
     """The kinds of the calls :func:`walk` makes on ``chunks``, in order."""
     enter, leave = (NO_GRAD, UPDATE) if recompute else (FORWARD, BACKWARD)
@@ -200,6 +209,7 @@ def walk(
     settings: DfsSettings,
     backward: Callable[[torch.Tensor], None],
     stats: WalkStats | None = None,
+    device: torch.device | str = "cpu",
 ) -> Generator[None, None, float]:
     """Forward and backward every chunk of ``row`` (module docstring), one call per step of the
     generator (:func:`walk_events` lists them); returns the sum of the chunk losses.
@@ -213,21 +223,17 @@ def walk(
     """What ``backward`` multiplies its argument by (the same for every call of one step)."""
     held: dict[int, tuple] = {}
 
-    def forward(index: int) -> tuple[torch.Tensor, LayerKV]:
+    def forward(index: int, grad: bool = True) -> tuple[torch.Tensor | None, LayerKV]:
+        """The chunk's loss (None without ``grad``: only its keys and values are needed) and keys and values."""
         start, end = int(chunks.start[index]), int(chunks.end[index])
         inputs = ChunkInputs(row.input_ids[start:end], row.position_ids[start:end], cache)
-        with chunk_attention(model):
-            loss = chunk_loss(index, inputs)
-        return loss, cache.take_recorded()
+        with chunk_attention(model), torch.set_grad_enabled(grad):
+            loss = chunk_loss(index, inputs) if grad else logprobs_at(model, inputs, *_ONE_TARGET, device)
+        return (loss if grad else None), cache.take_recorded()
 
     for index, entering in _dfs_order(chunks):
         if entering:
-            if settings.recompute:
-                with torch.no_grad():
-                    _, own = forward(index)
-                loss = None
-            else:
-                loss, own = forward(index)
+            loss, own = forward(index, grad=not settings.recompute)
             leaves = {
                 layer: (k.detach().requires_grad_(), v.detach().requires_grad_()) for layer, (k, v) in own.items()
             }
@@ -282,6 +288,22 @@ def walk_logprobs(
             out[mine] = logprobs.double().cpu().numpy()
         cache.ancestors.append(cache.take_recorded())
         yield
+    return out
+
+
+def trajectory_logprobs(
+    model, rows: Sequence[PackedRow], chunk: int, *, device="cpu", head_chunk: int = 0
+) -> dict[int, np.ndarray]:
+    """``id(trajectory) -> log p`` of its tokens 1.. for every trajectory of ``rows``, each walked
+    without grad (:func:`walk_logprobs`; what :func:`run_rows` gives with ``collect_logprobs``)."""
+    out = {}
+    for row in rows:
+        targets = predicted_tokens(row)
+        walked = walk_logprobs(model, row, row_chunks(row, chunk), targets, device=device, head_chunk=head_chunk)
+        by_token = np.full(row.n_tokens, np.nan)
+        by_token[targets] = run_to_end(walked)
+        for part, trajectory_id, path in row.trajectory_paths():
+            out[id(part.tree.trajectories[trajectory_id])] = by_token[path[1:]]
     return out
 
 
@@ -355,14 +377,19 @@ def lockstep(events: list[str], group=None) -> list[str]:
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     sequences = [e[: int(n)].tolist() for e, n in zip(every, lengths, strict=True)]
-    position = [0] * world
+    return [(NO_GRAD, UPDATE)[kind] for kind in merge_schedules(sequences)]
+
+
+def merge_schedules(sequences: list[list[int]]) -> list[int]:
+    """A sequence holding each of ``sequences`` as a subsequence (:func:`lockstep`'s rule)."""
+    position = [0] * len(sequences)
     schedule = []
     while True:
         upcoming = [s[p] for s, p in zip(sequences, position, strict=True) if p < len(s)]
         if not upcoming:
             return schedule
-        kind = int(upcoming.count(1) > upcoming.count(0))
-        schedule.append((NO_GRAD, UPDATE)[kind])
+        kind = max(set(upcoming), key=lambda k: (upcoming.count(k), -k))
+        schedule.append(kind)
         position = [p + (p < len(s) and s[p] == kind) for s, p in zip(sequences, position, strict=True)]
 
 
@@ -403,7 +430,7 @@ def dummy_call(model, backward: Callable[[torch.Tensor], None], device="cpu") ->
     def dummy(kind: str) -> None:
         inputs = ChunkInputs(np.zeros(1, np.int64), np.zeros(1, np.int64), PathCache())
         with torch.set_grad_enabled(kind == UPDATE), chunk_attention(model):
-            logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), np.zeros(1, np.int64), device)
+            logprobs = logprobs_at(model, inputs, *_ONE_TARGET, device)
         if kind == UPDATE:
             backward(weighted_nll(logprobs, np.zeros(1)))
 
@@ -503,7 +530,7 @@ def run_step(
         chunks = row_chunks(row, settings.chunk)
         weights = restoration_weights(row, normalisers, normalisation, policy)
         chunk_loss = sft_chunk_loss(model, row, chunks, weights, device=device, head_chunk=head_chunk)
-        calls = walk(model, row, chunks, chunk_loss, settings, backward, stats)
+        calls = walk(model, row, chunks, chunk_loss, settings, backward, stats, device)
         return Task(walk_events(chunks, settings.recompute), calls)
 
     tasks = [walked(row) if isinstance(row, DfsRow) else packed(row) for row in rows]

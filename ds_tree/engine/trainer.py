@@ -47,6 +47,7 @@ from ds_tree.engine.rl_step import (
     prepare_rl_rows,
     rl_scalars,
     run_rl_rows,
+    run_rl_walk,
 )
 from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
@@ -408,7 +409,7 @@ class Trainer:
                 normalisers,
                 self.config.objective.normalisation,
                 self.config.objective.policy,
-                dfs.settings_of(self.config.packing),
+                dfs.settings_of(self.config.packing, self.ds_config),
                 backward_for=self.backward_function,
                 device=self.engine.device,
                 head_chunk=self.config.model.head_chunk,
@@ -518,6 +519,7 @@ class Trainer:
                 reference=self.reference,
                 device=self.engine.device,
                 head_chunk=self.config.model.head_chunk,
+                dfs=dfs.settings_of(self.config.packing, self.ds_config) if dfs.uses_dfs(self.config.packing) else None,
             )
             for plan, batch in zip(plans, batches, strict=True)
         ]
@@ -526,6 +528,16 @@ class Trainer:
     def rl_backward(self, rows: list[RLRow]) -> RLOutput:
         """Forward and backward of one mini-batch's rows (one optimizer update's gradient)."""
         settings = self.config.objective.rl_settings()
+        if dfs.uses_dfs(self.config.packing):  # packed rows and walked trees, backward calls counted alike
+            return run_rl_walk(
+                self.engine,
+                rows,
+                settings,
+                dfs.settings_of(self.config.packing, self.ds_config),
+                backward_for=self.backward_function,
+                device=self.engine.device,
+                head_chunk=self.config.model.head_chunk,
+            )
         backward = self.backward_function(len(rows))
         return run_rl_rows(
             self.engine,
