@@ -28,7 +28,7 @@ Dtype = Literal["float32", "bfloat16"]
 AttentionEngine = Literal["reference", "torch", "triton"]
 Merge = Literal["group", "global"]
 PackingMode = Literal["tree", "flat", "dfs"]
-OverBudget = Literal["error", "dfs"]
+OverBudget = Literal["error", "dfs", "sequence_parallel"]
 Normalisation = Literal["token_mean", "sequence_mean", "sum"]
 WeightPolicy = Literal["exact", "dedup"]
 Schedule = Literal["cosine", "constant"]
@@ -119,12 +119,16 @@ class PackingConfig:
     """See ``cost_per_token``; attention's share of the work grows with visible pairs."""
     over_budget: OverBudget = "error"
     """Tree mode, a trajectory longer than ``budget`` (no row can hold its path): ``error`` stops before
-    training; ``dfs`` walks that trajectory's tree in dfs mode, the other trees are packed as usual."""
+    training; ``dfs`` walks that trajectory's tree in dfs mode, the other trees are packed as usual;
+    ``sequence_parallel`` puts its tree in a row of up to ``parallel.sequence_parallel_size`` x
+    ``budget`` tokens sharded over that many ranks (needs the size > 1, with which such trees always
+    go to sharded rows: only a path over size x budget is then an error)."""
     dfs_chunk: int = 0
     """Dfs mode: most tokens forwarded at once; a longer node is cut into chained chunks (0: ``budget``)."""
     dfs_recompute: bool = False
     """Dfs mode: forward each chunk twice (without grad for its children, again with grad before its
-    backward), so only one chunk's activations are kept instead of a root-to-leaf path's."""
+    backward), so only one chunk's activations are kept instead of a root-to-leaf path's. Needed
+    under ZeRO-3, whose ranks walk in lockstep (docs/DESIGN.md section 5)."""
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.block < 1:

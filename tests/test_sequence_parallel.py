@@ -132,6 +132,11 @@ def test_a_path_over_the_budget_needs_sequence_parallelism(tmp_path: Path, monke
     with pytest.raises(ConfigError, match=r"packing.budget \(256\) is below the longest trajectory \(500 tokens"):
         Trainer(load_config(config_path)).prepare()
     Trainer(load_config(config_path, ["parallel.sequence_parallel_size=2"])).prepare()
+    Trainer(
+        load_config(config_path, ["parallel.sequence_parallel_size=2", "packing.over_budget=sequence_parallel"])
+    ).prepare()
+    with pytest.raises(ConfigError, match="over_budget=sequence_parallel .* set that size > 1"):
+        Trainer(load_config(config_path, ["packing.over_budget=sequence_parallel"])).prepare()
     with pytest.raises(ConfigError, match=r"packing.budget x parallel.sequence_parallel_size \(200 x 2\)"):
         Trainer(load_config(config_path, ["parallel.sequence_parallel_size=2", "packing.budget=200"])).prepare()
     with pytest.raises(ConfigError, match="does not combine with packing.mode=dfs or packing.over_budget=dfs"):

@@ -24,9 +24,12 @@ Every chunk's backward goes through ``backward`` (the engine's): under DeepSpeed
 chunk, the gradient-accumulation boundary on the step's last; whatever factor it applies (the
 world size, a loss scale) is measured and taken out of the cached gradients. ZeRO stages 0 and 1 reduce
 gradients at the boundary only; stage 2 reduces at every backward, so every rank makes the same
-number of calls (:func:`run_step` pads with empty-row steps). ZeRO-3 is refused: its forwards and
-backwards gather parameters collectively, so every rank would have to interleave forwards and
-backwards identically, which trees of different shapes do not (docs/DESIGN.md section 5).
+number of backward calls (:func:`run_calls` adds zero-loss ones). ZeRO-3 gathers parameters
+collectively in every forward and backward, so its ranks must make calls of the same kinds in the
+same order, which walks of different trees do not: they follow one schedule over all ranks' calls
+(:func:`lockstep`), with zero-loss calls where a rank has none of a slot's kind, which needs
+``recompute`` (docs/DESIGN.md section 5). The RL objectives walk likewise
+(:func:`ds_tree.engine.rl_step.run_rl_walk`).
 """
 
 from __future__ import annotations

@@ -51,6 +51,11 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
     """What ``parallel.sequence_parallel_size`` needs, checked before any process group starts."""
     size = config.parallel.sequence_parallel_size
     if size == 1:
+        if config.packing.over_budget == "sequence_parallel":
+            raise ConfigError(
+                "packing.over_budget=sequence_parallel shards over-budget trees over parallel.sequence_parallel_size "
+                "ranks; set that size > 1 (or over_budget: dfs to walk them on one rank)"
+            )
         return
     if world_size % size:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) does not divide the world size ({world_size})")

@@ -1,4 +1,5 @@
-"""Why the dfs mode refuses ZeRO-3: a minimal reproduction (not part of the suite: it waits for a timeout).
+"""Why the dfs mode walks in lockstep under ZeRO-3: a minimal reproduction of the failure without it
+(not part of the suite: it waits for a timeout; the lockstep schedule is ``ds_tree.engine.dfs.lockstep``).
 
 Two ranks make the same calls, two forwards and two backwards of the tiny Llama, in a different
 order: rank 0 as the dfs walk of a parent and its child (forward, forward, backward, backward),
