@@ -26,7 +26,6 @@ from ds_tree.engine.step import run_rows
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
-from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.peak_memory import PeakSavedMeter
@@ -212,11 +211,6 @@ def test_dfs_config_errors(tmp_path: Path) -> None:
     load_config(config, ["objective.kind=grpo"])  # the RL objectives walk too (tests/test_dfs_rl.py)
     with pytest.raises(ConfigError, match="packing.dfs_chunk"):
         load_config(config, ["packing.dfs_chunk=-1"])
-    aux = RouterAuxLoss(coefficient=0.01, flat_tokens=10.0, num_experts=4, top_k=2)
-    with pytest.raises(ConfigError, match="router load-balancing loss"):  # an MoE model's: not implemented
-        run_step(
-            None, [], Normalisers(1, 1, 1), "token_mean", "exact", DfsSettings(8), backward_for=None, router_aux=aux
-        )
 
 
 @pytest.mark.distributed

@@ -17,6 +17,7 @@ import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss, router_modules
 from ds_tree.trees.random_trees import TreeShape, random_forest
@@ -61,9 +62,9 @@ def forest():
     return random_forest(random.Random(3), shape)
 
 
-def _run(model, forest, mode, budget, coefficient=1.0):
+def _run(model, forest, mode, budget, coefficient=1.0, dfs=None):
     aux = RouterAuxLoss.of_model(model, coefficient, sum(len(t) for t in forest))
-    return run_mode(model, forest, mode, budget, 1, "token_mean", "exact", router_aux=aux)
+    return run_mode(model, forest, mode, budget, 1, "token_mean", "exact", router_aux=aux, dfs=dfs)
 
 
 def _gate_names(model):
@@ -112,6 +113,21 @@ def test_router_aux_loss_tree_equals_flat(name, models, forest):
         aux = load_balancing_loss_func(output.router_logits, 4, 2)
         expected += len(trajectory) * float(aux) / sum(len(t) for t in forest)
     assert flat.router_aux == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("dfs", [DfsSettings(2), DfsSettings(1, recompute=True), DfsSettings(64)])
+def test_router_aux_loss_walked_equals_flat(models, forest, dfs):
+    """dfs mode: each chunk adds its tokens' share once the walk leaves it (every trajectory through
+    it forwarded by then): value, loss and every gradient as flat, in chunks that cut nodes, a token
+    at a time with recompute, and whole nodes."""
+    model = models("qwen3_moe")
+    flat = _run(model, forest, "flat", 4096)
+    walked = _run(model, forest, "dfs", 4096, dfs=dfs)
+    assert abs(walked.router_aux - flat.router_aux) <= EXACT * flat.router_aux
+    assert abs(walked.loss - flat.loss) <= EXACT * abs(flat.loss)
+    errors = gradient_errors(flat.gradients, walked.gradients)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= EXACT, (worst, errors[worst])
 
 
 def test_counting_each_tree_token_once_fails(models, forest, monkeypatch):

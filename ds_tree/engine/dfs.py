@@ -42,12 +42,14 @@ from typing import TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ds_tree.attention.cached import IMPLEMENTATION, LayerKV, PathCache, register_cached_attention
 from ds_tree.config import ConfigError
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
 from ds_tree.models.logprobs import logprobs_at, predicted_tokens
+from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
 from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.rows import PackedRow
 
@@ -204,6 +206,66 @@ def _dfs_order(chunks: Chunks) -> Iterator[tuple[int, bool]]:
             pending.extend((child, True) for child in reversed(children[index]))
 
 
+class WalkedRouterLoss:
+    """An MoE model's router load-balancing loss of a walked row, chunk by chunk.
+
+    :meth:`RouterAuxLoss.row_share` is ``scale * sum_t Q_t . G_t``: linear in each token's router
+    probabilities ``Q_t`` (summed over layers), with constant weights ``G_t = sum_{i through t} F_i / |i|``,
+    ``F_i`` the top-k assignments of trajectory ``i``'s tokens. A trajectory through a chunk runs
+    from the root through the chunk's ancestors and the chunk into its subtree, all forwarded by the
+    time the walk leaves the chunk, so its term is added to the chunk's loss then: the forwards record
+    each token's assignments (:meth:`record`), the chunk's last forward keeps its ``Q`` for
+    :meth:`chunk_share`.
+    """
+
+    def __init__(self, aux: RouterAuxLoss, row: PackedRow, chunks: Chunks) -> None:
+        self.aux, self.row, self.chunks = aux, row, chunks
+        self.paths = [path for _, _, path in row.trajectory_paths()]
+        self.through: list[list[int]] = [[] for _ in range(len(chunks))]
+        """The trajectories through each chunk."""
+        for i, path in enumerate(self.paths):
+            for index in np.unique(chunks.of_tokens(path)):
+                self.through[index].append(i)
+        self.counts: torch.Tensor | None = None
+        """Top-k assignments per row token, summed over layers (filled as chunks are forwarded)."""
+        self.layers = 0
+        self.total = 0.0
+        """The row's share of the loss so far, before the coefficient (``StepOutput.router_aux``)."""
+
+    def record(self, index: int, router_logits: list[torch.Tensor]) -> torch.Tensor:
+        """The chunk's ``Q`` from the router logits of its forward; records its tokens' assignments."""
+        if not router_logits:
+            raise RuntimeError("no router logits were captured in the forward of an MoE model")
+        start, end = int(self.chunks.start[index]), int(self.chunks.end[index])
+        dtype = torch.float64 if router_logits[0].dtype == torch.float64 else torch.float32
+        probabilities = [torch.softmax(logits.reshape(end - start, -1).to(dtype), dim=-1) for logits in router_logits]
+        with torch.no_grad():
+            counts = sum(
+                F.one_hot(torch.topk(p, self.aux.top_k, dim=-1).indices, self.aux.num_experts).sum(-2).to(dtype)
+                for p in probabilities
+            )
+            if self.counts is None:
+                self.counts = counts.new_zeros(self.row.n_tokens, self.aux.num_experts)
+            self.counts[start:end] = counts
+        self.layers = len(router_logits)
+        return torch.stack(probabilities).sum(0)
+
+    def chunk_share(self, index: int, probabilities: torch.Tensor) -> torch.Tensor:
+        """``scale * sum_{t in chunk} Q_t . G_t`` (differentiable in ``probabilities``, the chunk's ``Q``)."""
+        start, end = int(self.chunks.start[index]), int(self.chunks.end[index])
+        weights = torch.zeros_like(probabilities)
+        for i in self.through[index]:
+            path = self.paths[i]
+            mine = torch.as_tensor(path[(path >= start) & (path < end)] - start, device=weights.device)
+            per_trajectory = self.counts[torch.as_tensor(path, device=weights.device)].sum(0) / len(path)
+            weights.index_add_(0, mine, per_trajectory.expand(len(mine), -1))
+        aux = self.aux
+        scale = aux.num_experts / (self.layers * self.layers * aux.flat_tokens) if aux.flat_tokens else 0.0
+        share = scale * (probabilities * weights).sum()
+        self.total += float(share.detach())
+        return share
+
+
 def walk(
     model,
     row: PackedRow,
@@ -213,11 +275,11 @@ def walk(
     backward: Callable[[torch.Tensor], None],
     stats: WalkStats | None = None,
     device: torch.device | str = "cpu",
+    router: WalkedRouterLoss | None = None,
 ) -> Generator[None, None, float]:
     """Forward and backward every chunk of ``row`` (module docstring), one call per step of the
-    generator (:func:`walk_events` lists them); returns the sum of the chunk losses.
-
-    Call inside :func:`chunk_attention`.
+    generator (:func:`walk_events` lists them); returns the sum of the chunk losses, with
+    ``router``'s coefficient times its share of the MoE router loss (:class:`WalkedRouterLoss`).
     """
     cache = PathCache()
     stats = stats if stats is not None else WalkStats()
@@ -226,13 +288,16 @@ def walk(
     """What ``backward`` multiplies its argument by (the same for every call of one step)."""
     held: dict[int, tuple] = {}
 
-    def forward(index: int, grad: bool = True) -> tuple[torch.Tensor | None, LayerKV]:
-        """The chunk's loss (None without ``grad``: only its keys and values are needed) and keys and values."""
+    def forward(index: int, grad: bool = True) -> tuple[tuple | None, LayerKV]:
+        """The chunk's loss and router probabilities (None without ``grad``: only its keys and values
+        are needed, and its routing), and its keys and values."""
         start, end = int(chunks.start[index]), int(chunks.end[index])
         inputs = ChunkInputs(row.input_ids[start:end], row.position_ids[start:end], cache)
         with chunk_attention(model), torch.set_grad_enabled(grad):
-            loss = chunk_loss(index, inputs) if grad else logprobs_at(model, inputs, *_ONE_TARGET, device)
-        return (loss if grad else None), cache.take_recorded()
+            with captured_router_logits(model, enabled=router is not None) as router_logits:
+                loss = chunk_loss(index, inputs) if grad else logprobs_at(model, inputs, *_ONE_TARGET, device)
+            probabilities = router.record(index, router_logits) if router is not None else None
+        return ((loss, probabilities) if grad else None), cache.take_recorded()
 
     for index, entering in _dfs_order(chunks):
         if entering:
@@ -249,6 +314,9 @@ def walk(
         cache.ancestors.pop()
         if settings.recompute:
             loss, own = forward(index)
+        loss, probabilities = loss
+        if router is not None:  # every trajectory through the chunk has been forwarded: its routing is known
+            loss = loss + router.aux.coefficient * router.chunk_share(index, probabilities).to(loss.dtype)
         # ``backward`` may scale what it is given (DeepSpeed: the world size, a float16 loss scale), so
         # the gradients on the leaves are ``scale`` times dL/dk: unscaled here, or the scale would
         # compound once per level of the path. A zero-valued leaf added to the surrogate measures it.
@@ -514,28 +582,34 @@ def run_step(
 ) -> StepOutput:
     """One SFT accumulation of packed rows (:func:`run_rows`) and :class:`DfsRow` rows (walked).
 
-    ``router_aux`` (an MoE model's load-balancing loss, :mod:`ds_tree.models.moe`) is refused: the
-    walk does not implement it. ``backward_for(n)`` gives the ``backward`` of ``n`` calls
+    ``router_aux``: an MoE model's load-balancing loss (:mod:`ds_tree.models.moe`), on walked rows
+    by :class:`WalkedRouterLoss`. ``backward_for(n)`` gives the ``backward`` of ``n`` calls
     (:func:`run_calls`).
     """
-    if router_aux is not None:
-        raise ConfigError(
-            "packing.mode=dfs and packing.over_budget=dfs do not implement the MoE router load-balancing loss; "
-            "set model.router_aux_loss_coef: 0"
-        )
     backward = DeferredBackward()
+    routers: list[WalkedRouterLoss] = []
 
     def packed(row: PackedRow) -> Task:
-        options = {"backward": backward, "device": device, "head_chunk": head_chunk}
-        return packed_task(lambda: run_rows(model, [row], normalisers, normalisation, policy, **options).loss)
+        options = {"backward": backward, "device": device, "head_chunk": head_chunk, "router_aux": router_aux}
+        return packed_task(lambda: run_rows(model, [row], normalisers, normalisation, policy, **options))
 
     def walked(row: DfsRow) -> Task:
         chunks = row_chunks(row, settings.chunk)
         weights = restoration_weights(row, normalisers, normalisation, policy)
         chunk_loss = sft_chunk_loss(model, row, chunks, weights, device=device, head_chunk=head_chunk)
-        calls = walk(model, row, chunks, chunk_loss, settings, backward, stats, device)
+        router = WalkedRouterLoss(router_aux, row, chunks) if router_aux is not None else None
+        routers.extend([router] if router is not None else [])
+        calls = walk(model, row, chunks, chunk_loss, settings, backward, stats, device, router)
         return Task(walk_events(chunks, settings.recompute), calls)
 
     tasks = [walked(row) if isinstance(row, DfsRow) else packed(row) for row in rows]
     run_calls(model, tasks, settings, backward, backward_for, device)
-    return StepOutput(loss=sum(task.result for task in tasks))
+    output = StepOutput(router_aux=None if router_aux is None else sum(router.total for router in routers))
+    for task in tasks:
+        if isinstance(task.result, StepOutput):  # a packed row's
+            output.loss += task.result.loss
+            if router_aux is not None:
+                output.router_aux += task.result.router_aux
+        else:
+            output.loss += task.result
+    return output
