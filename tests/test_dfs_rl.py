@@ -169,3 +169,18 @@ def test_rl_update_mixes_packed_and_walked_rows():
     assert abs(output.loss - flat.loss) <= 1e-10 * abs(flat.loss)
     assert max(gradient_errors(flat.gradients, gradients).values()) <= 1e-10
     assert max(metric_errors(flat.metrics, output.metrics).values()) <= 1e-10
+
+
+def test_agent_grpo_dfs_example_dry_runs(tmp_path: Path, monkeypatch, capsys) -> None:
+    """The example config: over-budget trees walked under ZeRO-3 with recompute; without it, the error."""
+    from tests.test_launch import dry_run_in_process
+
+    data = write_rewarded_forest(tmp_path / "forest.jsonl")
+    example = "configs/examples/agent_grpo_dfs.yaml"
+    code, out, err = dry_run_in_process(monkeypatch, capsys, 8, example, f"data.path={data}", "packing.budget=150")
+    assert code == 0, err
+    assert json.loads(out)["world_size"] == 8
+    code, _, err = dry_run_in_process(
+        monkeypatch, capsys, 8, example, f"data.path={data}", "packing.dfs_recompute=false"
+    )
+    assert code == 2 and "needs packing.dfs_recompute: true" in err, err
