@@ -434,7 +434,7 @@ def lockstep(events: list[str], group=None) -> list[str]:
     the kind that the ranks with the most calls left have next (each rank votes with its number of
     calls left; ties: the cheaper, no-grad), so every slot advances at least one rank and the
     busiest ranks rarely wait (on tot-game24 trees, chunks of 64-512 tokens, 2-8 ranks: 1.19-1.27x
-    the busiest rank's calls; tau2-telecom, 4 ranks: 1.32x; docs/BENCHMARKS.md). The extra calls
+    the busiest rank's calls; tau2-telecom, 4 ranks: 1.31x; docs/BENCHMARKS.md). The extra calls
     are of one token each. Only :data:`NO_GRAD` and :data:`UPDATE` calls can be dummies: a dummy
     :data:`BACKWARD` would need a forward held for it.
     """
