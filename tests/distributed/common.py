@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from ds_tree.config import Config, load_config
+from ds_tree.engine.ds_config import resolve_deepspeed_config
+from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.engine.trainer import Trainer
+from ds_tree.losses.sft import Normalisers
+from ds_tree.models.loading import load_model
+from ds_tree.packing.modes import pack_trajectories
 
 
 def check_arguments(*extra: tuple[tuple[str, ...], dict]) -> tuple[argparse.Namespace, Config]:
@@ -26,3 +33,24 @@ def started_trainer(config: Config) -> Trainer:
     trainer.prepare()
     trainer.setup()
     return trainer
+
+
+def flat_sft(model, trajectories, config: Config, budget: int | None = None) -> StepOutput:
+    """The SFT objective of ``trajectories`` in the flat layout, one process, gradients left on ``model``
+    (``budget``: of a flat row; default the longest trajectory)."""
+    rows = pack_trajectories(trajectories, "flat", budget or max(len(t) for t in trajectories))
+    objective = config.objective
+    normalisers = Normalisers.from_rows(rows)
+    return run_rows(model, rows, normalisers, objective.normalisation, objective.policy, backward=torch.Tensor.backward)
+
+
+def rebuild_engine(trainer: Trainer, ds_path: str, weights: dict[str, torch.Tensor], prepare=None) -> None:
+    """A fresh DeepSpeed engine from ``ds_path`` on a model holding ``weights`` (``prepare(model)`` first)."""
+    config = trainer.config
+    config.deepspeed = ds_path
+    trainer.ds_config = resolve_deepspeed_config(config, trainer.world_size, trainer.model_config.hidden_size)
+    model = load_model(config.model.source, attention=config.model.attention, seed=config.model.seed)
+    model.load_state_dict(weights)
+    if prepare is not None:
+        prepare(model)
+    trainer.build_engine(model)

@@ -15,12 +15,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_tree.engine.step import run_rows
-from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.dfs_rows import DfsRow
-from ds_tree.packing.modes import pack_trajectories
-from tests.distributed.common import check_arguments, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 
 
@@ -38,16 +35,7 @@ def main() -> None:
     dist.all_reduce(loss)
     if dist.get_rank() == 0:
         model = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
-        trajectories = trainer.step_trajectories(0)
-        rows = pack_trajectories(trajectories, "flat", max(len(t) for t in trajectories))
-        flat = run_rows(
-            model,
-            rows,
-            Normalisers.from_rows(rows),
-            config.objective.normalisation,
-            config.objective.policy,
-            backward=torch.Tensor.backward,
-        )
+        flat = flat_sft(model, trainer.step_trajectories(0), config)
         report = {
             "world_size": dist.get_world_size(),
             "zero_stage": trainer.engine.zero_optimization_stage(),

@@ -24,14 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.engine.dfs import row_chunks, settings_of, walk_events
-from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.engine.step import run_rows
-from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.modes import pack_trajectories
-from tests.distributed.common import check_arguments, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 from tests.distributed.sp_grad_check import full_parameters
 
@@ -63,16 +60,7 @@ def sft_case(trainer, step: int) -> dict:
     result = {"kinds": call_kinds(trainer, plan.rows), "walked": sum(isinstance(r, DfsRow) for r in plan.rows)}
     if dist.get_rank() == 0:
         model = flat_model(config, parameters)
-        trajectories = trainer.step_trajectories(0)
-        rows = pack_trajectories(trajectories, "flat", max(len(t) for t in trajectories))
-        flat = run_rows(
-            model,
-            rows,
-            Normalisers.from_rows(rows),
-            config.objective.normalisation,
-            config.objective.policy,
-            backward=torch.Tensor.backward,
-        )
+        flat = flat_sft(model, trainer.step_trajectories(0), config)
         result.update(
             loss_rel_err=abs(float(loss.item()) - flat.loss) / abs(flat.loss),
             max_rel_grad_err=max(relative(gradients[n], p.grad.numpy()) for n, p in model.named_parameters()),
@@ -116,12 +104,7 @@ def main() -> None:
     step = 0
     for ds_path in args.deepspeed:
         if ds_path != args.deepspeed[0]:
-            trainer.config.deepspeed = ds_path
-            hidden = trainer.model_config.hidden_size
-            trainer.ds_config = resolve_deepspeed_config(trainer.config, trainer.world_size, hidden)
-            model = load_model(config.model.source, attention=config.model.attention, seed=config.model.seed)
-            model.load_state_dict(weights)
-            trainer.build_engine(model)
+            rebuild_engine(trainer, ds_path, weights)
         stage = trainer.engine.zero_optimization_stage()
         for objective, case in (("sft", sft_case), ("grpo", rl_case)):
             trainer.config.objective.kind = objective  # the config's is grpo (its data checks ran)

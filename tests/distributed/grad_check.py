@@ -16,12 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_tree.engine.step import run_rows
 from ds_tree.engine.trainer import learning_rate_factor
-from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
-from ds_tree.packing.modes import pack_trajectories
-from tests.distributed.common import check_arguments, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, started_trainer
 
 
 def gather_full_gradients(engine) -> dict[str, np.ndarray]:
@@ -55,15 +52,7 @@ def main() -> None:
         # The reference: one process, flat layout, plain PyTorch, same initial weights.
         model = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
         trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]
-        rows = pack_trajectories(trajectories, "flat", config.packing.budget)
-        run_rows(
-            model,
-            rows,
-            Normalisers.from_rows(rows),
-            config.objective.normalisation,
-            config.objective.policy,
-            backward=torch.Tensor.backward,
-        )
+        flat_sft(model, trajectories, config, config.packing.budget)
         reference_grads = {n: p.grad.detach().double().numpy() for n, p in model.named_parameters()}
         if config.optimizer.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)

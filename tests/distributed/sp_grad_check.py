@@ -21,14 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_tree.engine.ds_config import resolve_deepspeed_config
-from ds_tree.engine.step import run_rows
-from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
-from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.sequence_parallel import RowShard
 from ds_tree.parallel import enable_sequence_parallel
-from tests.distributed.common import check_arguments, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 
 
@@ -42,15 +38,7 @@ def reference(config, parameters, trajectories, budget: int) -> tuple[float, dic
     """Loss and gradients of the flat layout in one process, float64."""
     model = load_model(config.model.source, attention="reference", dtype="float64", seed=config.model.seed)
     model.load_state_dict({name: value.double() for name, value in parameters.items()})
-    rows = pack_trajectories(trajectories, "flat", budget)
-    output = run_rows(
-        model,
-        rows,
-        Normalisers.from_rows(rows),
-        config.objective.normalisation,
-        config.objective.policy,
-        backward=torch.Tensor.backward,
-    )
+    output = flat_sft(model, trajectories, config, budget)
     return output.loss, {name: p.grad.double().numpy() for name, p in model.named_parameters()}
 
 
@@ -87,15 +75,10 @@ def main() -> None:
         cases.setdefault(trajectory.group_id.split("/")[0], []).append(trajectory)
     weights = full_parameters(trainer.engine)
     report, step = {"world_size": dist.get_world_size(), "runs": []}, 0
+    size = config.parallel.sequence_parallel_size
     for ds_path in args.deepspeed:
         if ds_path != args.deepspeed[0]:
-            trainer.config.deepspeed = ds_path
-            hidden = trainer.model_config.hidden_size
-            trainer.ds_config = resolve_deepspeed_config(trainer.config, trainer.world_size, hidden)
-            model = load_model(config.model.source, attention=config.model.attention, seed=config.model.seed)
-            model.load_state_dict(weights)
-            enable_sequence_parallel(model, config.parallel.sequence_parallel_size)
-            trainer.build_engine(model)
+            rebuild_engine(trainer, ds_path, weights, lambda model: enable_sequence_parallel(model, size))
         stage = trainer.engine.zero_optimization_stage()
         for name, trajectories in cases.items():
             for mode in ("tree", "flat") if len(trajectories) > 1 else ("tree",):
