@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from ds_tree.engine.dfs import NO_GRAD, UPDATE, DfsSettings, merge_schedules
+from ds_tree.engine.calls import NO_GRAD, UPDATE, merge_schedules
+from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_walk
 from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.packing.balance import rows_per_rank

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -46,14 +45,25 @@ import torch.nn.functional as F
 
 from ds_tree.attention.cached import IMPLEMENTATION, LayerKV, PathCache, register_cached_attention
 from ds_tree.config import ConfigError
+from ds_tree.engine.calls import (
+    BACKWARD,
+    FORWARD,
+    NO_GRAD,
+    UPDATE,
+    DeferredBackward,
+    Task,
+    in_process_group,
+    lockstep,
+    packed_task,
+    run_tasks,
+    run_to_end,
+)
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
 from ds_tree.models.logprobs import logprobs_at, predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
 from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.rows import PackedRow
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -170,15 +180,6 @@ class WalkStats:
 ChunkLoss = Callable[[int, ChunkInputs], torch.Tensor]
 """``(chunk index, its inputs) -> the 0-dim loss of the targets predicted from inside the chunk``
 (a chunk without any still returns a zero loss of a forward through every parameter)."""
-
-# The calls a rank makes, in order, each one event for the lockstep schedule (:func:`lockstep`):
-FORWARD, BACKWARD = "forward", "backward"
-"""A forward with grad whose backward comes later, after the chunk's descendants' (dfs without recompute)."""
-NO_GRAD = "no_grad"
-"""A forward without grad (recompute's first forward of a chunk, log-probs)."""
-UPDATE = "forward_backward"
-"""A forward with grad and its backward at once (a packed row; recompute's second forward of a chunk)."""
-
 
 _ONE_TARGET = (np.zeros(1, np.int64), np.zeros(1, np.int64))
 """``(predictor, label)`` of a forward whose log-prob is not used: every parameter, the head included, still runs."""
@@ -400,106 +401,6 @@ def sft_chunk_loss(
     return loss
 
 
-def run_to_end(generator: Generator[None, None, T]) -> T:
-    """Every step of ``generator``; its return value."""
-    while True:
-        try:
-            next(generator)
-        except StopIteration as stop:
-            return stop.value
-
-
-@dataclass
-class Task:
-    """One row's calls: their kinds (:func:`walk_events`) and the generator making them, one per step."""
-
-    events: list[str]
-    run: Generator
-    result: object = None
-
-    def step(self) -> None:
-        next(self.run)
-
-    def finish(self) -> None:
-        self.result = run_to_end(self.run)
-
-
-def lockstep(events: list[str], group=None) -> list[str]:
-    """One schedule of call kinds that every rank of ``group`` follows (ZeRO-3).
-
-    ZeRO-3 gathers parameters collectively in every forward and backward and checks at each
-    forward that the ranks traced the same modules, so the ranks must make calls of the same kind in
-    the same order. Each rank's own calls (``events``, in order) are a subsequence of the schedule;
-    where it has none of the slot's kind it makes a dummy one (:func:`run_tasks`). Each slot takes
-    the kind that the ranks with the most calls left have next (each rank votes with its number of
-    calls left; ties: the cheaper, no-grad), so every slot advances at least one rank and the
-    busiest ranks rarely wait (on tot-game24 trees, chunks of 64-512 tokens, 2-8 ranks: 1.19-1.27x
-    the busiest rank's calls; tau2-telecom, 4 ranks: 1.31x; docs/BENCHMARKS.md). The extra calls
-    are of one token each. Only :data:`NO_GRAD` and :data:`UPDATE` calls can be dummies: a dummy
-    :data:`BACKWARD` would need a forward held for it.
-    """
-    code = {NO_GRAD: 0, UPDATE: 1}
-    if any(kind not in code for kind in events):
-        raise ValueError("a lockstep schedule needs forward-and-backward calls (packing.dfs_recompute: true)")
-    world = dist.get_world_size(group)
-    length = torch.tensor([len(events)])
-    lengths = [torch.zeros_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n) for n in lengths)
-    mine = torch.full((longest,), -1, dtype=torch.int64)
-    mine[: len(events)] = torch.tensor([code[kind] for kind in events], dtype=torch.int64)
-    every = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    sequences = [e[: int(n)].tolist() for e, n in zip(every, lengths, strict=True)]
-    return [(NO_GRAD, UPDATE)[kind] for kind in merge_schedules(sequences)]
-
-
-def merge_schedules(sequences: list[list[int]]) -> list[int]:
-    """A sequence holding each of ``sequences`` as a subsequence (:func:`lockstep`'s rule)."""
-    position = [0] * len(sequences)
-    schedule = []
-    while True:
-        votes: dict[int, int] = {}  # each rank votes for its next kind with its number of calls left
-        for sequence, p in zip(sequences, position, strict=True):
-            if p < len(sequence):
-                votes[sequence[p]] = votes.get(sequence[p], 0) + len(sequence) - p
-        if not votes:
-            return schedule
-        kind = max(votes, key=lambda k: (votes[k], -k))
-        schedule.append(kind)
-        position = [p + (p < len(s) and s[p] == kind) for s, p in zip(sequences, position, strict=True)]
-
-
-def run_tasks(tasks: Sequence[Task], schedule: list[str] | None, dummy: Callable[[str], None]) -> None:
-    """Every task's calls, in order: as they come, or following ``schedule`` (:func:`lockstep`), with
-    ``dummy(kind)`` wherever this rank has no call of the slot's kind. A task finishes (its generator
-    returns, its memory is freed) right after its last call."""
-    queue = [(task, kind, i == len(task.events) - 1) for task in tasks for i, kind in enumerate(task.events)]
-    for task in tasks:
-        if not task.events:
-            task.finish()
-
-    def make(position: int) -> None:
-        task, _, last = queue[position]
-        task.step()
-        if last:
-            task.finish()
-
-    if schedule is None:
-        for position in range(len(queue)):
-            make(position)
-        return
-    position = 0
-    for kind in schedule:
-        if position < len(queue) and queue[position][1] == kind:
-            make(position)
-            position += 1
-        else:
-            dummy(kind)
-    if position != len(queue):
-        raise RuntimeError(f"the lockstep schedule left {len(queue) - position} of this rank's calls unmade")
-
-
 def dummy_call(model, backward: Callable[[torch.Tensor], None], device="cpu") -> Callable[[str], None]:
     """``dummy(kind)``: a call of ``kind`` (:data:`NO_GRAD` or :data:`UPDATE`) on one token with a zero
     loss, which gathers and reduces like any other (call inside :func:`chunk_attention`)."""
@@ -512,19 +413,6 @@ def dummy_call(model, backward: Callable[[torch.Tensor], None], device="cpu") ->
             backward(weighted_nll(logprobs, np.zeros(1)))
 
     return dummy
-
-
-def in_process_group() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-class DeferredBackward:
-    """The ``backward`` of tasks built before their number of calls is known (:func:`run_calls` sets it)."""
-
-    function: Callable[[torch.Tensor], None] | None = None
-
-    def __call__(self, loss: torch.Tensor) -> None:
-        self.function(loss)
 
 
 def run_calls(
@@ -552,17 +440,6 @@ def run_calls(
     run_tasks(tasks, schedule, dummy)
     for _ in range(most - calls):
         dummy(UPDATE)
-
-
-def packed_task(run: Callable[[], T], kind: str = UPDATE) -> Task:
-    """A task of one call (a packed row's forward and backward, or its no-grad forward)."""
-
-    def generator():
-        result = run()
-        yield
-        return result
-
-    return Task([kind], generator())
 
 
 def _cache_bytes(cache: PathCache) -> int:

@@ -23,18 +23,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from ds_tree.engine.calls import NO_GRAD, DeferredBackward, Task, in_process_group, packed_task, run_to_end
 from ds_tree.engine.dfs import (
-    NO_GRAD,
-    DeferredBackward,
     DfsSettings,
-    Task,
     WalkStats,
     dummy_call,
-    in_process_group,
-    packed_task,
     row_chunks,
     run_calls,
-    run_to_end,
     walk,
     walk_events,
     walk_logprobs,
