@@ -127,8 +127,7 @@ class PackingConfig:
     """Dfs mode: most tokens forwarded at once; a longer node is cut into chained chunks (0: ``budget``)."""
     dfs_recompute: bool = False
     """Dfs mode: forward each chunk twice (without grad for its children, again with grad before its
-    backward), so only one chunk's activations are kept instead of a root-to-leaf path's. Needed
-    under ZeRO-3, whose ranks walk in lockstep (docs/DESIGN.md section 5)."""
+    backward), so only one chunk's activations are kept instead of a root-to-leaf path's."""
 
     def __post_init__(self) -> None:
         if self.budget < 1 or self.block < 1:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_tree.engine.calls import NO_GRAD, UPDATE, merge_schedules
+from ds_tree.engine.calls import BACKWARD, FORWARD, KINDS, NO_GRAD, UPDATE, merge_schedules
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_walk
 from ds_tree.losses.advantages import ESTIMATORS
@@ -63,38 +63,60 @@ def test_sft_verify_reports_dfs():
 
 
 def _random_sequences(rng, ranks: int) -> list[list[int]]:
-    """Each rank's call kinds as a walk with recompute makes them: a no-grad forward entering each
-    chunk, a forward-and-backward leaving it, packed rows' forward-and-backward in between."""
+    """Each rank's call kinds (codes of ``KINDS``) as a step makes them: walks with recompute (a
+    no-grad forward entering a chunk, a forward-and-backward leaving it), walks without (a held
+    forward entering, its backward leaving), packed rows' forward-and-backward between walks."""
+    no_grad, update, forward, backward = (KINDS.index(k) for k in (NO_GRAD, UPDATE, FORWARD, BACKWARD))
     sequences = []
     for _ in range(ranks):
-        kinds, depth = [], 0
-        for _ in range(int(rng.integers(0, 30))):
-            if depth and rng.random() < 0.5:
-                kinds.append(1)
-                depth -= 1
-            elif rng.random() < 0.2:
-                kinds.append(1)
-            else:
-                kinds.append(0)
-                depth += 1
-        sequences.append(kinds + [1] * depth)
+        kinds = []
+        for _ in range(int(rng.integers(0, 4))):
+            recompute = rng.random() < 0.5
+            enter, leave = (no_grad, update) if recompute else (forward, backward)
+            depth = 0
+            for _ in range(int(rng.integers(1, 12))):
+                if depth and rng.random() < 0.5:
+                    kinds.append(leave)
+                    depth -= 1
+                else:
+                    kinds.append(enter)
+                    depth += 1
+            kinds += [leave] * depth
+            kinds += [update] * int(rng.integers(0, 2))
+        sequences.append(kinds)
     return sequences
 
 
-def _is_subsequence(sequence: list[int], schedule: list[int]) -> bool:
-    it = iter(schedule)
-    return all(any(kind == slot for slot in it) for kind in sequence)
+def _dummies(sequence: list[int], schedule: list[int]) -> list[int] | None:
+    """The dummy calls a rank makes following ``schedule`` (None if its calls are not a subsequence)."""
+    position, dummies = 0, []
+    for kind in schedule:
+        if position < len(sequence) and sequence[position] == kind:
+            position += 1
+        else:
+            dummies.append(kind)
+    return dummies if position == len(sequence) else None
 
 
 def test_lockstep_schedule_holds_every_ranks_calls():
+    """Every rank's calls in order; its dummy backwards each close a dummy forward it holds, and none is
+    left open; the schedule no longer than all ranks' calls together."""
+    forward, backward = KINDS.index(FORWARD), KINDS.index(BACKWARD)
     rng = np.random.default_rng(0)
-    for _ in range(200):
+    for _ in range(300):
         sequences = _random_sequences(rng, int(rng.integers(1, 5)))
         schedule = merge_schedules(sequences)
-        assert all(_is_subsequence(s, schedule) for s in sequences)
+        for sequence in sequences:
+            dummies = _dummies(sequence, schedule)
+            assert dummies is not None, (sequence, schedule)
+            held = np.cumsum([(kind == forward) - (kind == backward) for kind in dummies])
+            assert held.min(initial=0) >= 0 and held[-1:].sum() == 0, (sequence, schedule)
         assert max(map(len, sequences), default=0) <= len(schedule) <= sum(map(len, sequences))
-    assert merge_schedules([[0, 0, 1, 1], [0, 1, 0, 1]]) == [0, 0, 1, 0, 1]
-    assert [NO_GRAD, UPDATE] == ["no_grad", "forward_backward"]
+    # a parent and its child against two leaves (tests/distributed/dfs_zero3_repro.py's ranks): the
+    # second rank holds a dummy forward over the first's child, the first one over the second's second leaf
+    parent_child, two_leaves = [forward, forward, backward, backward], [forward, backward, forward, backward]
+    expected = [forward, forward, backward, forward, backward, backward]
+    assert merge_schedules([parent_child, two_leaves]) == expected
 
 
 def write_rewarded_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
@@ -108,7 +130,8 @@ def write_rewarded_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
 
 @pytest.mark.distributed
 def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path) -> None:
-    """SFT and GRPO with over-budget trees walked (recompute) beside packed rows, ZeRO-2 then ZeRO-3, 2 ranks."""
+    """SFT (walks without recompute: held forwards) and GRPO (with recompute), every tree walked,
+    ZeRO-2 then ZeRO-3, 2 ranks."""
     data = write_rewarded_forest(tmp_path / "forest.jsonl")
     stages = [str(write_accumulating_ds_config(tmp_path / f"ds{s}.json", s)) for s in (2, 3)]
     config = write_config(
@@ -173,7 +196,7 @@ def test_rl_update_mixes_packed_and_walked_rows():
 
 
 def test_agent_grpo_dfs_example_dry_runs(tmp_path: Path, monkeypatch, capsys) -> None:
-    """The example config: over-budget trees walked under ZeRO-3 with recompute; without it, the error."""
+    """The example config: GRPO, over-budget trees walked under ZeRO-3."""
     from tests.test_launch import dry_run_in_process
 
     data = write_rewarded_forest(tmp_path / "forest.jsonl")
@@ -181,7 +204,3 @@ def test_agent_grpo_dfs_example_dry_runs(tmp_path: Path, monkeypatch, capsys) ->
     code, out, err = dry_run_in_process(monkeypatch, capsys, 8, example, f"data.path={data}", "packing.budget=150")
     assert code == 0, err
     assert json.loads(out)["world_size"] == 8
-    code, _, err = dry_run_in_process(
-        monkeypatch, capsys, 8, example, f"data.path={data}", "packing.dfs_recompute=false"
-    )
-    assert code == 2 and "needs packing.dfs_recompute: true" in err, err

@@ -51,50 +51,72 @@ class Task:
         self.result = run_to_end(self.run)
 
 
+KINDS = (NO_GRAD, UPDATE, FORWARD, BACKWARD)
+"""The call kinds by their code in :func:`merge_schedules`."""
+
+
 def lockstep(events: list[str], group=None) -> list[str]:
     """One schedule of call kinds that every rank of ``group`` follows (ZeRO-3).
 
     ZeRO-3 gathers parameters collectively in every forward and backward and checks at each
     forward that the ranks traced the same modules, so the ranks must make calls of the same kind in
-    the same order. Each rank's own calls (``events``, in order) are a subsequence of the schedule;
-    where it has none of the slot's kind it makes a dummy one (:func:`run_tasks`). Each slot takes
-    the kind that the ranks with the most calls left have next (each rank votes with its number of
-    calls left; ties: the cheaper, no-grad), so every slot advances at least one rank and the
-    busiest ranks rarely wait (on tot-game24 trees, chunks of 64-512 tokens, 2-8 ranks: 1.19-1.27x
-    the busiest rank's calls; tau2-telecom, 4 ranks: 1.31x; docs/BENCHMARKS.md). The extra calls
-    are of one token each. Only :data:`NO_GRAD` and :data:`UPDATE` calls can be dummies: a dummy
-    :data:`BACKWARD` would need a forward held for it.
+    the same order. Every rank all-gathers the kinds of its calls (``events``, in order), and all
+    compute the same schedule (:func:`merge_schedules`): each rank's calls are a subsequence of it,
+    and where a rank has no call of a slot's kind it makes a dummy one (:func:`run_tasks`).
     """
-    code = {NO_GRAD: 0, UPDATE: 1}
-    if any(kind not in code for kind in events):
-        raise ValueError("a lockstep schedule needs forward-and-backward calls (packing.dfs_recompute: true)")
     world = dist.get_world_size(group)
     length = torch.tensor([len(events)])
     lengths = [torch.zeros_like(length) for _ in range(world)]
     dist.all_gather(lengths, length, group=group)
     longest = max(int(n) for n in lengths)
     mine = torch.full((longest,), -1, dtype=torch.int64)
-    mine[: len(events)] = torch.tensor([code[kind] for kind in events], dtype=torch.int64)
+    mine[: len(events)] = torch.tensor([KINDS.index(kind) for kind in events], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(every, mine, group=group)
     sequences = [e[: int(n)].tolist() for e, n in zip(every, lengths, strict=True)]
-    return [(NO_GRAD, UPDATE)[kind] for kind in merge_schedules(sequences)]
+    return [KINDS[kind] for kind in merge_schedules(sequences)]
 
 
 def merge_schedules(sequences: list[list[int]]) -> list[int]:
-    """A sequence holding each of ``sequences`` as a subsequence (:func:`lockstep`'s rule)."""
+    """A sequence of call kinds (codes of :data:`KINDS`) holding each of ``sequences`` as a subsequence,
+    whose other slots each rank can fill with dummy calls.
+
+    A dummy no-grad forward or forward-and-backward can go anywhere; a dummy forward holds its graph
+    for a later dummy backward, so a slot is a backward only where every rank either has a backward
+    next or holds a dummy forward. Each slot takes, among the kinds allowed, the one that the ranks
+    with the most calls left have next (each rank votes with its number of calls left; ties: the
+    lower code, no-grad first), so every slot advances at least one rank and the busiest rarely wait
+    (on tot-game24 trees, chunks of 64-512 tokens, 2-8 ranks: 1.19-1.27x the busiest rank's calls;
+    tau2-telecom, 4 ranks: 1.31x; docs/BENCHMARKS.md). A backward is always allowed when no rank has
+    anything else next; at the end every rank holds as many dummy forwards (the forward slots minus
+    the backward slots), and as many backward slots close them.
+    """
+    backward = KINDS.index(BACKWARD)
+    forward = KINDS.index(FORWARD)
     position = [0] * len(sequences)
+    held = [0] * len(sequences)
+    """Dummy forwards each rank holds."""
     schedule = []
     while True:
-        votes: dict[int, int] = {}  # each rank votes for its next kind with its number of calls left
+        votes: dict[int, int] = {}
         for sequence, p in zip(sequences, position, strict=True):
             if p < len(sequence):
                 votes[sequence[p]] = votes.get(sequence[p], 0) + len(sequence) - p
         if not votes:
-            return schedule
+            return schedule + [backward] * (held[0] if held else 0)
+        if backward in votes and not all(
+            h > 0 or (p < len(s) and s[p] == backward) for s, p, h in zip(sequences, position, held, strict=True)
+        ):
+            del votes[backward]
         kind = max(votes, key=lambda k: (votes[k], -k))
         schedule.append(kind)
-        position = [p + (p < len(s) and s[p] == kind) for s, p in zip(sequences, position, strict=True)]
+        for r, (sequence, p) in enumerate(zip(sequences, position, strict=True)):
+            if p < len(sequence) and sequence[p] == kind:
+                position[r] += 1
+            elif kind == forward:
+                held[r] += 1
+            elif kind == backward:
+                held[r] -= 1
 
 
 def run_tasks(tasks: Sequence[Task], schedule: list[str] | None, dummy: Callable[[str], None]) -> None:

@@ -27,8 +27,8 @@ gradients at the boundary only; stage 2 reduces at every backward, so every rank
 number of backward calls (:func:`run_calls` adds zero-loss ones). ZeRO-3 gathers parameters
 collectively in every forward and backward, so its ranks must make calls of the same kinds in the
 same order, which walks of different trees do not: they follow one schedule over all ranks' calls
-(:func:`lockstep`), with zero-loss calls where a rank has none of a slot's kind, which needs
-``recompute`` (docs/DESIGN.md section 5). The RL objectives walk likewise
+(:func:`lockstep`), with zero-loss calls where a rank has none of a slot's kind (docs/DESIGN.md
+section 5). The RL objectives walk likewise
 (:func:`ds_tree.engine.rl_step.run_rl_walk`).
 """
 
@@ -44,7 +44,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ds_tree.attention.cached import IMPLEMENTATION, LayerKV, PathCache, register_cached_attention
-from ds_tree.config import ConfigError
 from ds_tree.engine.calls import (
     BACKWARD,
     FORWARD,
@@ -73,7 +72,7 @@ class DfsSettings:
     recompute: bool = False
     """Forward each chunk twice (without, then with grad) to keep one chunk's activations, not a path's."""
     lockstep: bool = False
-    """Make every rank's calls in one order of kinds (ZeRO-3, :func:`lockstep`); needs ``recompute``."""
+    """Make every rank's calls in one order of kinds (ZeRO-3, :func:`lockstep`)."""
 
 
 def uses_dfs(packing) -> bool:
@@ -85,20 +84,6 @@ def settings_of(packing, ds_config: dict | None = None) -> DfsSettings:
     """The walk's settings from the config's ``packing`` section; under ZeRO-3 (``ds_config``) in lockstep."""
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)
     return DfsSettings(chunk=packing.dfs_chunk or packing.budget, recompute=packing.dfs_recompute, lockstep=stage == 3)
-
-
-def check_zero_stage(packing, ds_config: dict, where: str) -> None:
-    """ZeRO-3 walks trees in lockstep (:func:`lockstep`), which needs ``packing.dfs_recompute``;
-    ``where`` names the DeepSpeed JSON."""
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if uses_dfs(packing) and stage == 3 and not packing.dfs_recompute:
-        field = "packing.mode=dfs" if packing.mode == "dfs" else "packing.over_budget=dfs"
-        raise ConfigError(
-            f"{field} under ZeRO-3 ({where} has stage 3) needs packing.dfs_recompute: true. ZeRO-3 gathers "
-            "parameters collectively in every forward and backward, so every rank must make its calls in one "
-            "order of kinds; ranks walking different trees are kept in step with zero-loss calls, which exist "
-            "for a forward-and-backward and a no-grad forward (recompute's calls) but not for a lone backward"
-        )
 
 
 @dataclass
@@ -401,16 +386,22 @@ def sft_chunk_loss(
     return loss
 
 
-def dummy_call(model, backward: Callable[[torch.Tensor], None], device="cpu") -> Callable[[str], None]:
-    """``dummy(kind)``: a call of ``kind`` (:data:`NO_GRAD` or :data:`UPDATE`) on one token with a zero
-    loss, which gathers and reduces like any other (call inside :func:`chunk_attention`)."""
+def dummy_call(model, backward: Callable[[torch.Tensor], None] | None, device="cpu") -> Callable[[str], None]:
+    """``dummy(kind)``: a call of ``kind`` on one token with a zero loss, which gathers and reduces
+    like any other. A dummy :data:`FORWARD` holds its graph for a later dummy :data:`BACKWARD`."""
+    held: list[torch.Tensor] = []
 
     def dummy(kind: str) -> None:
+        if kind == BACKWARD:
+            backward(held.pop())
+            return
         inputs = ChunkInputs(np.zeros(1, np.int64), np.zeros(1, np.int64), PathCache())
-        with torch.set_grad_enabled(kind == UPDATE), chunk_attention(model):
-            logprobs = logprobs_at(model, inputs, *_ONE_TARGET, device)
+        with torch.set_grad_enabled(kind != NO_GRAD), chunk_attention(model):
+            loss = weighted_nll(logprobs_at(model, inputs, *_ONE_TARGET, device), np.zeros(1))
         if kind == UPDATE:
-            backward(weighted_nll(logprobs, np.zeros(1)))
+            backward(loss)
+        elif kind == FORWARD:
+            held.append(loss)
 
     return dummy
 

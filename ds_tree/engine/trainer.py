@@ -166,7 +166,6 @@ class Trainer:
             self.prepare_dataset()
         hidden = getattr(self.model_config, "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
-        dfs.check_zero_stage(config.packing, self.ds_config, config.deepspeed)
         self.plan_resume()
 
     def prepare_dataset(self) -> None:

@@ -1,13 +1,14 @@
 """Run under ``torchrun --nproc_per_node 2``: dfs-mode SFT and RL gradients vs the single-process flat ones.
 
-The trainer's config walks the trees with a path over ``packing.budget`` (``over_budget: dfs``,
-with recompute) next to packed rows; the two ranks get trees of different shapes, so their walks
-make different sequences of calls. For each DeepSpeed JSON of ``--deepspeed`` (ZeRO-2, then ZeRO-3,
-where the ranks follow one lockstep schedule; a fresh engine on the same weights each time):
+The trainer's config walks every tree (``packing.mode: dfs``); the two ranks get trees of
+different shapes, so their walks make different sequences of calls. For each DeepSpeed JSON of
+``--deepspeed`` (ZeRO-2, then ZeRO-3, where the ranks follow one lockstep schedule; a fresh engine
+on the same weights each time):
 
-- SFT: one accumulation of the trainer's first step (``forward_backward``);
-- RL: the trainer's rollouts of the step (old log-probs by a no-grad walk) and one update's
-  backward (``rl_backward``).
+- SFT, without recompute (held forwards, lone backwards): one accumulation of the trainer's
+  first step (``forward_backward``);
+- RL, with recompute: the trainer's rollouts of the step (old log-probs by a no-grad walk) and
+  one update's backward (``rl_backward``).
 
 Every rank gathers the full gradients, then the optimizer steps (ZeRO-3 keeps gradients until a
 step); rank 0 computes the same objective in one process, float64, flat layout, from the parameters
@@ -38,7 +39,8 @@ def call_kinds(trainer, rows) -> list[str]:
     settings = settings_of(trainer.config.packing, trainer.ds_config)
     kinds = []
     for row in rows:
-        kinds += walk_events(row_chunks(row, settings.chunk), True) if isinstance(row, DfsRow) else ["update"]
+        walked = isinstance(row, DfsRow)
+        kinds += walk_events(row_chunks(row, settings.chunk), settings.recompute) if walked else ["update"]
     return kinds
 
 
@@ -108,6 +110,7 @@ def main() -> None:
         stage = trainer.engine.zero_optimization_stage()
         for objective, case in (("sft", sft_case), ("grpo", rl_case)):
             trainer.config.objective.kind = objective  # the config's is grpo (its data checks ran)
+            trainer.config.packing.dfs_recompute = objective == "grpo"
             step += 1
             result = case(trainer, step)
             every = [None] * dist.get_world_size()
