@@ -86,8 +86,8 @@ def merge_schedules(sequences: list[list[int]]) -> list[int]:
     next or holds a dummy forward. Each slot takes, among the kinds allowed, the one that the ranks
     with the most calls left have next (each rank votes with its number of calls left; ties: the
     lower code, no-grad first), so every slot advances at least one rank and the busiest rarely wait
-    (on tot-game24 trees, chunks of 64-512 tokens, 2-8 ranks: 1.19-1.27x the busiest rank's calls;
-    tau2-telecom, 4 ranks: 1.31x; docs/BENCHMARKS.md). A backward is always allowed when no rank has
+    (on tot-game24 trees, chunks of 64-512 tokens, 2-8 ranks: 1.19-1.29x the busiest rank's calls;
+    tau2-telecom, 4 ranks: 1.0-1.31x; docs/BENCHMARKS.md). A backward is always allowed when no rank has
     anything else next; at the end every rank holds as many dummy forwards (the forward slots minus
     the backward slots), and as many backward slots close them.
     """
