@@ -212,3 +212,26 @@ def test_long_context_example_dry_runs_and_sp_size_reaches_the_config(tmp_path: 
     command = ["bash", str(ROOT / "launch/train.sh"), example, f"data.path={data}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and "parallel.sequence_parallel_size (3) does not divide" in result.stderr
+
+
+def test_sliding_window_under_sequence_parallelism_is_exact(tmp_path: Path) -> None:
+    """A Mistral-style window (40 tokens, paths up to 500 over 2 shards): ``verify --sequence-parallel 2``
+    in float64 equals the single-process flat result, whose loss differs from the windowless model's
+    (so the window is in force on both sides: the shards carry the rows' tree depths to the kernel)."""
+    data = write_cases(tmp_path / "cases.jsonl")
+    losses = {}
+    for window in (40, None):
+        fields = json.loads((ROOT / "configs/models/tiny_llama.json").read_text())
+        fields.update(model_type="mistral", sliding_window=window, max_position_embeddings=4096)
+        model = tmp_path / f"mistral_{window}.json"
+        model.write_text(json.dumps(fields))
+        command = [
+            sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", str(model),
+            "--budget", str(BUDGET), "--block", str(BLOCK), "--sequence-parallel", "2",
+        ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        report = json.loads(result.stdout[result.stdout.index("{") :])
+        assert report["max_rel_grad_err"] < 1e-12 and report["loss_rel_err"] < 1e-12, report
+        losses[window] = report["loss_flat"]
+    assert abs(losses[40] - losses[None]) > 1e-6 * abs(losses[None]), losses
