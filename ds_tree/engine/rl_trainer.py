@@ -1,0 +1,166 @@
+"""The trainer's RL step (docs/RL.md): rollouts with advantages and old log-probs, then the updates.
+
+A mixin of :class:`ds_tree.engine.trainer.Trainer`, which provides the engine, the plans of rows
+(``plan_rows``), the backward function and the optimizer update; the computation itself is
+:mod:`ds_tree.engine.rl_step`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds_tree.config import ConfigError
+from ds_tree.engine import dfs
+from ds_tree.engine.rl_step import (
+    RLOutput,
+    RLRow,
+    StepNormalisers,
+    add_metrics,
+    check_shared_logprobs,
+    prepare_rl_rows,
+    rl_scalars,
+    run_rl_rows,
+    run_rl_walk,
+)
+from ds_tree.errors import DataError
+from ds_tree.losses.advantages import ESTIMATORS
+from ds_tree.trees.trajectory import Trajectory, group_trajectories
+from ds_tree.trees.trie import build_forest
+
+if TYPE_CHECKING:
+    from ds_tree.engine.trainer import StepPlan
+
+
+@dataclass
+class RLRollouts:
+    """One RL step's data, ready for its updates (:meth:`Trainer.rl_rollouts`)."""
+
+    trajectories: list[Trajectory]
+    advantages: list[np.ndarray]
+    """Per trajectory (``trajectories`` order), per token."""
+    singletons: int
+    """Trajectories alone in their group (advantage 0)."""
+    batches: list[list[Trajectory]]
+    """Mini-batches: whole groups each."""
+    plans: list[StepPlan]
+    """This rank's rows of each mini-batch."""
+    prepared: list[list[RLRow]]
+    """Those rows with targets, per-token sums, old and reference log-probs."""
+
+
+class RLSteps:
+    """RL methods of the trainer (module docstring)."""
+
+    def check_rl_data(self) -> None:
+        """What the RL objective needs from the data, checked before any rank builds a model."""
+        objective = self.config.objective
+        if objective.mini_batches > self.config.data.groups_per_step:
+            raise ConfigError(
+                f"objective.mini_batches ({objective.mini_batches}) is more than data.groups_per_step "
+                f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
+            )
+        try:
+            ESTIMATORS[objective.estimator](self.trajectories, normalise=objective.normalise_advantages)
+            if objective.old_logprobs == "data" or objective.importance_truncation:
+                missing = next((t for t in self.trajectories if getattr(t, "logprobs", None) is None), None)
+                if missing is not None:
+                    raise DataError(
+                        f"{missing.source or missing.group_id}: objective.old_logprobs=data and "
+                        "objective.importance_truncation need the sampler's per-token 'logprobs'"
+                    )
+            if objective.old_logprobs == "data":
+                for tree in build_forest(self.trajectories, merge=self.config.data.merge):
+                    check_shared_logprobs(tree)
+        except DataError as error:
+            raise ConfigError(f"data.path: {error}") from None
+
+    def rl_rollouts(self, step: int) -> RLRollouts:
+        """``step``'s trajectories, advantages and mini-batches, with old (and reference) log-probs.
+
+        Every rank computes the same advantages and mini-batches (whole groups, in the sampler's
+        order) and plans its rows of each; the old policy is the model before the step's updates.
+        """
+        objective = self.config.objective
+        settings = objective.rl_settings()
+        trajectories = self.step_trajectories(step)
+        computed = ESTIMATORS[objective.estimator](trajectories, normalise=objective.normalise_advantages)
+        advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+        groups = group_trajectories(trajectories)
+        batches = [
+            [t for g in chunk for t in groups[g]]
+            for chunk in np.array_split(np.arange(len(groups)), objective.mini_batches)
+        ]
+        plans = [self.plan_rows(batch) for batch in batches]
+        prepared = [
+            prepare_rl_rows(
+                self.engine,
+                plan.rows,
+                advantages,
+                settings,
+                StepNormalisers.of(batch),
+                reference=self.reference,
+                device=self.engine.device,
+                head_chunk=self.config.model.head_chunk,
+                dfs=dfs.settings_of(self.config.packing, self.ds_config) if dfs.uses_dfs(self.config.packing) else None,
+            )
+            for plan, batch in zip(plans, batches, strict=True)
+        ]
+        return RLRollouts(trajectories, computed.values, computed.singletons, batches, plans, prepared)
+
+    def rl_backward(self, rows: list[RLRow]) -> RLOutput:
+        """Forward and backward of one mini-batch's rows (one optimizer update's gradient)."""
+        settings = self.config.objective.rl_settings()
+        if dfs.uses_dfs(self.config.packing):  # packed rows and walked trees, backward calls counted alike
+            return run_rl_walk(
+                self.engine,
+                rows,
+                settings,
+                dfs.settings_of(self.config.packing, self.ds_config),
+                backward_for=self.backward_function,
+                device=self.engine.device,
+                head_chunk=self.config.model.head_chunk,
+            )
+        backward = self.backward_function(len(rows))
+        return run_rl_rows(
+            self.engine,
+            rows,
+            settings,
+            backward=backward,
+            device=self.engine.device,
+            head_chunk=self.config.model.head_chunk,
+        )
+
+    def rl_step(self, step: int) -> tuple[list[StepPlan], float, float | None, dict[str, float]]:
+        """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
+        Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
+        rollouts = self.rl_rollouts(step)
+        if StepNormalisers.of(rollouts.trajectories).total_tokens == 0:
+            self.count_untrained(step + 1)
+        losses, metrics, grad_norm = [], None, None
+        for _ in range(self.config.objective.ppo_epochs):
+            for rows in rollouts.prepared:
+                output = self.rl_backward(rows)
+                if output.metrics is not None:
+                    metrics = add_metrics(metrics, output.metrics)
+                loss, grad_norm = self.apply_update(step + 1, output.loss)
+                losses.append(loss)
+        scalars = rl_scalars(rollouts.trajectories, rollouts.advantages, self.global_metrics(metrics))
+        scalars["rl/singleton_trajectories"] = float(rollouts.singletons)
+        if self.online is not None:
+            scalars.update(self.online.scalars)
+        return rollouts.plans, float(np.mean(losses)), grad_norm, scalars
+
+    def global_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:
+        """The RL metric sums of every rank (``ratio_max`` by max)."""
+        names = ["tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy"]
+        metrics = metrics or {}
+        sums = torch.tensor([metrics.get(name, 0.0) for name in names], dtype=torch.float64)
+        dist.all_reduce(sums)
+        top = torch.tensor([metrics.get("ratio_max", 0.0)], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return {**dict(zip(names, sums.tolist(), strict=True)), "ratio_max": float(top.item())}
