@@ -6,6 +6,14 @@ and its context is the tokens of its ancestor chunks, root first. Its queries se
 key and, causally, the chunk's own keys; nothing else exists in the forward, so no tree mask is
 needed.
 
+A sliding window (Mistral, Qwen2/3 sliding layers, Gemma2/3 local layers) limits query ``q`` to keys
+with ``positions[q] - positions[k] < window`` (reference module). The context is the path from the
+root, so its keys sit at depths ``0 .. context - 1`` and the chunk's own tokens continue it: that is
+checked on the chunk's ``position_ids``. Ancestor keys below ``context - window + 1`` are seen by no
+query of the chunk, so they are not gathered (no gradient reaches them from this chunk, as none would
+through a masked score). Soft-capping (Gemma2's ``attn_logit_softcapping``) needs the scores
+explicitly; without window and cap the attention is one SDPA call on the whole context.
+
 A :class:`PathCache` travels as the model kwarg ``path_cache``: it holds, per decoder layer, the
 (post-RoPE, per key/value head) keys and values of the ancestor chunks — leaf tensors that require
 grad, so the chunk's backward accumulates their gradients — and records the chunk's own keys and
@@ -18,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from ds_tree.attention.reference import check_window, soft_cap
 
 IMPLEMENTATION = "tree_dfs"
 """The ``attn_implementation`` under which :func:`cached_attention` is registered."""
@@ -35,10 +45,22 @@ class PathCache:
     recorded: LayerKV = field(default_factory=dict)
     """The keys and values of the last forward, per layer (attached to its graph when it had one)."""
 
-    def context(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        keys = [entry[layer][0] for entry in self.ancestors]
-        values = [entry[layer][1] for entry in self.ancestors]
+    def context(self, layer: int, first: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The ancestors' keys and values of ``layer`` from context token ``first`` on, root first."""
+        keys, values = [], []
+        offset = 0
+        for entry in self.ancestors:
+            key, value = entry[layer]
+            length = key.shape[2]
+            if offset + length > first:
+                skip = max(first - offset, 0)
+                keys.append(key[:, :, skip:] if skip else key)
+                values.append(value[:, :, skip:] if skip else value)
+            offset += length
         return keys, values
+
+    def context_length(self, layer: int) -> int:
+        return sum(entry[layer][0].shape[2] for entry in self.ancestors)
 
     def take_recorded(self) -> LayerKV:
         recorded, self.recorded = self.recorded, {}
@@ -59,23 +81,65 @@ def cached_attention(module, query, key, value, attention_mask, scaling=None, dr
         )
     if dropout:
         raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
-    for unsupported in ("sliding_window", "softcap"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"tree attention does not support {unsupported} (layer {module.__class__.__name__})")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     layer = module.layer_idx
     cache.recorded[layer] = (key, value)
-    past_keys, past_values = cache.context(layer)
+    n = query.shape[2]
+    first = 0  # the first context token any query of the chunk sees
+    if window is not None:
+        path = cache.context_length(layer)
+        _check_positions(module, kwargs.get("position_ids"), path, n, window)
+        first = max(path - window + 1, 0)
+    past_keys, past_values = cache.context(layer, first)
     keys = torch.cat([*past_keys, key], dim=2) if past_keys else key
     values = torch.cat([*past_values, value], dim=2) if past_values else value
-    n, context = query.shape[2], keys.shape[2] - key.shape[2]
+    context = keys.shape[2] - n
     own = torch.arange(n, device=query.device)
     visible = torch.cat(
         [torch.ones(n, context, dtype=torch.bool, device=query.device), own[None, :] <= own[:, None]], dim=1
     )
-    output = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-    )
+    if window is not None:  # query i is at depth first + context + i, gathered key j at first + j
+        gathered = torch.arange(context + n, device=query.device)
+        visible &= own[:, None] + context - gathered[None, :] < window
+    if softcap is None:
+        output = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+    else:
+        output = _capped_attention(query, keys, values, visible, scaling, softcap)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _check_positions(module, positions: torch.Tensor | None, context: int, n: int, window: int) -> None:
+    """The window rule is applied on depths: the chunk's must continue its context (root at depth 0)."""
+    name = module.__class__.__name__
+    if positions is None:
+        raise ValueError(
+            f"{name} uses a sliding window ({window}): attention {IMPLEMENTATION!r} needs the chunk's depths, "
+            "pass its position_ids to the model's forward"
+        )
+    check_window(positions.reshape(1, -1), window, torch.Size((1, n)))
+    expected = torch.arange(context, context + n, device=positions.device)
+    if not bool((positions.reshape(-1) == expected).all()):
+        raise ValueError(
+            f"{name} uses a sliding window ({window}): the chunk's position_ids must continue its ancestors' "
+            f"{context} cached tokens ({context}..{context + n - 1}), got {positions.reshape(-1).tolist()}"
+        )
+
+
+def _capped_attention(query, keys, values, visible, scale, softcap) -> torch.Tensor:
+    """Attention with soft-capped scores, computed explicitly (SDPA has no cap): ``[B, Hq, n, D]``."""
+    batch, heads, n, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    if scale is None:
+        scale = head_dim**-0.5
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads, n, head_dim)
+    scores = soft_cap(torch.matmul(grouped, keys[:, :, None].transpose(-1, -2)) * scale, softcap)
+    # softmax in float32 at least, as transformers' eager attention (bf16 would lose digits)
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+    probabilities = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1, dtype=softmax_dtype)
+    probabilities = probabilities.to(values.dtype)
+    return torch.matmul(probabilities, values[:, :, None]).reshape(batch, heads, n, head_dim)
 
 
 def register_cached_attention() -> None:
