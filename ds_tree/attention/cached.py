@@ -44,6 +44,9 @@ class PathCache:
     """One entry per ancestor chunk, root first."""
     recorded: LayerKV = field(default_factory=dict)
     """The keys and values of the last forward, per layer (attached to its graph when it had one)."""
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    """The attention masks of the current forward, made once and shared by its layers: SDPA saves its
+    mask for the backward, so one per layer would hold ``layers`` copies of a ``chunk x context`` mask."""
 
     def context(self, layer: int, first: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The ancestors' keys and values of ``layer`` from context token ``first`` on, root first."""
@@ -63,8 +66,30 @@ class PathCache:
         return sum(entry[layer][0].shape[2] for entry in self.ancestors)
 
     def take_recorded(self) -> LayerKV:
+        """What the forward recorded; its masks are forgotten (the next forward's chunk differs)."""
         recorded, self.recorded = self.recorded, {}
+        self.masks = {}
         return recorded
+
+    def mask(self, n: int, context: int, window: int | None, additive_dtype: torch.dtype | None, device):
+        """Which of the ``context`` gathered ancestor keys and the chunk's ``n`` own keys each query of the
+        chunk sees (``[n, context + n]``): boolean, or as SDPA's additive mask (0 or -inf) of
+        ``additive_dtype``; made once per forward for each distinct argument tuple."""
+        key = (n, context, window, additive_dtype, str(device))
+        if key not in self.masks:
+            own = torch.arange(n, device=device)
+            visible = torch.cat(
+                [torch.ones(n, context, dtype=torch.bool, device=device), own[None, :] <= own[:, None]], dim=1
+            )
+            if window is not None:  # query i is at depth first + context + i, gathered key j at first + j
+                gathered = torch.arange(context + n, device=device)
+                visible &= own[:, None] + context - gathered[None, :] < window
+            if additive_dtype is not None:  # what SDPA makes of a boolean mask, in every call
+                visible = torch.zeros(visible.shape, dtype=additive_dtype, device=device).masked_fill(
+                    ~visible, float("-inf")
+                )
+            self.masks[key] = visible
+        return self.masks[key]
 
     def nbytes(self) -> int:
         """Bytes of the cached ancestor keys and values."""
@@ -94,18 +119,13 @@ def cached_attention(module, query, key, value, attention_mask, scaling=None, dr
     keys = torch.cat([*past_keys, key], dim=2) if past_keys else key
     values = torch.cat([*past_values, value], dim=2) if past_values else value
     context = keys.shape[2] - n
-    own = torch.arange(n, device=query.device)
-    visible = torch.cat(
-        [torch.ones(n, context, dtype=torch.bool, device=query.device), own[None, :] <= own[:, None]], dim=1
-    )
-    if window is not None:  # query i is at depth first + context + i, gathered key j at first + j
-        gathered = torch.arange(context + n, device=query.device)
-        visible &= own[:, None] + context - gathered[None, :] < window
     if softcap is None:
+        visible = cache.mask(n, context, window, query.dtype, query.device)
         output = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
         )
     else:
+        visible = cache.mask(n, context, window, None, query.device)
         output = _capped_attention(query, keys, values, visible, scaling, softcap)
     return output.transpose(1, 2).contiguous(), None
 
