@@ -25,7 +25,7 @@ from ds_tree.engine.dfs import DfsSettings, WalkStats, row_chunks, run_step
 from ds_tree.engine.step import run_rows
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
-from ds_tree.models.loading import load_model
+from ds_tree.models.loading import enable_activation_checkpointing, load_model
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.peak_memory import PeakSavedMeter
@@ -127,6 +127,23 @@ def test_dfs_equals_flat_float64(case: str) -> None:
         stats = WalkStats()
         loss, gradients = _walked(model, rows, normalisers, normalisation, DfsSettings(chunk, recompute), stats)
         assert stats.chunks == sum(len(row_chunks(row, chunk)) for row in rows)
+        assert abs(loss - flat_loss) <= EXACT * abs(flat_loss), (recompute, loss, flat_loss)
+        errors = gradient_errors(flat_gradients, gradients)
+        assert max(errors.values()) < EXACT, (recompute, max(errors.items(), key=lambda item: item[1]))
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_dfs_with_activation_checkpointing_equals_flat_float64(every: int) -> None:
+    """Checkpointed layers are recomputed inside the chunks' backward calls, which must attend on the
+    cached keys and values as their forward did (the walk's backward runs in the cached attention)."""
+    name, trajectories, chunk, normalisation = CASES["deep comb, chunks across forks"]
+    reference = _model(name)
+    flat_loss, flat_gradients, normalisers = _flat(reference, trajectories, normalisation)
+    model = load_model(f"configs/models/tiny_{name}.json", attention="reference", dtype=torch.float64, seed=7)
+    enable_activation_checkpointing(model, every)
+    rows = pack_trajectories(trajectories, "dfs", 10_000)
+    for recompute in (False, True):
+        loss, gradients = _walked(model, rows, normalisers, normalisation, DfsSettings(chunk, recompute))
         assert abs(loss - flat_loss) <= EXACT * abs(flat_loss), (recompute, loss, flat_loss)
         errors = gradient_errors(flat_gradients, gradients)
         assert max(errors.values()) < EXACT, (recompute, max(errors.items(), key=lambda item: item[1]))

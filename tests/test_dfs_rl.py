@@ -129,14 +129,17 @@ def write_rewarded_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
 
 
 @pytest.mark.distributed
-def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["layers-kept", "layers-checkpointed"])
+def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path, checkpointing: bool) -> None:
     """SFT (walks without recompute: held forwards) and GRPO (with recompute), every tree walked,
-    ZeRO-2 then ZeRO-3, 2 ranks."""
+    ZeRO-2 then ZeRO-3, 2 ranks; with activation checkpointing, the backward calls recompute the
+    layers (on the cached keys and values, under ZeRO-3 gathering in lockstep)."""
     data = write_rewarded_forest(tmp_path / "forest.jsonl")
     stages = [str(write_accumulating_ds_config(tmp_path / f"ds{s}.json", s)) for s in (2, 3)]
     config = write_config(
         tmp_path,
         data,
+        model={"activation_checkpointing": checkpointing},
         objective={"kind": "grpo"},
         packing={"mode": "dfs", "budget": 150, "dfs_chunk": 64, "dfs_recompute": True},
         distributed={"timeout_s": 60},  # a schedule that lost step would hang in a collective

@@ -312,7 +312,8 @@ def walk(
             for tensor, leaf in zip((key, value), leaves[layer], strict=True):
                 if leaf.grad is not None:
                     surrogate = surrogate + (tensor * (leaf.grad / scale)).sum()
-        backward(surrogate)
+        with chunk_attention(model):  # activation checkpointing recomputes layers in the backward
+            backward(surrogate)
         scale = probe.grad.item()
         total += float(loss.detach())
         stats.chunks += 1
@@ -393,14 +394,15 @@ def dummy_call(model, backward: Callable[[torch.Tensor], None] | None, device="c
 
     def dummy(kind: str) -> None:
         if kind == BACKWARD:
-            backward(held.pop())
+            with chunk_attention(model):
+                backward(held.pop())
             return
         inputs = ChunkInputs(np.zeros(1, np.int64), np.zeros(1, np.int64), PathCache())
         with torch.set_grad_enabled(kind != NO_GRAD), chunk_attention(model):
             loss = weighted_nll(logprobs_at(model, inputs, *_ONE_TARGET, device), np.zeros(1))
-        if kind == UPDATE:
-            backward(loss)
-        elif kind == FORWARD:
+            if kind == UPDATE:
+                backward(loss)
+        if kind == FORWARD:
             held.append(loss)
 
     return dummy
