@@ -22,6 +22,7 @@ values, still attached to its graph, for the walk to turn into its children's co
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,10 @@ class PathCache:
     masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
     """The attention masks of the current forward, made once and shared by its layers: SDPA saves its
     mask for the backward, so one per layer would hold ``layers`` copies of a ``chunk x context`` mask."""
+    recording: bool = True
+    """False during a backward whose checkpointed layers recompute their forward (:meth:`replaying`):
+    their keys and values are not the chunk's to record (kept, each would hold its layer's recomputed
+    graph up to the layer's input until the next forward), nor are their masks shared."""
 
     def context(self, layer: int, first: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The ancestors' keys and values of ``layer`` from context token ``first`` on, root first."""
@@ -71,25 +76,38 @@ class PathCache:
         self.masks = {}
         return recorded
 
+    @contextmanager
+    def replaying(self):
+        """Around a backward call: recomputed layers attend on this cache but record nothing."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
+
     def mask(self, n: int, context: int, window: int | None, additive_dtype: torch.dtype | None, device):
         """Which of the ``context`` gathered ancestor keys and the chunk's ``n`` own keys each query of the
         chunk sees (``[n, context + n]``): boolean, or as SDPA's additive mask (0 or -inf) of
         ``additive_dtype``; made once per forward for each distinct argument tuple."""
         key = (n, context, window, additive_dtype, str(device))
-        if key not in self.masks:
+        if key in self.masks and self.recording:
+            return self.masks[key]
+        if window is None and additive_dtype is not None:  # made in place: no second chunk x context tensor
+            mask = torch.zeros(n, context + n, dtype=additive_dtype, device=device)
+            mask[:, context:] = torch.full((n, n), float("-inf"), dtype=additive_dtype, device=device).triu_(1)
+        else:
             own = torch.arange(n, device=device)
-            visible = torch.cat(
+            mask = torch.cat(
                 [torch.ones(n, context, dtype=torch.bool, device=device), own[None, :] <= own[:, None]], dim=1
             )
             if window is not None:  # query i is at depth first + context + i, gathered key j at first + j
                 gathered = torch.arange(context + n, device=device)
-                visible &= own[:, None] + context - gathered[None, :] < window
+                mask &= own[:, None] + context - gathered[None, :] < window
             if additive_dtype is not None:  # what SDPA makes of a boolean mask, in every call
-                visible = torch.zeros(visible.shape, dtype=additive_dtype, device=device).masked_fill(
-                    ~visible, float("-inf")
-                )
-            self.masks[key] = visible
-        return self.masks[key]
+                mask = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill_(~mask, float("-inf"))
+        if self.recording:
+            self.masks[key] = mask
+        return mask
 
     def nbytes(self) -> int:
         """Bytes of the cached ancestor keys and values."""
@@ -108,7 +126,8 @@ def cached_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError("tree attention does not implement attention dropout; set attention_dropout=0")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     layer = module.layer_idx
-    cache.recorded[layer] = (key, value)
+    if cache.recording:
+        cache.recorded[layer] = (key, value)
     n = query.shape[2]
     first = 0  # the first context token any query of the chunk sees
     if window is not None:

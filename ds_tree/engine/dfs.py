@@ -312,7 +312,7 @@ def walk(
             for tensor, leaf in zip((key, value), leaves[layer], strict=True):
                 if leaf.grad is not None:
                     surrogate = surrogate + (tensor * (leaf.grad / scale)).sum()
-        with chunk_attention(model):  # activation checkpointing recomputes layers in the backward
+        with chunk_attention(model), cache.replaying():  # checkpointed layers recompute in the backward
             backward(surrogate)
         scale = probe.grad.item()
         total += float(loss.detach())
