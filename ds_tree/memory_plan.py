@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 GIB = 2**30
 ADAM_STATE_BYTES = 8
 """AdamW's two fp32 moments per parameter."""
@@ -245,6 +247,150 @@ def largest_budget(
         middle = (low + high + 1) // 2
         low, high = (middle, high) if fits(middle) else (low, middle - 1)
     return low
+
+
+@dataclass(frozen=True)
+class DfsActivationBytes:
+    """Activation bytes of the dfs walk (:mod:`ds_tree.engine.dfs`) down one root-to-leaf path, at the
+    backward of the chunk where it peaks (the deepest one, unless a shorter last chunk makes it another)."""
+
+    held: int
+    """What the graphs of the chunk's ancestors on the path keep for their backward (0 with
+    ``recompute``: their graphs were not kept). Per chunk of ``n`` tokens on ``P`` context tokens and
+    per layer, the packed row's activations without the chunk's own keys and values (the cache holds
+    them) plus the ``P + n`` keys and values SDPA saves (concatenated: a copy), or a checkpointed
+    layer's input only; once per chunk its ``n x (P + n)`` attention mask; the final norm's input and
+    the log-softmax of its targets (a chunked head: their hidden states)."""
+    cache: int
+    """The path's cached keys and values (with ``recompute`` the chunk's twice: the no-grad forward's
+    and the recomputed ones) and the gradients accumulated on the ancestors' (present whenever a
+    sibling subtree was walked before)."""
+    chunk: int
+    """The chunk's own graph, as one of ``held``'s, at the worst moment of its backward: the head's
+    (the log-softmax's and the logits' gradients, then the logits' and the head weight's new
+    gradient) or a checkpointed layer's recompute (the layers above it released their activations,
+    its own made again) or a layer's backward (SDPA's gradients of the ``P + n`` keys and values, the
+    MLP's working set)."""
+
+    @property
+    def peak(self) -> int:
+        return self.held + self.cache + self.chunk
+
+
+def dfs_activation_bytes(
+    shape: ModelShape,
+    dtype: str,
+    path_tokens: int,
+    chunk: int,
+    *,
+    recompute: bool = False,
+    checkpoint_every: int = 0,
+    head_chunk: int = 0,
+    entropy: bool = False,
+) -> DfsActivationBytes:
+    """Activation memory of walking a root-to-leaf path of ``path_tokens`` tokens in chunks of ``chunk``
+    (the path cut into full chunks, the remainder last), every token a target.
+
+    A path whose nodes are shorter than ``chunk`` has more chunks than that: without ``recompute`` each
+    holds its own copy of its context's keys and values (``P + n`` per layer), so short nodes cost more."""
+    if path_tokens < 1 or chunk < 1:
+        raise ValueError(f"dfs plan: path_tokens and chunk must be >= 1, got {path_tokens} and {chunk}")
+    width = DTYPE_BYTES[dtype]
+    kv = 2 * width * shape.kv_heads * shape.head_dim  # a token's key and value in one layer
+    per_layer = layer_bytes_per_token(shape, dtype)
+    checkpointed = [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
+    final_norm = 12 * shape.hidden + 4
+    head_weight = width * shape.vocab * shape.hidden  # its new gradient, before it is added to the stored one
+    row = head_bytes_per_target(shape, entropy)  # a target's float32 head tensors at the backward's start
+    sizes = [chunk] * (path_tokens // chunk) + ([path_tokens % chunk] if path_tokens % chunk else [])
+    contexts = np.cumsum([0, *sizes[:-1]]).tolist()
+
+    def layer(n: int, context: int) -> int:
+        """What a decoder layer that is not checkpointed keeps for the chunk's backward."""
+        return (per_layer - kv) * n + kv * (context + n)
+
+    def body(n: int, context: int) -> int:
+        """What the decoder layers keep for the chunk's backward, and its attention mask (made once)."""
+        kept = [width * shape.hidden * n if again else layer(n, context) for again in checkpointed]
+        return sum(kept) + (width * n * (context + n) if not all(checkpointed) else 0)
+
+    def graph(n: int, context: int) -> int:
+        """A held chunk's graph: a chunked head keeps the targets' hidden states, else their log-softmax
+        (and with the entropy their probabilities)."""
+        saved = width * shape.hidden if head_chunk else 4 * shape.vocab * (2 if entropy else 1)
+        return body(n, context) + (final_norm + saved) * n
+
+    def head(n: int) -> int:
+        """The head's tensors at the worst moment of its backward, the saved ones included."""
+        if head_chunk and n > head_chunk:  # as a packed row's chunked head (docs/MEMORY.md)
+            return width * shape.hidden * n + row * head_chunk + head_weight + 2 * width * n * shape.hidden
+        # the saved log-softmax, its gradient and the logits' (measured: a single head chunk peaks alike),
+        # then the logits' gradient and the head weight's new one
+        return max(row * n, 4 * shape.vocab * n + head_weight)
+
+    def backward(n: int, context: int) -> int:
+        moments = [body(n, context) + final_norm * n + head(n)]
+        below = body(n, context)  # the head's backward is done
+        # SDPA's gradients of the keys and values it attended to, per query head before the sum over a group
+        working = gradient_working_set_per_token(shape, dtype) * n + kv * (context + n) * shape.heads // shape.kv_heads
+        for index in reversed(range(shape.layers)):  # each layer's backward, top first
+            if checkpointed[index]:  # recomputed: its activations (and the mask, if none is held) again
+                again = layer(n, context) + (width * n * (context + n) if all(checkpointed) else 0)
+                moments.append(below + again + working)
+                below -= width * shape.hidden * n
+            else:
+                moments.append(below + working)
+                below -= layer(n, context)
+        return max(moments)
+
+    layers = shape.layers
+    if not recompute:
+        n, context = sizes[-1], contexts[-1]
+        held = sum(graph(m, p) for m, p in zip(sizes[:-1], contexts[:-1], strict=True))
+        return DfsActivationBytes(held, layers * kv * (path_tokens + context), backward(n, context))
+    plans = [
+        DfsActivationBytes(0, layers * kv * (2 * p + 2 * n), backward(n, p))
+        for n, p in zip(sizes, contexts, strict=True)
+    ]
+    return max(plans, key=lambda plan: plan.peak)
+
+
+def largest_dfs_path(
+    shape: ModelShape,
+    dtype: str,
+    free_bytes: int,
+    chunk: int,
+    *,
+    recompute: bool = False,
+    checkpoint_every: int = 0,
+    head_chunk: int = 0,
+    entropy: bool = False,
+) -> int:
+    """The longest path length ``L`` such that the dfs walk trains every root-to-leaf path of at most ``L``
+    tokens in chunks of ``chunk`` within ``free_bytes`` (0 if not even one token fits).
+
+    The peak grows with whole chunks (without ``recompute`` quadratically: every held chunk keeps its
+    context's keys and values), and within the last chunk with its length, but a path one token past a
+    whole number of chunks can peak lower than that number (its last chunk's head is smaller): so the
+    whole chunks are bisected first, then the last chunk's length."""
+
+    def fits(tokens: int) -> bool:
+        if tokens == 0:
+            return True
+        options = {"recompute": recompute, "checkpoint_every": checkpoint_every, "head_chunk": head_chunk}
+        return dfs_activation_bytes(shape, dtype, tokens, chunk, entropy=entropy, **options).peak <= free_bytes
+
+    def last_true(low: int, high: int, test) -> int:  # test(low) holds, test is monotone on [low, high]
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if test(middle) else (low, middle - 1)
+        return low
+
+    high = 1
+    while fits(high * chunk):  # the peak grows at least linearly with whole chunks, so doubling ends
+        high *= 2
+    chunks = last_true(0, high - 1, lambda k: fits(k * chunk))
+    return chunks * chunk + last_true(0, chunk - 1, lambda r: fits(chunks * chunk + r))
 
 
 def profiled_peak_bytes(run) -> int:

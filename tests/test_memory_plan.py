@@ -14,12 +14,17 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from ds_tree.cli.plan import main as plan_main
+from ds_tree.engine.dfs import DfsSettings, run_step
+from ds_tree.losses.sft import Normalisers
 from ds_tree.memory_plan import (
     ModelShape,
     activation_bytes,
+    dfs_activation_bytes,
     largest_budget,
+    largest_dfs_path,
     layer_bytes_per_token,
     profiled_peak_bytes,
     state_bytes,
@@ -131,6 +136,79 @@ def test_prediction_within_documented_error_of_measurement(every, chunk):
     shape = ModelShape.of(load_config(BENCH))
     planned = activation_bytes(shape, "float32", tokens, checkpoint_every=every, head_chunk=chunk, targets=len(targets))
     assert abs(planned.peak / measured - 1) <= DOCUMENTED_ERROR, (planned, measured)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "recompute", "every", "head_chunk"), [(128, False, 0, 0), (256, True, 0, 0), (512, True, 1, 128)]
+)
+def test_dfs_prediction_within_documented_error_of_measurement(chunk, recompute, every, head_chunk):
+    """Two 1024-token paths sharing all but their last chunk: the second is walked with gradients on the
+    shared keys and values (as the planner assumes). docs/MEMORY.md's dfs table holds more cases."""
+    tokens = 1024
+    rng = np.random.default_rng(0)
+    stem = rng.integers(3, 1000, tokens - chunk).tolist()
+    paths = [Trajectory(stem + rng.integers(3, 1000, chunk).tolist(), [1] * tokens) for _ in range(2)]
+    rows = pack_trajectories(paths, "dfs", 10**6)
+    normalisers = Normalisers.from_rows(pack_trajectories(paths, "tree", 10**6))
+    model = load_model(BENCH, checkpoint_every=every)
+    settings = DfsSettings(chunk, recompute)
+
+    def step():
+        run_step(
+            model,
+            rows,
+            normalisers,
+            "token_mean",
+            "exact",
+            settings,
+            backward_for=lambda n: torch.Tensor.backward,
+            head_chunk=head_chunk,
+        )
+
+    step()  # the parameter gradients exist from here on
+    measured = profiled_peak_bytes(step)
+    shape = ModelShape.of(load_config(BENCH))
+    planned = dfs_activation_bytes(
+        shape, "float32", tokens, chunk, recompute=recompute, checkpoint_every=every, head_chunk=head_chunk
+    )
+    assert abs(planned.peak / measured - 1) <= DOCUMENTED_ERROR, (planned, measured)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "recompute", "every", "head_chunk"),
+    [(5, False, 0, 0), (5, True, 0, 0), (8, False, 2, 3), (3, True, 1, 2)],
+)
+def test_largest_dfs_path_is_the_longest_all_of_whose_shorter_paths_fit(chunk, recompute, every, head_chunk):
+    options = {"recompute": recompute, "checkpoint_every": every, "head_chunk": head_chunk}
+    free = dfs_activation_bytes(SHAPE, "bfloat16", 57, chunk, **options).peak
+    longest = largest_dfs_path(SHAPE, "bfloat16", free, chunk, **options)
+    peaks = [dfs_activation_bytes(SHAPE, "bfloat16", n, chunk, **options).peak for n in range(1, longest + 2)]
+    assert longest >= 57 - chunk and all(peak <= free for peak in peaks[:-1]) and peaks[-1] > free
+    # over whole chunks, without recompute every held chunk keeps its context's keys and values: the
+    # peak's increments grow (quadratic); with recompute, once the context outweighs the head, only the
+    # path's cache and the chunk's context grow (linear)
+    paths = [k * chunk for k in (100, 200, 300)]
+    increments = np.diff([dfs_activation_bytes(SHAPE, "bfloat16", n, chunk, **options).peak for n in paths])
+    assert increments[1] > increments[0] if not recompute else increments[1] == increments[0]
+    assert largest_dfs_path(SHAPE, "bfloat16", 0, chunk, **options) == 0
+
+
+def test_plan_command_walks_dfs_configs(capsys):
+    config = "configs/examples/agent_grpo_dfs.yaml"  # over_budget: dfs, dfs_recompute: true, checkpointing
+    argv = [config, "--world-size", "8", "--json", "--path-tokens", "65536"]
+    assert plan_main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    dfs = plan["dfs"]
+    assert (dfs["chunk"], dfs["recompute"], dfs["path_tokens"]) == (4096, True, 65536)
+    without, with_ = dfs["without_recompute"], dfs["with_recompute"]
+    assert with_["held"] == 0 < without["held"] and with_["peak"] < without["peak"]
+    assert with_["largest_path"] > without["largest_path"] > 65536
+    packed = plan["activations"]["with_checkpointing"]["peak"]
+    assert plan["peak_bytes"] == plan["states"]["total"] + max(packed, with_["peak"])
+    assert plan_main([config, "--world-size", "8"]) == 0
+    assert "longest root-to-leaf path the dfs walk trains within 80 GiB" in capsys.readouterr().out
+    assert plan_main([config, "--world-size", "8", "--json", "packing.over_budget=error"]) == 0
+    assert json.loads(capsys.readouterr().out)["dfs"] is None
 
 
 def test_plan_command(capsys):

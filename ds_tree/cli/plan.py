@@ -1,14 +1,18 @@
 """Predicted peak memory per rank of a training config, and the largest row that fits.
 
-    ds-tree plan CONFIG [--world-size N] [--memory-gib G] [--json] [key=value ...]
+    ds-tree plan CONFIG [--world-size N] [--memory-gib G] [--path-tokens N] [--json] [key=value ...]
 
 Reads the training YAML (``key=value`` overrides as the trainer takes them), its model config and
 its DeepSpeed JSON (ZeRO stage, ``offload_optimizer`` / ``offload_param``), and prints per rank:
 parameters, gradients and optimizer states, activations of one packed row of ``packing.budget``
 tokens with and without activation checkpointing, the LM head's share (``model.head_chunk``), and
 the largest ``packing.budget`` whose predicted peak fits ``--memory-gib`` of accelerator memory.
-The row is planned as if every token were a target (the head's worst case). The arithmetic and its
-measured error are in docs/MEMORY.md.
+The row is planned as if every token were a target (the head's worst case).
+
+A config that walks trees (``packing.mode: dfs``, or ``over_budget: dfs``) also gets the dfs walk's
+peak on a root-to-leaf path of ``--path-tokens`` tokens (default: 4 x ``packing.budget``) in chunks
+of ``packing.dfs_chunk``, with and without ``packing.dfs_recompute``, and the longest path each
+trains within the memory. The arithmetic and its measured error are in docs/MEMORY.md.
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ import sys
 from pathlib import Path
 
 from ds_tree.config import ConfigError, load_config
-from ds_tree.memory_plan import GIB, ModelShape, activation_bytes, largest_budget, state_bytes
+from ds_tree.engine.dfs import settings_of, uses_dfs
+from ds_tree.memory_plan import (
+    GIB,
+    ModelShape,
+    activation_bytes,
+    dfs_activation_bytes,
+    largest_budget,
+    largest_dfs_path,
+    state_bytes,
+)
 from ds_tree.models.loading import load_config as load_model_config
 
 
@@ -39,7 +52,7 @@ def zero_settings(path: str) -> tuple[int, bool, bool]:
     return int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param")
 
 
-def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gib: float) -> dict:
+def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gib: float, path_tokens: int = 0) -> dict:
     config = load_config(config_path, overrides)
     stage, offload_optimizer, offload_param = zero_settings(config.deepspeed)
     shape = ModelShape.of(load_model_config(config.model.source))
@@ -61,6 +74,13 @@ def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gi
             shape, dtype, free, checkpoint_every=checkpoint_every, head_chunk=config.model.head_chunk, entropy=entropy
         )
     chosen = "with_checkpointing" if every else "without_checkpointing"
+    peak = states.total + activations[chosen]["peak"]
+    dfs = None
+    if uses_dfs(config.packing):
+        dfs = dfs_plan(config, shape, free, path_tokens or 4 * budget, entropy)
+        walked = dfs["with_recompute" if dfs["recompute"] else "without_recompute"]["peak"]
+        # mode dfs walks every tree; over_budget dfs packs the others as configured
+        peak = states.total + (walked if config.packing.mode == "dfs" else max(walked, activations[chosen]["peak"]))
     return {
         "config": config_path,
         "model": config.model.source,
@@ -83,10 +103,36 @@ def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gi
         },
         "activations": activations,
         "config_uses": chosen,
-        "peak_bytes": states.total + activations[chosen]["peak"],
+        "peak_bytes": peak,
         "memory_gib": memory_gib,
         "largest_budget": budgets,
+        "dfs": dfs,
     }
+
+
+def dfs_plan(config, shape: ModelShape, free: int, path_tokens: int, entropy: bool) -> dict:
+    """The dfs walk of a ``path_tokens``-token path with and without recompute, as configured otherwise."""
+    settings = settings_of(config.packing)
+    options = {
+        "checkpoint_every": config.model.checkpointed_every,
+        "head_chunk": config.model.head_chunk,
+        "entropy": entropy,
+    }
+    plan = {"chunk": settings.chunk, "recompute": settings.recompute, "path_tokens": path_tokens}
+    for name, recompute in (("without_recompute", False), ("with_recompute", True)):
+        walk = dfs_activation_bytes(
+            shape, config.model.dtype, path_tokens, settings.chunk, recompute=recompute, **options
+        )
+        plan[name] = {
+            "held": walk.held,
+            "cache": walk.cache,
+            "chunk": walk.chunk,
+            "peak": walk.peak,
+            "largest_path": largest_dfs_path(
+                shape, config.model.dtype, free, settings.chunk, recompute=recompute, **options
+            ),
+        }
+    return plan
 
 
 def format_plan(plan: dict) -> str:
@@ -111,7 +157,17 @@ def format_plan(plan: dict) -> str:
             (f"{label}: at a layer's recompute", values["recompute"]),
             (f"{label}: activation peak", values["peak"]),
         ]
-    chosen = plan["config_uses"].replace("_", " ")
+    dfs = plan["dfs"]
+    if dfs is not None:
+        for name, label in (("without_recompute", "dfs walk"), ("with_recompute", "dfs walk, recompute")):
+            values = dfs[name]
+            rows += [
+                (f"{label}: ancestors' held graphs", values["held"]),
+                (f"{label}: cached keys, values, gradients", values["cache"]),
+                (f"{label}: deepest chunk at its backward", values["chunk"]),
+                (f"{label}: activation peak", values["peak"]),
+            ]
+    chosen = plan["config_uses"].replace("_", " ") + (", dfs walk" if dfs is not None else "")
     rows.append((f"predicted peak per rank ({chosen}, as configured)", plan["peak_bytes"]))
     budgets = plan["largest_budget"]
     header = (
@@ -124,6 +180,16 @@ def format_plan(plan: dict) -> str:
         f"largest packing.budget within {plan['memory_gib']:g} GiB: {budgets['without_checkpointing']} tokens "
         f"without checkpointing, {budgets['with_checkpointing']} with"
     )
+    if dfs is not None:
+        header += (
+            f"dfs walk: a root-to-leaf path of {dfs['path_tokens']} tokens in chunks of {dfs['chunk']}, "
+            f"packing.dfs_recompute {str(dfs['recompute']).lower()}\n"
+        )
+        footer += (
+            f"\nlongest root-to-leaf path the dfs walk trains within {plan['memory_gib']:g} GiB: "
+            f"{dfs['without_recompute']['largest_path']} tokens without recompute, "
+            f"{dfs['with_recompute']['largest_path']} with"
+        )
     return "\n".join([header, *table, footer])
 
 
@@ -135,12 +201,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, as the trainer takes them")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--memory-gib", type=float, default=80.0, help="accelerator memory per rank (default 80)")
+    parser.add_argument(
+        "--path-tokens",
+        type=int,
+        default=0,
+        help="dfs configs: plan the walk of a root-to-leaf path of this many tokens (default 4 x packing.budget)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     args = parser.parse_intermixed_args(argv)
-    if args.world_size < 1 or args.memory_gib <= 0:
-        parser.error("--world-size must be >= 1 and --memory-gib > 0")
+    if args.world_size < 1 or args.memory_gib <= 0 or args.path_tokens < 0:
+        parser.error("--world-size must be >= 1, --memory-gib > 0 and --path-tokens >= 0")
     try:
-        plan = make_plan(args.config, args.overrides, args.world_size, args.memory_gib)
+        plan = make_plan(args.config, args.overrides, args.world_size, args.memory_gib, args.path_tokens)
     except (ConfigError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
