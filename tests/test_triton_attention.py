@@ -249,3 +249,78 @@ def test_window_matches_float64_reference(layout, batch, heads_q, heads_kv, head
         error = _max_error(a.cpu(), e)
         bound = 1e-5 * (1 + e.abs().max().item())
         assert error <= bound, f"{name}: max error {error:.3g} > {bound:.3g}; seed {seed}, window {window}"
+
+
+# ---------------------------------------------------------------- soft-capping (Gemma 2)
+
+# (layout, batch, query heads, kv heads, head dim, window or None, cap, dtype). Queries and keys are drawn
+# with variance 2 * cap, so the scaled scores (variance (2 * cap)**2 with the default scale) have a
+# standard deviation of twice the cap: tanh saturates for many visible pairs and is in its linear part
+# for others (checked).
+SOFTCAP_SHAPES = [
+    ("causal", 1, 2, 1, 16, None, 2.0, torch.float32),
+    ("forest", 1, 4, 2, 16, None, 5.0, torch.float32),
+    ("deep_chain", 1, 2, 1, 16, 3, 3.0, torch.float32),
+    ("forest", 1, 2, 1, 16, 7 * GROW, 2.0, torch.float32),
+    ("one_token_nodes", 1, 2, 1, 32, None, 3.0, torch.bfloat16),
+]
+
+
+def softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype):
+    """``{name: (max error, bound)}`` for out, dq, dk, dv of one random soft-capped case."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kv_end = _kv_end(layout, batch, rng)
+    positions = _depths(kv_end) if window is not None else None
+    if window is not None:
+        window = max(1, min(window, int(positions.max())))
+    n = kv_end.shape[1]
+    inputs = [
+        (std * torch.randn(batch, heads, n, head_dim, dtype=torch.float64)).to(dtype)
+        for heads, std in ((heads_q, (2 * cap) ** 0.5), (heads_kv, (2 * cap) ** 0.5), (heads_kv, 1.0))
+    ]
+    grad_out = torch.randn(batch, n, heads_q, head_dim, dtype=torch.float64).to(dtype)
+    options = {"positions": positions, "window": window, "softcap": cap}
+
+    # The cap must bite: some visible scores far into tanh's flat part, some in its linear part.
+    group = heads_q // heads_kv
+    scores = inputs[0].double() @ inputs[1].double().repeat_interleave(group, 1).transpose(-1, -2) * head_dim**-0.5
+    ratio = (scores / cap).abs()[visibility_mask(kv_end, positions, window)[:, None].expand_as(scores)]
+    assert (ratio > 3).double().mean() > 0.03 and (ratio < 0.25).double().mean() > 0.01, seed
+
+    def reference_capped(q, k, v, e):
+        return tree_attention_reference(q, k, v, e, **options)
+
+    expected = _run(reference_capped, [x.double() for x in inputs], kv_end, grad_out.double())
+    device_options = {**options, "positions": None if positions is None else positions.to(DEVICE)}
+    actual = _run(
+        lambda q, k, v, e: triton_tree_attention(q, k, v, e, **device_options),
+        [x.to(DEVICE) for x in inputs], kv_end, grad_out.to(DEVICE),
+    )
+    if dtype == torch.float32:
+        bounds = [1e-5 * (1 + e.abs().max().item()) for e in expected]
+    else:  # the 16-bit rule of test_matches_float64_reference (bf16: no final-rounding term)
+        own = _run(reference_capped, inputs, kv_end, grad_out)
+        bounds = [2 * _max_error(o, e) + 1e-5 for o, e in zip(own, expected, strict=True)]
+    errors = {}
+    for name, a, e, bound in zip(("out", "dq", "dk", "dv"), actual, expected, bounds, strict=True):
+        assert a.dtype == dtype and not a.isnan().any(), f"{name}: wrong dtype or NaN; seed {seed}"
+        errors[name] = (_max_error(a.cpu(), e), bound)
+    return errors
+
+
+@pytest.mark.parametrize("layout,batch,heads_q,heads_kv,head_dim,window,cap,dtype", SOFTCAP_SHAPES)
+def test_softcap_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype):
+    """Capped scores ``cap * tanh(s / cap)``: forward and dq/dk/dv against the float64 reference, with the
+    tolerances of the uncapped tests for the same dtype."""
+    seed = random.randrange(2**31)
+    errors = softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype)
+    for name, (error, bound) in errors.items():
+        assert error <= bound, f"{name}: max error {error:.3g} > {bound:.3g}; seed {seed}, cap {cap}, window {window}"
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("inf"), float("nan")])
+def test_rejects_bad_softcap(cap):
+    q = torch.zeros(1, 2, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="soft-cap"):
+        triton_tree_attention(q, q, q, torch.full((1, 4), 4), softcap=cap)

@@ -6,8 +6,7 @@ default) and ``triton`` (the GPU kernel; on a machine without a GPU only under
 ``tree_<engine>``; a model built with that ``attn_implementation`` receives ``kv_end`` (and
 ``position_ids``) as forward kwargs and runs unchanged otherwise. A layer that passes
 ``sliding_window`` (Mistral, Qwen2/3 sliding layers, Gemma2/3 local layers) gets the window rule on
-the tree depths, ``position_ids``; one that passes ``softcap`` (Gemma2) gets capped scores, except
-on the Triton engine, which refuses it.
+the tree depths, ``position_ids``; one that passes ``softcap`` (Gemma2) gets capped scores, on every engine.
 """
 
 from __future__ import annotations
@@ -21,14 +20,9 @@ from ds_tree.attention.reference import tree_attention_reference
 
 
 def _triton(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
-    if softcap is not None:
-        raise ValueError(
-            "the triton tree-attention engine does not implement attention soft-capping (the model config's "
-            "attn_logit_softcapping); use the torch engine, or a model config with attn_logit_softcapping null"
-        )
     from ds_tree.attention.triton import triton_tree_attention  # imports triton: only on demand
 
-    return triton_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window)
+    return triton_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
 
 
 ENGINES: dict[str, Callable[..., torch.Tensor]] = {

@@ -30,16 +30,16 @@ class TreeAttentionFunction(torch.autograd.Function):
     """``tree_attention`` forward/backward on the Triton kernels (FlashAttention-2 style)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, kv_end, scale, positions, window):
+    def forward(ctx, query, key, value, kv_end, scale, positions, window, softcap):
         head_dim = query.shape[-1]
         padded = _padded_head_dim(head_dim)
         query, key, value = (_pad(x, padded) for x in (query, key, value))
         kv_end = kv_end.to(device=query.device, dtype=torch.int32).contiguous()
         if window is not None:
             positions = positions.to(device=query.device, dtype=torch.int32).contiguous()
-        out, lse = kernels.forward(query, key, value, kv_end, scale, positions, window)
+        out, lse = kernels.forward(query, key, value, kv_end, scale, positions, window, softcap)
         ctx.save_for_backward(query, key, value, out, lse, kv_end, positions)
-        ctx.scale, ctx.window = scale, window
+        ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
         ctx.head_dim = head_dim
         return out if padded == head_dim else out[..., :head_dim].contiguous()
 
@@ -47,9 +47,10 @@ class TreeAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse, kv_end, positions = ctx.saved_tensors
         grad_out = _pad(grad_out, query.shape[-1])
-        grads = kernels.backward(grad_out, query, key, value, out, lse, kv_end, ctx.scale, positions, ctx.window)
+        grads = kernels.backward(
+            grad_out, query, key, value, out, lse, kv_end, ctx.scale, positions, ctx.window, ctx.softcap)
         grad_q, grad_k, grad_v = (g[..., : ctx.head_dim] for g in grads)
-        return grad_q, grad_k, grad_v, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 def triton_tree_attention(
@@ -61,14 +62,16 @@ def triton_tree_attention(
     *,
     positions: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Tree attention (docs/DESIGN.md section 4 contract) on the Triton kernels.
 
     query ``[B, Hq, N, D]``, key/value ``[B, Hkv, N, D]`` with ``Hq % Hkv == 0`` (query head
     ``h`` uses kv head ``h // (Hq // Hkv)``), ``kv_end`` ``[B, N]`` integer: query ``q`` sees key
     ``k`` iff ``k <= q < kv_end[k]`` (and, with a ``window``, ``positions[q] - positions[k] <
-    window``, ``positions`` ``[B, N]`` the depths). fp32, fp16 or bf16. Returns ``[B, N, Hq, D]`` in the input
-    dtype; differentiable in query, key and value.
+    window``, ``positions`` ``[B, N]`` the depths). ``softcap`` (Gemma 2's ``attn_logit_softcapping``, > 0)
+    maps the scaled scores ``s`` to ``softcap * tanh(s / softcap)`` before the mask. fp32, fp16 or bf16.
+    Returns ``[B, N, Hq, D]`` in the input dtype; differentiable in query, key and value.
     """
     if not (kernels.INTERPRET or (torch.cuda.is_available() and query.is_cuda)):
         raise RuntimeError(
@@ -88,6 +91,11 @@ def triton_tree_attention(
     if window is not None:
         check_window(positions, window, kv_end.shape)
         window = int(window)
+    if softcap is not None:
+        softcap = float(softcap)
+        if not 0.0 < softcap < float("inf"):  # NaN fails too
+            raise ValueError(
+                f"attention soft-cap (attn_logit_softcapping) must be a positive finite number, got {softcap}")
     if scale is None:
         scale = head_dim**-0.5
-    return TreeAttentionFunction.apply(query, key, value, kv_end, float(scale), positions, window)
+    return TreeAttentionFunction.apply(query, key, value, kv_end, float(scale), positions, window, softcap)

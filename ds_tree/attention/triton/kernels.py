@@ -23,6 +23,13 @@ Algorithm
   element mask loads the positions; a tile is skipped when its shallowest query is ``window`` or
   more deeper than its deepest key, and stays on the unmasked path only when its deepest query is
   within ``window`` of its shallowest key (per-block bounds from ``block_stats.block_position_bounds``).
+- Soft-capping (``HAS_SOFTCAP``, a constexpr like ``HAS_WINDOW``; Gemma 2's ``attn_logit_softcapping``):
+  the scaled scores ``s = scale * q.k`` become ``cap * tanh(s / cap)`` before the mask and the
+  softmax. The cap is applied in natural units and then carried into the log2 domain (``cap *
+  log2(e)`` on the log2-domain scores is the same function). The backward recomputes ``t = tanh(s /
+  cap)`` with the probabilities and multiplies the score gradient by ``1 - t^2``. tanh is built
+  from ``tl.exp`` (no tanh in the interpreter): a Taylor polynomial near zero, ``(1 - e) / (1 + e)``
+  with ``e = exp(-2|x|) <= 1`` elsewhere, so nothing overflows and it is accurate to a few ulps.
 - GQA: query head ``h`` uses kv head ``h // group`` (HF ``repeat_kv`` order). K/V are never
   repeated in memory; the dK/dV program loops over the ``group`` query heads of its kv head and
   accumulates their contributions in registers, so no atomics are needed.
@@ -154,15 +161,51 @@ def _query_block_positions(QUERY_MAX_POS, QUERY_MIN_POS, block, HAS_WINDOW: tl.c
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from ``tl.exp``, to a few fp32 ulps relative, finite for every finite ``x``.
+
+    Below ``|x| = 1/4`` a Taylor polynomial (truncation error < 1e-8 relative there): ``1 - exp(-2|x|)``
+    would lose the relative accuracy of small ``x`` (an error of ~1e-7 absolute, which the cap then
+    multiplies). Elsewhere ``sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` in ``(0, 1]``: no
+    overflow, and ``e`` underflowing to 0 gives exactly +-1.
+    """
+    magnitude = tl.abs(x)
+    e = tl.exp(-2.0 * magnitude)
+    large = (1.0 - e) / (1.0 + e)
+    large = tl.where(x < 0, -large, large)
+    x2 = x * x
+    # x - x^3/3 + 2x^5/15 - 17x^7/315 + 62x^9/2835
+    small = x + x * x2 * (
+        -0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203)))
+    return tl.where(magnitude < 0.25, small, large)
+
+
+@triton.jit
+def _soft_cap(scores, softcap):
+    """Gemma 2's soft-cap on log2-domain scores ``scores = s * log2(e)``, ``s = scale * q.k``.
+
+    Returns ``cap * tanh(s / cap) * log2(e)`` (the capped score, back in the log2 domain) and ``t =
+    tanh(s / cap)`` (the backward's ``1 - t^2``). The cap acts on ``s`` in natural units: with ``c2 =
+    cap * log2(e)``, ``s / cap = scores / c2`` and ``cap * t * log2(e) = c2 * t``.
+    """
+    cap_log2 = softcap * 1.4426950408889634
+    t = _tanh(scores * (1.0 / cap_log2))
+    return t * cap_log2, t
+
+
+@triton.jit
 def _forward_tile(
     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
-    qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+    qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
     MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     key_index = key_start + offs_n
     k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
     v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:  # capped before the mask: masked scores stay -inf
+        scores, _ = _soft_cap(scores, softcap)
     if MASKED:
         # Keys past n read kv_end = 0 and so are invisible to every query.
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
@@ -182,11 +225,12 @@ def _forward_tile(
 @triton.jit
 def _forward_kernel(
     Q, K, V, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, OUT, LSE,
-    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window,
+    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window, softcap,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, group, num_key_blocks, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -222,13 +266,13 @@ def _forward_kernel(
             if full:
                 acc, row_max, row_sum = _forward_tile(
                     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
-                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
+                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
             else:
                 acc, row_max, row_sum = _forward_tile(
                     acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
-                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
+                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
 
     # Rows past n never saw a key; keep them finite (they are not stored).
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
@@ -258,8 +302,9 @@ def _delta_kernel(
 @triton.jit
 def _key_value_tile(
     grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
     MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Add one query block's contribution to dK and dV, in transposed ``[keys, queries]`` form."""
     query_index = query_start + offs_m
@@ -271,7 +316,10 @@ def _key_value_tile(
     else:
         lse = tl.load(lse_base + query_index)
         delta = tl.load(delta_base + query_index)
-    p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
+    scores_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        scores_t, tanh_t = _soft_cap(scores_t, softcap)
+    p_t = tl.exp2(scores_t - lse[None, :])
     if MASKED:
         query_pos = _load_positions(pos_base, query_index, n, HAS_WINDOW)
         visible = _visible(
@@ -281,6 +329,8 @@ def _key_value_tile(
     grad_v += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=DOT_PRECISION)
     grad_p_t = tl.dot(v, tl.trans(grad_out), input_precision=DOT_PRECISION)
     grad_s_t = p_t * (grad_p_t - delta[None, :])
+    if HAS_SOFTCAP:  # through the cap: d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+        grad_s_t = grad_s_t * (1.0 - tanh_t * tanh_t)
     grad_k += tl.dot(grad_s_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return grad_k, grad_v
 
@@ -288,31 +338,33 @@ def _key_value_tile(
 @triton.jit
 def _key_value_block(
     full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
+    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
     INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """:func:`_key_value_tile` without the element mask when the tile is ``full``, with it otherwise."""
     if full:
         grad_k, grad_v = _key_value_tile(
             grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
-            False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
+            False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
     else:
         grad_k, grad_v = _key_value_tile(
             grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
-            True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
+            True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
     return grad_k, grad_v
 
 
 @triton.jit
 def _key_value_kernel(
     Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_K, GRAD_V,
-    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window,
+    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window, softcap,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, heads_kv, group, num_key_blocks, scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     key_block = tl.program_id(0)
     batch = tl.program_id(1) // heads_kv
@@ -358,12 +410,12 @@ def _key_value_kernel(
                     grad_k, grad_v = _key_value_block(
                         full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
                         query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
-                        INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+                        softcap, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
             else:
                 grad_k, grad_v = _key_value_block(
                     full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
                     query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
-                    INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+                    softcap, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
 
     in_range = (key_index < n)[:, None]
     pointers = kv_offset + key_index[:, None] * stride_kn + offs_d[None, :]
@@ -375,14 +427,18 @@ def _key_value_kernel(
 @triton.jit
 def _query_tile(
     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
-    qk_scale, offs_n, offs_d, query_pos, pos_base, window,
+    qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
     MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Add one key block's contribution to dQ."""
     key_index = key_start + offs_n
     k = _load_rows(k_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
     v = _load_rows(v_base, key_index, n, stride_kn, offs_d, MASKED, INTERPRET_BF16)
-    p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        scores, tanh_s = _soft_cap(scores, softcap)
+    p = tl.exp2(scores - lse[:, None])
     if MASKED:
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
         key_pos = _load_positions(pos_base, key_index, n, HAS_WINDOW)
@@ -392,17 +448,20 @@ def _query_tile(
         p = tl.where(visible, p, 0.0)
     grad_p = tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION)
     grad_s = p * (grad_p - delta[:, None])
+    if HAS_SOFTCAP:  # through the cap: d(cap * tanh(s / cap)) / ds = 1 - tanh^2
+        grad_s = grad_s * (1.0 - tanh_s * tanh_s)
     return grad_q + tl.dot(grad_s.to(k.dtype), k, input_precision=DOT_PRECISION)
 
 
 @triton.jit
 def _query_kernel(
     Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_Q,
-    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window,
+    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window, softcap,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
     n, heads_q, group, num_key_blocks, scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -442,13 +501,13 @@ def _query_kernel(
             if full:
                 grad_q = _query_tile(
                     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
-                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
+                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
             else:
                 grad_q = _query_tile(
                     grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window,
-                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW)
+                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
+                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
 
     pointers = GRAD_Q + q_offset + query_index[:, None] * stride_qn + offs_d[None, :]
     tl.store(pointers, _to_storage(grad_q * scale, GRAD_Q.dtype.element_ty, INTERPRET_BF16), mask=in_range[:, None])
@@ -461,14 +520,17 @@ def _dot_options(dtype: torch.dtype) -> dict:
     }
 
 
-def _window_arguments(kv_end, positions, window, block_m, block_n) -> tuple[list, dict]:
-    """``POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window`` and the
-    ``HAS_WINDOW`` switch; without a window ``kv_end`` stands in for the unused pointers."""
+def _window_and_cap_arguments(kv_end, positions, window, block_m, block_n, softcap) -> tuple[list, dict]:
+    """``POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window, softcap`` and the
+    ``HAS_WINDOW`` and ``HAS_SOFTCAP`` switches; without a window ``kv_end`` stands in for the unused
+    pointers, without a cap 0.0 for the unused ``softcap``."""
+    switches = {"HAS_WINDOW": window is not None, "HAS_SOFTCAP": softcap is not None}
+    cap = [0.0 if softcap is None else float(softcap)]
     if window is None:
-        return [kv_end] * 5 + [0], {"HAS_WINDOW": False}
+        return [kv_end] * 5 + [0] + cap, switches
     query_bounds = block_position_bounds(positions, block_m)
     key_bounds = block_position_bounds(positions, block_n)
-    return [positions, *query_bounds, *key_bounds, window], {"HAS_WINDOW": True}
+    return [positions, *query_bounds, *key_bounds, window] + cap, switches
 
 
 def forward(
@@ -479,26 +541,28 @@ def forward(
     scale: float,
     positions: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output ``[B, N, Hq, D]`` and log2-domain log-sum-exp ``[B, Hq, N]`` (fp32).
 
     q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]``, all contiguous with D a power of two >= 16;
-    kv_end ``[B, N]`` int32 contiguous; with a ``window``, positions ``[B, N]`` int32 contiguous.
+    kv_end ``[B, N]`` int32 contiguous; with a ``window``, positions ``[B, N]`` int32 contiguous;
+    ``softcap`` (> 0, or None) caps the scaled scores at ``softcap * tanh(s / softcap)``.
     """
     batch, heads_q, n, head_dim = q.shape
     config = block_sizes(head_dim)
     block_m, block_n = config["forward"]
     max_end, min_end = key_block_end_bounds(kv_end, block_n)
-    window_arguments, window_switch = _window_arguments(kv_end, positions, window, block_m, block_n)
+    extra_arguments, switches = _window_and_cap_arguments(kv_end, positions, window, block_m, block_n, softcap)
     out = torch.empty(batch, n, heads_q, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads_q, n, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(n, block_m), batch * heads_q)
     _forward_kernel[grid](
-        q, k, v, kv_end, max_end, min_end, out, lse, *window_arguments,
+        q, k, v, kv_end, max_end, min_end, out, lse, *extra_arguments,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         out.stride(0), out.stride(2), out.stride(1),
         n, heads_q, heads_q // k.shape[1], max_end.shape[1], scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, **_dot_options(q.dtype), **window_switch,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, **_dot_options(q.dtype), **switches,
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out, lse
@@ -507,18 +571,19 @@ def forward(
 def backward(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, kv_end: torch.Tensor, scale: float,
-    positions: torch.Tensor | None = None, window: int | None = None,
+    positions: torch.Tensor | None = None, window: int | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` shaped like q, k, v; grad_out and out are ``[B, N, Hq, D]``.
 
-    Same layout requirements as :func:`forward`; ``out`` and ``lse`` are what it returned.
+    Same layout requirements as :func:`forward`; ``out`` and ``lse`` are what it returned (with
+    the same ``window`` and ``softcap``).
     """
     batch, heads_q, n, head_dim = q.shape
     heads_kv = k.shape[1]
     config = block_sizes(head_dim)
     block_m, block_n = config["backward"]
     max_end, min_end = key_block_end_bounds(kv_end, block_n)
-    window_arguments, window_switch = _window_arguments(kv_end, positions, window, block_m, block_n)
+    extra_arguments, switches = _window_and_cap_arguments(kv_end, positions, window, block_m, block_n, softcap)
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     out_strides = (out.stride(0), out.stride(2), out.stride(1))
     delta = torch.empty_like(lse)
@@ -527,15 +592,15 @@ def backward(
 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *out_strides)
     constants = {
-        "BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype), **window_switch
+        "BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype), **switches
     }
     grad_k = torch.empty_like(k)
     grad_v = torch.empty_like(v)
     _key_value_kernel[(max_end.shape[1], batch * heads_kv)](
-        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_k, grad_v, *window_arguments, *strides,
+        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_k, grad_v, *extra_arguments, *strides,
         n, heads_q, heads_kv, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
     grad_q = torch.empty_like(q)
     _query_kernel[(triton.cdiv(n, block_m), batch * heads_q)](
-        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_q, *window_arguments, *strides,
+        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_q, *extra_arguments, *strides,
         n, heads_q, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
     return grad_q, grad_k, grad_v
