@@ -147,7 +147,8 @@ def test_window_needs_position_ids(model_configs):
         attention(layer, query, query, query, None, sliding_window=5, kv_end=torch.full((1, 4), 4))
 
 
-def test_triton_refuses_softcap():
+def test_triton_refuses_a_cap_that_is_not_positive():
+    """The triton engine caps scores (tests/test_triton_attention.py); a cap <= 0 is refused by name."""
     query = torch.zeros(1, 2, 4, 16)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
-        tree_attention(query, query, query, torch.full((1, 4), 4), engine="triton", softcap=50.0)
+        tree_attention(query, query, query, torch.full((1, 4), 4), engine="triton", softcap=0.0)
