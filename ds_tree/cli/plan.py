@@ -146,27 +146,27 @@ def format_plan(plan: dict) -> str:
         ("model states", states["total"]),
         ("in CPU memory (offload)", states["cpu"]),
     ]
+    packed_parts = (
+        ("layers", "kept by the layers"),
+        ("head", "head at its backward"),
+        ("recompute", "at a layer's recompute"),
+        ("peak", "activation peak"),
+    )
     for name, label in (
         ("without_checkpointing", "no checkpointing"),
         ("with_checkpointing", f"checkpointing every {plan['checkpoint_every']}"),
     ):
-        values = activations[name]
-        rows += [
-            (f"{label}: kept by the layers", values["layers"]),
-            (f"{label}: head at its backward", values["head"]),
-            (f"{label}: at a layer's recompute", values["recompute"]),
-            (f"{label}: activation peak", values["peak"]),
-        ]
+        rows += [(f"{label}: {text}", activations[name][key]) for key, text in packed_parts]
     dfs = plan["dfs"]
     if dfs is not None:
+        walk_parts = (
+            ("held", "ancestors' held graphs"),
+            ("cache", "cached keys, values, gradients"),
+            ("chunk", "deepest chunk at its backward"),
+            ("peak", "activation peak"),
+        )
         for name, label in (("without_recompute", "dfs walk"), ("with_recompute", "dfs walk, recompute")):
-            values = dfs[name]
-            rows += [
-                (f"{label}: ancestors' held graphs", values["held"]),
-                (f"{label}: cached keys, values, gradients", values["cache"]),
-                (f"{label}: deepest chunk at its backward", values["chunk"]),
-                (f"{label}: activation peak", values["peak"]),
-            ]
+            rows += [(f"{label}: {text}", dfs[name][key]) for key, text in walk_parts]
     chosen = plan["config_uses"].replace("_", " ") + (", dfs walk" if dfs is not None else "")
     rows.append((f"predicted peak per rank ({chosen}, as configured)", plan["peak_bytes"]))
     budgets = plan["largest_budget"]
