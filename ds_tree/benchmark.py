@@ -34,10 +34,10 @@ import torch
 
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
-from ds_tree.engine.dfs import DfsSettings, WalkStats, run_step
+from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, run_rl_walk
-from ds_tree.engine.step import run_rows
-from ds_tree.losses.advantages import ESTIMATORS
+from ds_tree.engine.step import run_rows, run_step
+from ds_tree.losses.advantages import estimate
 from ds_tree.losses.sft import Normalisers
 from ds_tree.memory_plan import profiled_peak_bytes
 from ds_tree.models.loading import load_model
@@ -250,8 +250,7 @@ def rl_step_once(
     dfs = dfs_settings if mode == "dfs" else None
     started = time.perf_counter()
     rows = pack_trajectories(trajectories, mode, dfs.chunk if dfs else budget, block)
-    computed = ESTIMATORS[objective.estimator](trajectories, normalise=objective.normalise_advantages)
-    advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+    advantages = estimate(trajectories, objective.estimator, objective.normalise_advantages).by_trajectory()
     packed = time.perf_counter()
     normalisers = StepNormalisers.of(trajectories)
     prepared = prepare_rl_rows(model, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)
@@ -372,7 +371,7 @@ def run_benchmark(
 
     flat_tokens, tree_tokens = [], []
     for step in range(warmup + steps):
-        batch = [t for g in sampler.groups_for_step(step) for t in groups[g]]
+        batch = sampler.trajectories_for_step(groups, step)
         measured = step >= warmup
         if measured:
             counts = token_counts(batch)
@@ -391,7 +390,7 @@ def run_benchmark(
 
     peak_bytes = {}
     if peak_memory and not rl:  # after the timed steps: the largest row once more, then again measured
-        batch = [t for g in sampler.groups_for_step(warmup + steps) for t in groups[g]]
+        batch = sampler.trajectories_for_step(groups, warmup + steps)
         for mode in [m for m in modes if m in ("flat", "tree")]:
             rows = pack_trajectories(batch, mode, budget, block)
             largest = [max(rows, key=lambda row: row.n_tokens)]
@@ -405,7 +404,7 @@ def run_benchmark(
             optimizers[mode].zero_grad(set_to_none=True)
 
     if profile_path is not None:  # one more step per mode under the torch profiler
-        batch = [t for g in sampler.groups_for_step(warmup + steps) for t in groups[g]]
+        batch = sampler.trajectories_for_step(groups, warmup + steps)
         tables = []
         for mode in modes:
             with torch.profiler.profile() as profiler:

@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
+from ds_tree.errors import ConfigError
+
 # Choices of string fields. Where the library keeps a registry of the same names (attention
 # engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
 # that the two agree.
@@ -39,10 +41,6 @@ Estimator = Literal["grpo", "rloo", "treepo", "given"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
-
-
-class ConfigError(ValueError):
-    """A configuration mistake; the message names the file and the offending key."""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The exception types for bad input data."""
+"""The exception types for bad input: data and configuration."""
 
 from __future__ import annotations
 
@@ -14,3 +14,7 @@ class RecordError(DataError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the file and the offending key."""

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ds_tree.engine.dfs import DfsSettings, run_step, trajectory_logprobs
-from ds_tree.engine.step import run_rows
+from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
+from ds_tree.engine.step import run_rows, run_step
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
 from ds_tree.models.moe import RouterAuxLoss
@@ -316,7 +316,7 @@ def compare_rl(
     With ``dfs``, every tree is also walked in dfs mode and compared with flat (``dfs_*`` fields).
     """
     from ds_tree.engine.rl_step import RLSettings
-    from ds_tree.losses.advantages import ESTIMATORS
+    from ds_tree.losses.advantages import estimate
 
     settings = settings or RLSettings()
     torch_dtype = verification_dtype(trajectories, dtype)
@@ -329,8 +329,8 @@ def compare_rl(
     for parameter in old_model.parameters():
         parameter.requires_grad_(False)
     reference = old_model if settings.kl_coef else None
-    computed = ESTIMATORS[estimator](trajectories, normalise=normalise_advantages)
-    advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+    computed = estimate(trajectories, estimator, normalise_advantages)
+    advantages = computed.by_trajectory()
 
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward
         old = {

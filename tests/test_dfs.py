@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from ds_tree.config import ConfigError, load_config
-from ds_tree.engine.dfs import DfsSettings, WalkStats, row_chunks, run_step
-from ds_tree.engine.step import run_rows
+from ds_tree.engine.dfs import DfsSettings, WalkStats, row_chunks
+from ds_tree.engine.step import run_rows, run_step
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import enable_activation_checkpointing, load_model

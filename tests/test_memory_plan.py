@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from ds_tree.cli.plan import main as plan_main
-from ds_tree.engine.dfs import DfsSettings, run_step
+from ds_tree.engine.dfs import DfsSettings
+from ds_tree.engine.step import run_step
 from ds_tree.losses.sft import Normalisers
 from ds_tree.memory_plan import (
     ModelShape,

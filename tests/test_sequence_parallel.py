@@ -15,11 +15,11 @@ from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.ulysses import check_heads, check_router_loss
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.parts import split_tree
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows, shard_row
-from ds_tree.parallel.ulysses import check_heads, check_router_loss
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trie import build_forest
 from tests.test_engine import ROOT, environment, torchrun, write_accumulating_ds_config, write_config

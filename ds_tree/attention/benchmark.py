@@ -43,7 +43,7 @@ def time_attention(
         raise ValueError("repeats must be at least 2 (the first is a warm-up for the median)")
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
-    batch = [t for g in StepSampler(len(groups), per_step, 0).groups_for_step(0) for t in groups[g]]
+    batch = StepSampler(len(groups), per_step, 0).trajectories_for_step(groups, 0)
 
     generator = torch.Generator().manual_seed(0)
     inputs = {}

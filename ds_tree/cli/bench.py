@@ -44,7 +44,7 @@ from ds_tree.cli.objective_options import add_objective_arguments, objective_con
 from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
 from ds_tree.packing.modes import MODES
-from ds_tree.parallel.check import sequence_parallel_bench
+from ds_tree.sequence_parallel_check import sequence_parallel_bench
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:

@@ -13,6 +13,10 @@ A config that walks trees (``packing.mode: dfs``, or ``over_budget: dfs``) also 
 peak on a root-to-leaf path of ``--path-tokens`` tokens (default: 4 x ``packing.budget``) in chunks
 of ``packing.dfs_chunk``, with and without ``packing.dfs_recompute``, and the longest path each
 trains within the memory. The arithmetic and its measured error are in docs/MEMORY.md.
+
+``--explain [STEP]`` also prints the step plan of step STEP (default 0) of ``data.path``: every
+rank's work items, each with its execution kind (packed row, walked tree, sequence-parallel
+shard), tokens, trees, trajectories, predicted cost and why it got its kind.
 """
 
 from __future__ import annotations
@@ -207,14 +211,50 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         default=0,
         help="dfs configs: plan the walk of a root-to-leaf path of this many tokens (default 4 x packing.budget)",
     )
+    parser.add_argument(
+        "--explain",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="STEP",
+        help="also print every rank's work items of step STEP (default 0) of data.path, with kinds and costs",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     args = parser.parse_intermixed_args(argv)
     if args.world_size < 1 or args.memory_gib <= 0 or args.path_tokens < 0:
         parser.error("--world-size must be >= 1, --memory-gib > 0 and --path-tokens >= 0")
     try:
         plan = make_plan(args.config, args.overrides, args.world_size, args.memory_gib, args.path_tokens)
+        steps = None if args.explain is None else step_plan(args.config, args.overrides, args.world_size, args.explain)
     except (ConfigError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    if args.json:
+        print(json.dumps(plan | ({} if steps is None else {"step_plan": steps.as_dict()}), indent=2))
+    else:
+        print(format_plan(plan) + ("" if steps is None else "\n\n" + steps.explain()))
     return 0
+
+
+def step_plan(config_path: str, overrides: list[str], world_size: int, step: int):
+    """The step plan (:mod:`ds_tree.packing.plan`) of ``step`` of the config's data, as the trainer makes it."""
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.sampler import StepSampler
+    from ds_tree.errors import DataError
+    from ds_tree.packing.plan import PlanSettings, plan_step
+    from ds_tree.trees.trajectory import group_trajectories
+
+    config = load_config(config_path, overrides)
+    if step < 0:
+        raise ConfigError(f"--explain: the step must be >= 0, got {step}")
+    if not config.data.path:
+        raise ConfigError("--explain needs data.path (an online RL config samples its steps' data)")
+    try:
+        groups = group_trajectories(load_trajectories(config.data.path))
+    except DataError as error:
+        raise ConfigError(f"data.path: {error}") from None
+    sampler = StepSampler(len(groups), config.data.groups_per_step, config.data.seed)
+    pad_id = load_model_config(config.model.source).pad_token_id or 0
+    settings = PlanSettings.of_config(config, pad_id)
+    return plan_step(sampler.trajectories_for_step(groups, step), settings, world_size)

@@ -14,7 +14,7 @@ ratios are clipped on both sides; the report's metrics count the clipped tokens)
 ``--sequence-parallel S`` (SFT) spawns S processes with Ulysses around the tree attention: trees
 with a path over ``--budget`` go to rows of up to S x budget sharded over them; loss and gradients
 are compared with the single-process flat result, and the report adds each rank's activation
-memory and step time at S = 1 and S (:mod:`ds_tree.parallel.check`).
+memory and step time at S = 1 and S (:mod:`ds_tree.sequence_parallel_check`).
 ``--dfs-chunk C`` also walks every tree in dfs mode (docs/DESIGN.md section 5) in chunks of at most C
 tokens (``--dfs-recompute``: each forwarded twice) and compares it with flat as well: the ``dfs_*``
 fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the metrics).
@@ -34,7 +34,7 @@ from ds_tree.data import load_trajectories
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.errors import DataError
 from ds_tree.losses import NORMALISATIONS, POLICIES
-from ds_tree.parallel.check import sequence_parallel_report
+from ds_tree.sequence_parallel_check import sequence_parallel_report
 from ds_tree.verification import VERIFY_DTYPES, compare, compare_rl
 
 DEFAULT_PERTURBATION = 0.5

@@ -30,5 +30,9 @@ class StepSampler:
             picked.append(int(self._epoch_order(epoch)[offset]))
         return picked
 
+    def trajectories_for_step(self, groups: list[list], step: int) -> list:
+        """The trajectories of step ``step``'s groups (``groups``: the data set's, by group index)."""
+        return [t for g in self.groups_for_step(step) for t in groups[g]]
+
     def epoch_of_step(self, step: int) -> float:
         return step * self.groups_per_step / self.n_groups

@@ -28,8 +28,8 @@ number of backward calls (:func:`run_calls` adds zero-loss ones). ZeRO-3 gathers
 collectively in every forward and backward, so its ranks must make calls of the same kinds in the
 same order, which walks of different trees do not: they follow one schedule over all ranks' calls
 (:func:`lockstep`), with zero-loss calls where a rank has none of a slot's kind (docs/DESIGN.md
-section 5). The RL objectives walk likewise
-(:func:`ds_tree.engine.rl_step.run_rl_walk`).
+section 5). A walked tree is one work item of the step plan, run by
+:class:`ds_tree.engine.runners.WalkedRunner` for any objective (the chunk's loss comes from it).
 """
 
 from __future__ import annotations
@@ -53,15 +53,12 @@ from ds_tree.engine.calls import (
     Task,
     in_process_group,
     lockstep,
-    packed_task,
     run_tasks,
     run_to_end,
 )
-from ds_tree.engine.step import StepOutput, run_rows
-from ds_tree.losses.sft import Normalisers, restoration_weights, weighted_nll
+from ds_tree.losses.sft import weighted_nll
 from ds_tree.models.logprobs import logprobs_at, predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
-from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.rows import PackedRow
 
 
@@ -365,28 +362,6 @@ def trajectory_logprobs(
     return out
 
 
-def sft_chunk_loss(
-    model, row: PackedRow, chunks: Chunks, weights: np.ndarray, *, device="cpu", head_chunk: int = 0
-) -> ChunkLoss:
-    """The SFT loss of each chunk: the restoration-weighted NLL of the targets it predicts (``weights``:
-    every row token's loss weight, :func:`restoration_weights`)."""
-    targets = np.flatnonzero(weights)
-    target_chunk = chunks.of_tokens(row.pred_pos[targets])
-
-    def loss(index: int, inputs: ChunkInputs) -> torch.Tensor:
-        start = int(chunks.start[index])
-        mine = targets[target_chunk == index]
-        if mine.size == 0:  # still a forward and a backward through every parameter, with a zero loss
-            logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), row.input_ids[start : start + 1], device)
-            return weighted_nll(logprobs, np.zeros(1))
-        logprobs = logprobs_at(
-            model, inputs, row.pred_pos[mine] - start, row.input_ids[mine], device, head_chunk=head_chunk
-        )
-        return weighted_nll(logprobs, weights[mine])
-
-    return loss
-
-
 def dummy_call(model, backward: Callable[[torch.Tensor], None] | None, device="cpu") -> Callable[[str], None]:
     """``dummy(kind)``: a call of ``kind`` on one token with a zero loss, which gathers and reduces
     like any other. A dummy :data:`FORWARD` holds its graph for a later dummy :data:`BACKWARD`."""
@@ -440,52 +415,3 @@ def _cache_bytes(cache: PathCache) -> int:
         t.grad.nbytes for entry in cache.ancestors for pair in entry.values() for t in pair if t.grad is not None
     )
     return cache.nbytes() + grads
-
-
-def run_step(
-    model,
-    rows: Sequence[PackedRow],
-    normalisers: Normalisers,
-    normalisation: str,
-    policy: str,
-    settings: DfsSettings,
-    *,
-    backward_for: Callable[[int], Callable[[torch.Tensor], None]],
-    device: torch.device | str = "cpu",
-    head_chunk: int = 0,
-    stats: WalkStats | None = None,
-    router_aux=None,
-) -> StepOutput:
-    """One SFT accumulation of packed rows (:func:`run_rows`) and :class:`DfsRow` rows (walked).
-
-    ``router_aux``: an MoE model's load-balancing loss (:mod:`ds_tree.models.moe`), on walked rows
-    by :class:`WalkedRouterLoss`. ``backward_for(n)`` gives the ``backward`` of ``n`` calls
-    (:func:`run_calls`).
-    """
-    backward = DeferredBackward()
-    routers: list[WalkedRouterLoss] = []
-
-    def packed(row: PackedRow) -> Task:
-        options = {"backward": backward, "device": device, "head_chunk": head_chunk, "router_aux": router_aux}
-        return packed_task(lambda: run_rows(model, [row], normalisers, normalisation, policy, **options))
-
-    def walked(row: DfsRow) -> Task:
-        chunks = row_chunks(row, settings.chunk)
-        weights = restoration_weights(row, normalisers, normalisation, policy)
-        chunk_loss = sft_chunk_loss(model, row, chunks, weights, device=device, head_chunk=head_chunk)
-        router = WalkedRouterLoss(router_aux, row, chunks) if router_aux is not None else None
-        routers.extend([router] if router is not None else [])
-        calls = walk(model, row, chunks, chunk_loss, settings, backward, stats, device, router)
-        return Task(walk_events(chunks, settings.recompute), calls)
-
-    tasks = [walked(row) if isinstance(row, DfsRow) else packed(row) for row in rows]
-    run_calls(model, tasks, settings, backward, backward_for, device)
-    output = StepOutput(router_aux=None if router_aux is None else sum(router.total for router in routers))
-    for task in tasks:
-        if isinstance(task.result, StepOutput):  # a packed row's
-            output.loss += task.result.loss
-            if router_aux is not None:
-                output.router_aux += task.result.router_aux
-        else:
-            output.loss += task.result
-    return output

@@ -10,8 +10,9 @@ same rows (docs/RL.md):
 2. :func:`run_rl_rows`: forward each row with gradients and hand the clipped-objective loss of its
    targets to ``backward``; PPO epochs repeat this pass on the prepared rows.
 
-Both passes run one forward per row on every rank, even for a row without targets, because
-ZeRO-3 gathers parameters collectively in every forward.
+Both passes run each row with its kind's runner (:mod:`ds_tree.engine.runners`: a packed row or a
+sequence-parallel shard at once, a walked tree chunk by chunk), and one forward per row on every
+rank, even for a row without targets, because ZeRO-3 gathers parameters collectively in every forward.
 """
 
 from __future__ import annotations
@@ -23,21 +24,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from ds_tree.engine.calls import NO_GRAD, DeferredBackward, Task, in_process_group, packed_task, run_to_end
-from ds_tree.engine.dfs import (
-    DfsSettings,
-    WalkStats,
-    dummy_call,
-    row_chunks,
-    run_calls,
-    walk,
-    walk_events,
-    walk_logprobs,
-)
+from ds_tree.engine.calls import NO_GRAD, in_process_group
+from ds_tree.engine.dfs import DfsSettings, WalkStats, dummy_call
+from ds_tree.engine.runners import RunContext, StepOutput, run_items, runner_of
 from ds_tree.errors import DataError
 from ds_tree.losses.rl import TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
-from ds_tree.models.logprobs import logprobs_and_entropy_at, logprobs_at
-from ds_tree.packing.dfs_rows import DfsRow
+from ds_tree.losses.terms import RowTerms
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree
@@ -196,34 +188,6 @@ def check_shared_logprobs(tree: TokenTree) -> None:
     shared_sampler_logprobs(tree.n_tokens, list(zip(tree.trajectories, tree.paths, strict=True)))
 
 
-def _dummy_forward(model: PreTrainedModel, row: PackedRow, device, head_chunk: int) -> torch.Tensor:
-    """A one-target forward for a row with nothing to score (ZeRO-3 needs every rank's forward)."""
-    return logprobs_at(model, row, np.zeros(1, dtype=np.int64), row.input_ids[:1], device, head_chunk=head_chunk)
-
-
-@torch.no_grad()
-def _logprobs(
-    model: PreTrainedModel, row: PackedRow, targets: np.ndarray, device, head_chunk: int, dfs: DfsSettings | None
-) -> np.ndarray:
-    """``log p`` of ``targets``: one forward of a packed row, a no-grad walk of a walked one
-    (:func:`_forwards` of them)."""
-    if isinstance(row, DfsRow):
-        if dfs is None:
-            raise ValueError("a walked (dfs) row needs the dfs settings")
-        chunks = row_chunks(row, dfs.chunk)
-        return run_to_end(walk_logprobs(model, row, chunks, targets, device=device, head_chunk=head_chunk))
-    if targets.size == 0:
-        _dummy_forward(model, row, device, head_chunk)
-        return np.zeros(0)
-    logprobs = logprobs_at(model, row, row.pred_pos[targets], row.input_ids[targets], device, head_chunk=head_chunk)
-    return logprobs.double().cpu().numpy()
-
-
-def _forwards(row: PackedRow, dfs: DfsSettings | None) -> int:
-    """The forwards :func:`_logprobs` makes on ``row``."""
-    return len(row_chunks(row, dfs.chunk)) if isinstance(row, DfsRow) and dfs is not None else 1
-
-
 def prepare_rl_rows(
     model: PreTrainedModel,
     rows: Sequence[PackedRow],
@@ -244,8 +208,9 @@ def prepare_rl_rows(
     are walked; with ``dfs.lockstep`` (ZeRO-3) every rank makes as many forwards of ``model`` as the
     busiest (the reference model is not sharded).
     """
+    run = RunContext(device, head_chunk, dfs)
     if dfs is not None and dfs.lockstep and settings.old_logprobs != "data" and in_process_group():
-        count = torch.tensor([sum(_forwards(row, dfs) for row in rows)])
+        count = torch.tensor([sum(runner_of(row).forwards(row, run) for row in rows)])
         most = count.clone()
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
         dummy = dummy_call(model, None, device)
@@ -259,28 +224,18 @@ def prepare_rl_rows(
         if settings.old_logprobs == "data":
             logp_old = shared_sampler_logprobs(row.n_tokens, copies)[targets]
         else:
-            logp_old = _logprobs(model, row, targets, device, head_chunk, dfs)
+            logp_old = runner_of(row).logprobs(model, row, targets, run)
         if settings.importance_truncation is not None:
             by_token = np.full(row.n_tokens, np.nan)
             by_token[targets] = logp_old
             sums = row_sums(row, copies, advantages, settings, normalisers, logp_old=by_token)
-        logp_ref = _logprobs(reference, row, targets, device, head_chunk, dfs) if reference is not None else None
+        logp_ref = runner_of(row).logprobs(reference, row, targets, run) if reference is not None else None
         prepared.append(RLRow(row, targets, sums.take(targets), logp_old, logp_ref))
     return prepared
 
 
-@dataclass
-class RLOutput:
-    loss: float = 0.0
-    """Sum over rows of the (unscaled) loss."""
-    metrics: dict[str, float] | None = None
-    """Sums of :func:`ppo_tree_loss`'s metrics over rows (``ratio_max`` by max)."""
-
-
-def add_metrics(total: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
-    if total is None:
-        return dict(new)
-    return {name: max(total[name], v) if name == "ratio_max" else total[name] + v for name, v in new.items()}
+RLOutput = StepOutput
+"""One accumulation's loss and RL metric sums (:class:`~ds_tree.engine.runners.StepOutput`)."""
 
 
 def targets_loss(
@@ -306,31 +261,37 @@ def targets_loss(
     )
 
 
+def rl_terms(item: RLRow, settings: RLSettings) -> RowTerms:
+    """The clipped objective's share of a prepared row (:class:`~ds_tree.losses.terms.RowTerms`): a sum of
+    per-target terms, so any runner may score its targets in pieces. The entropy is differentiated only
+    when its coefficient is not 0 (else only reported, ``rl/entropy``)."""
+    return RowTerms(
+        item.targets,
+        lambda logp, entropy, select: targets_loss(settings, logp, entropy, item, select),
+        entropy="loss" if settings.entropy_coef else "metric",
+    )
+
+
 def run_rl_rows(
     model: PreTrainedModel,
     prepared: Sequence[RLRow],
     settings: RLSettings,
     *,
     backward: Callable[[torch.Tensor], None] | None = None,
+    backward_for: Callable[[int], Callable[[torch.Tensor], None]] | None = None,
+    dfs: DfsSettings | None = None,
     device: torch.device | str = "cpu",
     head_chunk: int = 0,
+    stats: WalkStats | None = None,
 ) -> RLOutput:
-    """Forward every prepared row with gradients; hand each row's loss to ``backward``."""
-    output = RLOutput()
-    for item in prepared:
-        row, targets = item.row, item.targets
-        if targets.size == 0:
-            loss = _dummy_forward(model, row, device, head_chunk).sum() * 0.0
-        else:
-            logp, entropy = logprobs_and_entropy_at(
-                model, row, row.pred_pos[targets], row.input_ids[targets], device, entropy=True, head_chunk=head_chunk
-            )
-            loss, metrics = targets_loss(settings, logp, entropy, item)
-            output.metrics = add_metrics(output.metrics, metrics)
-        if backward is not None:
-            backward(loss)
-        output.loss += float(loss.detach())
-    return output
+    """Forward every prepared item with gradients and hand its loss to ``backward`` (or the ``backward`` of
+    ``backward_for(n)`` for ``n`` calls); ``dfs``: how walked items are walked, a walked row's loss being
+    the sum over its chunks of :func:`ppo_tree_loss` on the targets each chunk predicts."""
+    run = RunContext(device, head_chunk, dfs, stats=stats)
+    if backward_for is None:
+        backward_for = lambda _: backward or (lambda loss: None)  # noqa: E731
+    rows = [item.row for item in prepared]
+    return run_items(model, rows, [rl_terms(item, settings) for item in prepared], run, backward_for)
 
 
 def run_rl_walk(
@@ -344,55 +305,10 @@ def run_rl_walk(
     head_chunk: int = 0,
     stats: WalkStats | None = None,
 ) -> RLOutput:
-    """:func:`run_rl_rows` for rows of which some are walked (:class:`DfsRow`, the dfs mode).
-
-    A walked row's loss is the sum over its chunks of :func:`ppo_tree_loss` on the targets each
-    chunk predicts (the loss is a sum of per-target terms), its metrics likewise (``ratio_max``
-    by max). ``backward_for(n)`` gives the ``backward`` of ``n`` calls
-    (:func:`ds_tree.engine.dfs.run_calls`).
-    """
-    backward = DeferredBackward()
-    output = RLOutput()
-
-    def chunk_loss(item: RLRow, chunks):
-        row = item.row
-        target_chunk = chunks.of_tokens(row.pred_pos[item.targets])
-
-        def loss(index: int, inputs) -> torch.Tensor:
-            start = int(chunks.start[index])
-            mine = np.flatnonzero(target_chunk == index)
-            if mine.size == 0:
-                logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), row.input_ids[start : start + 1], device)
-                return logprobs.sum() * 0.0
-            targets = item.targets[mine]
-            logp, entropy = logprobs_and_entropy_at(
-                model, inputs, row.pred_pos[targets] - start, row.input_ids[targets], device, head_chunk=head_chunk
-            )
-            value, metrics = targets_loss(settings, logp, entropy, item, mine)
-            output.metrics = add_metrics(output.metrics, metrics)
-            return value
-
-        return loss
-
-    def task(item: RLRow) -> Task:
-        if not isinstance(item.row, DfsRow):
-            return packed_task(
-                lambda: run_rl_rows(model, [item], settings, backward=backward, device=device, head_chunk=head_chunk)
-            )
-        chunks = row_chunks(item.row, dfs.chunk)
-        calls = walk(model, item.row, chunks, chunk_loss(item, chunks), dfs, backward, stats, device)
-        return Task(walk_events(chunks, dfs.recompute), calls)
-
-    tasks = [task(item) for item in prepared]
-    run_calls(model, tasks, dfs, backward, backward_for, device)
-    for done in tasks:
-        if isinstance(done.result, RLOutput):  # a packed row's
-            output.loss += done.result.loss
-            if done.result.metrics is not None:
-                output.metrics = add_metrics(output.metrics, done.result.metrics)
-        else:  # a walk's loss (its metrics were added chunk by chunk)
-            output.loss += done.result
-    return output
+    """:func:`run_rl_rows` with walked items (``dfs``)."""
+    return run_rl_rows(
+        model, prepared, settings, backward_for=backward_for, dfs=dfs, device=device, head_chunk=head_chunk, stats=stats
+    )
 
 
 def rl_scalars(

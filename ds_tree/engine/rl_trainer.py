@@ -8,32 +8,27 @@ A mixin of :class:`ds_tree.engine.trainer.Trainer`, which provides the engine, t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ds_tree.config import ConfigError
-from ds_tree.engine import dfs
 from ds_tree.engine.rl_step import (
     RLOutput,
     RLRow,
     StepNormalisers,
-    add_metrics,
     check_shared_logprobs,
     prepare_rl_rows,
     rl_scalars,
     run_rl_rows,
-    run_rl_walk,
 )
+from ds_tree.engine.runners import add_metrics
 from ds_tree.errors import DataError
-from ds_tree.losses.advantages import ESTIMATORS
+from ds_tree.losses.advantages import estimate
+from ds_tree.packing.plan import RankPlan
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.trees.trie import build_forest
-
-if TYPE_CHECKING:
-    from ds_tree.engine.trainer import StepPlan
 
 
 @dataclass
@@ -47,7 +42,7 @@ class RLRollouts:
     """Trajectories alone in their group (advantage 0)."""
     batches: list[list[Trajectory]]
     """Mini-batches: whole groups each."""
-    plans: list[StepPlan]
+    plans: list[RankPlan]
     """This rank's rows of each mini-batch."""
     prepared: list[list[RLRow]]
     """Those rows with targets, per-token sums, old and reference log-probs."""
@@ -65,7 +60,7 @@ class RLSteps:
                 f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
             )
         try:
-            ESTIMATORS[objective.estimator](self.trajectories, normalise=objective.normalise_advantages)
+            estimate(self.trajectories, objective.estimator, objective.normalise_advantages)
             if objective.old_logprobs == "data" or objective.importance_truncation:
                 missing = next((t for t in self.trajectories if getattr(t, "logprobs", None) is None), None)
                 if missing is not None:
@@ -88,8 +83,8 @@ class RLSteps:
         objective = self.config.objective
         settings = objective.rl_settings()
         trajectories = self.step_trajectories(step)
-        computed = ESTIMATORS[objective.estimator](trajectories, normalise=objective.normalise_advantages)
-        advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
+        computed = estimate(trajectories, objective.estimator, objective.normalise_advantages)
+        advantages = computed.by_trajectory()
         groups = group_trajectories(trajectories)
         batches = [
             [t for g in chunk for t in groups[g]]
@@ -106,36 +101,25 @@ class RLSteps:
                 reference=self.reference,
                 device=self.engine.device,
                 head_chunk=self.config.model.head_chunk,
-                dfs=dfs.settings_of(self.config.packing, self.ds_config) if dfs.uses_dfs(self.config.packing) else None,
+                dfs=self.dfs_settings,
             )
             for plan, batch in zip(plans, batches, strict=True)
         ]
         return RLRollouts(trajectories, computed.values, computed.singletons, batches, plans, prepared)
 
     def rl_backward(self, rows: list[RLRow]) -> RLOutput:
-        """Forward and backward of one mini-batch's rows (one optimizer update's gradient)."""
-        settings = self.config.objective.rl_settings()
-        if dfs.uses_dfs(self.config.packing):  # packed rows and walked trees, backward calls counted alike
-            return run_rl_walk(
-                self.engine,
-                rows,
-                settings,
-                dfs.settings_of(self.config.packing, self.ds_config),
-                backward_for=self.backward_function,
-                device=self.engine.device,
-                head_chunk=self.config.model.head_chunk,
-            )
-        backward = self.backward_function(len(rows))
+        """Forward and backward of one mini-batch's items (one optimizer update's gradient)."""
         return run_rl_rows(
             self.engine,
             rows,
-            settings,
-            backward=backward,
+            self.config.objective.rl_settings(),
+            backward_for=self.backward_function,
+            dfs=self.dfs_settings,
             device=self.engine.device,
             head_chunk=self.config.model.head_chunk,
         )
 
-    def rl_step(self, step: int) -> tuple[list[StepPlan], float, float | None, dict[str, float]]:
+    def rl_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
         Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
         rollouts = self.rl_rollouts(step)

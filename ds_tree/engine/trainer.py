@@ -24,7 +24,6 @@ import math
 import os
 import resource
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,33 +45,16 @@ from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
-from ds_tree.packing.balance import rows_per_rank
-from ds_tree.packing.dfs_rows import split_over_budget, with_walked_rows
-from ds_tree.packing.modes import make_parts
+from ds_tree.models.ulysses import check_sequence_parallel, enable_sequence_parallel
+from ds_tree.packing.plan import PlanSettings, RankPlan, plan_step
 from ds_tree.packing.rows import PackedRow
-from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
-from ds_tree.parallel import check_sequence_parallel, enable_sequence_parallel
-from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
-from ds_tree.trees.trie import build_forest
 
 logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
     """A step's loss or gradient norm is not finite and ``optimizer.non_finite`` is ``stop``."""
-
-
-@dataclass
-class StepPlan:
-    rows: list[PackedRow]
-    """This rank's micro-batches."""
-    flat_tokens: int
-    """Sum of trajectory lengths of the whole step (all ranks)."""
-    tree_tokens: int
-    """Distinct tokens of the step's trees."""
-    packed_tokens: int
-    """Tokens actually computed over all ranks (duplicated prefixes and padding included)."""
 
 
 def learning_rate_factor(step: int, config: Config) -> float:
@@ -191,6 +173,18 @@ class Trainer(RLSteps):
                 ", ".join(newer),
             )
 
+    @property
+    def plan_settings(self) -> PlanSettings:
+        """What the step plan depends on, from the config as it is now."""
+        return PlanSettings.of_config(self.config, pad_id=self.model_config.pad_token_id or 0)
+
+    @property
+    def dfs_settings(self) -> dfs.DfsSettings | None:
+        """How walked items are walked (None: no tree is walked), from the config and the DeepSpeed
+        config as they are now (under ZeRO-3 the walks run in lockstep)."""
+        packing = self.config.packing
+        return dfs.settings_of(packing, self.ds_config) if dfs.uses_dfs(packing) else None
+
     def setup(self) -> None:
         """Process group, model, DeepSpeed engine, resume. Call :meth:`prepare` first."""
         import deepspeed
@@ -272,54 +266,16 @@ class Trainer(RLSteps):
         """The trajectories of ``step``'s groups (every rank computes the same list)."""
         if self.online is not None:  # sampled from the current policy (a collective)
             return self.online.step_trajectories(step, self.engine.module)
-        return [t for g in self.sampler.groups_for_step(step) for t in self.groups[g]]
+        return self.sampler.trajectories_for_step(self.groups, step)
 
-    def plan_step(self, step: int, rank: int | None = None) -> StepPlan:
-        """This rank's rows for ``step`` (pure function of the config and the step)."""
+    def plan_step(self, step: int, rank: int | None = None) -> RankPlan:
+        """This rank's items for ``step`` (pure function of the config and the step)."""
         return self.plan_rows(self.step_trajectories(step), rank)
 
-    def plan_rows(self, trajectories: list[Trajectory], rank: int | None = None) -> StepPlan:
-        """This rank's rows for ``trajectories``: trees, parts, rank balance, packed rows."""
-        config = self.config
+    def plan_rows(self, trajectories: list[Trajectory], rank: int | None = None) -> RankPlan:
+        """This rank's items for ``trajectories`` (:func:`~ds_tree.packing.plan.plan_step`)."""
         rank = self.rank if rank is None else rank
-        trees = build_forest(trajectories, merge=config.data.merge)
-        if config.parallel.sequence_parallel_size > 1:
-            return self.plan_sequence_parallel(trajectories, trees, rank)
-        packing = config.packing
-        packed_trees, walked = split_over_budget(trees, packing.mode, packing.over_budget, packing.budget)
-        parts = make_parts(trajectories, config.packing.mode, config.packing.budget, trees=packed_trees)
-        shares = rows_per_rank(
-            parts,
-            self.world_size,
-            config.packing.budget,
-            config.packing.block,
-            config.packing.cost_per_token,
-            config.packing.cost_per_pair,
-            pad_id=self.model_config.pad_token_id or 0,
-        )
-        pad_id = self.model_config.pad_token_id or 0
-        shares = with_walked_rows(shares, walked, packing.cost_per_token, packing.cost_per_pair, pad_id)
-        counts = token_counts(trees)
-        packed = sum(row.n_tokens for rows in shares for row in rows if row.n_real)
-        return StepPlan(shares[rank], counts.flat_tokens, counts.tree_tokens, packed)
-
-    def plan_sequence_parallel(self, trajectories: list[Trajectory], trees: list, rank: int) -> StepPlan:
-        """This rank's shards of its sequence-parallel group's rows, then its own rows
-        (:mod:`ds_tree.packing.sequence_parallel`)."""
-        packing, size = self.config.packing, self.config.parallel.sequence_parallel_size
-        layout = trees if packing.mode == "tree" else build_forest(trajectories, merge="none")
-        rows = plan_sequence_parallel_rows(
-            layout,
-            self.world_size,
-            size,
-            packing.budget,
-            packing.block,
-            packing.cost_per_token,
-            packing.cost_per_pair,
-            pad_id=self.model_config.pad_token_id or 0,
-        )
-        counts = token_counts(trees)
-        return StepPlan(rows.rank_rows(rank, size), counts.flat_tokens, counts.tree_tokens, rows.packed_tokens)
+        return plan_step(trajectories, self.plan_settings, self.world_size).for_rank(rank)
 
     def global_normalisers(self, rows: list[PackedRow]) -> Normalisers:
         values = Normalisers.from_rows(rows).as_tensor()
@@ -357,28 +313,17 @@ class Trainer(RLSteps):
     def forward_backward(
         self, rows: list[PackedRow], normalisers: Normalisers | None = None, router_aux: RouterAuxLoss | None = None
     ) -> StepOutput:
+        """The SFT objective's forward and backward of this rank's items, each with its kind's runner."""
         if normalisers is None:
             normalisers = self.global_normalisers(rows)
-        if dfs.uses_dfs(self.config.packing):  # packed rows and walked trees, backward calls counted alike
-            return dfs.run_step(
-                self.engine,
-                rows,
-                normalisers,
-                self.config.objective.normalisation,
-                self.config.objective.policy,
-                dfs.settings_of(self.config.packing, self.ds_config),
-                backward_for=self.backward_function,
-                device=self.engine.device,
-                head_chunk=self.config.model.head_chunk,
-                router_aux=router_aux,
-            )
         return run_rows(
             self.engine,
             rows,
             normalisers,
             self.config.objective.normalisation,
             self.config.objective.policy,
-            backward=self.backward_function(len(rows)),
+            backward_for=self.backward_function,
+            dfs=self.dfs_settings,
             device=self.engine.device,
             head_chunk=self.config.model.head_chunk,
             router_aux=router_aux,

@@ -48,6 +48,12 @@ class Advantages:
     """Per trajectory (input order) a float64 array as long as its ``input_ids``."""
     singletons: int
     """Trajectories that were alone in their group and got advantage 0."""
+    trajectories: Sequence[Trajectory] = ()
+    """The trajectories ``values`` belong to (set by :func:`estimate`)."""
+
+    def by_trajectory(self) -> dict[int, np.ndarray]:
+        """``id(trajectory) -> its per-token advantages``, as the RL rows look them up."""
+        return {id(t): a for t, a in zip(self.trajectories, self.values, strict=True)}
 
 
 def _describe(trajectory: Trajectory) -> str:
@@ -193,3 +199,13 @@ def given(trajectories: Sequence[Trajectory], *, normalise: bool = False) -> Adv
 
 ESTIMATORS: dict[str, Callable[..., Advantages]] = {"grpo": grpo, "rloo": rloo, "treepo": treepo, "given": given}
 """name -> ``estimator(trajectories, *, normalise) -> Advantages``."""
+
+
+def estimate(trajectories: Sequence[Trajectory], estimator: str, normalise: bool = False) -> Advantages:
+    """The advantages of ``trajectories`` by the estimator named ``estimator`` (:data:`ESTIMATORS`): the
+    one dispatch the trainer, ``verify`` and ``bench`` share."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage estimator must be one of {tuple(ESTIMATORS)}, got {estimator!r}")
+    computed = ESTIMATORS[estimator](trajectories, normalise=normalise)
+    computed.trajectories = trajectories
+    return computed

@@ -88,10 +88,11 @@ def logprobs_and_entropy_at(
     labels: np.ndarray,
     device: torch.device | str = "cpu",
     *,
-    entropy: bool = True,
+    entropy: bool | str | None = True,
     head_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`logprobs_at` and, with ``entropy``, the entropy of each predicted distribution.
+    """:func:`logprobs_at` and, with ``entropy``, the entropy of each predicted distribution
+    (``"metric"``: without a graph, for a loss that only reports it).
 
     The entropy ``-sum_v p_v log p_v`` is taken at ``predictors[j]``: a fork position that predicts
     several targets contributes once per target, as each flat trajectory through it would.
@@ -125,7 +126,7 @@ def _chunked_head(
     head: torch.nn.Module,
     target: torch.Tensor,
     head_chunk: int,
-    entropy: bool,
+    entropy: bool | str | None,
     softcap: float | None,
     hidden: torch.Tensor,
 ) -> torch.Tensor:
@@ -148,7 +149,7 @@ def _chunked_head(
 
 
 def _chunk_outputs(
-    head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, entropy: bool, softcap: float | None
+    head: torch.nn.Module, hidden: torch.Tensor, target: torch.Tensor, entropy: bool | str | None, softcap: float | None
 ):
     """One chunk: the head's class ``forward`` on the (gathered) weights, bypassing the module hooks,
     then the model's final soft-capping if it has one (Gemma 2: ``tanh(logits / cap) * cap``)."""
@@ -159,7 +160,7 @@ def _chunk_outputs(
 
 
 def _head_outputs(
-    logits: torch.Tensor, target: torch.Tensor, entropy: bool
+    logits: torch.Tensor, target: torch.Tensor, entropy: bool | str | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
@@ -167,6 +168,8 @@ def _head_outputs(
     logprobs = log_softmax.gather(-1, target[:, None])[:, 0]
     if not entropy:
         return logprobs, None
+    if entropy == "metric":  # reported, not trained: no graph (it would hold a [targets, vocab] product)
+        log_softmax = log_softmax.detach()
     return logprobs, -(log_softmax.exp() * log_softmax).sum(-1)
 
 

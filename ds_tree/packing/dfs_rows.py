@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 from ds_tree.packing.balance import balance_parts
 from ds_tree.packing.parts import TreePart, whole_tree
@@ -20,6 +21,8 @@ from ds_tree.trees.trie import TokenTree
 @dataclass(kw_only=True)
 class DfsRow(PackedRow):
     """A packed row that the dfs walk runs (whole trees; no budget applies to it)."""
+
+    kind: ClassVar[str] = "walked"
 
 
 def dfs_row(part: TreePart, pad_id: int = 0) -> DfsRow:

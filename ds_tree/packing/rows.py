@@ -8,6 +8,7 @@ multiple of ``block`` with tokens that only see themselves (``kv_end = k + 1``) 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from ds_tree.trees.token_arrays import TOKEN_FIELDS, TokenArrays, concatenate_to
 @dataclass(kw_only=True)
 class PackedRow(TokenArrays):
     """One row of packed parts. Token arrays have length ``n_tokens`` (padding included)."""
+
+    kind: ClassVar[str] = "packed"
+    """The execution kind (:mod:`ds_tree.packing.plan`): a row forwarded and backwarded at once."""
 
     parts: list[TreePart]
     n_real: int

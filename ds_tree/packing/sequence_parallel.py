@@ -23,6 +23,7 @@ step-wide sums of :class:`~ds_tree.losses.sft.Normalisers` take them as they tak
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -115,6 +116,8 @@ def shard_bounds(n_tokens: int, size: int, position: int) -> tuple[int, int]:
 @dataclass(kw_only=True)
 class RowShard(PackedRow):
     """Shard ``[start, end)`` of a sequence-parallel row, as one rank of its group computes it."""
+
+    kind: ClassVar[str] = "shard"
 
     start: int
     end: int

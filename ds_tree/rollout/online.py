@@ -134,7 +134,7 @@ class OnlineRollouts:
     """The online loop on one rank: prompts, tokenizer, reward function and the generation model."""
 
     def __init__(self, config, model_config) -> None:
-        from ds_tree.config import ConfigError
+        from ds_tree.errors import ConfigError
 
         rollout = config.rollout
         try:

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.models.loading import load_model
+from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.sequence_parallel import RowShard
-from ds_tree.parallel import enable_sequence_parallel
 from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 

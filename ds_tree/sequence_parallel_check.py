@@ -34,10 +34,10 @@ from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
+from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
-from ds_tree.parallel.ulysses import check_heads, enable_sequence_parallel
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 from ds_tree.trees.trie import build_forest
 from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype

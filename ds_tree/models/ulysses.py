@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ds_tree.config import ConfigError
+from ds_tree.errors import ConfigError
 
 SUFFIX = "_sequence_parallel"
 """Added to the tree attention's name for its sequence-parallel dispatcher."""

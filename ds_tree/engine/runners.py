@@ -1,0 +1,252 @@
+"""One runner per execution kind, one entry point for every objective (docs/DESIGN.md, "Architecture").
+
+The step plan (:mod:`ds_tree.packing.plan`) gives each rank a list of work items whose class names
+their kind (``packed``, ``walked``, ``shard``). :func:`run_items` runs them as one gradient
+accumulation: each item's :class:`Runner`, looked up in :data:`RUNNERS` by kind, turns it and its
+share of the objective (:class:`~ds_tree.losses.terms.RowTerms`) into a task of model calls
+(:mod:`ds_tree.engine.calls`). The objective never sees the kind, and a runner never sees the
+objective: a new kind is one runner and one :func:`register_runner` call.
+
+- :class:`PackedRunner` (``packed``, and ``shard``: a sequence-parallel shard is a packed row whose
+  inputs are cut to the shard, :class:`~ds_tree.packing.sequence_parallel.RowShard`): one forward
+  of the row, the log-probs of all its targets, one backward.
+- :class:`WalkedRunner` (``walked``): the dfs walk (:mod:`ds_tree.engine.dfs`), one forward and
+  backward per chunk, each chunk scoring the targets it predicts.
+
+Both also give no-grad log-probs of chosen targets (the RL objective's old and reference policies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ds_tree.engine.calls import UPDATE, DeferredBackward, Task, run_to_end
+from ds_tree.engine.dfs import (
+    ChunkInputs,
+    DfsSettings,
+    WalkedRouterLoss,
+    WalkStats,
+    row_chunks,
+    run_calls,
+    walk,
+    walk_events,
+    walk_logprobs,
+)
+from ds_tree.losses.sft import weighted_nll
+from ds_tree.losses.terms import RowTerms
+from ds_tree.models.logprobs import logprobs_and_entropy_at, logprobs_at
+from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
+from ds_tree.packing.rows import PackedRow
+
+
+@dataclass
+class StepOutput:
+    """What one accumulation's items add up to (this rank's share)."""
+
+    loss: float = 0.0
+    """Sum over items of the (unscaled) loss, the router loss's term included."""
+    router_aux: float | None = None
+    """The items' share of the router load-balancing loss, before its coefficient (MoE models only)."""
+    metrics: dict[str, float] | None = None
+    """Sums of the objective's metrics over targets (``ratio_max`` by max); None when it has none."""
+    trajectory_logprobs: dict[int, np.ndarray] = field(default_factory=dict)
+    """``id(trajectory) -> log p`` of its tokens 1.. (packed items, when asked for)."""
+
+    def add_metrics(self, new: dict[str, float] | None) -> None:
+        if new is not None:
+            self.metrics = add_metrics(self.metrics, new)
+
+
+def add_metrics(total: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
+    """Metric sums added up (``ratio_max`` by max)."""
+    if total is None:
+        return dict(new)
+    return {name: max(total[name], v) if name == "ratio_max" else total[name] + v for name, v in new.items()}
+
+
+@dataclass
+class RunContext:
+    """How this accumulation's items run, whatever the objective."""
+
+    device: torch.device | str = "cpu"
+    head_chunk: int = 0
+    """See :mod:`ds_tree.models.logprobs`."""
+    dfs: DfsSettings | None = None
+    """How walked items are walked; None when no item is (then every rank runs as many packed rows)."""
+    router_aux: RouterAuxLoss | None = None
+    """An MoE model's load-balancing loss, added to each item's loss."""
+    collect_logprobs: bool = False
+    """Record every trajectory's log-probs of packed items in :attr:`StepOutput.trajectory_logprobs`."""
+    stats: WalkStats | None = None
+
+
+class Runner(Protocol):
+    def task(self, model, row: PackedRow, terms: RowTerms, run: RunContext, backward, output: StepOutput) -> Task:
+        """The calls that forward ``row``, add its loss (``terms``) to ``output`` and hand it to ``backward``."""
+
+    def logprobs(self, model, row: PackedRow, targets: np.ndarray, run: RunContext) -> np.ndarray:
+        """``log p`` of ``targets`` (row indices) without gradients."""
+
+    def forwards(self, row: PackedRow, run: RunContext) -> int:
+        """The model forwards :meth:`logprobs` makes."""
+
+
+def _zero_loss(model, row, inputs, start: int, device, head_chunk: int = 0) -> torch.Tensor:
+    """A forward scoring one token with weight 0: an item (or chunk) with nothing to train still runs
+    forward and backward through every parameter, as ZeRO-3's collective gathers need."""
+    target = row.input_ids[start : start + 1]
+    logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), target, device, head_chunk=head_chunk)
+    return weighted_nll(logprobs, np.zeros(1))
+
+
+class PackedRunner:
+    """A row forwarded and backwarded at once (module docstring)."""
+
+    def task(self, model, row, terms, run, backward, output) -> Task:
+        def call() -> None:
+            targets = terms.targets
+            with captured_router_logits(model, enabled=run.router_aux is not None) as router_logits:
+                if targets.size == 0:
+                    loss, logp = _zero_loss(model, row, row, 0, run.device, run.head_chunk), None
+                else:
+                    if np.any(row.pred_pos[targets] < 0):
+                        raise ValueError("a target token has no prediction (a root's first token or padding)")
+                    logp, entropy = logprobs_and_entropy_at(
+                        model,
+                        row,
+                        row.pred_pos[targets],
+                        row.input_ids[targets],
+                        run.device,
+                        entropy=terms.entropy,
+                        head_chunk=run.head_chunk,
+                    )
+                    loss, metrics = terms.loss(logp, entropy, np.arange(targets.size))
+                    output.add_metrics(metrics)
+            if run.router_aux is not None:
+                aux = run.router_aux.row_share(router_logits, row)
+                loss = loss + run.router_aux.coefficient * aux.to(loss.dtype)
+                output.router_aux += float(aux.detach())
+            backward(loss)
+            output.loss += float(loss.detach())
+            if run.collect_logprobs:  # every trajectory, even a 1-token one with nothing to predict
+                by_token = np.full(row.n_tokens, np.nan)
+                if logp is not None:
+                    by_token[targets] = logp.detach().double().cpu().numpy()
+                for part, trajectory_id, path in row.trajectory_paths():
+                    output.trajectory_logprobs[id(part.tree.trajectories[trajectory_id])] = by_token[path[1:]]
+
+        def calls() -> Generator[None, None, None]:
+            call()
+            yield
+
+        return Task([UPDATE], calls())
+
+    @torch.no_grad()
+    def logprobs(self, model, row, targets, run) -> np.ndarray:
+        if targets.size == 0:
+            _zero_loss(model, row, row, 0, run.device, run.head_chunk)
+            return np.zeros(0)
+        logprobs = logprobs_at(
+            model, row, row.pred_pos[targets], row.input_ids[targets], run.device, head_chunk=run.head_chunk
+        )
+        return logprobs.double().cpu().numpy()
+
+    def forwards(self, row, run) -> int:
+        return 1
+
+
+class WalkedRunner:
+    """A tree walked depth-first in chunks (:mod:`ds_tree.engine.dfs`)."""
+
+    def task(self, model, row, terms, run, backward, output) -> Task:
+        if run.dfs is None:
+            raise ValueError("a walked (dfs) item needs the dfs settings")
+        chunks = row_chunks(row, run.dfs.chunk)
+        target_chunk = chunks.of_tokens(row.pred_pos[terms.targets])
+
+        def chunk_loss(index: int, inputs: ChunkInputs) -> torch.Tensor:
+            start = int(chunks.start[index])
+            mine = np.flatnonzero(target_chunk == index)
+            if mine.size == 0:
+                return _zero_loss(model, row, inputs, start, run.device)
+            targets = terms.targets[mine]
+            logp, entropy = logprobs_and_entropy_at(
+                model,
+                inputs,
+                row.pred_pos[targets] - start,
+                row.input_ids[targets],
+                run.device,
+                entropy=terms.entropy,
+                head_chunk=run.head_chunk,
+            )
+            loss, metrics = terms.loss(logp, entropy, mine)
+            output.add_metrics(metrics)
+            return loss
+
+        router = WalkedRouterLoss(run.router_aux, row, chunks) if run.router_aux is not None else None
+
+        def calls() -> Generator[None, None, None]:
+            output.loss += yield from walk(
+                model, row, chunks, chunk_loss, run.dfs, backward, run.stats, run.device, router
+            )
+            if router is not None:
+                output.router_aux += router.total
+
+        return Task(walk_events(chunks, run.dfs.recompute), calls())
+
+    def logprobs(self, model, row, targets, run) -> np.ndarray:
+        chunks = row_chunks(row, run.dfs.chunk)
+        return run_to_end(walk_logprobs(model, row, chunks, targets, device=run.device, head_chunk=run.head_chunk))
+
+    def forwards(self, row, run) -> int:
+        return len(row_chunks(row, run.dfs.chunk))
+
+
+RUNNERS: dict[str, Runner] = {}
+"""Execution kind (:attr:`PackedRow.kind`) -> its runner."""
+
+
+def register_runner(kind: str, runner: Runner) -> None:
+    RUNNERS[kind] = runner
+
+
+register_runner("packed", PackedRunner())
+register_runner("shard", PackedRunner())
+register_runner("walked", WalkedRunner())
+
+
+def runner_of(row: PackedRow) -> Runner:
+    try:
+        return RUNNERS[row.kind]
+    except KeyError:
+        raise ValueError(f"no runner is registered for work items of kind {row.kind!r}") from None
+
+
+def run_items(
+    model,
+    rows: Sequence[PackedRow],
+    terms: Sequence[RowTerms],
+    run: RunContext,
+    backward_for: Callable[[int], Callable[[torch.Tensor], None]],
+) -> StepOutput:
+    """Every item's forward and backward as one accumulation (module docstring).
+
+    ``backward_for(n)`` gives the ``backward`` of ``n`` calls. Without walked items every rank
+    runs as many packed rows, each one call; with them the calls are counted first and evened out
+    over ranks, and under ZeRO-3 made in lockstep (:func:`ds_tree.engine.dfs.run_calls`).
+    """
+    output = StepOutput(router_aux=None if run.router_aux is None else 0.0)
+    backward = DeferredBackward()
+    tasks = [runner_of(row).task(model, row, t, run, backward, output) for row, t in zip(rows, terms, strict=True)]
+    if run.dfs is None:
+        backward.function = backward_for(len(tasks))
+        for task in tasks:
+            task.finish()
+    else:
+        run_calls(model, tasks, run.dfs, backward, backward_for, run.device)
+    return output

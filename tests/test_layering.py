@@ -1,0 +1,100 @@
+"""The package's modules import each other without a cycle (docs/DESIGN.md, "Architecture").
+
+Every ``import`` of a ``ds_tree`` module counts, also one inside a function: a lazy import hides a
+cycle from the interpreter, not from a reader. ``from ds_tree.a import b`` is an arrow to module
+``ds_tree.a.b`` when that is a module, else to ``ds_tree.a``.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "ds_tree"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def arrows(path: Path) -> set[str]:
+    """The ``ds_tree`` modules that the file at ``path`` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("ds_tree"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("ds_tree"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                found.add(name if is_module(name) else node.module)
+    return found
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    graph = {module_name(path): arrows(path) for path in package.rglob("*.py")}
+    return {name: {t for t in targets if t in graph and t != name} for name, targets in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles in ds_tree: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_cycle_check_sees_cycles(tmp_path, monkeypatch, lazy):
+    """Two modules importing each other, one of them inside a function, are found."""
+    package = tmp_path / "ds_tree"
+    (package / "a").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a" / "__init__.py").write_text("")
+    (package / "a" / "one.py").write_text("from ds_tree.a import two\n")
+    body = "def f():\n    from ds_tree.a.one import g\n" if lazy else "from ds_tree.a.one import g\n"
+    (package / "a" / "two.py").write_text(body)
+    (package / "b.py").write_text("import ds_tree.a.one\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert cycles(import_graph(package)) == [["ds_tree.a.one", "ds_tree.a.two"]]
