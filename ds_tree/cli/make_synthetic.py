@@ -1,8 +1,9 @@
 """Write synthetic agentic tree data (tokens JSONL) with a target prefix overlap ratio (POR).
 
-Each group is one task: trials share its prompt and branch at random points. The --output file
-is gzip-compressed when its name ends in .gz; its folder must exist. Prints the achieved POR next
-to the target as one JSON object.
+Token ids in the shape of ChatML agent conversations (no tokenizer needed): each group is one
+task whose trials copy an earlier trial's start and diverge at an assistant token, as sampling
+does; --por 0 makes every trial its own group. The --output file is gzip-compressed when its name
+ends in .gz; its folder must exist. Prints the achieved POR next to the target as one JSON object.
 """
 
 from __future__ import annotations
