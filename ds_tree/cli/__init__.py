@@ -1,8 +1,10 @@
 """Command-line entry points: one module per tool, each with ``main(argv) -> int``.
 
 ``ds-tree COMMAND ...`` (the console script) dispatches to them; ``python tools/X.py`` runs the
-same ``main``. A command's module is imported only when it runs (bench-kernel must choose the
-Triton interpreter before torch is imported).
+same ``main``. A command's module is imported only when it runs, and builds its parser
+(``build_parser``) without torch, transformers or deepspeed: it imports them after parsing, so
+``--help`` and usage errors answer at once (and bench-kernel can choose the Triton interpreter
+before torch is imported).
 """
 
 from __future__ import annotations

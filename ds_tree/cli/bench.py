@@ -1,31 +1,28 @@
 """Benchmark tree vs flat training steps on one model, one data set, in one run.
 
-    ds-tree bench --data PATH --model CONFIG --modes flat,tree --steps N [--json OUT]
-        [--objective sft|grpo|ppo [--estimator E] [--ppo-epochs N] ...]
-
-PATH is a tokens JSONL or a converted dataset directory. Prints (and with --json writes) a JSON
-report with top-level ``speedup``, ``ideal_speedup``, ``efficiency`` and ``modes.<mode>`` with
-``step_time_s`` and ``peak_memory_bytes`` (bytes autograd saves for backward in the largest
-micro-batch: the activation memory, measured identically for both modes). SFT reports also have
-``ideal_cost`` and ``efficiency_cost``: the ideal speedup with each step priced as
-``cost_per_token_s * tokens + cost_per_pair_s * visible pairs``, both fitted to the measured rows
+--data is a tokens JSONL or a converted dataset directory. Prints (and with --json writes) a JSON
+report with top-level speedup, ideal_speedup, efficiency and modes.<mode> with step_time_s and
+peak_memory_bytes (bytes autograd saves for backward in the largest micro-batch: the activation
+memory, measured identically for both modes). SFT reports also have ideal_cost and
+efficiency_cost: the ideal speedup with each step priced as
+cost_per_token_s * tokens + cost_per_pair_s * visible pairs, both fitted to the measured rows
 (docs/BENCHMARKS.md).
 
-``--activation-checkpointing [K]`` recomputes every K-th decoder layer (default every layer) in
-both modes, and with ``--peak-memory`` (implied by it) each mode's largest row is run once more
-after the timed steps under the torch profiler: ``modes.<mode>.activation_peak_bytes`` is the most
-bytes that row's forward and backward held at once, recomputation included (what the saved-tensor
-count cannot see), and ``activation_peak_ratio_tree_over_flat`` their ratio.
+--activation-checkpointing [K] recomputes every K-th decoder layer (default every layer) in both
+modes, and with --peak-memory (implied by it) each mode's largest row is run once more after the
+timed steps under the torch profiler: modes.<mode>.activation_peak_bytes is the most bytes that
+row's forward and backward held at once, recomputation included (what the saved-tensor count
+cannot see), and activation_peak_ratio_tree_over_flat their ratio.
 
-Mode ``dfs`` (SFT and RL) walks every tree depth-first in chunks of at most ``--dfs-chunk`` tokens (default
-``--budget``; ``--dfs-recompute`` forwards each chunk twice); its ``peak_memory_bytes`` is the most
-the walk holds at once, and ``dfs_time_over_tree`` / ``dfs_memory_over_tree`` compare it with tree mode.
+Mode dfs (SFT and RL) walks every tree depth-first in chunks of at most --dfs-chunk tokens
+(default --budget; --dfs-recompute forwards each chunk twice); its peak_memory_bytes is the most
+the walk holds at once, and dfs_time_over_tree / dfs_memory_over_tree compare it with tree mode.
 
-``--objective grpo`` / ``ppo`` times RL steps instead (docs/RL.md; the data needs rewards, or
-per-token advantages for the ``given`` estimator): the old policy's no-grad forward, then
-``--ppo-epochs`` updates. ``modes.<mode>`` then also has ``old_forward_time_s``,
-``updates_time_s``, ``old_forward_share`` and ``targets_per_step`` (tokens the LM head scores),
-and the report ``old_forward_speedup``, ``updates_speedup`` and ``target_ratio`` (flat / tree).
+--objective grpo / ppo times RL steps instead (docs/RL.md; the data needs rewards, or per-token
+advantages for the given estimator): the old policy's no-grad forward, then --ppo-epochs
+updates. modes.<mode> then also has old_forward_time_s, updates_time_s, old_forward_share and
+targets_per_step (tokens the LM head scores), and the report old_forward_speedup,
+updates_speedup and target_ratio (flat / tree).
 """
 
 from __future__ import annotations
@@ -35,23 +32,15 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
-
-from ds_tree.attention.registry import ENGINES
-from ds_tree.benchmark import BENCH_DTYPES, run_benchmark
+from ds_tree.cli.choices import BENCH_DTYPES, ENGINES, MODES
+from ds_tree.cli.common import command_parser
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
-from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
-from ds_tree.packing.modes import MODES
-from ds_tree.sequence_parallel_check import sequence_parallel_bench
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data", required=True)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--data", required=True, help="tokens JSONL file or converted dataset directory")
     parser.add_argument("--model", required=True, help="model config JSON or local HF directory")
     parser.add_argument("--modes", default="flat,tree", help=f"comma-separated, of {','.join(MODES)}")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per mode")
@@ -59,8 +48,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--budget", type=int, default=4096, help="tokens per packed row")
     parser.add_argument("--groups-per-step", type=int, default=None, help="default: every group each step")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
-    parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES)
-    parser.add_argument("--attention", default="torch", choices=ENGINES)
+    parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="dtype of the model")
+    parser.add_argument("--attention", default="torch", choices=ENGINES, help="tree attention engine")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu, or a GPU (cuda): SFT steps of modes flat and tree")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -77,19 +66,36 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         help="SFT only: spawn S ranks with Ulysses; report activation memory and time per rank at S = 1 and S",
     )
     add_objective_arguments(parser, epochs=True)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
     objective = objective_config(parser, args)
     if args.sequence_parallel > 1:
         if objective is not None:
             parser.error("--sequence-parallel measures the sft objective only")
         command = " ".join([prog or "python tools/bench.py", *(argv if argv is not None else sys.argv[1:])])
+        from ds_tree.sequence_parallel_check import sequence_parallel_bench
+
         return sequence_parallel_bench(args, command)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; this build has {', '.join(MODES)}")
+    if not modes:
+        parser.error(f"--modes {args.modes!r} names no mode; give some of {', '.join(MODES)}, separated by commas")
     if args.activation_checkpointing < 0:
         parser.error("--activation-checkpointing K needs K >= 1")
+    import torch
+    from tqdm import tqdm
+
+    from ds_tree.benchmark import run_benchmark
+    from ds_tree.data import load_trajectories
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

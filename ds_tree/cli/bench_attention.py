@@ -1,14 +1,11 @@
 """Time the CPU tree-attention engine alone on the packed rows of a data set, tree vs flat.
 
-    ds-tree bench-attention --data PATH [--groups-per-step 2] [--block 128]
-        [--hub-min-keys 64] [--hub-min-queries 128] [--repeats 8] [--json OUT]
-
-PATH is what ``ds-tree bench`` takes. The first step's groups are packed in both modes; every row
-gets random q/k/v (``--heads`` x ``--head-dim``, float32) and one forward + backward of
-``blocksparse_tree_attention`` is timed per row: one attention layer's work for the whole step.
-The report gives the minimum and the median (first repeat left out as warm-up) in milliseconds,
-and per mode the visible (query, key) pairs and the scores the plan computes (masked-out ones
-included). ``--hub-min-keys`` larger than any row turns hubs off.
+--data is what ds-tree bench takes. The first step's groups are packed in both modes; every row
+gets random q/k/v (--heads x --head-dim, float32) and one forward + backward of the block-sparse
+tree attention is timed per row: one attention layer's work for the whole step. The report gives
+the minimum and the median (first repeat left out as warm-up) in milliseconds, and per mode the
+visible (query, key) pairs and the scores the plan computes (masked-out ones included).
+--hub-min-keys larger than any row turns hubs off.
 """
 
 from __future__ import annotations
@@ -18,32 +15,47 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
-from ds_tree.attention.benchmark import time_attention
-from ds_tree.attention.blocksparse import DEFAULT_BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES
-from ds_tree.data import load_trajectories
+from ds_tree.cli.choices import BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES
+from ds_tree.cli.common import command_parser
 from ds_tree.errors import DataError
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--data", required=True)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--data", required=True, help="tokens JSONL file or converted dataset directory")
     parser.add_argument("--groups-per-step", type=int, default=None, help="default: every group")
     parser.add_argument("--budget", type=int, default=4096, help="tokens per packed row")
-    parser.add_argument("--block", type=int, default=DEFAULT_BLOCK, help="queries per block")
-    parser.add_argument("--hub-min-keys", type=int, default=HUB_MIN_KEYS)
-    parser.add_argument("--hub-min-queries", type=int, default=HUB_MIN_QUERIES)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--block", type=int, default=BLOCK, help="queries per block (default %(default)s)")
+    parser.add_argument(
+        "--hub-min-keys",
+        type=int,
+        default=HUB_MIN_KEYS,
+        help="shortest shared run of keys computed as a hub (default %(default)s)",
+    )
+    parser.add_argument(
+        "--hub-min-queries",
+        type=int,
+        default=HUB_MIN_QUERIES,
+        help="fewest queries a hub must serve (default %(default)s)",
+    )
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=64, help="dimension of a head (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=8, help="timed calls per row, the first a warm-up (default 8)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.repeats < 2:
         parser.error("--repeats must be at least 2 (the first is a warm-up for the median)")
+    import torch
+
+    from ds_tree.attention.benchmark import time_attention
+    from ds_tree.data import load_trajectories
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

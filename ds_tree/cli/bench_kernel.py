@@ -1,54 +1,59 @@
 """Benchmark the Triton tree-attention kernel: one packed tree row against its flat equivalent.
 
-A random forest (``ds_tree.trees.random_trees``: every root-to-leaf path has ``--depth`` nodes,
-inner nodes 1..``--branching`` children, node lengths uniform in [1, 2 * node-len - 1]) is timed
-as described in ``ds_tree.attention.triton.benchmark``. Without a GPU it runs the same
-measurement once under the Triton interpreter, as a smoke test (``"smoke": true``; the times are
-meaningless there):
+A random forest (every root-to-leaf path has --depth nodes, inner nodes 1..--branching children,
+node lengths uniform in [1, 2 * node-len - 1]) is timed as ds_tree/attention/triton/benchmark.py
+describes. Without a GPU it runs the same measurement once under the Triton interpreter, as a
+smoke test ("smoke": true in the report; the times are meaningless there), for example:
 
     ds-tree bench-kernel --trees 2 --depth 3 --branching 2 --node-len 8
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
 import shutil
+from pathlib import Path
 
-# The interpreter must be chosen before torch or triton is imported, hence no torch.cuda here.
+from ds_tree.cli.choices import KERNEL_DTYPES
+from ds_tree.cli.common import command_parser
+
 SMOKE = shutil.which("nvidia-smi") is None
-if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from ds_tree.attention.triton.benchmark import benchmark_kernel  # noqa: E402
-from ds_tree.attention.triton.function import DTYPES  # noqa: E402
-from ds_tree.trees.random_trees import TreeShape, random_forest  # noqa: E402
+"""No GPU: run under the Triton interpreter, chosen before torch or triton is imported (in main)."""
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--trees", type=int, default=8)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--trees", type=int, default=8, help="trees in the row (default %(default)s)")
     parser.add_argument("--depth", type=int, default=4, help="nodes on every root-to-leaf path")
     parser.add_argument("--branching", type=int, default=3, help="most children of an inner node")
     parser.add_argument("--node-len", type=int, default=128, help="mean tokens per node")
     # The interpreter takes ~20 s per call at 32 heads of dim 128: smoke runs default smaller.
-    parser.add_argument("--heads", type=int, default=4 if SMOKE else 32)
-    parser.add_argument("--kv-heads", type=int, default=2 if SMOKE else 8)
-    parser.add_argument("--head-dim", type=int, default=64 if SMOKE else 128)
-    parser.add_argument("--dtype", choices=[str(dtype).removeprefix("torch.") for dtype in DTYPES], default="bfloat16")
+    parser.add_argument("--heads", type=int, default=4 if SMOKE else 32, help="query heads (default %(default)s)")
+    parser.add_argument("--kv-heads", type=int, default=2 if SMOKE else 8, help="key/value heads (default %(default)s)")
+    parser.add_argument(
+        "--head-dim", type=int, default=64 if SMOKE else 128, help="dimension of a head (default %(default)s)"
+    )
+    parser.add_argument(
+        "--dtype", choices=KERNEL_DTYPES, default="bfloat16", help="dtype of q, k, v (default %(default)s)"
+    )
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up time (GPU only)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time (GPU only)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the forest and of q, k, v")
     parser.add_argument("--json", type=Path, help="also write the report here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    if SMOKE:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from ds_tree.attention.triton.benchmark import benchmark_kernel
+    from ds_tree.trees.random_trees import TreeShape, random_forest
 
     shape = TreeShape(
         trees=args.trees,

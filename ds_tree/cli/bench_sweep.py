@@ -1,15 +1,12 @@
 """POR sweep on synthetic trees plus the real shared data sets: tree vs flat, plot and table.
 
-    ds-tree bench-sweep --out docs/bench [--model configs/models/bench_llama.json]
-        [--pors 0,0.25,0.5,0.7,0.85,0.95] [--steps 5] [--repeats 3] [--shared ../shared/data]
-
-Every point is ``--repeats`` runs of one ``tools/bench.py`` command (recorded with its result),
-each a separate process: on the shared 2-core machine a single run's speedup moves by up to ~10%
-from one run to the next, with both modes slowing or speeding together but not equally. The
-point reported is the run with the median efficiency; every run's figures are kept under
-``"repeats"`` and the table shows their range.
-Writes ``OUT/results.json``, ``OUT/speedup.png`` (measured speedup vs ideal, with y = x) and
-``OUT/table.md``. Real data is converted with the project tokenizer first (``ds-tree convert``).
+Every point is --repeats runs of one tools/bench.py command (recorded with its result), each a
+separate process: on the shared 2-core machine a single run's speedup moves by up to ~10% from one
+run to the next, with both modes slowing or speeding together but not equally. The point
+reported is the run with the median efficiency; every run's figures are kept under "repeats" and
+the table shows their range. Writes OUT/results.json, OUT/speedup.png (measured speedup vs
+ideal, with y = x) and OUT/table.md. Real data (--shared) is converted with the project
+tokenizer first (ds-tree convert).
 """
 
 from __future__ import annotations
@@ -20,10 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ds_tree.data.convert import ConvertOptions, convert
-from ds_tree.data.jsonl import slice_groups
-from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
-from ds_tree.data.tokenizer import save_tokenizer
+from ds_tree.cli.common import command_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository: bench.py runs there, and data paths are recorded relative to it."""
@@ -121,25 +115,34 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model", default="configs/models/bench_llama.json")
-    parser.add_argument("--pors", default="0,0.25,0.5,0.7,0.85,0.95")
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--out", type=Path, required=True, metavar="OUT", help="folder of the results")
+    parser.add_argument("--model", default="configs/models/bench_llama.json", help="model config (default %(default)s)")
+    parser.add_argument("--pors", default="0,0.25,0.5,0.7,0.85,0.95", help="target POR of each synthetic point")
     parser.add_argument("--groups", type=int, default=4, help="synthetic groups per step")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per point (tau2: 3)")
     parser.add_argument("--repeats", type=int, default=3, help="bench.py runs per point (tau2: 1)")
-    parser.add_argument("--shared", type=Path, default=ROOT.parent / "shared" / "data")
-    parser.add_argument("--skip-shared", action="store_true")
+    parser.add_argument(
+        "--shared", type=Path, default=ROOT.parent / "shared" / "data", help="folder of the shared real data sets"
+    )
+    parser.add_argument("--skip-shared", action="store_true", help="the synthetic points only")
     parser.add_argument(
         "--work",
         type=Path,
         default=ROOT / ".cache" / "bench_sweep",
         help="generated and converted data (kept out of the repository: shared data is never copied in)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    from ds_tree.data.convert import ConvertOptions, convert
+    from ds_tree.data.jsonl import slice_groups
+    from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
+    from ds_tree.data.tokenizer import save_tokenizer
+
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work
     work.mkdir(parents=True, exist_ok=True)

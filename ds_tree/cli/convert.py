@@ -1,12 +1,18 @@
 """Convert chat, tokens or explicit-tree JSONL into a tree dataset (one row per tree).
 
-Usage:
-  ds-tree convert --input FILE [FILE ...] --output DIR --tokenizer DIR
-      [--format chat|tokens|tree] [--group-key group_id] [--train-on assistant|last_assistant|all]
-      [--merge group|global] [--prefix-policy full|drop|error] [--skip-bad] [--overwrite] [--limit N]
+Formats (inputs .jsonl or .jsonl.gz, one record a line):
+  chat    {"group_id", "trial"?, "messages": [OpenAI messages], "tools"?, "reward"?}
+  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?}
+  tree    {"group_id"?, "tools"?, "nodes": [{"id", "parent", "input_ids" | "messages", ...}]}
+The RL rollout fields logprobs and advantages (one entry per token) pass through the tokens and
+tree formats; a chat record cannot carry them, since its tokens are known only after rendering.
+--prefix-policy says what happens to a conversation whose chat template is not prefix-stable:
+full keeps it with the unstable assistant turns untrained, drop skips it, error stops; either way
+it is counted.
 
-The summary goes to stdout as one JSON object and into ds_tree_meta.json. Bad input exits 2
-with one error line naming where it is.
+The summary goes to stdout as one JSON object and into ds_tree_meta.json. A bad line stops the run
+with its file:line and reason (exit 2; --skip-bad skips and counts it instead), and nothing is
+written at --output unless the whole run succeeds.
 """
 
 from __future__ import annotations
@@ -16,29 +22,58 @@ import json
 import sys
 from pathlib import Path
 
-from ds_tree.data import convert as library
+from ds_tree.cli.choices import CONVERT_DEFAULTS, CONVERT_FORMATS, MERGES, PREFIX_POLICIES
+from ds_tree.cli.common import command_parser
 from ds_tree.data.chat import TRAIN_ON
-from ds_tree.data.convert import FORMATS, MERGES, PREFIX_POLICIES, ConvertOptions, convert
 from ds_tree.errors import DataError
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, epilog=library.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
+    defaults = CONVERT_DEFAULTS
+    parser.add_argument(
+        "--input", required=True, nargs="+", type=Path, metavar="FILE", help=".jsonl or .jsonl.gz files"
     )
-    defaults = ConvertOptions()
-    parser.add_argument("--input", required=True, nargs="+", type=Path, help=".jsonl or .jsonl.gz files")
-    parser.add_argument("--output", required=True, type=Path, help="dataset directory to create")
-    parser.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory")
-    parser.add_argument("--format", choices=FORMATS, default=defaults.format)
-    parser.add_argument("--group-key", default=defaults.group_key, help="record field naming a line's tree")
-    parser.add_argument("--train-on", choices=TRAIN_ON, default=defaults.train_on)
-    parser.add_argument("--merge", choices=MERGES, default=defaults.merge)
-    parser.add_argument("--prefix-policy", choices=PREFIX_POLICIES, default=defaults.prefix_policy)
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="dataset directory to create")
+    parser.add_argument("--tokenizer", required=True, metavar="DIR", help="Hugging Face tokenizer directory")
+    parser.add_argument(
+        "--format", choices=CONVERT_FORMATS, default=defaults["format"], help="input format (default %(default)s)"
+    )
+    parser.add_argument(
+        "--group-key", default=defaults["group_key"], help="record field naming a line's tree (default %(default)s)"
+    )
+    parser.add_argument(
+        "--train-on",
+        choices=TRAIN_ON,
+        default=defaults["train_on"],
+        help="chat: which assistant turns are trained (default %(default)s)",
+    )
+    parser.add_argument(
+        "--merge",
+        choices=MERGES,
+        default=defaults["merge"],
+        help="group: one tree per group; global: every trajectory in one tree (default %(default)s)",
+    )
+    parser.add_argument(
+        "--prefix-policy",
+        choices=PREFIX_POLICIES,
+        default=defaults["prefix_policy"],
+        help="chat templates that are not prefix-stable, see above (default %(default)s)",
+    )
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines, counted by reason")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output")
     parser.add_argument("--limit", type=int, default=None, help="read at most N records in total")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    directories = [str(path) for path in args.input if path.is_dir()]
+    if directories:
+        parser.error(f"--input {', '.join(directories)}: is a directory; give the JSONL files in it")
+    from ds_tree.data.convert import ConvertOptions, convert
+
     options = ConvertOptions(
         format=args.format,
         group_key=args.group_key,

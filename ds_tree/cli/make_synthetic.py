@@ -1,8 +1,9 @@
-"""Write synthetic agentic tree data (tokens JSONL) with a target prefix overlap ratio.
+"""Write synthetic agentic tree data (tokens JSONL) with a target prefix overlap ratio (POR).
 
-Usage: ds-tree make-synthetic --output FILE --groups N --por P [--seed S] [--trials T]
-       [--vocab-size 1024] [--max-tokens L]
-FILE ending in .gz is gzip-compressed. Prints the achieved POR next to the target.
+Token ids in the shape of ChatML agent conversations (no tokenizer needed): each group is one
+task whose trials copy an earlier trial's start and diverge at an assistant token, as sampling
+does; --por 0 makes every trial its own group. The --output file is gzip-compressed when its name
+ends in .gz; its folder must exist. Prints the achieved POR next to the target as one JSON object.
 """
 
 from __future__ import annotations
@@ -11,22 +12,34 @@ import argparse
 import json
 from pathlib import Path
 
-from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
+from ds_tree.cli.choices import SYNTHETIC_MAX_TOKENS, SYNTHETIC_SEED, TOKENIZER_VOCAB_SIZE
+from ds_tree.cli.common import command_parser, output_file_problem
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
+    parser.add_argument("--output", required=True, type=Path, metavar="FILE", help="tokens JSONL (.gz compresses)")
+    parser.add_argument("--groups", required=True, type=int, help="number of tasks (trees)")
+    parser.add_argument("--por", required=True, type=float, help="target POR in [0, 0.95]")
+    parser.add_argument("--seed", type=int, default=SYNTHETIC_SEED, help="random seed (default %(default)s)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per task (default: 8 or what --por needs)")
+    parser.add_argument(
+        "--vocab-size", type=int, default=TOKENIZER_VOCAB_SIZE, help="token ids are below this (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=SYNTHETIC_MAX_TOKENS, help="longest trajectory (default %(default)s)"
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    defaults = SyntheticConfig()
-    parser.add_argument("--output", required=True, type=Path)
-    parser.add_argument("--groups", required=True, type=int, help="number of tasks (trees)")
-    parser.add_argument("--por", required=True, type=float, help="target POR in [0, 0.95]")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--trials", type=int, default=None, help="trials per task (default: 8 or what --por needs)")
-    parser.add_argument("--vocab-size", type=int, default=defaults.vocab_size)
-    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="length cap of one trajectory")
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    problem = output_file_problem(args.output)
+    if problem:
+        parser.error(f"--output {problem}")
+    from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
+
     try:
         config = SyntheticConfig(
             groups=args.groups,

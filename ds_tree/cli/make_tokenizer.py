@@ -1,7 +1,7 @@
 """Train the project's byte-level BPE tokenizer and save it as a Hugging Face tokenizer directory.
 
-Usage: ds-tree make-tokenizer --output DIR [--vocab-size 1024]
-The result loads offline with ``AutoTokenizer.from_pretrained(DIR)`` and is identical every run.
+The result loads offline with transformers' AutoTokenizer.from_pretrained(DIR) and is identical
+every run.
 """
 
 from __future__ import annotations
@@ -10,16 +10,26 @@ import argparse
 import sys
 from pathlib import Path
 
-from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE, save_tokenizer
+from ds_tree.cli.choices import TOKENIZER_VOCAB_SIZE
+from ds_tree.cli.common import command_parser
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
+    parser.add_argument(
+        "--output", required=True, type=Path, metavar="DIR", help="directory to write the tokenizer into"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=TOKENIZER_VOCAB_SIZE, help="exact vocabulary size (default %(default)s)"
+    )
+    return parser
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--output", required=True, type=Path, help="directory to write the tokenizer into")
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="exact vocabulary size")
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    from ds_tree.data.tokenizer import save_tokenizer
+
     try:
         save_tokenizer(args.output, args.vocab_size)
     except FileExistsError as error:

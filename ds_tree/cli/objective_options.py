@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from ds_tree.cli.choices import AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS  # not the losses' (torch): --help stays fast
 from ds_tree.config import ConfigError, ObjectiveConfig
-from ds_tree.losses.advantages import ESTIMATORS
-from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS
 
 OBJECTIVES = ("sft", "grpo", "ppo")
 

@@ -1,33 +1,32 @@
 """Predicted peak memory per rank of a training config, and the largest row that fits.
 
-    ds-tree plan CONFIG [--world-size N] [--memory-gib G] [--path-tokens N] [--json] [key=value ...]
+Reads the training YAML (key=value overrides as the trainer takes them), its model config and its
+DeepSpeed JSON (ZeRO stage, offload_optimizer / offload_param), and prints per rank: parameters,
+gradients and optimizer states, activations of one packed row of packing.budget tokens with and
+without activation checkpointing, the LM head's share (model.head_chunk), and the largest
+packing.budget whose predicted peak fits --memory-gib of accelerator memory. The row is planned
+as if every token were a target (the head's worst case).
 
-Reads the training YAML (``key=value`` overrides as the trainer takes them), its model config and
-its DeepSpeed JSON (ZeRO stage, ``offload_optimizer`` / ``offload_param``), and prints per rank:
-parameters, gradients and optimizer states, activations of one packed row of ``packing.budget``
-tokens with and without activation checkpointing, the LM head's share (``model.head_chunk``), and
-the largest ``packing.budget`` whose predicted peak fits ``--memory-gib`` of accelerator memory.
-The row is planned as if every token were a target (the head's worst case).
+A config that walks trees (packing.mode: dfs, or over_budget: dfs) also gets the dfs walk's peak
+on a root-to-leaf path of --path-tokens tokens (default: 4 x packing.budget) in chunks of
+packing.dfs_chunk, with and without packing.dfs_recompute, and the longest path each trains
+within the memory. The arithmetic and its measured error are in docs/MEMORY.md.
 
-A config that walks trees (``packing.mode: dfs``, or ``over_budget: dfs``) also gets the dfs walk's
-peak on a root-to-leaf path of ``--path-tokens`` tokens (default: 4 x ``packing.budget``) in chunks
-of ``packing.dfs_chunk``, with and without ``packing.dfs_recompute``, and the longest path each
-trains within the memory. The arithmetic and its measured error are in docs/MEMORY.md.
-
-``--explain [STEP]`` also prints the step plan of step STEP (default 0) of ``data.path``: every
-rank's work items, each with its execution kind (packed row, walked tree, sequence-parallel
-shard), tokens, trees, trajectories, predicted cost and why it got its kind.
+--explain [STEP] also prints the step plan of step STEP (default 0) of data.path: every rank's work
+items, each with its execution kind (packed row, walked tree, sequence-parallel shard), tokens,
+trees, trajectories, predicted cost and why it got its kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from ds_tree.cli.common import command_parser
 from ds_tree.config import ConfigError, load_config
-from ds_tree.engine.dfs import settings_of, uses_dfs
 from ds_tree.memory_plan import (
     GIB,
     ModelShape,
@@ -37,7 +36,6 @@ from ds_tree.memory_plan import (
     largest_dfs_path,
     state_bytes,
 )
-from ds_tree.models.loading import load_config as load_model_config
 
 
 def zero_settings(path: str) -> tuple[int, bool, bool]:
@@ -57,6 +55,9 @@ def zero_settings(path: str) -> tuple[int, bool, bool]:
 
 
 def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gib: float, path_tokens: int = 0) -> dict:
+    from ds_tree.engine.dfs import uses_dfs
+    from ds_tree.models.loading import load_config as load_model_config
+
     config = load_config(config_path, overrides)
     stage, offload_optimizer, offload_param = zero_settings(config.deepspeed)
     shape = ModelShape.of(load_model_config(config.model.source))
@@ -116,6 +117,8 @@ def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gi
 
 def dfs_plan(config, shape: ModelShape, free: int, path_tokens: int, entropy: bool) -> dict:
     """The dfs walk of a ``path_tokens``-token path with and without recompute, as configured otherwise."""
+    from ds_tree.engine.dfs import settings_of
+
     settings = settings_of(config.packing)
     options = {
         "checkpoint_every": config.model.checkpointed_every,
@@ -197,12 +200,10 @@ def format_plan(plan: dict) -> str:
     return "\n".join([header, *table, footer])
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
     parser.add_argument("config", help="training YAML")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, as the trainer takes them")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, as the trainer takes them")
     parser.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     parser.add_argument("--memory-gib", type=float, default=80.0, help="accelerator memory per rank (default 80)")
     parser.add_argument(
@@ -221,9 +222,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         help="also print every rank's work items of step STEP (default 0) of data.path, with kinds and costs",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_intermixed_args(argv)
-    if args.world_size < 1 or args.memory_gib <= 0 or args.path_tokens < 0:
-        parser.error("--world-size must be >= 1, --memory-gib > 0 and --path-tokens >= 0")
+    if args.world_size < 1 or not (math.isfinite(args.memory_gib) and args.memory_gib > 0) or args.path_tokens < 0:
+        parser.error("--world-size must be >= 1, --memory-gib a finite number > 0 and --path-tokens >= 0")
     try:
         plan = make_plan(args.config, args.overrides, args.world_size, args.memory_gib, args.path_tokens)
         steps = None if args.explain is None else step_plan(args.config, args.overrides, args.world_size, args.explain)
@@ -242,6 +248,7 @@ def step_plan(config_path: str, overrides: list[str], world_size: int, step: int
     from ds_tree.data import load_trajectories
     from ds_tree.data.sampler import StepSampler
     from ds_tree.errors import DataError
+    from ds_tree.models.loading import load_config as load_model_config
     from ds_tree.packing.plan import PlanSettings, plan_step
     from ds_tree.trees.trajectory import group_trajectories
 

@@ -1,14 +1,13 @@
-"""Reward curves of online RL runs, and their sampling cost, from each run's ``metrics.jsonl``.
-
-Usage: ds-tree plot-online LABEL=RUN_DIR[,RUN_DIR ...] [LABEL=...] --output FILE.png [--window N]
+"""Reward curves of online RL runs, and their sampling cost, from each run's metrics.jsonl.
 
 Several run directories under one label (runs with different seeds) are averaged step by step; they
-must have the same steps. Plots ``rollout/reward_mean`` against the training step (left) and against
-the tokens the sampler ran through the model so far (right, ``rollout/forward_tokens`` summed), per
-step (thin) and as a running mean over ``--window`` steps (thick), and prints a Markdown table: runs,
-steps, mean reward of the first and of the last ``--window`` steps, and the tokens the sampler drew
-and ran through the model in one run (``rollout/sampled_tokens``, ``rollout/forward_tokens``). A run
-directory without ``metrics.jsonl`` or without ``rollout/`` metrics exits 2 naming it.
+must have the same steps. Plots rollout/reward_mean against the training step (left) and against
+the tokens the sampler ran through the model so far (right, rollout/forward_tokens summed), per
+step (thin) and as a running mean over --window steps (thick), into the --output file, and prints
+a Markdown table: runs, steps, mean reward of the first and of the last --window steps, and the
+tokens the sampler drew and ran through the model in one run (rollout/sampled_tokens,
+rollout/forward_tokens). A run directory without metrics.jsonl, or a record without the step or
+those rollout/ metrics, exits 2 naming the file and line.
 """
 
 from __future__ import annotations
@@ -20,18 +19,42 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_tree.cli.common import command_parser, output_plot_problem, save_figure
+
+METRICS = ("step", "rollout/reward_mean", "rollout/sampled_tokens", "rollout/forward_tokens")
+"""What each record of a run's metrics.jsonl must carry."""
+
 
 def read_run(directory: Path) -> dict[str, np.ndarray]:
-    """Per-step rollout metrics of one run, in step order."""
+    """Per-step rollout metrics of one run, in step order; a ValueError names the file, line and field."""
     path = directory / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not records or "rollout/reward_mean" not in records[0]:
+    records = []
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}:{number}: not UTF-8 text") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}; a truncated line?)") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: a record must be a JSON object")
+        if not records and "rollout/reward_mean" not in record:
+            raise ValueError(f"{path}: no rollout/ metrics (not an online RL run)")
+        for name in METRICS:
+            value = record.get(name)
+            if value is None:
+                raise ValueError(f"{path}:{number}: the record has no {name!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{path}:{number}: {name} must be a number, got {value!r}")
+        records.append(record)
+    if not records:
         raise ValueError(f"{path}: no rollout/ metrics (not an online RL run)")
     records.sort(key=lambda record: record["step"])
-    names = ("step", "rollout/reward_mean", "rollout/sampled_tokens", "rollout/forward_tokens")
-    return {name: np.array([record[name] for record in records], dtype=np.float64) for name in names}
+    return {name: np.array([record[name] for record in records], dtype=np.float64) for name in METRICS}
 
 
 def average_runs(runs: list[dict[str, np.ndarray]], label: str) -> dict[str, np.ndarray]:
@@ -86,23 +109,34 @@ def plot(runs: dict[str, dict[str, np.ndarray]], window: int, output: Path) -> N
         axis.grid(alpha=0.3)
         axis.legend(loc="upper left")
     figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
+    save_figure(figure, output, dpi=110)
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
     parser.add_argument(
         "runs", nargs="+", metavar="LABEL=RUN_DIR[,RUN_DIR ...]", help="a label and online RL runs' output_dirs"
     )
-    parser.add_argument("--output", type=Path, required=True, help="the PNG to write")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="the figure to write (PNG, or the format its extension names: pdf, svg); its folder is created",
+    )
     parser.add_argument("--window", type=int, default=10, help="steps of the running mean and of the table's columns")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be >= 1")
+    problem = output_plot_problem(args.output)
+    if problem:
+        parser.error(f"--output {problem}")
     runs = {}
     for item in args.runs:
         label, separator, directories = item.partition("=")

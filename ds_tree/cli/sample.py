@@ -1,20 +1,14 @@
 """Sample each prompt's group as a tree with a Hugging Face model, score it, write rollouts JSONL.
 
-    ds-tree sample --model CONFIG_OR_DIR --tokenizer DIR --prompts FILE --output FILE
-        [--format tree|tokens] [--reward game24|exact_match|none] [--seed N] [--dtype float32]
-        [--segment-length 16] [--branching 2] [--max-depth 3] [--width 8] [--max-new-tokens 64]
-        [--temperature 1.0] [--top-p 1.0] [--repetition-ngram 0] [--logprob-floor X]
-        [--no-refill] [--independent] [--eos-token TOKEN ...]
-
-A prompts line is ``{"group_id": str?, "prompt": str | "messages": [chat] | "prompt_ids": [int],
-"metadata": {...}?}``: text is encoded without special tokens, messages through the tokenizer's
-chat template with the generation prompt, ids as given; ``metadata`` goes to the reward
-(docs/ROLLOUTS.md). ``--format tree`` writes one explicit tree a line (train it after
-``ds-tree convert --format tree``), ``tokens`` one trajectory a line (trains as ``data.path``);
-both carry the sampler's ``logprobs`` and the ``reward``. The model stops at the tokenizer's and
-the model config's EOS ids, the chat turn's end (``<|im_end|>``) when the tokenizer has
-one, and at each ``--eos-token``. Prints one JSON summary; a failing reward
-is reported on stderr and leaves that trajectory without a reward. Exits 2 on bad input.
+A prompts line is {"group_id": str?, "prompt": str | "messages": [chat] | "prompt_ids": [int],
+"metadata": {...}?}: text is encoded without special tokens, messages through the tokenizer's
+chat template with the generation prompt, ids as given; metadata goes to the reward
+(docs/ROLLOUTS.md). --format tree writes one explicit tree a line (train it after
+ds-tree convert --format tree), tokens one trajectory a line (trains as data.path); both carry
+the sampler's logprobs and the reward. The model stops at the tokenizer's and the model config's
+EOS ids, the chat turn's end (<|im_end|>) when the tokenizer has one, and at each --eos-token.
+Prints one JSON summary; a failing reward is reported on stderr and leaves that trajectory
+without a reward. Exits 2 on bad input, before sampling.
 """
 
 from __future__ import annotations
@@ -24,17 +18,31 @@ import json
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from ds_tree.data.convert import load_tokenizer
-from ds_tree.data.jsonl import write_jsonl
+from ds_tree.cli.choices import MODEL_DTYPES
+from ds_tree.cli.common import command_parser, output_file_problem
 from ds_tree.errors import DataError
-from ds_tree.models.loading import DTYPES, load_model
-from ds_tree.rollout.prompts import read_prompts, stop_token_ids
-from ds_tree.rollout.rewards import REWARDS, RewardRequest, score
-from ds_tree.rollout.sampler import SampledTree, SamplerSettings, sample_tree
+from ds_tree.rollout.rewards import REWARDS
+
+if TYPE_CHECKING:
+    from ds_tree.rollout.sampler import SampledTree
+
+SAMPLER_OPTIONS = {
+    "segment_length": (int, 16, "tokens decoded per segment before a branch decision"),
+    "branching": (int, 2, "children per branch point"),
+    "max_depth": (int, 3, "branch levels: at most branching**max_depth leaves"),
+    "width": (int, 8, "leaves per prompt (the group size)"),
+    "max_new_tokens": (int, 64, "longest completion, in tokens"),
+    "temperature": (float, 1.0, "sampling temperature; 0 = greedy"),
+    "top_p": (float, 1.0, "nucleus sampling: sample among the most likely tokens whose probabilities sum to top_p"),
+    "repetition_ngram": (int, 0, "n > 0 stops a branch whose last n tokens already occur earlier in it; 0 = off"),
+    "logprob_floor": (float, None, "stop a branch whose mean log-prob over a segment falls below this (<= 0)"),
+}
+"""The SamplerSettings fields set by --x-y options: (type, default, help); tests/test_cli.py checks them
+against ds_tree.rollout.sampler.SamplerSettings, which imports torch."""
 
 
 def token_records(tree: SampledTree, group: str, rewards: list[float | None]) -> list[dict]:
@@ -56,34 +64,52 @@ def token_records(tree: SampledTree, group: str, rewards: list[float | None]) ->
 
 
 def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = SamplerSettings()
     group = parser.add_argument_group("sampler (docs/ROLLOUTS.md)")
-    for field in fields(SamplerSettings):
-        if field.type in ("bool", bool):
-            continue
-        kind = float if field.name in ("temperature", "top_p", "logprob_floor") else int
+    for name, (kind, default, text) in SAMPLER_OPTIONS.items():
+        shown = "off" if default is None else "%(default)s"
         group.add_argument(
-            f"--{field.name.replace('_', '-')}", type=kind, default=getattr(defaults, field.name), dest=field.name
+            f"--{name.replace('_', '-')}", type=kind, default=default, dest=name, help=f"{text} (default {shown})"
         )
     group.add_argument("--no-refill", dest="refill", action="store_false", help="lose the leaves of early stops")
     group.add_argument("--independent", action="store_true", help="width independent completions (the baseline)")
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
     parser.add_argument("--model", required=True, help="model config JSON (random init) or local HF directory")
-    parser.add_argument("--tokenizer", required=True, help="local tokenizer directory")
-    parser.add_argument("--prompts", required=True, type=Path, help="prompts JSONL (module docstring)")
-    parser.add_argument("--output", required=True, type=Path, help="rollouts JSONL to write (.gz compresses)")
-    parser.add_argument("--format", choices=("tree", "tokens"), default="tree")
-    parser.add_argument("--reward", choices=(*REWARDS, "none"), default="none")
+    parser.add_argument("--tokenizer", required=True, metavar="DIR", help="local tokenizer directory")
+    parser.add_argument("--prompts", required=True, type=Path, metavar="FILE", help="prompts JSONL (see above)")
+    parser.add_argument(
+        "--output", required=True, type=Path, metavar="FILE", help="rollouts JSONL to write (.gz compresses)"
+    )
+    parser.add_argument(
+        "--format", choices=("tree", "tokens"), default="tree", help="one explicit tree or one trajectory a line"
+    )
+    parser.add_argument("--reward", choices=(*REWARDS, "none"), default="none", help="reward function of the leaves")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (and of a random init)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--eos-token", action="append", default=[], help="another token that ends a branch")
+    parser.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="float32", help="the model's dtype")
+    parser.add_argument(
+        "--eos-token", action="append", default=[], metavar="TOKEN", help="another token that ends a branch"
+    )
     add_sampler_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    problem = output_file_problem(args.output)
+    if problem:
+        parser.error(f"--output {problem}")
+    import torch
+
+    from ds_tree.data.convert import load_tokenizer
+    from ds_tree.data.jsonl import write_jsonl
+    from ds_tree.models.loading import load_model
+    from ds_tree.rollout.prompts import read_prompts, stop_token_ids
+    from ds_tree.rollout.rewards import RewardRequest, score
+    from ds_tree.rollout.sampler import SamplerSettings, sample_tree
+
     settings_fields = {field.name: getattr(args, field.name) for field in fields(SamplerSettings)}
     try:
         settings = SamplerSettings(**settings_fields)

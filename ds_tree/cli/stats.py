@@ -1,12 +1,10 @@
 """Tree statistics of a tokens JSONL file or a converted tree dataset directory.
 
-Usage: ds-tree stats PATH [--json] [--plot FILE.png]
-
 Trees are merged by group. Prints counts, flat and tree tokens, POR = 1 - tree/flat, the ideal
 speedup flat/tree (what computing every distinct token once saves at most), depth (nodes on a
 root-to-leaf path) and branching (children per internal node) summaries, and the distribution of
-per-tree ideal speedups. --json prints the same as one JSON object; --plot writes histograms.
-Unreadable input exits 2 with one error line naming the path.
+per-tree ideal speedups. --json prints the same as one JSON object; --plot writes histograms to
+the file named (PNG). Unreadable input exits 2 with one error line naming the path.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_tree.cli.common import command_parser, output_plot_problem, save_figure
 from ds_tree.data import load_trajectories
 from ds_tree.errors import DataError
 from ds_tree.trees import TokenTree, build_forest
@@ -45,7 +44,7 @@ def plot(trees: list[TokenTree], path: Path) -> None:
         axis.set_xlabel(xlabel)
         axis.set_ylabel(ylabel)
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure(figure, path, dpi=100)
     plt.close(figure)
 
 
@@ -67,14 +66,26 @@ def print_text(stats: dict) -> None:
     )
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
     parser.add_argument("path", type=Path, help="tokens JSONL(.gz) file or tree dataset directory")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", type=Path, default=None, help="write depth/branching/speedup histograms (PNG)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write depth/branching/speedup histograms to FILE (PNG, or the format its extension names: pdf, svg)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    problem = args.plot is not None and output_plot_problem(args.plot)
+    if problem:
+        parser.error(f"--plot {problem}")
     try:
         trees = build_forest(load_trajectories(args.path), merge="group")
     except DataError as error:
@@ -87,4 +98,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print_text(stats)
     if args.plot is not None:
         plot(trees, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0

@@ -1,56 +1,72 @@
 """Check tree mode against the flat baseline: same weights, same data, one JSON report.
 
-    ds-tree verify --data PATH --model CONFIG_OR_DIR [--dtype float64|float32]
-        [--seed N] [--budget TOKENS] [--attention torch|reference|triton]
-        [--objective sft|grpo|ppo [--estimator E] [--eps-low X] ... [--perturbation S]]
-        [--sequence-parallel S] [--dfs-chunk C [--dfs-recompute]]
+--data is a tokens JSONL file (one trajectory a line) or a dataset directory written by
+ds-tree convert. --objective sft (the default) compares the weighted next-token loss, every
+trajectory's log-probs and every gradient. grpo / ppo compare the RL objective (docs/RL.md): the
+old policy's log-probs, then loss, clip/KL/entropy metrics and every gradient of a policy moved
+off the old one by --perturbation times each parameter's spread (so that ratios are clipped on
+both sides; the report's metrics count the clipped tokens).
 
-PATH is a tokens JSONL file (one trajectory a line) or a dataset directory written by
-``ds-tree convert``. ``--objective sft`` (the default) compares the weighted next-token loss,
-every trajectory's log-probs and every gradient. ``grpo`` / ``ppo`` compare the RL objective
-(docs/RL.md): the old policy's log-probs, then loss, clip/KL/entropy metrics and every gradient
-of a policy moved off the old one by ``--perturbation`` times each parameter's spread (so that
-ratios are clipped on both sides; the report's metrics count the clipped tokens).
-``--sequence-parallel S`` (SFT) spawns S processes with Ulysses around the tree attention: trees
-with a path over ``--budget`` go to rows of up to S x budget sharded over them; loss and gradients
-are compared with the single-process flat result, and the report adds each rank's activation
-memory and step time at S = 1 and S (:mod:`ds_tree.sequence_parallel_check`).
-``--dfs-chunk C`` also walks every tree in dfs mode (docs/DESIGN.md section 5) in chunks of at most C
-tokens (``--dfs-recompute``: each forwarded twice) and compares it with flat as well: the ``dfs_*``
-fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the metrics).
-Exits 1 when the errors exceed the dtype's tolerance, 2 on bad input (e.g. a reward missing for
-the estimator).
+--sequence-parallel S (SFT) spawns S processes with Ulysses around the tree attention: trees with
+a path over --budget go to rows of up to S x budget sharded over them; loss and gradients are
+compared with the single-process flat result, and the report adds each rank's activation memory
+and step time at S = 1 and S.
+
+--dfs-chunk C also walks every tree in dfs mode (docs/DESIGN.md section 5) in chunks of at most C
+tokens (--dfs-recompute: each forwarded twice) and compares it with flat as well: the dfs_*
+fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the
+metrics).
+
+Only the JSON report goes to stdout (pipe it to jq); logs and library warnings, the spawned
+ranks' included, go to stderr. Exits 1 when the errors exceed the dtype's tolerance, 2 on bad
+input (e.g. a reward missing for the estimator).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from collections.abc import Iterator
 
-from ds_tree.attention.registry import ENGINES
+from ds_tree.cli.choices import ENGINES, NORMALISATIONS, POLICIES, VERIFY_DTYPES
+from ds_tree.cli.common import command_parser
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
-from ds_tree.data import load_trajectories
-from ds_tree.engine.dfs import DfsSettings
+from ds_tree.config import ObjectiveConfig
 from ds_tree.errors import DataError
-from ds_tree.losses import NORMALISATIONS, POLICIES
-from ds_tree.sequence_parallel_check import sequence_parallel_report
-from ds_tree.verification import VERIFY_DTYPES, compare, compare_rl
 
 DEFAULT_PERTURBATION = 0.5
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send everything written to stdout meanwhile to stderr: this process's prints and loggers
+    (sys.stdout), and file descriptor 1 itself, which the sequence-parallel ranks inherit when
+    they are started, and which C code and library handlers holding the original stream write to."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        for stream in {sys.stdout, sys.__stdout__} - {None}:
+            stream.flush()  # what went to the original stream object meanwhile belongs to stderr too
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = command_parser(prog, __doc__)
     parser.add_argument("--data", required=True, help="tokens JSONL file or converted dataset directory")
     parser.add_argument("--model", required=True, help="model config JSON (random init) or local HF directory")
-    parser.add_argument("--dtype", default="float64", choices=VERIFY_DTYPES)
+    parser.add_argument("--dtype", default="float64", choices=VERIFY_DTYPES, help="dtype of the model and the check")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init")
     parser.add_argument("--budget", type=int, default=4096, help="token budget of one packed row")
     parser.add_argument("--block", type=int, default=1, help="pad rows to a multiple of this")
-    parser.add_argument("--attention", default="torch", choices=ENGINES)
+    parser.add_argument("--attention", default="torch", choices=ENGINES, help="tree attention engine")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
     parser.add_argument("--normalisation", choices=NORMALISATIONS, help="SFT only (default token_mean)")
     parser.add_argument("--policy", choices=POLICIES, help="SFT only (default exact)")
@@ -73,6 +89,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "--dfs-chunk", type=int, default=0, metavar="C", help="also compare dfs mode, in chunks of at most C tokens"
     )
     parser.add_argument("--dfs-recompute", action="store_true", help="dfs mode: forward every chunk twice")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     if args.sequence_parallel > 1 and args.objective not in (None, "sft"):
         parser.error("--sequence-parallel checks the sft objective only")
@@ -80,10 +101,24 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
     if args.dfs_chunk and args.sequence_parallel > 1:
         parser.error("--dfs-chunk and --sequence-parallel check different modes: give one")
-    dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
     objective = objective_config(
         parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
     )
+    with stdout_to_stderr():
+        code, report = run(args, objective)
+    if report is not None:
+        print(json.dumps(report, indent=2))
+    return code
+
+
+def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[int, dict | None]:
+    """The exit code and the report (``None`` after bad input, reported on stderr)."""
+    from ds_tree.data import load_trajectories
+    from ds_tree.engine.dfs import DfsSettings
+    from ds_tree.sequence_parallel_check import sequence_parallel_report
+    from ds_tree.verification import compare, compare_rl
+
+    dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
     try:
         trajectories = load_trajectories(args.data)
         if args.limit is not None:
@@ -122,6 +157,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             )
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2))
-    return 0 if report["passed"] else 1
+        return 2, None
+    return (0 if report["passed"] else 1), report

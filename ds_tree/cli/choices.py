@@ -1,0 +1,66 @@
+"""The choices and defaults that the commands' ``--help`` lists, importable without torch.
+
+The library keeps them next to code that needs torch or transformers (attention engines, model
+dtypes, the Triton kernel's dtypes, the synthetic-data and tokenizer defaults); importing those
+modules takes seconds, so a command builds its parser from these copies and imports the library
+after parsing. tests/test_cli.py asserts that every copy equals the library's value.
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from ds_tree import config
+
+ENGINES = get_args(config.AttentionEngine)
+"""ds_tree.attention.registry.ENGINES"""
+MODES = get_args(config.PackingMode)
+"""ds_tree.packing.modes.MODES"""
+NORMALISATIONS = get_args(config.Normalisation)
+"""ds_tree.losses.sft.NORMALISATIONS"""
+POLICIES = get_args(config.WeightPolicy)
+"""ds_tree.losses.sft.POLICIES"""
+ESTIMATORS = get_args(config.Estimator)
+"""ds_tree.losses.advantages.ESTIMATORS"""
+AGGREGATIONS = get_args(config.Aggregation)
+"""ds_tree.losses.rl.AGGREGATIONS"""
+KL_ESTIMATORS = get_args(config.KLEstimator)
+"""ds_tree.losses.rl.KL_ESTIMATORS"""
+
+MODEL_DTYPES = ("float64", "float32", "bfloat16", "float16")
+"""ds_tree.models.loading.DTYPES"""
+VERIFY_DTYPES = ("float64", "float32")
+"""ds_tree.verification.VERIFY_DTYPES: the dtypes with a tolerance"""
+BENCH_DTYPES = ("float32", "bfloat16")
+"""ds_tree.benchmark.BENCH_DTYPES"""
+KERNEL_DTYPES = ("float32", "float16", "bfloat16")
+"""ds_tree.attention.triton.function.DTYPES"""
+
+BLOCK = 128
+"""ds_tree.attention.blocksparse.DEFAULT_BLOCK"""
+HUB_MIN_KEYS = 64
+"""ds_tree.attention.blocksparse.HUB_MIN_KEYS"""
+HUB_MIN_QUERIES = 128
+"""ds_tree.attention.blocksparse.HUB_MIN_QUERIES"""
+
+TOKENIZER_VOCAB_SIZE = 1024
+"""ds_tree.data.tokenizer.DEFAULT_VOCAB_SIZE"""
+SYNTHETIC_SEED = 0
+"""SyntheticConfig().seed (ds_tree.data.synthetic)"""
+SYNTHETIC_MAX_TOKENS = 512
+"""SyntheticConfig().max_tokens"""
+
+CONVERT_FORMATS = ("chat", "tokens", "tree")
+"""ds_tree.data.convert.FORMATS"""
+MERGES = ("group", "global")
+"""ds_tree.data.convert.MERGES"""
+PREFIX_POLICIES = ("full", "drop", "error")
+"""ds_tree.data.convert.PREFIX_POLICIES"""
+CONVERT_DEFAULTS = {
+    "format": "chat",
+    "group_key": "group_id",
+    "train_on": "assistant",
+    "merge": "group",
+    "prefix_policy": "full",
+}
+"""ds_tree.data.convert.ConvertOptions' defaults of the options convert lists"""

@@ -1,0 +1,45 @@
+"""What the commands share: a parser whose ``--help`` shows the command's plain-text description,
+and the checks of an output path that run before any work is done."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def command_parser(prog: str | None, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """A command's parser: ``description`` (and ``epilog``) printed as written, after the usage line."""
+    return argparse.ArgumentParser(
+        prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (an existing directory, or a folder that does not
+    exist), or ``None``: checked before a command spends its time on what it would write there."""
+    if path.is_dir():
+        return f"{path}: is a directory; give a file name"
+    folder = path.parent
+    if not folder.exists():
+        return f"{path}: no such directory {str(folder)!r}"
+    if not folder.is_dir():
+        return f"{path}: {folder} is not a directory"
+    return None
+
+
+def output_plot_problem(path: Path) -> str | None:
+    """Why a figure cannot be saved at ``path`` (an existing directory), or ``None``; a missing
+    folder is created when the figure is saved."""
+    return f"{path}: is a directory; give a file name" if path.is_dir() else None
+
+
+def save_figure(figure, path: Path, dpi: int) -> Path:
+    """Save a matplotlib figure at exactly ``path``, creating its folder, and return ``path``.
+
+    matplotlib appends ``.png`` to a name without an extension it knows (``plot`` becomes
+    ``plot.png``), so the format is given: the suffix's when matplotlib has it (pdf, svg, ...),
+    PNG otherwise."""
+    suffix = path.suffix.removeprefix(".").lower()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi, format=suffix if suffix in figure.canvas.get_supported_filetypes() else "png")
+    return path
