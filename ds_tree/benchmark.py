@@ -295,6 +295,29 @@ def rl_step_once(
     }
 
 
+@dataclass
+class BenchModels:
+    """One model, optimizer and (with a KL term) frozen reference per mode, from the same seed."""
+
+    models: dict
+    optimizers: dict
+    references: dict
+
+    @classmethod
+    def build(cls, modes, model_source, attention, dtype, seed, checkpoint_every, device, kl: bool) -> BenchModels:
+        models, optimizers, references = {}, {}, {}
+        for mode in modes:
+            models[mode] = load_model(
+                model_source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every
+            ).to(device)
+            optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
+            references[mode] = None
+            if kl:
+                references[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed)
+                references[mode].requires_grad_(False)
+        return cls(models, optimizers, references)
+
+
 def run_benchmark(
     trajectories: list[Trajectory],
     model_source: str,
@@ -334,41 +357,60 @@ def run_benchmark(
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
     sampler = StepSampler(len(groups), per_step, seed)
-    models, optimizers, times = {}, {}, {}
-    for mode in modes:
-        models[mode] = load_model(
-            model_source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every
-        ).to(device)
-        optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
-        times[mode] = ModeTimes()
-    check_vocab(trajectories, models[modes[0]].config.vocab_size)
-    references = {mode: None for mode in modes}
-    if rl and objective.kl_coef:
-        for mode in modes:
-            references[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed)
-            references[mode].requires_grad_(False)
-
+    bench = BenchModels.build(
+        modes, model_source, attention, dtype, seed, checkpoint_every, device, kl=rl and bool(objective.kl_coef)
+    )
+    check_vocab(trajectories, bench.models[modes[0]].config.vocab_size)
     dfs_settings = DfsSettings(dfs_chunk or budget, dfs_recompute)
 
     def step_of(mode: str, batch: list[Trajectory], measure_memory: bool) -> dict:
+        model, optimizer = bench.models[mode], bench.optimizers[mode]
         if rl:
+            reference = bench.references[mode]
             return rl_step_once(
-                models[mode], optimizers[mode], references[mode], batch, mode, budget, block, objective,
-                measure_memory, dfs_settings,
+                model, optimizer, reference, batch, mode, budget, block, objective, measure_memory, dfs_settings
             )
-        return step_once(
-            models[mode],
-            optimizers[mode],
-            batch,
-            mode,
-            budget,
-            block,
-            normalisation,
-            measure_memory and device == "cpu",
-            dfs_settings,
-            device,
-        )
+        measure = measure_memory and device == "cpu"
+        return step_once(model, optimizer, batch, mode, budget, block, normalisation, measure, dfs_settings, device)
 
+    times, flat_tokens, tree_tokens = timed_steps(modes, groups, sampler, warmup, steps, step_of, progress)
+    after = sampler.trajectories_for_step(groups, warmup + steps)  # a batch the timed steps did not see
+    peak_bytes = {}
+    if peak_memory and not rl:
+        packed_modes = [m for m in modes if m in ("flat", "tree")]
+        peak_bytes = activation_peaks(bench, packed_modes, after, budget, block, normalisation)
+    if profile_path is not None:
+        write_profile(profile_path, modes, after, step_of)
+    report_modes = {
+        mode: mode_report(times[mode], flat_tokens, tree_tokens, peak_bytes.get(mode), rl) for mode in modes
+    }
+    report = {
+        "steps": steps,
+        "warmup": warmup,
+        "groups_per_step": per_step,
+        "budget": budget,
+        "dtype": dtype,
+        "attention": attention,
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "checkpoint_every": checkpoint_every,
+        "flat_tokens_per_step": float(np.mean(flat_tokens)),
+        "tree_tokens_per_step": float(np.mean(tree_tokens)),
+        "por": TokenCounts(sum(flat_tokens), sum(tree_tokens)).por,
+        "modes": report_modes,
+    }
+    if rl:
+        report["objective"] = objective.kind
+        report["estimator"] = objective.estimator
+        report["ppo_epochs"] = objective.ppo_epochs
+        report["rl_settings"] = asdict(objective.rl_settings())
+    return report | mode_ratios(report_modes, times, peak_bytes, rl)
+
+
+def timed_steps(modes, groups, sampler, warmup: int, steps: int, step_of, progress=None):
+    """``warmup + steps`` steps of every mode on the same batches, the order alternating each step;
+    the measured steps' :class:`ModeTimes` per mode and flat and tree tokens per measured step."""
+    times = {mode: ModeTimes() for mode in modes}
     flat_tokens, tree_tokens = [], []
     for step in range(warmup + steps):
         batch = sampler.trajectories_for_step(groups, step)
@@ -387,107 +429,99 @@ def run_benchmark(
                         getattr(record, key).append(value)
         if progress is not None:
             progress.update(1)
+    return times, flat_tokens, tree_tokens
 
-    peak_bytes = {}
-    if peak_memory and not rl:  # after the timed steps: the largest row once more, then again measured
-        batch = sampler.trajectories_for_step(groups, warmup + steps)
-        for mode in [m for m in modes if m in ("flat", "tree")]:
-            rows = pack_trajectories(batch, mode, budget, block)
-            largest = [max(rows, key=lambda row: row.n_tokens)]
-            normalisers = Normalisers.from_rows(rows)
 
-            def largest_row(mode=mode, largest=largest, normalisers=normalisers):
-                run_rows(models[mode], largest, normalisers, normalisation, backward=torch.Tensor.backward)
-
-            largest_row()  # the parameter gradients exist from here on: the peak is the row's activations
-            peak_bytes[mode] = profiled_peak_bytes(largest_row)
-            optimizers[mode].zero_grad(set_to_none=True)
-
-    if profile_path is not None:  # one more step per mode under the torch profiler
-        batch = sampler.trajectories_for_step(groups, warmup + steps)
-        tables = []
-        for mode in modes:
-            with torch.profiler.profile() as profiler:
-                step_of(mode, batch, measure_memory=False)
-            table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-            tables.append(f"== {mode} ==\n{table}")
-        profile_path.parent.mkdir(parents=True, exist_ok=True)
-        profile_path.write_text("\n".join(tables))
-
-    report_modes = {}
+def activation_peaks(bench: BenchModels, modes, batch, budget: int, block: int, normalisation: str) -> dict:
+    """After the timed steps: each mode's largest row of ``batch`` once, then again under the profiler
+    (the parameter gradients exist from the first on, so the peak is the row's activations)."""
+    peaks = {}
     for mode in modes:
-        record = times[mode]
-        median = statistics.median(record.step)
-        report_modes[mode] = {
-            "step_time_s": median,
-            "step_times_s": record.step,
-            "pack_time_s": statistics.median(record.pack),
-            "forward_backward_time_s": statistics.median(record.forward_backward),
-            "optimizer_time_s": statistics.median(record.optimizer),
-            "packed_tokens_per_step": float(np.mean(record.packed_tokens)),
-            "visible_pairs_per_step": float(np.mean(record.visible_pairs)),
-            "flat_tokens_per_s": float(np.mean(flat_tokens)) / median,
-            "unique_tokens_per_s": float(np.mean(tree_tokens)) / median,
-            "peak_memory_bytes": max(record.saved_bytes) if record.saved_bytes else None,
-            "activation_peak_bytes": peak_bytes.get(mode),
-            # first touches of fresh memory: each costs microseconds, and allocator settings change them
-            "page_faults_per_step": statistics.median(record.page_faults),
-        }
-        if rl:
-            report_modes[mode] |= {
-                "old_forward_time_s": statistics.median(record.old_forward),
-                "updates_time_s": statistics.median(record.updates),
-                "old_forward_share": statistics.median(
-                    old / whole for old, whole in zip(record.old_forward, record.step, strict=True)
-                ),
-                "targets_per_step": float(np.mean(record.targets)),
-            }
+        rows = pack_trajectories(batch, mode, budget, block)
+        largest = [max(rows, key=lambda row: row.n_tokens)]
+        normalisers = Normalisers.from_rows(rows)
+
+        def largest_row(mode=mode, largest=largest, normalisers=normalisers):
+            run_rows(bench.models[mode], largest, normalisers, normalisation, backward=torch.Tensor.backward)
+
+        largest_row()
+        peaks[mode] = profiled_peak_bytes(largest_row)
+        bench.optimizers[mode].zero_grad(set_to_none=True)
+    return peaks
+
+
+def write_profile(path, modes, batch, step_of) -> None:
+    """One more step per mode under the torch profiler, its table of operators written to ``path``."""
+    tables = []
+    for mode in modes:
+        with torch.profiler.profile() as profiler:
+            step_of(mode, batch, measure_memory=False)
+        table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        tables.append(f"== {mode} ==\n{table}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(tables))
+
+
+def mode_report(record: ModeTimes, flat_tokens: list, tree_tokens: list, peak: int | None, rl: bool) -> dict:
+    """One mode's medians and means over the measured steps."""
+    median = statistics.median(record.step)
     report = {
-        "steps": steps,
-        "warmup": warmup,
-        "groups_per_step": per_step,
-        "budget": budget,
-        "dtype": dtype,
-        "attention": attention,
-        "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
-        "checkpoint_every": checkpoint_every,
-        "flat_tokens_per_step": float(np.mean(flat_tokens)),
-        "tree_tokens_per_step": float(np.mean(tree_tokens)),
-        "por": TokenCounts(sum(flat_tokens), sum(tree_tokens)).por,
-        "modes": report_modes,
+        "step_time_s": median,
+        "step_times_s": record.step,
+        "pack_time_s": statistics.median(record.pack),
+        "forward_backward_time_s": statistics.median(record.forward_backward),
+        "optimizer_time_s": statistics.median(record.optimizer),
+        "packed_tokens_per_step": float(np.mean(record.packed_tokens)),
+        "visible_pairs_per_step": float(np.mean(record.visible_pairs)),
+        "flat_tokens_per_s": float(np.mean(flat_tokens)) / median,
+        "unique_tokens_per_s": float(np.mean(tree_tokens)) / median,
+        "peak_memory_bytes": max(record.saved_bytes) if record.saved_bytes else None,
+        "activation_peak_bytes": peak,
+        # first touches of fresh memory: each costs microseconds, and allocator settings change them
+        "page_faults_per_step": statistics.median(record.page_faults),
     }
-    if "dfs" in modes and "tree" in modes:  # what walking costs where packed tree mode fits too
+    if rl:
+        report |= {
+            "old_forward_time_s": statistics.median(record.old_forward),
+            "updates_time_s": statistics.median(record.updates),
+            "old_forward_share": statistics.median(
+                old / whole for old, whole in zip(record.old_forward, record.step, strict=True)
+            ),
+            "targets_per_step": float(np.mean(record.targets)),
+        }
+    return report
+
+
+def mode_ratios(report_modes: dict, times: dict, peak_bytes: dict, rl: bool) -> dict:
+    """The comparisons between modes: dfs over tree, and flat over tree (speedup, ideal, efficiency)."""
+    report = {}
+    if "dfs" in report_modes and "tree" in report_modes:  # what walking costs where packed tree mode fits too
         dfs, tree = report_modes["dfs"], report_modes["tree"]
         report["dfs_time_over_tree"] = dfs["step_time_s"] / tree["step_time_s"]
         if dfs["peak_memory_bytes"] and tree["peak_memory_bytes"]:
             report["dfs_memory_over_tree"] = dfs["peak_memory_bytes"] / tree["peak_memory_bytes"]
-    if rl:
-        report["objective"] = objective.kind
-        report["estimator"] = objective.estimator
-        report["ppo_epochs"] = objective.ppo_epochs
-        report["rl_settings"] = asdict(objective.rl_settings())
-    if "flat" in modes and "tree" in modes:
-        flat, tree = report_modes["flat"], report_modes["tree"]
-        report["speedup"] = flat["step_time_s"] / tree["step_time_s"]
-        report["ideal_speedup"] = flat["packed_tokens_per_step"] / tree["packed_tokens_per_step"]
-        report["efficiency"] = report["speedup"] / report["ideal_speedup"]
-        # Attention work is per visible (query, key) pair, and shared prefixes are short-context
-        # tokens: the pair ratio is below the token ratio and bounds attention's own speedup.
-        report["visible_pair_ratio"] = flat["visible_pairs_per_step"] / tree["visible_pairs_per_step"]
-        if flat["peak_memory_bytes"] and tree["peak_memory_bytes"]:
-            report["memory_ratio_tree_over_flat"] = tree["peak_memory_bytes"] / flat["peak_memory_bytes"]
-        if peak_bytes:
-            report["activation_peak_ratio_tree_over_flat"] = peak_bytes["tree"] / peak_bytes["flat"]
-        if not rl:  # the work a step does, priced by seconds per token and per visible pair fitted on its rows
-            a, b = fit_token_pair_cost([row for mode in ("flat", "tree") for step in times[mode].rows for row in step])
-            flat_cost = a * flat["packed_tokens_per_step"] + b * flat["visible_pairs_per_step"]
-            tree_cost = a * tree["packed_tokens_per_step"] + b * tree["visible_pairs_per_step"]
-            report["cost_per_token_s"], report["cost_per_pair_s"] = a, b
-            report["ideal_cost"] = flat_cost / tree_cost
-            report["efficiency_cost"] = report["speedup"] / report["ideal_cost"]
-        if rl:  # the two passes of a step, each flat over tree
-            report["old_forward_speedup"] = flat["old_forward_time_s"] / tree["old_forward_time_s"]
-            report["updates_speedup"] = flat["updates_time_s"] / tree["updates_time_s"]
-            report["target_ratio"] = flat["targets_per_step"] / tree["targets_per_step"]
+    if "flat" not in report_modes or "tree" not in report_modes:
+        return report
+    flat, tree = report_modes["flat"], report_modes["tree"]
+    report["speedup"] = flat["step_time_s"] / tree["step_time_s"]
+    report["ideal_speedup"] = flat["packed_tokens_per_step"] / tree["packed_tokens_per_step"]
+    report["efficiency"] = report["speedup"] / report["ideal_speedup"]
+    # Attention work is per visible (query, key) pair, and shared prefixes are short-context
+    # tokens: the pair ratio is below the token ratio and bounds attention's own speedup.
+    report["visible_pair_ratio"] = flat["visible_pairs_per_step"] / tree["visible_pairs_per_step"]
+    if flat["peak_memory_bytes"] and tree["peak_memory_bytes"]:
+        report["memory_ratio_tree_over_flat"] = tree["peak_memory_bytes"] / flat["peak_memory_bytes"]
+    if peak_bytes:
+        report["activation_peak_ratio_tree_over_flat"] = peak_bytes["tree"] / peak_bytes["flat"]
+    if not rl:  # the work a step does, priced by seconds per token and per visible pair fitted on its rows
+        a, b = fit_token_pair_cost([row for mode in ("flat", "tree") for step in times[mode].rows for row in step])
+        flat_cost = a * flat["packed_tokens_per_step"] + b * flat["visible_pairs_per_step"]
+        tree_cost = a * tree["packed_tokens_per_step"] + b * tree["visible_pairs_per_step"]
+        report["cost_per_token_s"], report["cost_per_pair_s"] = a, b
+        report["ideal_cost"] = flat_cost / tree_cost
+        report["efficiency_cost"] = report["speedup"] / report["ideal_cost"]
+    if rl:  # the two passes of a step, each flat over tree
+        report["old_forward_speedup"] = flat["old_forward_time_s"] / tree["old_forward_time_s"]
+        report["updates_speedup"] = flat["updates_time_s"] / tree["updates_time_s"]
+        report["target_ratio"] = flat["targets_per_step"] / tree["targets_per_step"]
     return report
