@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
-from ds_tree.engine.step import run_rows, run_step
+from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
 from ds_tree.models.moe import RouterAuxLoss
@@ -58,31 +58,20 @@ def run_mode(
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = Normalisers.from_rows(rows)
     model.zero_grad(set_to_none=True)
+    output = run_rows(
+        model,
+        rows,
+        normalisers,
+        normalisation,
+        policy,
+        backward_for=lambda _: torch.Tensor.backward,
+        dfs=dfs if mode == "dfs" else None,
+        collect_logprobs=mode != "dfs",  # a walked row's log-probs: a no-grad walk, below
+        head_chunk=head_chunk,
+        router_aux=router_aux,
+    )
     if mode == "dfs":
-        output = run_step(
-            model,
-            rows,
-            normalisers,
-            normalisation,
-            policy,
-            dfs,
-            backward_for=lambda _: torch.Tensor.backward,
-            head_chunk=head_chunk,
-            router_aux=router_aux,
-        )
         output.trajectory_logprobs = trajectory_logprobs(model, rows, dfs.chunk, head_chunk=head_chunk)
-    else:
-        output = run_rows(
-            model,
-            rows,
-            normalisers,
-            normalisation,
-            policy,
-            backward=torch.Tensor.backward,
-            collect_logprobs=True,
-            head_chunk=head_chunk,
-            router_aux=router_aux,
-        )
     gradients = {
         name: parameter.grad.detach().clone()
         for name, parameter in model.named_parameters()
@@ -272,7 +261,7 @@ def run_rl_mode(
 ) -> RLModeResult:
     """One RL pass (old log-probs from ``old_model``, loss and gradients of ``model``) in ``mode``
     (``dfs``: every tree walked with ``dfs``, the old and reference log-probs too)."""
-    from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, run_rl_walk
+    from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = StepNormalisers.of(trajectories)
@@ -280,11 +269,9 @@ def run_rl_mode(
         old_model, rows, advantages, settings, normalisers, reference=reference, head_chunk=head_chunk, dfs=dfs
     )
     model.zero_grad(set_to_none=True)
-    if mode == "dfs":
-        backward_for = lambda _: torch.Tensor.backward  # noqa: E731
-        output = run_rl_walk(model, prepared, settings, dfs, backward_for=backward_for, head_chunk=head_chunk)
-    else:
-        output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, head_chunk=head_chunk)
+    backward_for = lambda _: torch.Tensor.backward  # noqa: E731
+    walk = dfs if mode == "dfs" else None
+    output = run_rl_rows(model, prepared, settings, backward_for=backward_for, dfs=walk, head_chunk=head_chunk)
     gradients = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return RLModeResult(output.loss, gradients, output.metrics or {}, sum(r.n_tokens for r in rows), len(rows))
 

@@ -163,10 +163,14 @@ class PackedRunner:
 class WalkedRunner:
     """A tree walked depth-first in chunks (:mod:`ds_tree.engine.dfs`)."""
 
-    def task(self, model, row, terms, run, backward, output) -> Task:
+    @staticmethod
+    def chunks(row: PackedRow, run: RunContext):
         if run.dfs is None:
             raise ValueError("a walked (dfs) item needs the dfs settings")
-        chunks = row_chunks(row, run.dfs.chunk)
+        return row_chunks(row, run.dfs.chunk)
+
+    def task(self, model, row, terms, run, backward, output) -> Task:
+        chunks = self.chunks(row, run)
         target_chunk = chunks.of_tokens(row.pred_pos[terms.targets])
 
         def chunk_loss(index: int, inputs: ChunkInputs) -> torch.Tensor:
@@ -200,11 +204,11 @@ class WalkedRunner:
         return Task(walk_events(chunks, run.dfs.recompute), calls())
 
     def logprobs(self, model, row, targets, run) -> np.ndarray:
-        chunks = row_chunks(row, run.dfs.chunk)
+        chunks = self.chunks(row, run)
         return run_to_end(walk_logprobs(model, row, chunks, targets, device=run.device, head_chunk=run.head_chunk))
 
     def forwards(self, row, run) -> int:
-        return len(row_chunks(row, run.dfs.chunk))
+        return len(self.chunks(row, run))
 
 
 RUNNERS: dict[str, Runner] = {}
