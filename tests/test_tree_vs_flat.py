@@ -11,6 +11,7 @@ Hugging Face forward of each trajectory with transformers' own attention.
 from __future__ import annotations
 
 import functools
+import random
 
 import numpy as np
 import pytest
@@ -181,7 +182,7 @@ def test_target_logprobs_match_hugging_face(name, dtype):
     """Gather-before-head on a plain sequence == log_softmax of HF logits, with tree attention
     (kv_end = N) and with transformers' own SDPA attention on the same weights."""
     model = _model(name, dtype)
-    ids = np.random.default_rng().integers(3, 1024, size=45)
+    ids = np.random.default_rng(random.randrange(2**63)).integers(3, 1024, size=45)
     (tree,) = build_trees([Trajectory(ids, np.ones(ids.size))])
     row = assemble_row([whole_tree(tree)])
     targets = np.arange(1, ids.size)
