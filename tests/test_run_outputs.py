@@ -20,7 +20,7 @@ from ds_tree.models.loading import load_model
 from tests.test_engine import ROOT, write_config, write_forest
 
 
-def test_export_is_a_plain_model_that_stops_at_the_end_of_a_turn(tmp_path, tokenizer_dir):
+def test_export_is_a_plain_model_that_stops_at_the_end_of_a_turn(tmp_path, tokenizer_dir, capfd):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = load_model(ROOT / "configs/models/tiny_llama.json", attention="torch", dtype="float32", seed=0)
@@ -30,6 +30,7 @@ def test_export_is_a_plain_model_that_stops_at_the_end_of_a_turn(tmp_path, token
         save_hf(model, model.state_dict(), tmp_path / "hf", str(tokenizer_dir))
     finally:
         os.umask(umask)
+    assert "Writing model shards" not in capfd.readouterr().err  # no progress bar outside a terminal
     hf = tmp_path / "hf"
     modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in hf.iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes  # the umask's, not 0600

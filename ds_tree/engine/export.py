@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
@@ -44,7 +46,8 @@ def save_hf(model, state_dict, directory: Path, tokenizer: str = "") -> None:
     previous = model.config._attn_implementation, model.config.use_cache
     model.config._attn_implementation, model.config.use_cache = "sdpa", True
     try:
-        model.save_pretrained(str(temporary), state_dict=state_dict, safe_serialization=True)
+        with _no_progress_bar_in_logs():
+            model.save_pretrained(str(temporary), state_dict=state_dict, safe_serialization=True)
     finally:
         model.config._attn_implementation, model.config.use_cache = previous
     if tokenizer:
@@ -57,6 +60,21 @@ def save_hf(model, state_dict, directory: Path, tokenizer: str = "") -> None:
         _stop_at_end_of_turn(temporary / "generation_config.json", loaded)
     _apply_umask(temporary)
     replace_directory(temporary, directory)
+
+
+@contextmanager
+def _no_progress_bar_in_logs():
+    """transformers' "Writing model shards" bar only on a terminal (in a log its redraws garble lines)."""
+    from transformers.utils import logging as hf_logging
+
+    if sys.stderr.isatty() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _stop_at_end_of_turn(path: Path, tokenizer) -> None:
