@@ -16,7 +16,4 @@ FILES = {"tau2-telecom": "tau2-telecom/trials.jsonl", "tot-game24": "tot-game24/
 def absent(path: Path) -> str:
     """The skip reason for a missing data file: which optional data set, where, how to get it."""
     name = path.parent.name
-    return (
-        f"optional real data {name} is absent ({path}): "
-        "python tools/get_shared_data.py builds it, see docs/DATA.md"
-    )
+    return f"optional real data {name} is absent ({path}): python tools/get_shared_data.py builds it, see docs/DATA.md"
