@@ -276,7 +276,7 @@ class LoggingConfig:
     tensorboard: bool = True
     """TensorBoard event files in ``<output_dir>/tensorboard`` (``metrics.jsonl`` is always written)."""
     progress_bar: bool = True
-    """A tqdm bar on rank 0; the step lines print above it."""
+    """A tqdm bar on rank 0 when stderr is a terminal (none in log files and pipes); the step lines print above it."""
 
     def __post_init__(self) -> None:
         if self.every < 1:

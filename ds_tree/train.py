@@ -21,6 +21,7 @@ import sys
 import warnings
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.engine import checkpoint
 from ds_tree.engine.checkpoint import CheckpointError
 from ds_tree.engine.console import setup_console
 from ds_tree.engine.trainer import NonFiniteError, Trainer
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(json.dumps({"world_size": trainer.world_size, "deepspeed": trainer.ds_config}, indent=2))
         return 0
+    if already_finished(trainer):
+        return 0
     try:
         trainer.setup()
         trainer.train()
@@ -75,6 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
     return 0
+
+
+def already_finished(trainer: Trainer) -> bool:
+    """True (and says so) when the checkpoint this run would resume from is at ``max_steps`` and
+    its export is there: a re-run would train 0 steps and export the same weights again."""
+    config = trainer.config
+    step = checkpoint.step_of(trainer.resume_from) if trainer.resume_from else None
+    if step is None or step < config.max_steps:
+        return False
+    export = trainer.output_dir / "hf"
+    saved = (trainer.checkpoint_dir / trainer.resume_from / checkpoint.RECORD).stat().st_mtime
+    if config.checkpoint.export_hf and not (export.is_dir() and export.stat().st_mtime >= saved):
+        return False  # no export of that checkpoint yet (the run stopped before it): train 0 steps, export
+    logger.warning(
+        "%s already reached max_steps=%d (checkpoint %s): nothing to train%s. To train further from it, "
+        "raise max_steps (e.g. max_steps=%d); to start a new run, set another output_dir",
+        trainer.output_dir,
+        config.max_steps,
+        trainer.resume_from,
+        f", and its export {export} is up to date" if config.checkpoint.export_hf else "",
+        2 * config.max_steps,
+    )
+    return True
 
 
 def exit_now(code: int) -> None:

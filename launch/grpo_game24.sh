@@ -12,7 +12,9 @@ DS_TREE=.venv/bin/ds-tree
 SAMPLES=${SAMPLES:-../shared/data/tot-game24/samples.jsonl}
 RUN=${RUN:-runs/grpo_game24}
 if [ ! -f "$SAMPLES" ]; then
-  echo "grpo_game24.sh: $SAMPLES: no such file (set SAMPLES to tot-game24's samples.jsonl)" >&2
+  echo "grpo_game24.sh: $SAMPLES: no such file. This script needs the optional tot-game24 data" \
+    "(100 puzzles x 100 answers, MIT): build it with 'python tools/get_shared_data.py --only tot-game24'" \
+    "(docs/DATA.md) or set SAMPLES to its samples.jsonl" >&2
   exit 2
 fi
 if [ ! -f "$RUN/tokenizer/tokenizer.json" ]; then

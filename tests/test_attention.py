@@ -4,7 +4,8 @@ Masks come from real packed rows of hypothesis forests (several trees and parts 
 to a block multiple); the block size of the attention engine is drawn independently, including
 sizes that do not divide the row. Half the examples add a sliding window shorter than the
 deepest token (on the rows' own depths) and some a soft cap on the scores. q/k/v and the output
-gradient are fresh random numbers every run; a failure message carries the seed to replay it.
+gradient come from a seed that tests/conftest.py fixes per test (fresh every run under
+HYPOTHESIS_PROFILE=explore); a failure message carries the seed to replay it.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -136,7 +137,7 @@ def test_trajectory_checks_without_a_source():
 
 def _generated_tokens_file(tmp_path: Path) -> tuple[Path, list[dict]]:
     """Two groups with shared prefixes, a duplicate, a strict prefix and fractional masks."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(random.randrange(2**63))  # seeded per test by conftest.py
     records = []
     for group in ("p", "q"):
         prompt = rng.integers(3, 1024, size=int(rng.integers(5, 15))).tolist()

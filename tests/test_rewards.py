@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import math
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
 from ds_tree.rollout.game24 import ExpressionError, evaluate, extract_expression, puzzle_numbers, solves
 from ds_tree.rollout.rewards import REWARDS, RewardRequest, score
+from tests.shared_data import SHARED_DATA, absent
 
-GAME24 = Path(__file__).resolve().parents[2] / "shared" / "data" / "tot-game24" / "samples.jsonl"
+GAME24 = SHARED_DATA / "tot-game24" / "samples.jsonl"
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_builtin_rewards_and_safe_scoring():
     assert rewards == [None] and "metadata['numbers']" in failures[0]
 
 
-@pytest.mark.skipif(not GAME24.is_file(), reason="../shared/data/tot-game24 is absent")
+@pytest.mark.skipif(not GAME24.is_file(), reason=absent(GAME24))
 def test_game24_agrees_with_the_data_labels():
     """Every tot-game24 sample's 1/0 label is what the checker gives its answer (403 correct of 10000)."""
     records = [json.loads(line) for line in GAME24.read_text().splitlines()]

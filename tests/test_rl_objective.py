@@ -5,9 +5,13 @@ ancestor path); every tree token gets random log-probs (current, old, reference,
 entropy, spread so that ratios leave the clip range on both sides and pass the dual clip. The tree
 side folds trajectories into per-token sums (:func:`token_sums`) per part and adds the parts'
 losses; the flat side loops over trajectories, gathers each one's per-token values through its
-path and applies the textbook PPO formulas. Loss, metrics and the gradient with respect to every
-tree token's log-prob and entropy must agree in float64 to 1e-12 relative to the sum of the
-magnitudes of their flat terms (terms of both signs can cancel far below any one of them).
+path and applies the textbook PPO formulas. Loss and metrics must agree in float64 to 1e-12
+relative to the sum of the magnitudes of their flat terms (terms of both signs can cancel far below
+any one of them); the gradients with respect to every tree token's log-prob and entropy to 1e-12 in
+norm, per tensor, relative to its norm (:func:`ds_tree.verification.gradient_errors`, what
+``ds-tree verify`` reports). Per-element relative bounds measured round-off over cancelled,
+near-zero elements instead; a restoration weight off by one trajectory on one token still fails
+the norm check by orders of magnitude (test_wrong_restoration_weight_fails_the_gradient_check).
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, ppo_tree_loss, token_
 from ds_tree.packing.parts import split_tree, whole_tree
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
+from ds_tree.verification import gradient_errors
 from tests.strategies import flat_coefficients, forests, longest
 
 RTOL = 1e-12
+GRADIENTS = ("logp", "entropy")
+"""The tensors whose gradients are compared, by their norm-based relative error (as ``ds-tree verify``)."""
 SETTINGS = settings(max_examples=8, deadline=None)
 CLIPS = [(0.2, 0.2, None), (0.2, 0.28, None), (0.2, 0.28, 2.5), (0.1, 0.3, 1.5)]
 """(eps_low, eps_high, dual_clip): symmetric, DAPO's clip-higher, and both with dual clip."""
@@ -128,19 +135,16 @@ def _tree_side(parts, items, tensors, clip, kl_estimator, importance):
 
 
 def _flat_side(items, tensors, clip, kl_estimator, importance):
-    """The flat objective, the sum of its terms' magnitudes (the loss's round-off scale), the metrics
-    and each trajectory's gathered logp and entropy: a loop over trajectories with the textbook formulas."""
+    """The flat objective, the sum of its terms' magnitudes (the loss's round-off scale) and the
+    metrics: a loop over trajectories with the textbook formulas."""
     eps_low, eps_high, dual_clip = clip
     total = tensors["logp"][:0].sum() + tensors["entropy"][:0].sum()  # 0, in the graph even with no terms
     magnitude = 0.0
     metrics = dict.fromkeys(("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "ratio_max"), 0.0)
     metrics |= dict.fromkeys(("approx_kl", "kl_ref", "entropy"), 0.0)
-    gathered = []
     for path, mask, coefficient, advantage, sampler in items:
         t = path[1:]
         logp, old, ref, entropy = (tensors[name][t] for name in ("logp", "old", "ref", "entropy"))
-        if t.size:
-            gathered.append((t, logp, entropy))
         m, c, a = (torch.as_tensor(x[1:]) for x in (mask, coefficient, advantage))
         ratio = torch.exp(logp - old)
         weighted = a * torch.clamp(torch.exp(old - torch.as_tensor(sampler[1:])), max=TRUNCATION) if importance else a
@@ -168,7 +172,12 @@ def _flat_side(items, tensors, clip, kl_estimator, importance):
             metrics["approx_kl"] += float((m * (ratio - 1 - torch.log(ratio))).sum())
             metrics["kl_ref"] += float((m * kl).sum())
             metrics["entropy"] += float((m * entropy).sum())
-    return total, magnitude, metrics, gathered
+    return total, magnitude, metrics
+
+
+def _gradients(loss: torch.Tensor, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    grads = torch.autograd.grad(loss, [tensors[name] for name in GRADIENTS], retain_graph=True)
+    return dict(zip(GRADIENTS, grads, strict=True))
 
 
 def _check(trajectories, seed, estimator, aggregation, budget, importance):
@@ -184,23 +193,10 @@ def _check(trajectories, seed, estimator, aggregation, budget, importance):
                 for _ in range(2)
             )
             tree_loss, tree_metrics = _tree_side(parts, items, tree_tensors, clip, kl_estimator, importance)
-            flat_loss, magnitude, flat_metrics, gathered = _flat_side(
-                items, flat_tensors, clip, kl_estimator, importance
-            )
+            flat_loss, magnitude, flat_metrics = _flat_side(items, flat_tensors, clip, kl_estimator, importance)
             assert abs(tree_loss.item() - flat_loss.item()) <= RTOL * magnitude, (clip, kl_estimator)
-            for position, name in enumerate(("logp", "entropy")):
-                (tree_grad,), (flat_grad,) = (
-                    torch.autograd.grad(loss, t[name], retain_graph=True)
-                    for loss, t in ((tree_loss, tree_tensors), (flat_loss, flat_tensors))
-                )
-                # round-off scale of each token's gradient: the sum of its trajectories' contributions'
-                # magnitudes (they can cancel to far below any one of them, e.g. duplicates with A of both signs)
-                copies = [entry[position + 1] for entry in gathered]
-                scale = np.zeros(flat_grad.numel())
-                pieces = torch.autograd.grad(flat_loss, copies, retain_graph=True) if copies else []
-                for (index, *_), piece in zip(gathered, pieces, strict=True):
-                    np.add.at(scale, index, piece.abs().numpy())
-                assert np.all(np.abs((tree_grad - flat_grad).numpy()) <= RTOL * scale), (name, clip, kl_estimator)
+            errors = gradient_errors(_gradients(flat_loss, flat_tensors), _gradients(tree_loss, tree_tensors))
+            assert max(errors.values()) <= RTOL, (errors, clip, kl_estimator)
             assert tree_metrics.keys() == flat_metrics.keys()
             for name, value in flat_metrics.items():
                 assert tree_metrics[name] == pytest.approx(value, rel=RTOL, abs=RTOL * flat_metrics["tokens"]), name
@@ -249,6 +245,38 @@ def test_fixed_forest_exercises_every_regime(estimator):
     n = int(sum(tree.n_tokens for tree in trees))
     sums = token_sums(n, *zip(*[item[:4] for item in items], strict=True), np.ones(n, dtype=bool))
     assert ((sums.positive > 0) & (sums.negative < 0)).any(), "no token shared by advantages of both signs"
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_wrong_restoration_weight_fails_the_gradient_check(aggregation):
+    """The norm-based check is not blind to a restoration defect: the tree side with one shared,
+    trained prefix token counted for one trajectory fewer (its weight off by one trajectory) misses
+    the flat gradient by far more than RTOL, and _check's assertion fails on it."""
+    trajectories = _fixed_forest(np.random.default_rng(7))
+    trees, offsets, items = _prepare(trajectories, np.random.default_rng(11), "grpo", aggregation)
+    values = _values(int(offsets[-1]), items, np.random.default_rng(12))
+    parts = _parts(trees, offsets, None)
+    # a trained token on the paths of several trajectories (a shared branch): drop the first one's term
+    counts = np.zeros(int(offsets[-1]), dtype=int)
+    for path, mask, *_ in items:
+        counts[path[mask > 0]] += 1
+    path, mask, coefficient, advantage, sampler = items[0]
+    shared = [k for k in range(1, path.size) if mask[k] > 0 and counts[path[k]] >= 2]
+    assert shared, "the fixed forest has no shared trained token"
+    wrong_mask, wrong_coefficient = mask.copy(), coefficient.copy()
+    wrong_mask[shared[0]] = wrong_coefficient[shared[0]] = 0.0
+    wrong = [(path, wrong_mask, wrong_coefficient, advantage, sampler), *items[1:]]
+    tree_tensors, flat_tensors = (
+        {name: torch.tensor(v, requires_grad=name in GRADIENTS) for name, v in values.items()} for _ in range(2)
+    )
+    tree_loss, _ = _tree_side(parts, wrong, tree_tensors, CLIPS[0], "k1", importance=False)
+    flat_loss, _, _ = _flat_side(items, flat_tensors, CLIPS[0], "k1", importance=False)
+    errors = gradient_errors(_gradients(flat_loss, flat_tensors), _gradients(tree_loss, tree_tensors))
+    assert errors["logp"] > 1e-3 and errors["entropy"] > 1e-3, errors  # measured ~0.05, RTOL is 1e-12
+    # and the same data with the right weights passes: the difference above is the defect alone
+    tree_loss, _ = _tree_side(parts, items, tree_tensors, CLIPS[0], "k1", importance=False)
+    errors = gradient_errors(_gradients(flat_loss, flat_tensors), _gradients(tree_loss, tree_tensors))
+    assert max(errors.values()) <= RTOL, errors
 
 
 def test_coefficients_match_the_flat_normalisations():

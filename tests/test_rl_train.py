@@ -19,12 +19,13 @@ import pytest
 
 from ds_tree.data.jsonl import slice_groups
 from ds_tree.engine import checkpoint
+from tests.shared_data import SHARED_DATA, absent
 from tests.test_engine import ROOT, environment, launch_training, write_config, write_forest
 from tests.test_launch import find_shellcheck
 from tests.test_reliability import dry_run
 from tests.test_rl_engine import write_rollouts
 
-SHARED_GAME24 = ROOT.parent / "shared" / "data" / "tot-game24" / "samples.jsonl"
+SHARED_GAME24 = SHARED_DATA / "tot-game24" / "samples.jsonl"
 RL_KEYS = {
     "rl/reward_mean",
     "rl/reward_std",
@@ -129,7 +130,7 @@ def test_more_mini_batches_than_groups_is_a_config_error(monkeypatch, capsys, tm
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not SHARED_GAME24.is_file(), reason=f"{SHARED_GAME24} is absent")
+@pytest.mark.skipif(not SHARED_GAME24.is_file(), reason=absent(SHARED_GAME24))
 def test_game24_config_trains_on_a_converted_slice(tmp_path: Path, tokenizer_dir) -> None:
     sliced = slice_groups(SHARED_GAME24, tmp_path / "slice.jsonl", groups=4, per_group=8)
     dataset = tmp_path / "dataset"
@@ -169,4 +170,5 @@ def test_game24_script_is_shellcheck_clean_and_names_missing_samples(tmp_path: P
         timeout=120,
     )
     assert result.returncode == 2 and f"{absent}: no such file" in result.stderr, result.stderr
+    assert "tools/get_shared_data.py" in result.stderr and "docs/DATA.md" in result.stderr  # how to get it
     assert not (tmp_path / "run").exists()  # nothing built before the check

@@ -1,6 +1,7 @@
 """The tree rollout sampler on a tiny random Llama.
 
-Greedy leaves equal ``generate``, KV-reuse log-probs equal re-encoding, budgets and stop rules hold.
+Greedy leaves equal ``generate``, KV-reuse log-probs equal re-encoding, budgets and stop rules hold;
+transformers' deprecation warning for a cache passed as ``past_key_values`` is an error here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ds_tree.models.loading import load_model
 from ds_tree.rollout.sampler import FINISH_REASONS, SamplerSettings, generation_mode, repeats_ngram, sample_tree
 from ds_tree.trees.trie import build_forest
 
+# transformers deprecates passing the cache as past_key_values (removed in 5.40): the sampler must not
+pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*:FutureWarning")
 MODEL = Path(__file__).resolve().parents[1] / "configs" / "models" / "tiny_llama.json"
 PROMPT = [1, 17, 300, 42, 9]
 EOS = [2]

@@ -13,7 +13,6 @@ Measured with the project tokenizer (its chat template renders no tool-call ids)
 import json
 import os
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +23,9 @@ from ds_tree.data import load_trajectories
 from ds_tree.data.chat import render_chat
 from ds_tree.trees import build_forest
 from ds_tree.trees.stats import token_counts
+from tests.shared_data import SHARED_DATA, absent
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = SHARED_DATA
 
 CASES = {
     # name: (file, --limit, groups, trials, token-level ideal speedup bounds)
@@ -50,7 +50,7 @@ def test_convert_rebuild_and_por(name, tmp_path, tokenizer_dir, capsys):
     relative, limit, n_groups, n_trajectories, (low, high) = CASES[name]
     source = SHARED / relative
     if not source.is_file():
-        pytest.skip(f"{source} is absent")
+        pytest.skip(absent(source))
     options = [] if limit is None else ["--limit", str(limit)]
     argv = ["--input", str(source), "--output", str(tmp_path / "out"), "--tokenizer", str(tokenizer_dir), *options]
     assert convert_main(argv) == 0
@@ -83,3 +83,61 @@ def test_convert_rebuild_and_por(name, tmp_path, tokenizer_dir, capsys):
     assert low <= speedup <= high
     # Consistent with the character-level dedup of the same renderings (differs "slightly").
     assert 0.8 <= speedup / char_level_speedup(texts) <= 1.25
+
+
+def test_get_shared_data_converts_the_upstream_shapes(tmp_path):
+    """tools/get_shared_data.py on tiny files in the upstream shapes (no network: --source): the
+    chat-JSONL lines the tests read, tool calls in OpenAI form with sorted JSON arguments, LICENSEs
+    beside them. (On the real upstream files its output equals ../shared/data byte for byte.)"""
+    from tools import get_shared_data as tool
+
+    tau2, game24 = tmp_path / tool.TAU2["repo"], tmp_path / tool.GAME24["repo"]
+    call = {"id": "c1", "name": "get_line", "arguments": {"z": 1, "a": "L1"}, "requestor": "assistant"}
+    results = {
+        "info": {"environment_info": {"policy": "POLICY"}},
+        "tasks": [{"id": "task-1", "ticket": "my phone has no data"}],
+        "simulations": [
+            {"task_id": "task-1", "trial": trial, "reward_info": {"reward": float(trial)}, "messages": [
+                {"role": "assistant", "content": None, "tool_calls": [call], "turn_idx": 0},
+                {"role": "tool", "id": "c1", "content": "{}", "requestor": "assistant", "turn_idx": 1},
+                {"role": "assistant", "content": f"done {trial}", "tool_calls": None, "turn_idx": 2},
+            ]}
+            for trial in (0, 1)
+        ],
+    }  # fmt: skip
+    prompts = 'standard_prompt = "x"\ncot_prompt = """Solve: {input}\n"""\n'
+    log = [{"idx": 1, "ys": ["Answer: 4 * 6 = 24", "Answer: None"], "infos": [{"r": 1}, {"r": 0}]}]
+    files = {
+        tau2 / tool.TAU2["results"]: json.dumps(results),
+        tau2 / "LICENSE": "MIT tau2",
+        game24 / tool.GAME24["log"]: json.dumps(log),
+        game24 / tool.GAME24["puzzles"]: "Rank,Puzzles\n1,1 1 4 6\n2,1 4 6 9\n",
+        game24 / tool.GAME24["prompts"]: prompts,
+        game24 / "LICENSE": "MIT tot",
+    }
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    out = tmp_path / "out"
+    assert tool.main(["--source", str(tmp_path), "--output", str(out)]) == 0
+
+    lines = [json.loads(line) for line in (out / "tau2-telecom/trials.jsonl").read_text().splitlines()]
+    assert [(r["group_id"], r["trial"], r["reward"]) for r in lines] == [("task-1", 0, 0.0), ("task-1", 1, 1.0)]
+    assert lines[1]["messages"] == [
+        {"role": "system", "content": "POLICY"},
+        {"role": "user", "content": "my phone has no data"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_line", "arguments": '{"a": "L1", "z": 1}'}}
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{}"},
+        {"role": "assistant", "content": "done 1"},
+    ]  # fmt: skip
+    lines = [json.loads(line) for line in (out / "tot-game24/samples.jsonl").read_text().splitlines()]
+    assert lines == [
+        {"group_id": "game24-1", "trial": k, "reward": reward, "messages": [
+            {"role": "user", "content": "Solve: 1 4 6 9\n"}, {"role": "assistant", "content": answer}
+        ]}
+        for k, (answer, reward) in enumerate([("Answer: 4 * 6 = 24", 1.0), ("Answer: None", 0.0)])
+    ]  # fmt: skip
+    assert (out / "tot-game24/LICENSE").read_text() == "MIT tot" and not list(out.rglob("*.partial"))
+    assert tool.main(["--source", str(tmp_path / "missing"), "--output", str(out)]) == 2

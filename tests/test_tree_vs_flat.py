@@ -11,6 +11,7 @@ Hugging Face forward of each trajectory with transformers' own attention.
 from __future__ import annotations
 
 import functools
+import random
 
 import numpy as np
 import pytest
@@ -23,9 +24,10 @@ from ds_tree.models.loading import keep_norms_in_float64, load_model
 from ds_tree.models.logprobs import target_logprobs
 from ds_tree.packing.parts import whole_tree
 from ds_tree.packing.rows import assemble_row
+from ds_tree.trees import trie
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_trees
-from ds_tree.verification import compare, run_mode
+from ds_tree.verification import compare, gradient_errors, run_mode
 from tests.strategies import flat_coefficients, forests, longest, prefix_key
 
 MODELS = {name: f"configs/models/tiny_{name}.json" for name in ("llama", "qwen2", "qwen3")}
@@ -72,12 +74,46 @@ def _check_tree_equals_flat(model, trajectories, dtype, budget, block, normalisa
 
     names = {name for name, _ in model.named_parameters()}
     assert set(flat.gradients) == set(tree.gradients) == names
-    total = torch.sqrt(sum(g.double().pow(2).sum() for g in flat.gradients.values())).item()
-    for name, g_flat in flat.gradients.items():
-        error = (tree.gradients[name].double() - g_flat.double()).norm().item()
+    _assert_gradients_equal(flat.gradients, tree.gradients, dtype)
+    return flat, tree
+
+
+def _assert_gradients_equal(flat: dict, tree: dict, dtype: torch.dtype) -> None:
+    """Per parameter, the norm of the difference within the dtype's tolerance of the parameter's norm."""
+    tolerance = TOLERANCES[dtype]
+    total = torch.sqrt(sum(g.double().pow(2).sum() for g in flat.values())).item()
+    for name, g_flat in flat.items():
+        error = (tree[name].double() - g_flat.double()).norm().item()
         bound = tolerance * g_flat.double().norm().item() + GRADIENT_SLACK[dtype] * total
         assert error <= bound, f"{name}: gradient error {error:.3e} > {bound:.3e} (norm {g_flat.norm():.3e})"
-    return flat, tree
+
+
+def test_wrong_restoration_weight_fails_the_gradient_check(monkeypatch):
+    """The float64 check is not blind to a restoration defect: one shared, trained prompt token whose
+    weight counts one trajectory fewer (``mask_sum`` 2 instead of 3) fails it, and ``verify``'s
+    per-parameter error is orders of magnitude above its 1e-10 tolerance."""
+    model = _model("llama", torch.float64)
+    prompt, mask = [5, 9, 17, 33, 65, 129, 257, 513], [0.0] * 4 + [1.0] * 4  # the prompt's tail is trained
+    trajectories = [
+        Trajectory(prompt + tail, mask + [1.0] * len(tail), group_id="g", source=f"t{i}")
+        for i, tail in enumerate([[7, 8], [11, 12, 13], [19]])
+    ]
+    real = trie.restoration_sums
+
+    def off_by_one(own, paths, n):
+        sums = real(own, paths, n)
+        if len(own) == 3:
+            sums["mask_sum"][paths[0][5]] -= 1.0  # a trained prompt token on all three paths
+        return sums
+
+    flat = run_mode(model, trajectories, "flat", 4096, 1, "sum", "exact")
+    _assert_gradients_equal(flat.gradients, run_mode(model, trajectories, "tree", 4096, 1, "sum", "exact").gradients,
+                            torch.float64)  # fmt: skip
+    monkeypatch.setattr(trie, "restoration_sums", off_by_one)
+    tree = run_mode(model, trajectories, "tree", 4096, 1, "sum", "exact")
+    with pytest.raises(AssertionError, match="gradient error"):
+        _assert_gradients_equal(flat.gradients, tree.gradients, torch.float64)
+    assert max(gradient_errors(flat.gradients, tree.gradients).values()) > 1e-4
 
 
 @settings(max_examples=50, deadline=None)
@@ -181,7 +217,7 @@ def test_target_logprobs_match_hugging_face(name, dtype):
     """Gather-before-head on a plain sequence == log_softmax of HF logits, with tree attention
     (kv_end = N) and with transformers' own SDPA attention on the same weights."""
     model = _model(name, dtype)
-    ids = np.random.default_rng().integers(3, 1024, size=45)
+    ids = np.random.default_rng(random.randrange(2**63)).integers(3, 1024, size=45)
     (tree,) = build_trees([Trajectory(ids, np.ones(ids.size))])
     row = assemble_row([whole_tree(tree)])
     targets = np.arange(1, ids.size)

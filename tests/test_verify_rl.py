@@ -18,10 +18,11 @@ from ds_tree.cli.verify import main
 from ds_tree.data.convert import ConvertOptions, convert
 from ds_tree.data.jsonl import slice_groups, write_jsonl
 from ds_tree.engine import rl_step
+from tests.shared_data import SHARED_DATA, absent
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "configs/models/tiny_llama.json")
-GAME24 = ROOT.parent / "shared" / "data" / "tot-game24" / "samples.jsonl"
+GAME24 = SHARED_DATA / "tot-game24" / "samples.jsonl"
 
 
 def records(seed: int = 0, groups: int = 3, per_group: int = 4, rewards: bool = True) -> list[dict]:
@@ -114,7 +115,7 @@ def test_contradictory_options_are_usage_errors(data, capsys, options, message):
 def test_grpo_on_a_converted_tot_game24_slice(tmp_path, tokenizer_dir, capsys):
     """One puzzle's first 24 samples (4 correct): a 5-shot prompt shared by all, 0/1 rewards."""
     if not GAME24.is_file():
-        pytest.skip(f"{GAME24} is absent")
+        pytest.skip(absent(GAME24))
     sliced = slice_groups(GAME24, tmp_path / "slice.jsonl", groups=1, per_group=24)
     dataset = tmp_path / "dataset"
     convert([sliced], dataset, tokenizer_dir, ConvertOptions(format="chat"))

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from ds_tree.data.jsonl import slice_groups
+from tests.shared_data import SHARED_DATA, absent
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = SHARED_DATA
 CASES = {
     # one tau2 task (4 trials of ~13k tokens each), float32; one game24 puzzle's first 24 samples, float64
     "tau2-telecom": ("tau2-telecom/trials.jsonl", 4, "float32", 16384),
@@ -28,7 +29,7 @@ CASES = {
 def test_verify_passes_on_converted_shared_data(name: str, tmp_path: Path, tokenizer_dir) -> None:
     source, limit, dtype, budget = CASES[name]
     if not (SHARED / source).is_file():
-        pytest.skip(f"{SHARED / source} is absent")
+        pytest.skip(absent(SHARED / source))
     dataset = tmp_path / "dataset"
     sliced = slice_groups(SHARED / source, tmp_path / "slice.jsonl", groups=1, per_group=limit)
     convert = [

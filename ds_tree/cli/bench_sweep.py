@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 sliced = slice_groups(args.shared / source, work / f"{name}.jsonl", groups, per_group)
                 convert([sliced], dataset, tokenizer, ConvertOptions(format="chat"))
             results.append(bench(args, name, dataset, options, repeats))
+    elif not args.skip_shared:
+        print(f"bench-sweep: {args.shared} is absent: the real data sets are left out (docs/DATA.md)", file=sys.stderr)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / "speedup.png")
     (args.out / "table.md").write_text(table(results))

@@ -6,7 +6,9 @@ information and warnings are printed by rank 0 only (every rank would print the 
 errors by every rank, with the rank in front when there are several, so the rank that failed is
 named even when the others then fail waiting for it. Info lines (the per-step line among them)
 are printed as they are, to stdout; warnings (``warning: ...``) and errors to stderr. Lines go
-through ``tqdm.write``, which keeps a progress bar intact.
+through ``tqdm.write``, which keeps a progress bar intact. The bar (:func:`progress_bar`) is drawn
+only on a terminal: in a log file or pipe its carriage-return redraws would share lines with the
+per-step lines, which say the same.
 """
 
 from __future__ import annotations
@@ -66,3 +68,14 @@ def setup_console(rank: int, world_size: int) -> logging.Logger:
     handler.addFilter(RankZeroFilter(rank))
     logger.addHandler(handler)
     return logger
+
+
+def progress_bar(total: int, initial: int, stream=None):
+    """A tqdm bar on ``stream`` (stderr) if it is a terminal, else None (logs get the step lines only)."""
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    if isatty is None or not isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, file=stream)

@@ -34,8 +34,10 @@ from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine import checkpoint, dfs, run_dir
+from ds_tree.engine.console import progress_bar
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
+from ds_tree.engine.op_builds import announce_op_builds
 from ds_tree.engine.rl_trainer import RLSteps
 from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
@@ -190,6 +192,7 @@ class Trainer(RLSteps):
         import deepspeed
 
         ensure_distributed_env()
+        announce_op_builds(self.ds_config)  # the first CPU run compiles DeepSpeed ops for ~35 s
         deepspeed.init_distributed(timeout=timedelta(seconds=self.config.distributed.timeout_s))
         release_allreduce_buffers()
         self.rank = dist.get_rank()
@@ -446,9 +449,7 @@ class Trainer(RLSteps):
         config = self.config
         bar = None
         if self.rank == 0 and config.logging.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=config.max_steps, initial=self.start_step, desc="train", unit="step", dynamic_ncols=True)
+            bar = progress_bar(config.max_steps, self.start_step)  # None unless stderr is a terminal
         for step in range(self.start_step, config.max_steps):
             scalars = self.train_step(step)
             done = step + 1

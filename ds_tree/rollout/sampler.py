@@ -33,6 +33,7 @@ Randomness comes only from the given :class:`torch.Generator`.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -281,6 +282,13 @@ def check_cache_layers(model: PreTrainedModel) -> None:
         )
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The forward argument that takes a :class:`DynamicCache`: ``cache`` in current transformers
+    (5.24 here, where ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values``
+    in a release whose forward has no ``cache``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def cache_row(cache: DynamicCache, row: int) -> KeyValues:
     """Row ``row`` of a batched cache, as views."""
     return [(layer.keys[row : row + 1], layer.values[row : row + 1]) for layer in cache.layers]
@@ -292,6 +300,7 @@ class _TreeSampler:
         self.settings = settings
         self.generator = generator
         self.eos = {int(token) for token in eos_token_ids}
+        self.cache_keyword = cache_keyword(model)
         self.device = next(model.parameters()).device
         self.nodes: list[SampledNode] = []
         self.forward_tokens = 0
@@ -303,7 +312,7 @@ class _TreeSampler:
         stacked = [tuple(torch.cat([kv[layer][i] for kv in key_values]) for i in (0, 1)) for layer in layers]
         cache = DynamicCache(ddp_cache_data=stacked, config=self.model.config)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        output = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        output = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True)
         self.forward_tokens += input_ids.numel()
         self.forward_passes += 1
         return output.logits[:, -1], cache
@@ -435,7 +444,7 @@ class _TreeSampler:
     def encode_prompt(self, prompt_ids: list[int]) -> tuple[torch.Tensor, KeyValues]:
         cache = DynamicCache(config=self.model.config)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True).logits[0, -1]
         self.forward_tokens += len(prompt_ids)
         self.forward_passes += 1
         return logits, cache_row(cache, 0)
