@@ -23,14 +23,18 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+    with opener(path, "rb") as handle:  # bytes, decoded line by line: a bad byte names its line
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
             where = f"{path}:{number}"
+            error = None
             try:
-                record = json.loads(line)
-                error = None
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as bad:
+                error = RecordError(
+                    "not_utf8", f"{where}: not UTF-8 text (byte 0x{raw[bad.start]:02x} at byte {bad.start + 1})"
+                )
             except json.JSONDecodeError as bad:
                 error = RecordError("malformed_json", f"{where}: malformed JSON ({bad.msg} at column {bad.colno})")
             if error is None and not isinstance(record, dict):

@@ -1,0 +1,117 @@
+"""Input rules every reader applies the same way (issue 25's reliability probe): loss masks are
+non-negative, group ids are required strings or integers kept apart from strings, and bytes that
+are not UTF-8 are a ``file:line`` error, exit 2, in ``stats``, ``verify`` and ``convert`` alike."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_tree.cli import stats, verify
+from ds_tree.cli.convert import main as convert_main
+from ds_tree.data import load_trajectories
+from ds_tree.data.explicit import trajectories_from_explicit_tree
+from ds_tree.errors import DataError
+from ds_tree.trees.trajectory import Trajectory
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "configs/models/tiny_llama.json")
+GOOD = {"group_id": "a", "input_ids": [5, 6, 7, 8], "loss_mask": [0, 1, 1, 1]}
+
+
+def write_lines(path: Path, lines: list) -> Path:
+    """Objects as JSON, ``bytes`` as they are (to write bytes that are not UTF-8)."""
+    data = b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    return path
+
+
+def error_of(capsys, main, argv: list[str]) -> str:
+    """Run a command's ``main``; expect exit 2, one ``error:`` line and no traceback."""
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, (code, captured.out[-500:], captured.err[-1500:])
+    assert captured.err.startswith("error: ") and "Traceback" not in captured.err, captured.err
+    return captured.err.strip()
+
+
+def convert_argv(tokenizer_dir, source: Path, output: Path, form: str = "tokens") -> list[str]:
+    return ["--input", str(source), "--output", str(output), "--tokenizer", str(tokenizer_dir), "--format", form]
+
+
+# ----------------------------------------------------------------- loss_mask >= 0
+NEGATIVE = {**GOOD, "loss_mask": [0, 1, -1, 1]}
+NEGATIVE_TEXT = "loss_mask has -1.0 at token 2; a loss coefficient is >= 0"
+
+
+def test_negative_loss_mask_is_refused_by_every_reader(tmp_path, tokenizer_dir, capsys):
+    path = write_lines(tmp_path / "data.jsonl", [GOOD, NEGATIVE])
+    expected = f"error: {path}:2: {NEGATIVE_TEXT}"
+    assert error_of(capsys, stats.main, [str(path)]) == expected
+    assert error_of(capsys, verify.main, ["--data", str(path), "--model", MODEL]) == expected
+    assert error_of(capsys, convert_main, convert_argv(tokenizer_dir, path, tmp_path / "out")) == expected
+    assert not (tmp_path / "out").exists()
+    node = {"id": 0, "parent": None, "input_ids": [5, 6, 7], "loss_mask": [0, -0.5, 1]}
+    with pytest.raises(DataError, match=r"^t\.jsonl:1:leaf 0: loss_mask has -0\.5 at token 1"):
+        trajectories_from_explicit_tree({"group_id": "g", "nodes": [node]}, "t.jsonl:1")
+    with pytest.raises(DataError, match="a loss coefficient is >= 0"):
+        Trajectory([5, 6], [0.0, -1e-300], source="x:1")
+    (zero,) = [Trajectory([5, 6], [0.0, -0.0], source="x:1")]  # -0.0 is not negative
+    assert zero.trained_tokens == 0
+
+
+# ----------------------------------------------------------------- group ids
+def test_integer_and_string_group_ids_are_different_groups(tmp_path, tokenizer_dir, capsys):
+    records = [
+        {**GOOD, "group_id": 1},
+        {**GOOD, "group_id": "1", "input_ids": [5, 6, 7, 9]},
+        {**GOOD, "group_id": 1, "input_ids": [5, 6, 9, 9]},
+        {**GOOD, "group_id": "b"},
+    ]
+    path = write_lines(tmp_path / "data.jsonl", records)
+    assert stats.main([str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_groups"] == 3
+    assert [t.group_id for t in load_trajectories(path)] == [1, "1", 1, "b"]
+    assert convert_main(convert_argv(tokenizer_dir, path, tmp_path / "out")) == 0
+    assert json.loads(capsys.readouterr().out)["counts"]["groups"] == 3
+    loaded = load_trajectories(tmp_path / "out")  # the converted dataset keeps them apart too
+    assert sorted((str(t.group_id), type(t.group_id).__name__, t.input_ids.tolist()) for t in loaded) == sorted(
+        (str(r["group_id"]), type(r["group_id"]).__name__, r["input_ids"]) for r in records
+    )
+
+
+def test_a_missing_group_id_is_the_same_error_everywhere(tmp_path, tokenizer_dir, capsys):
+    missing = {key: value for key, value in GOOD.items() if key != "group_id"}
+    path = write_lines(tmp_path / "data.jsonl", [GOOD, missing])
+    expected = f"error: {path}:2: missing field 'group_id' (a string or an integer)"
+    assert error_of(capsys, stats.main, [str(path)]) == expected
+    assert error_of(capsys, verify.main, ["--data", str(path), "--model", MODEL]) == expected
+    assert error_of(capsys, convert_main, convert_argv(tokenizer_dir, path, tmp_path / "out")) == expected
+    chat = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    chat_path = write_lines(tmp_path / "chat.jsonl", [chat])
+    message = error_of(capsys, convert_main, convert_argv(tokenizer_dir, chat_path, tmp_path / "out", "chat"))
+    assert message == f"error: {chat_path}:1: missing field 'group_id' (a string or an integer)"
+    wrong = write_lines(tmp_path / "wrong.jsonl", [{**GOOD, "group_id": 1.5}])
+    assert error_of(capsys, stats.main, [str(wrong)]) == (
+        f"error: {wrong}:1: field 'group_id' must be a string or an integer"
+    )
+
+
+# ----------------------------------------------------------------- bytes that are not UTF-8
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_bytes_that_are_not_utf8_name_the_line(suffix, tmp_path, tokenizer_dir, capsys):
+    bad = b'{"group_id": "caf\xe9", "input_ids": [5, 6], "loss_mask": [0, 1]}'
+    path = write_lines(tmp_path / f"data{suffix}", [GOOD, bad])
+    expected = f"error: {path}:2: not UTF-8 text (byte 0xe9 at byte 18)"
+    assert error_of(capsys, stats.main, [str(path)]) == expected
+    assert error_of(capsys, verify.main, ["--data", str(path), "--model", MODEL]) == expected
+    assert error_of(capsys, convert_main, convert_argv(tokenizer_dir, path, tmp_path / "out")) == expected
+    # --skip-bad counts it like any other bad line
+    argv = [*convert_argv(tokenizer_dir, path, tmp_path / "out"), "--skip-bad"]
+    assert convert_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == {"not_utf8": 1}
+    np.testing.assert_array_equal(load_trajectories(tmp_path / "out")[0].input_ids, GOOD["input_ids"])
