@@ -12,6 +12,7 @@ never a silent default. Float fields also take numeric strings, because YAML rea
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +44,36 @@ OldLogprobs = Literal["recompute", "data"]
 
 class ConfigError(ValueError):
     """A configuration mistake; the message names the file and the offending key."""
+
+
+RL_ONLY_FIELDS = (
+    "estimator",
+    "normalise_advantages",
+    "aggregation",
+    "aggregation_constant",
+    "eps_low",
+    "eps_high",
+    "dual_clip",
+    "kl_coef",
+    "kl_estimator",
+    "reference",
+    "entropy_coef",
+    "old_logprobs",
+    "importance_truncation",
+    "ppo_epochs",
+    "mini_batches",
+)
+"""``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
+SFT_ONLY_FIELDS = ("normalisation", "policy")
+"""``objective`` fields that only the SFT objective uses."""
+
+
+def objective_strays(kind: str, given: typing.Iterable[str]) -> list[str]:
+    """The names among ``given`` (objective fields set by the user) that an objective of ``kind``
+    does not use: the one rule of the config (fields off their defaults) and of the ``--objective``
+    options of ``verify`` and ``bench`` (options given). Such a field is an error, never ignored."""
+    unused = RL_ONLY_FIELDS if kind == "sft" else SFT_ONLY_FIELDS
+    return [name for name in given if name in unused]
 
 
 @dataclass
@@ -191,6 +222,18 @@ class ObjectiveConfig:
             check_objective(self.normalisation, self.policy)
         except ValueError as error:
             raise ConfigError(f"objective: {error}") from None
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        # config.yaml files of earlier SFT runs record the estimator default resolved as below: grpo
+        defaults["estimator"] = "grpo" if self.kind == "sft" and self.estimator == "grpo" else ""
+        stray = objective_strays(self.kind, [name for name, value in defaults.items() if getattr(self, name) != value])
+        if stray:
+            kinds = "objective.kind grpo or ppo" if self.kind == "sft" else "objective.kind sft"
+            raise ConfigError(f"objective.{', objective.'.join(stray)}: only with {kinds} (kind is {self.kind})")
+        if self.aggregation_constant and self.aggregation != "token_sum_norm":
+            raise ConfigError(
+                f"objective.aggregation_constant ({self.aggregation_constant}) applies to aggregation "
+                f"token_sum_norm only (aggregation is {self.aggregation})"
+            )
         if not self.estimator:
             self.estimator = "given" if self.kind == "ppo" else "grpo"
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
@@ -364,6 +407,18 @@ class RolloutConfig:
     independent: bool = False
     """Sampler: ``width`` independent completions instead of a tree (the baseline, same leaves)."""
 
+    def __post_init__(self) -> None:
+        """The ranges of the fields, checked whether or not ``enabled`` (a value out of range is an
+        error even while it is unused)."""
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.logprob_floor > 0:
+            raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
+        try:
+            self.sampler_settings()
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"rollout: {error}") from None
+
     def sampler_settings(self):
         """These fields as :class:`ds_tree.rollout.sampler.SamplerSettings`."""
         from ds_tree.rollout.sampler import SamplerSettings
@@ -383,14 +438,6 @@ class RolloutConfig:
             reward_function(self.reward)
         except ValueError as error:
             raise ConfigError(f"rollout.reward {error}") from None
-        if self.prompts_per_step < 1:
-            raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if self.logprob_floor > 0:
-            raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
-        try:
-            self.sampler_settings()
-        except (TypeError, ValueError) as error:
-            raise ConfigError(f"rollout: {error}") from None
         if config.data.path:
             raise ConfigError("data.path must be empty with rollout.enabled: each step's data is sampled")
         objective = config.objective
@@ -448,6 +495,14 @@ class Config:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.optimizer.warmup_steps > self.max_steps:
+            logging.getLogger(__name__).warning(
+                "optimizer.warmup_steps (%d) is more than max_steps (%d): the whole run trains in the warm-up, "
+                "at most %.3g x optimizer.lr",
+                self.optimizer.warmup_steps,
+                self.max_steps,
+                self.max_steps / self.optimizer.warmup_steps,
+            )
         if self.objective.is_rl and self.objective.kl_coef and self.model.zero_init:
             raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
         if self.rollout.enabled:

@@ -316,7 +316,7 @@ def compare_rl(
     With ``dfs``, every tree is also walked in dfs mode and compared with flat (``dfs_*`` fields).
     """
     from ds_tree.engine.rl_step import RLSettings
-    from ds_tree.losses.advantages import ESTIMATORS
+    from ds_tree.losses.advantages import ESTIMATORS, check_finite_statistics
 
     settings = settings or RLSettings()
     torch_dtype = verification_dtype(trajectories, dtype)
@@ -330,6 +330,7 @@ def compare_rl(
         parameter.requires_grad_(False)
     reference = old_model if settings.kl_coef else None
     computed = ESTIMATORS[estimator](trajectories, normalise=normalise_advantages)
+    check_finite_statistics(trajectories, computed.values)  # rewards overflowing float64: a data error
     advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
 
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward

@@ -115,3 +115,53 @@ def test_bytes_that_are_not_utf8_name_the_line(suffix, tmp_path, tokenizer_dir, 
     assert convert_main(argv) == 0
     assert json.loads(capsys.readouterr().out)["skipped"] == {"not_utf8": 1}
     np.testing.assert_array_equal(load_trajectories(tmp_path / "out")[0].input_ids, GOOD["input_ids"])
+
+
+# ----------------------------------------------------------------- rewards overflowing float64
+def rewarded(rewards: list[float]) -> list[Trajectory]:
+    return [Trajectory([5, 6, 7 + i], [0, 1, 1], group_id="g", reward=r) for i, r in enumerate(rewards)]
+
+
+def test_non_finite_reward_and_advantage_statistics_are_found():
+    from ds_tree.losses.advantages import ESTIMATORS, check_finite_statistics, non_finite_statistics
+
+    ordinary = rewarded([1.0, 0.0, 0.5])
+    assert non_finite_statistics(ordinary, ESTIMATORS["grpo"](ordinary).values) is None
+    huge = rewarded([1.5e308, 1.5e308, 0.0, 0.0])  # finite rewards, overflowing mean and spread
+    values = ESTIMATORS["grpo"](huge).values
+    problem = non_finite_statistics(huge, values)
+    assert problem is not None and "the reward standard deviation" in problem and "4 trajectories" in problem
+    opposite = rewarded([1e308, -1e308])
+    with pytest.raises(DataError, match="not finite over 2 trajectories: .*the advantage"):
+        check_finite_statistics(opposite, ESTIMATORS["rloo"](opposite).values)
+
+
+def test_verify_refuses_rewards_overflowing_float64(tmp_path, capsys):
+    records = [{**GOOD, "input_ids": [5, 6, 7, 8 + i], "reward": r} for i, r in enumerate([1e308, -1e308])]
+    path = write_lines(tmp_path / "data.jsonl", records)
+    message = error_of(capsys, verify.main, ["--data", str(path), "--model", MODEL, "--objective", "grpo"])
+    assert message.startswith("error: not finite over 2 trajectories: ") and "NaN" not in message
+
+
+def test_training_refuses_rewards_overflowing_float64_at_config_time(tmp_path, monkeypatch, capsys):
+    from tests.test_engine import write_config
+    from tests.test_reliability import dry_run
+
+    records = [{**GOOD, "group_id": f"g{i // 2}", "input_ids": [5, 6, 7, 8 + i], "reward": r} for i, r in
+               enumerate([1.5e308, 0.0, 1.0, 0.0])]  # fmt: skip
+    config = write_config(tmp_path, write_lines(tmp_path / "data.jsonl", records))
+    code, err = dry_run(monkeypatch, capsys, config, "objective.kind=grpo", "data.groups_per_step=2")
+    assert code == 2 and "data.path: not finite over 4 trajectories: the reward standard deviation" in err, err
+
+
+def test_json_output_has_no_nan_or_infinity(tmp_path):
+    from ds_tree.data.jsonl import json_text
+    from ds_tree.engine.metrics import MetricsLogger
+
+    assert json_text({"a": [float("nan"), np.float64("inf"), 1.5], "b": (float("-inf"),)}) == (
+        '{"a": [null, null, 1.5], "b": [null]}'
+    )
+    metrics = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=0)
+    metrics.log(1, {"loss/train": float("nan"), "rl/reward_std": float("inf"), "optim/lr": 1e-3})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert line == '{"step": 1, "loss/train": null, "rl/reward_std": null, "optim/lr": 0.001}\n'

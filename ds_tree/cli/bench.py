@@ -31,7 +31,6 @@ and the report ``old_forward_speedup``, ``updates_speedup`` and ``target_ratio``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from ds_tree.attention.registry import ENGINES
 from ds_tree.benchmark import BENCH_DTYPES, run_benchmark
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data import load_trajectories
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 from ds_tree.packing.modes import MODES
 from ds_tree.parallel.check import sequence_parallel_bench
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     report["command"] = " ".join([invoked, *(argv if argv is not None else sys.argv[1:])])
     report["data"] = str(args.data)
     report["model"] = str(args.model)
-    text = json.dumps(report, indent=2)
+    text = json_text(report, indent=2)
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ included). ``--hub-min-keys`` larger than any row turns hubs off.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 from ds_tree.attention.benchmark import time_attention
 from ds_tree.attention.blocksparse import DEFAULT_BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES
 from ds_tree.data import load_trajectories
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "modes": modes,
         "command": " ".join([prog or "python tools/bench_attention.py", *(sys.argv[1:] if argv is None else argv)]),
     }
-    text = json.dumps(report, indent=2)
+    text = json_text(report, indent=2)
     print(text)
     if args.json is not None:
         args.json.write_text(text + "\n")

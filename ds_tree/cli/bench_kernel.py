@@ -20,7 +20,6 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import random  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 
 from ds_tree.attention.triton.benchmark import benchmark_kernel  # noqa: E402
 from ds_tree.attention.triton.function import DTYPES  # noqa: E402
+from ds_tree.data.jsonl import json_text  # noqa: E402
 from ds_tree.trees.random_trees import TreeShape, random_forest  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             rep_ms=args.rep_ms,
         ),
     }
-    report = json.dumps(results, indent=2)
+    report = json_text(results, indent=2)
     print(report)
     if args.json:
         args.json.write_text(report + "\n")

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.data.convert import ConvertOptions, convert
-from ds_tree.data.jsonl import slice_groups
+from ds_tree.data.jsonl import json_text, slice_groups
 from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
 from ds_tree.data.tokenizer import save_tokenizer
 
@@ -69,7 +69,7 @@ def bench(args, name: str, data: Path, options: list[str], repeats: int | None =
         }
         for r in reports
     ]
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json_text(report, indent=2) + "\n")
     return report
 
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 sliced = slice_groups(args.shared / source, work / f"{name}.jsonl", groups, per_group)
                 convert([sliced], dataset, tokenizer, ConvertOptions(format="chat"))
             results.append(bench(args, name, dataset, options, repeats))
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "results.json").write_text(json_text(results, indent=2) + "\n")
     plot(results, args.out / "speedup.png")
     (args.out / "table.md").write_text(table(results))
     print(table(results))

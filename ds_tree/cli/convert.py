@@ -12,13 +12,13 @@ with one error line naming where it is.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ds_tree.data import convert as library
 from ds_tree.data.chat import TRAIN_ON
 from ds_tree.data.convert import FORMATS, MERGES, PREFIX_POLICIES, ConvertOptions, convert
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
 
@@ -53,5 +53,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (DataError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(summary))
+    print(json_text(summary))
     return 0

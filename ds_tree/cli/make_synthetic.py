@@ -8,9 +8,9 @@ FILE ending in .gz is gzip-compressed. Prints the achieved POR next to the targe
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from ds_tree.data.jsonl import json_text
 from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
 
 
@@ -38,5 +38,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
-    print(json.dumps(write_synthetic(config, args.output)))
+    print(json_text(write_synthetic(config, args.output)))
     return 0

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.data.jsonl import json_text
 from ds_tree.engine.dfs import settings_of, uses_dfs
 from ds_tree.memory_plan import (
     GIB,
@@ -216,5 +217,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    print(json_text(plan, indent=2) if args.json else format_plan(plan))
     return 0

@@ -20,7 +20,6 @@ is reported on stderr and leaves that trajectory without a reward. Exits 2 on ba
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from ds_tree.data.convert import load_tokenizer
-from ds_tree.data.jsonl import write_jsonl
+from ds_tree.data.jsonl import json_text, write_jsonl
 from ds_tree.errors import DataError
 from ds_tree.models.loading import DTYPES, load_model
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
@@ -126,5 +125,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     summary["flat_sampled_tokens"] = flat_tokens
     summary["reward_failures"] = len(failures)
     summary["output"] = str(args.output)
-    print(json.dumps(summary))
+    print(json_text(summary))
     return 0

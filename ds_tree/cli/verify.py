@@ -25,12 +25,12 @@ the estimator).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ds_tree.attention.registry import ENGINES
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data import load_trajectories
+from ds_tree.data.jsonl import json_text
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.errors import DataError
 from ds_tree.losses import NORMALISATIONS, POLICIES
@@ -123,5 +123,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2))
+    print(json_text(report, indent=2))
     return 0 if report["passed"] else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -44,6 +45,25 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
             yield where, error or record
 
 
+def finite(value: object) -> object:
+    """``value`` with every non-finite float (NaN, infinities) replaced by ``None``, in nested dicts,
+    lists and tuples: JSON has no NaN or Infinity, and Python's ``json`` would write them as bare
+    ``NaN`` / ``Infinity``, which other readers (and ours) refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
+
+
+def json_text(value: object, **options) -> str:
+    """``json.dumps`` for everything ds_tree writes (stdout reports, metrics.jsonl, records, meta
+    files): non-finite floats become ``null`` (:func:`finite`), so the output is always valid JSON."""
+    return json.dumps(finite(value), allow_nan=False, **options)
+
+
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
     """Write one compact JSON object a line (gzip when ``path`` ends in ``.gz``).
 
@@ -56,7 +76,7 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
     try:
         with opener(temporary, "wt", encoding="utf-8") as handle:
             for record in records:
-                handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+                handle.write(json_text(record, separators=(",", ":")) + "\n")
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)

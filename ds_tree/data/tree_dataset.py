@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from ds_tree.atomic import replace_directory
+from ds_tree.data.jsonl import json_text
 from ds_tree.data.records import group_id as group_id_of
 from ds_tree.errors import DataError
 from ds_tree.trees.stats import token_counts
@@ -120,7 +121,7 @@ def save_tree_dataset(
     shutil.rmtree(temporary, ignore_errors=True)
     try:
         Dataset.from_dict(columns, features=_features(mask_dtype)).save_to_disk(str(temporary))
-        (temporary / META_FILE).write_text(json.dumps(full_meta, indent=2) + "\n")
+        (temporary / META_FILE).write_text(json_text(full_meta, indent=2) + "\n")
         replace_directory(temporary, output_dir)  # the old output aside, the new one in, the old one deleted
     finally:
         shutil.rmtree(temporary, ignore_errors=True)

@@ -160,6 +160,11 @@ class Trainer(RLSteps):
                 "every root-to-leaf path must fit one row"
             )
         self.groups = group_trajectories(self.trajectories)
+        if config.data.groups_per_step > len(self.groups):  # a step would train some groups twice
+            raise ConfigError(
+                f"data.groups_per_step ({config.data.groups_per_step}) is more than the {len(self.groups)} groups "
+                f"in data.path ({config.data.path}); set it to at most {len(self.groups)}"
+            )
         self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
         if config.objective.is_rl:
             self.check_rl_data()
@@ -468,6 +473,10 @@ class Trainer(RLSteps):
                 f"step {step}: {what}, and DeepSpeed applied the update (it discards such steps only under ZeRO "
                 f"stages 1-3 and bf16): the model is no longer finite. {self.last_good()}"
             )
+        self.discard_step(step, what)
+
+    def discard_step(self, step: int, what: str) -> None:
+        """A non-finite step whose update was not applied: stop (``optimizer.non_finite=stop``), or count it."""
         if self.config.optimizer.non_finite == "stop":
             raise NonFiniteError(self.non_finite_message(step, what))
         self.skipped_steps += 1
