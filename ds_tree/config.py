@@ -605,7 +605,31 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: malformed YAML ({error})") from None
     for override in overrides:
         _apply_override(tree, override)
-    return _build(Config, tree, str(path), "")
+    config = _build(Config, tree, str(path), "")
+    _resolve_inputs(config, path)
+    return config
+
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+INPUT_PATHS = ("model.source", "model.tokenizer", "data.path", "deepspeed", "objective.reference", "rollout.prompts")
+"""Config fields naming files the run reads (``output_dir`` is written, and stays as given)."""
+
+
+def _resolve_inputs(config: Config, path: Path) -> None:
+    """A relative input path that does not exist from the current directory is looked up beside
+    the config file, then in the repository (``configs/tiny_cpu.yaml`` names ``configs/ds/zero3.json``,
+    as ``launch/train.sh`` runs it from there), so a config works from any directory; the first
+    existing candidate wins, and a path found nowhere is left as given (its check names it)."""
+    for dotted in INPUT_PATHS:
+        section, _, name = dotted.rpartition(".")
+        owner = getattr(config, section) if section else config
+        value = getattr(owner, name)
+        if not value or Path(value).is_absolute() or Path(value).exists():
+            continue
+        for base in (path.resolve().parent, REPOSITORY):
+            if (base / value).exists():
+                setattr(owner, name, str(base / value))
+                break
 
 
 def config_to_dict(config: Config) -> dict:

@@ -379,3 +379,66 @@ def yaml_dump(tree: dict) -> str:
     import yaml
 
     return yaml.safe_dump(tree)
+
+
+# ---------------------------------------- model settings caught at dry-run time, naming the field
+def model_json(tmp_path: Path, **changes) -> Path:
+    fields = {**json.loads((ROOT / "configs/models/tiny_llama.json").read_text()), **changes}
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"vocab_size": -5}, "vocab_size must be a positive integer, got -5"),
+        ({"num_attention_heads": 5}, r"hidden_size \(64\) is not a multiple of num_attention_heads \(5\)"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
+        ({"num_hidden_layers": 1.5}, "num_hidden_layers must be a positive integer, got 1.5"),
+    ],
+)
+def test_impossible_model_sizes_are_config_errors(monkeypatch, capsys, forest_config, tmp_path, changes, message):
+    source = model_json(tmp_path, **changes)
+    code, err = dry_run(monkeypatch, capsys, forest_config, f"model.source={source}")
+    assert code == 2 and re.search(rf"config error: {re.escape(str(source))}: {message}", err), err
+    assert "Traceback" not in err
+    from ds_tree.cli.plan import main as plan_main
+
+    assert plan_main([str(forest_config), f"model.source={source}"]) == 2  # plan: no ZeroDivisionError
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_reference_and_triton_are_checked_at_dry_run(monkeypatch, capsys, forest_config, tmp_path) -> None:
+    rl = ("objective.kind=grpo", "objective.kl_coef=0.1")
+    code, err = dry_run(monkeypatch, capsys, forest_config, *rl, "objective.reference=/missing.json")
+    assert code == 2 and "objective.reference: /missing.json: no such model config file" in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, err = dry_run(monkeypatch, capsys, forest_config, "model.attention=triton")
+    assert code == 2 and "model.attention: triton needs a CUDA GPU and none is visible" in err, err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's CPU interpreter, as the tests run it
+    assert dry_run(monkeypatch, capsys, forest_config, "model.attention=triton")[0] == 0
+
+
+def test_config_paths_resolve_outside_the_repository(monkeypatch, capsys, tmp_path) -> None:
+    """configs/tiny_cpu.yaml names configs/ds/zero3.json and configs/models/...: found from anywhere."""
+    from ds_tree.cli.plan import main as plan_main
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(TINY_CPU)
+    assert Path(config.deepspeed) == ROOT / "configs/ds/zero3.json"
+    assert Path(config.model.source) == ROOT / "configs/models/tiny_llama.json"
+    assert plan_main([str(TINY_CPU)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    (tmp_path / "configs" / "ds").mkdir(parents=True)  # a file beside the caller wins, as before
+    (tmp_path / "configs/ds/zero3.json").write_text("{}")
+    assert load_config(TINY_CPU).deepspeed == "configs/ds/zero3.json"
+
+
+def test_plan_applies_the_dry_runs_sequence_parallel_check(capsys) -> None:
+    from ds_tree.cli.plan import main as plan_main
+
+    assert plan_main([str(TINY_CPU), "parallel.sequence_parallel_size=3", "--world-size", "2"]) == 2
+    assert "parallel.sequence_parallel_size (3) does not divide the world size (2)" in capsys.readouterr().err

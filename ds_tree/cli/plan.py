@@ -35,6 +35,7 @@ from ds_tree.memory_plan import (
     state_bytes,
 )
 from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.parallel import check_sequence_parallel
 
 
 def zero_settings(path: str) -> tuple[int, bool, bool]:
@@ -56,7 +57,9 @@ def zero_settings(path: str) -> tuple[int, bool, bool]:
 def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gib: float, path_tokens: int = 0) -> dict:
     config = load_config(config_path, overrides)
     stage, offload_optimizer, offload_param = zero_settings(config.deepspeed)
-    shape = ModelShape.of(load_model_config(config.model.source))
+    model_config = load_model_config(config.model.source)
+    check_sequence_parallel(config, world_size, model_config)  # the dry run's check
+    shape = ModelShape.of(model_config)
     dtype, budget = config.model.dtype, config.packing.budget
     entropy = config.objective.is_rl  # RL computes each target's entropy for its metric
     states = state_bytes(
