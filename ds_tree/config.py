@@ -297,7 +297,8 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine schedule as a fraction of ``lr``, in [0, 1]."""
     non_finite: NonFinitePolicy = "stop"
-    """A step whose loss or gradient norm is not finite: ``stop`` ends the run with an error (nothing
+    """A step whose loss or gradient norm (RL: or reward or advantage statistics, as rewards overflowing
+    float64 give) is not finite: ``stop`` ends the run with an error (nothing
     of that step is applied or saved: the last checkpoint stays the newest); ``skip`` discards the
     step's update on every rank, counts it (``optim/skipped_steps``) and goes on. Skipped steps do not
     advance the learning-rate schedule. ``skip`` needs DeepSpeed to discard the update itself, which
