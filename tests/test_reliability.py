@@ -442,3 +442,13 @@ def test_plan_applies_the_dry_runs_sequence_parallel_check(capsys) -> None:
 
     assert plan_main([str(TINY_CPU), "parallel.sequence_parallel_size=3", "--world-size", "2"]) == 2
     assert "parallel.sequence_parallel_size (3) does not divide the world size (2)" in capsys.readouterr().err
+
+
+def test_dry_run_says_what_plan_predicts_for_a_model_too_large(monkeypatch, capsys, forest_config, tmp_path) -> None:
+    big = model_json(tmp_path, hidden_size=8192, intermediate_size=28672, num_hidden_layers=48, num_attention_heads=64)
+    code, err = dry_run(monkeypatch, capsys, forest_config, f"model.source={big}")
+    assert code == 0  # a warning: the dry run also checks configs meant for another machine
+    predicted = r"warning: ds-tree plan predicts (2 ranks x )?[\d.]+ GiB per rank \([\d.]+ B parameters, ZeRO-3 over 2"
+    assert re.search(predicted, err), err
+    assert re.search(r"GiB in all, against [\d.]+ GiB of (this machine's|the GPU's) memory", err), err
+    assert "ds-tree plan predicts" not in dry_run(monkeypatch, capsys, forest_config)[1]

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ds_tree.cli.plan import check_memory
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
@@ -138,6 +139,9 @@ class Trainer(RLSteps):
             self.prepare_dataset()
         hidden = getattr(self.model_config, "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
+        warning = check_memory(config, self.model_config, self.world_size)  # what `ds-tree plan` predicts
+        if warning:
+            logger.warning(warning)
         self.plan_resume()
 
     def prepare_dataset(self) -> None:
