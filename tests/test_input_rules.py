@@ -165,3 +165,32 @@ def test_json_output_has_no_nan_or_infinity(tmp_path):
     metrics.log(1, {"loss/train": float("nan"), "rl/reward_std": float("inf"), "optim/lr": 1e-3})
     line = (tmp_path / "metrics.jsonl").read_text()
     assert line == '{"step": 1, "loss/train": null, "rl/reward_std": null, "optim/lr": 0.001}\n'
+
+
+def huge_reward(request) -> float:
+    """A reward function whose rewards are finite but whose mean overflows float64."""
+    return 1.5e308
+
+
+@pytest.mark.distributed
+def test_online_rewards_overflowing_float64_skip_the_step(tmp_path, tokenizer_dir):
+    """All four leaves of a group rewarded 1.5e308: the advantages are exactly 0 and the loss 0, so
+    the run trained nothing with exit 0 and an infinite reward_std; now the step is non-finite and,
+    with ``optimizer.non_finite=skip``, discarded (``stop`` raises the same message, as for a loss)."""
+    import subprocess
+    import sys
+
+    from tests.test_engine import environment
+    from tests.test_online_rl import online_config
+
+    reward = "tests.test_input_rules:huge_reward"
+    config = online_config(tmp_path, tokenizer_dir, max_steps=1, rollout={"reward": reward})
+    command = [sys.executable, "-m", "ds_tree.train", "--config", str(config), "optimizer.non_finite=skip"]
+    run = subprocess.run(command, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 1: not finite over 8 trajectories: the reward mean, the reward standard deviation" in run.stderr
+    assert "its update is discarded (optimizer.non_finite=skip; 1 step(s) skipped)" in run.stderr
+    text = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    (record,) = [json.loads(line) for line in text.splitlines()]
+    assert (record["step"], record["loss/train"], record["optim/skipped_steps"]) == (1, None, 1.0)
