@@ -12,6 +12,7 @@ never a silent default. Float fields also take numeric strings, because YAML rea
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import typing
 from dataclasses import dataclass, field
@@ -41,6 +42,36 @@ Estimator = Literal["grpo", "rloo", "treepo", "given"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
+
+
+RL_ONLY_FIELDS = (
+    "estimator",
+    "normalise_advantages",
+    "aggregation",
+    "aggregation_constant",
+    "eps_low",
+    "eps_high",
+    "dual_clip",
+    "kl_coef",
+    "kl_estimator",
+    "reference",
+    "entropy_coef",
+    "old_logprobs",
+    "importance_truncation",
+    "ppo_epochs",
+    "mini_batches",
+)
+"""``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
+SFT_ONLY_FIELDS = ("normalisation", "policy")
+"""``objective`` fields that only the SFT objective uses."""
+
+
+def objective_strays(kind: str, given: typing.Iterable[str]) -> list[str]:
+    """The names among ``given`` (objective fields set by the user) that an objective of ``kind``
+    does not use: the one rule of the config (fields off their defaults) and of the ``--objective``
+    options of ``verify`` and ``bench`` (options given). Such a field is an error, never ignored."""
+    unused = RL_ONLY_FIELDS if kind == "sft" else SFT_ONLY_FIELDS
+    return [name for name in given if name in unused]
 
 
 @dataclass
@@ -189,6 +220,18 @@ class ObjectiveConfig:
             check_objective(self.normalisation, self.policy)
         except ValueError as error:
             raise ConfigError(f"objective: {error}") from None
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        # config.yaml files of earlier SFT runs record the estimator default resolved as below: grpo
+        defaults["estimator"] = "grpo" if self.kind == "sft" and self.estimator == "grpo" else ""
+        stray = objective_strays(self.kind, [name for name, value in defaults.items() if getattr(self, name) != value])
+        if stray:
+            kinds = "objective.kind grpo or ppo" if self.kind == "sft" else "objective.kind sft"
+            raise ConfigError(f"objective.{', objective.'.join(stray)}: only with {kinds} (kind is {self.kind})")
+        if self.aggregation_constant and self.aggregation != "token_sum_norm":
+            raise ConfigError(
+                f"objective.aggregation_constant ({self.aggregation_constant}) applies to aggregation "
+                f"token_sum_norm only (aggregation is {self.aggregation})"
+            )
         if not self.estimator:
             self.estimator = "given" if self.kind == "ppo" else "grpo"
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
@@ -252,7 +295,8 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine schedule as a fraction of ``lr``, in [0, 1]."""
     non_finite: NonFinitePolicy = "stop"
-    """A step whose loss or gradient norm is not finite: ``stop`` ends the run with an error (nothing
+    """A step whose loss or gradient norm (RL: or reward or advantage statistics, as rewards overflowing
+    float64 give) is not finite: ``stop`` ends the run with an error (nothing
     of that step is applied or saved: the last checkpoint stays the newest); ``skip`` discards the
     step's update on every rank, counts it (``optim/skipped_steps``) and goes on. Skipped steps do not
     advance the learning-rate schedule. ``skip`` needs DeepSpeed to discard the update itself, which
@@ -362,6 +406,18 @@ class RolloutConfig:
     independent: bool = False
     """Sampler: ``width`` independent completions instead of a tree (the baseline, same leaves)."""
 
+    def __post_init__(self) -> None:
+        """The ranges of the fields, checked whether or not ``enabled`` (a value out of range is an
+        error even while it is unused)."""
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.logprob_floor > 0:
+            raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
+        try:
+            self.sampler_settings()
+        except (TypeError, ValueError) as error:
+            raise ConfigError(f"rollout: {error}") from None
+
     def sampler_settings(self):
         """These fields as :class:`ds_tree.rollout.sampler.SamplerSettings`."""
         from ds_tree.rollout.sampler import SamplerSettings
@@ -381,14 +437,6 @@ class RolloutConfig:
             reward_function(self.reward)
         except ValueError as error:
             raise ConfigError(f"rollout.reward {error}") from None
-        if self.prompts_per_step < 1:
-            raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if self.logprob_floor > 0:
-            raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
-        try:
-            self.sampler_settings()
-        except (TypeError, ValueError) as error:
-            raise ConfigError(f"rollout: {error}") from None
         if config.data.path:
             raise ConfigError("data.path must be empty with rollout.enabled: each step's data is sampled")
         objective = config.objective
@@ -446,6 +494,14 @@ class Config:
     def __post_init__(self) -> None:
         if self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.optimizer.warmup_steps > self.max_steps:
+            logging.getLogger(__name__).warning(
+                "optimizer.warmup_steps (%d) is more than max_steps (%d): the whole run trains in the warm-up, "
+                "at most %.3g x optimizer.lr",
+                self.optimizer.warmup_steps,
+                self.max_steps,
+                self.max_steps / self.optimizer.warmup_steps,
+            )
         if self.objective.is_rl and self.objective.kl_coef and self.model.zero_init:
             raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
         if self.rollout.enabled:
@@ -548,7 +604,31 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: malformed YAML ({error})") from None
     for override in overrides:
         _apply_override(tree, override)
-    return _build(Config, tree, str(path), "")
+    config = _build(Config, tree, str(path), "")
+    _resolve_inputs(config, path)
+    return config
+
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+INPUT_PATHS = ("model.source", "model.tokenizer", "data.path", "deepspeed", "objective.reference", "rollout.prompts")
+"""Config fields naming files the run reads (``output_dir`` is written, and stays as given)."""
+
+
+def _resolve_inputs(config: Config, path: Path) -> None:
+    """A relative input path that does not exist from the current directory is looked up beside
+    the config file, then in the repository (``configs/tiny_cpu.yaml`` names ``configs/ds/zero3.json``,
+    as ``launch/train.sh`` runs it from there), so a config works from any directory; the first
+    existing candidate wins, and a path found nowhere is left as given (its check names it)."""
+    for dotted in INPUT_PATHS:
+        section, _, name = dotted.rpartition(".")
+        owner = getattr(config, section) if section else config
+        value = getattr(owner, name)
+        if not value or Path(value).is_absolute() or Path(value).exists():
+            continue
+        for base in (path.resolve().parent, REPOSITORY):
+            if (base / value).exists():
+                setattr(owner, name, str(base / value))
+                break
 
 
 def config_to_dict(config: Config) -> dict:

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 GIB = 2**30
 ADAM_STATE_BYTES = 8
 """AdamW's two fp32 moments per parameter."""
@@ -302,8 +300,9 @@ def dfs_activation_bytes(
     final_norm = 12 * shape.hidden + 4
     head_weight = width * shape.vocab * shape.hidden  # its new gradient, before it is added to the stored one
     row = head_bytes_per_target(shape, entropy)  # a target's float32 head tensors at the backward's start
-    sizes = [chunk] * (path_tokens // chunk) + ([path_tokens % chunk] if path_tokens % chunk else [])
-    contexts = np.cumsum([0, *sizes[:-1]]).tolist()
+    # The path's chunks: ``full`` of ``chunk`` tokens (the k-th on a context of k x chunk), then the rest.
+    full, rest = divmod(path_tokens, chunk)
+    last = (rest, full * chunk) if rest else (chunk, (full - 1) * chunk)  # the deepest chunk: (n, context)
 
     def layer(n: int, context: int) -> int:
         """What a decoder layer that is not checkpointed keeps for the chunk's backward."""
@@ -345,13 +344,17 @@ def dfs_activation_bytes(
 
     layers = shape.layers
     if not recompute:
-        n, context = sizes[-1], contexts[-1]
-        held = sum(graph(m, p) for m, p in zip(sizes[:-1], contexts[:-1], strict=True))
+        n, context = last
+        ancestors = full if rest else full - 1  # the full chunks above the deepest one
+        # a held full chunk's graph grows linearly with its context: the sum over k of graph(chunk, k x chunk)
+        first, step = graph(chunk, 0), graph(chunk, chunk) - graph(chunk, 0)
+        held = ancestors * first + step * ancestors * (ancestors - 1) // 2
         return DfsActivationBytes(held, layers * kv * (path_tokens + context), backward(n, context))
-    plans = [
-        DfsActivationBytes(0, layers * kv * (2 * p + 2 * n), backward(n, p))
-        for n, p in zip(sizes, contexts, strict=True)
-    ]
+    # Every term grows with a chunk's size and context, so the peak is at the deepest full chunk or at
+    # the shorter last one (the first of them on a tie, as in path order).
+    deepest = [(chunk, (full - 1) * chunk)] if full else []
+    candidates = deepest + ([last] if rest else [])
+    plans = [DfsActivationBytes(0, layers * kv * (2 * p + 2 * n), backward(n, p)) for n, p in candidates]
     return max(plans, key=lambda plan: plan.peak)
 
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ds_tree.benchmark import SavedTensorMeter
 from ds_tree.data import load_trajectories
+from ds_tree.data.jsonl import json_text
 from ds_tree.engine.step import run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers, check_objective
@@ -180,7 +181,7 @@ def _write_report(out, trajectories, settings, plan, loss, gradients, peaks) -> 
         "tolerance": tolerance,
         "passed": bool(settings["policy"] == "exact" and max_rel_grad_err <= tolerance and loss_rel_err <= tolerance),
     }
-    Path(out).write_text(json.dumps(report))
+    Path(out).write_text(json_text(report))
 
 
 def sequence_parallel_bench(args, command: str) -> int:
@@ -201,7 +202,7 @@ def sequence_parallel_bench(args, command: str) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     report.update(command=command, data=str(args.data), model=str(args.model))
-    text = json.dumps(report, indent=2)
+    text = json_text(report, indent=2)
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

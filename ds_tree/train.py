@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import logging
 import os
 import sys
 import warnings
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.data.jsonl import json_text
 from ds_tree.engine import checkpoint
 from ds_tree.engine.checkpoint import CheckpointError
 from ds_tree.engine.console import setup_console
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("config error: %s", error)
         return 2
     if args.dry_run:
-        print(json.dumps({"world_size": trainer.world_size, "deepspeed": trainer.ds_config}, indent=2))
+        print(json_text({"world_size": trainer.world_size, "deepspeed": trainer.ds_config}, indent=2))
         return 0
     if already_finished(trainer):
         return 0

@@ -303,7 +303,7 @@ def compare_rl(
     With ``dfs``, every tree is also walked in dfs mode and compared with flat (``dfs_*`` fields).
     """
     from ds_tree.engine.rl_step import RLSettings
-    from ds_tree.losses.advantages import estimate
+    from ds_tree.losses.advantages import check_finite_statistics, estimate
 
     settings = settings or RLSettings()
     torch_dtype = verification_dtype(trajectories, dtype)
@@ -317,6 +317,7 @@ def compare_rl(
         parameter.requires_grad_(False)
     reference = old_model if settings.kl_coef else None
     computed = estimate(trajectories, estimator, normalise_advantages)
+    check_finite_statistics(trajectories, computed.values)  # rewards overflowing float64: a data error
     advantages = computed.by_trajectory()
 
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward

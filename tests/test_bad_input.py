@@ -67,6 +67,8 @@ BAD_LINES = {
 @pytest.mark.parametrize("case", sorted(BAD_LINES))
 def test_bad_line_names_file_and_line(case, tmp_path, capsys):
     line, pattern = BAD_LINES[case]
+    if isinstance(line, dict):
+        line = {"group_id": "a", **line}
     path = _write(tmp_path, [GOOD, "", line, GOOD])  # a blank line 2 still counts as a line
     message = _verify_error(capsys, "--data", str(path), "--model", CONFIG)
     assert re.search(re.escape(f"{path}:3: ") + pattern, message), message
@@ -88,7 +90,8 @@ def test_bad_arguments(args, pattern, tmp_path, capsys):
 
 def test_one_token_trajectory_verifies(tmp_path, capsys):
     """A 1-token trajectory (nothing to predict) is valid data: verify must pass, not crash."""
-    path = _write(tmp_path, [{"input_ids": [5], "loss_mask": [1]}, {"input_ids": [5, 6], "loss_mask": [1, 1]}])
+    one, two = {"input_ids": [5], "loss_mask": [1]}, {"input_ids": [5, 6], "loss_mask": [1, 1]}
+    path = _write(tmp_path, [{"group_id": "a", **one}, {"group_id": "a", **two}])
     code = verify.main(["--data", str(path), "--model", CONFIG, "--budget", "2"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -96,7 +99,7 @@ def test_one_token_trajectory_verifies(tmp_path, capsys):
 
 
 def test_labels_become_the_loss_mask(tmp_path):
-    path = _write(tmp_path, [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}])
+    path = _write(tmp_path, [{"group_id": "a", "input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}])
     (trajectory,) = load_trajectories(path)
     np.testing.assert_array_equal(trajectory.loss_mask, [0, 0, 1, 1])
     assert trajectory.source == f"{path}:1"

@@ -222,7 +222,7 @@ def test_dfs_config_errors(tmp_path: Path) -> None:
     data = write_forest(tmp_path / "forest.jsonl", groups=2)
     config = write_config(tmp_path, data, packing={"mode": "dfs", "budget": 40})
     # the default DeepSpeed JSON is ZeRO-3 (its ranks walk in lockstep); a path over the budget is no error
-    Trainer(load_config(config)).prepare()
+    Trainer(load_config(config, ["data.groups_per_step=2"])).prepare()
     load_config(config, ["objective.kind=grpo"])  # the RL objectives walk too (tests/test_dfs_rl.py)
     with pytest.raises(ConfigError, match="packing.dfs_chunk"):
         load_config(config, ["packing.dfs_chunk=-1"])

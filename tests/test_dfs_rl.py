@@ -204,6 +204,7 @@ def test_agent_grpo_dfs_example_dry_runs(tmp_path: Path, monkeypatch, capsys) ->
 
     data = write_rewarded_forest(tmp_path / "forest.jsonl")
     example = "configs/examples/agent_grpo_dfs.yaml"
-    code, out, err = dry_run_in_process(monkeypatch, capsys, 8, example, f"data.path={data}", "packing.budget=150")
+    overrides = (f"data.path={data}", "packing.budget=150", "data.groups_per_step=6")  # the forest's 6 groups
+    code, out, err = dry_run_in_process(monkeypatch, capsys, 8, example, *overrides)
     assert code == 0, err
     assert json.loads(out)["world_size"] == 8

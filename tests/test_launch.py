@@ -177,8 +177,8 @@ def dry_run_in_process(monkeypatch, capsys, world_size: int, config: str, *overr
 )
 def test_example_configs_dry_run(name, world_size, tokens_file, monkeypatch, capsys):
     code, out, err = dry_run_in_process(
-        monkeypatch, capsys, world_size, str(EXAMPLES / name), f"data.path={tokens_file}"
-    )
+        monkeypatch, capsys, world_size, str(EXAMPLES / name), f"data.path={tokens_file}", "data.groups_per_step=16"
+    )  # the data has 16 groups
     assert code == 0, err
     resolved = json.loads(out)
     assert resolved["world_size"] == world_size

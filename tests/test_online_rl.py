@@ -96,7 +96,8 @@ def without_data(path: Path) -> Path:
         ("rollout.logprob_floor=0.5", r"rollout.logprob_floor must be <= 0 \(0: off\), got 0.5"),
         ("rollout.prompts_per_step=0", r"rollout.prompts_per_step must be >= 1, got 0"),
         ("data.path=somewhere.jsonl", r"data.path must be empty with rollout.enabled"),
-        ("objective.kind=sft", r"rollout.enabled needs objective.kind grpo or ppo .* got kind 'sft'"),
+        # the config's RL options are refused with kind sft first (config.objective_strays)
+        ("objective.kind=sft", r"objective.normalise_advantages, objective.eps_high: only with objective.kind grpo"),
         ("objective.mini_batches=3", r"objective.mini_batches \(3\) is more than rollout.prompts_per_step \(2\)"),
         ("model.tokenizer=", r"rollout.enabled needs model.tokenizer"),
     ],

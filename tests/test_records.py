@@ -28,9 +28,10 @@ def read_tree(fields: dict) -> list:
 READERS = {"tokens": read_tokens, "tree": read_tree}
 
 BAD = [
-    ({"group_id": True}, "field 'group_id' must be a string"),
-    ({"group_id": ["g"]}, "field 'group_id' must be a string"),
-    ({"group_id": None}, "field 'group_id' must be a string"),
+    ({"group_id": True}, "field 'group_id' must be a string or an integer"),
+    ({"group_id": ["g"]}, "field 'group_id' must be a string or an integer"),
+    ({"group_id": None}, "field 'group_id' must be a string or an integer"),
+    ({"group_id": 1.0}, "field 'group_id' must be a string or an integer"),
     ({"input_ids": [5, True]}, "field 'input_ids' must be a list of integers"),
     ({"input_ids": [5, 6.0]}, "field 'input_ids' must be a list of integers"),
     ({"input_ids": "56"}, "field 'input_ids' must be a list of integers"),
@@ -57,7 +58,7 @@ def test_both_formats_reject_the_same_values(reader, fields, fragment):
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_both_formats_accept_the_same_values(reader):
     (trajectory,) = READERS[reader]({"group_id": 7, "input_ids": [5, 2**40], "loss_mask": [0, 0.5], "reward": 1})
-    assert trajectory.group_id == "7"
+    assert trajectory.group_id == 7  # an integer id stays one: the group "7" is another group
     np.testing.assert_array_equal(trajectory.input_ids, [5, 2**40])
     np.testing.assert_array_equal(trajectory.loss_mask, [0, 0.5])
     assert trajectory.reward == 1.0 and isinstance(trajectory.reward, float)

@@ -268,7 +268,7 @@ def test_non_finite_loss_stops_without_saving_and_skip_discards_only_that_step(t
     assert (run / "config.yaml").is_file() and (run / "config.1.yaml").is_file()
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert np.isnan(records[1]["loss/train"]) and records[2]["loss/train"] == 0.0
+    assert records[1]["loss/train"] is None and records[2]["loss/train"] == 0.0  # NaN is written as null
     assert [r["optim/skipped_steps"] for r in records] == [0.0, 1.0, 1.0, 1.0]
     assert checkpoint.complete_tags(checkpoints) == [checkpoint.tag_for(step) for step in range(1, 5)]
     before, skipped, last = fp32_weights(checkpoints, 1), fp32_weights(checkpoints, 2), fp32_weights(checkpoints, 4)
@@ -313,3 +313,142 @@ def test_full_disk_during_a_checkpoint_is_named_and_keeps_the_earlier_one(tmp_pa
     )
     assert "the last complete checkpoint, step_0000001, is kept" in report["message"]
     assert report["latest"] == "step_0000001" and report["complete"] == ["step_0000001"]
+
+
+# ------------------------------------------------- options that cannot apply, caught at config time
+def test_groups_per_step_above_the_groups_is_refused(monkeypatch, capsys, forest_config) -> None:
+    code, err = dry_run(monkeypatch, capsys, forest_config, "data.groups_per_step=7")  # the forest has 6 groups
+    assert code == 2
+    assert "data.groups_per_step (7) is more than the 6 groups in data.path" in err and "at most 6" in err
+    assert dry_run(monkeypatch, capsys, forest_config, "data.groups_per_step=6")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["objective.kl_coef=0.1"], r"objective.kl_coef: only with objective.kind grpo or ppo \(kind is sft\)"),
+        (["objective.entropy_coef=0.01", "objective.ppo_epochs=2"], r"objective.entropy_coef, objective.ppo_epochs: "),
+        (["objective.mini_batches=2"], r"objective.mini_batches: only with objective.kind grpo or ppo"),
+        (["objective.old_logprobs=data"], r"objective.old_logprobs: only with objective.kind grpo or ppo"),
+        (["objective.estimator=rloo"], r"objective.estimator: only with"),
+        (["objective.reference=x.json"], r"objective.reference: only with"),
+        (["objective.kind=grpo", "objective.normalisation=sum"], r"objective.normalisation: only with .*kind sft"),
+        (
+            ["objective.kind=grpo", "objective.aggregation_constant=64"],
+            r"objective.aggregation_constant \(64.0\) applies to aggregation token_sum_norm only",
+        ),
+        (["rollout.width=100"], r"rollout: sampler width 100 exceeds branching\*\*max_depth"),
+        (["rollout.prompts_per_step=0"], r"rollout.prompts_per_step must be >= 1"),
+        (["rollout.logprob_floor=0.5"], r"rollout.logprob_floor must be <= 0"),
+        (["rollout.top_p=0"], r"rollout: sampler top_p must be in \(0, 1\]"),
+    ],
+)
+def test_options_that_cannot_apply_are_refused(overrides: list[str], message: str) -> None:
+    """As ``verify`` refuses ``--kl-coef`` with ``--objective sft`` (objective_strays, one rule), and
+    rollout values out of range are errors while rollout is disabled."""
+    with pytest.raises(ConfigError, match=rf"tiny_cpu.yaml: {message}"):
+        load_config(TINY_CPU, overrides)
+
+
+def test_saved_sft_configs_still_load(tmp_path: Path) -> None:
+    """The estimator an SFT config.yaml records (the resolved default, grpo) is not an RL option given."""
+    from ds_tree.config import config_to_dict
+
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml_dump(config_to_dict(load_config(TINY_CPU))))
+    assert load_config(saved).objective.estimator == "grpo"
+
+
+def test_verify_options_share_the_config_rule() -> None:
+    from ds_tree.cli.objective_options import RL_FIELDS
+    from ds_tree.config import RL_ONLY_FIELDS, SFT_ONLY_FIELDS, ObjectiveConfig
+
+    assert set(RL_FIELDS) <= set(RL_ONLY_FIELDS)
+    fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    assert set(RL_ONLY_FIELDS) | set(SFT_ONLY_FIELDS) == fields - {"kind"}
+
+
+def test_warmup_longer_than_the_run_warns(monkeypatch, capsys, forest_config) -> None:
+    code, err = dry_run(monkeypatch, capsys, forest_config, "optimizer.warmup_steps=10", "max_steps=4")
+    assert code == 0
+    assert "optimizer.warmup_steps (10) is more than max_steps (4): the whole run trains in the warm-up" in err
+    assert "warm-up" not in dry_run(monkeypatch, capsys, forest_config, "optimizer.warmup_steps=4", "max_steps=4")[1]
+
+
+def yaml_dump(tree: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(tree)
+
+
+# ---------------------------------------- model settings caught at dry-run time, naming the field
+def model_json(tmp_path: Path, **changes) -> Path:
+    fields = {**json.loads((ROOT / "configs/models/tiny_llama.json").read_text()), **changes}
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(fields))
+    return path
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": 0}, "hidden_size must be a positive integer, got 0"),
+        ({"vocab_size": -5}, "vocab_size must be a positive integer, got -5"),
+        ({"num_attention_heads": 5}, r"hidden_size \(64\) is not a multiple of num_attention_heads \(5\)"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) is not a multiple of num_key_value_heads \(3\)"),
+        ({"num_hidden_layers": 1.5}, "num_hidden_layers must be a positive integer, got 1.5"),
+    ],
+)
+def test_impossible_model_sizes_are_config_errors(monkeypatch, capsys, forest_config, tmp_path, changes, message):
+    source = model_json(tmp_path, **changes)
+    code, err = dry_run(monkeypatch, capsys, forest_config, f"model.source={source}")
+    assert code == 2 and re.search(rf"config error: {re.escape(str(source))}: {message}", err), err
+    assert "Traceback" not in err
+    from ds_tree.cli.plan import main as plan_main
+
+    assert plan_main([str(forest_config), f"model.source={source}"]) == 2  # plan: no ZeroDivisionError
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_reference_and_triton_are_checked_at_dry_run(monkeypatch, capsys, forest_config, tmp_path) -> None:
+    rl = ("objective.kind=grpo", "objective.kl_coef=0.1")
+    code, err = dry_run(monkeypatch, capsys, forest_config, *rl, "objective.reference=/missing.json")
+    assert code == 2 and "objective.reference: /missing.json: no such model config file" in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    code, err = dry_run(monkeypatch, capsys, forest_config, "model.attention=triton")
+    assert code == 2 and "model.attention: triton needs a CUDA GPU and none is visible" in err, err
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's CPU interpreter, as the tests run it
+    assert dry_run(monkeypatch, capsys, forest_config, "model.attention=triton")[0] == 0
+
+
+def test_config_paths_resolve_outside_the_repository(monkeypatch, capsys, tmp_path) -> None:
+    """configs/tiny_cpu.yaml names configs/ds/zero3.json and configs/models/...: found from anywhere."""
+    from ds_tree.cli.plan import main as plan_main
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(TINY_CPU)
+    assert Path(config.deepspeed) == ROOT / "configs/ds/zero3.json"
+    assert Path(config.model.source) == ROOT / "configs/models/tiny_llama.json"
+    assert plan_main([str(TINY_CPU)]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    (tmp_path / "configs" / "ds").mkdir(parents=True)  # a file beside the caller wins, as before
+    (tmp_path / "configs/ds/zero3.json").write_text("{}")
+    assert load_config(TINY_CPU).deepspeed == "configs/ds/zero3.json"
+
+
+def test_plan_applies_the_dry_runs_sequence_parallel_check(capsys) -> None:
+    from ds_tree.cli.plan import main as plan_main
+
+    assert plan_main([str(TINY_CPU), "parallel.sequence_parallel_size=3", "--world-size", "2"]) == 2
+    assert "parallel.sequence_parallel_size (3) does not divide the world size (2)" in capsys.readouterr().err
+
+
+def test_dry_run_says_what_plan_predicts_for_a_model_too_large(monkeypatch, capsys, forest_config, tmp_path) -> None:
+    big = model_json(tmp_path, hidden_size=8192, intermediate_size=28672, num_hidden_layers=48, num_attention_heads=64)
+    code, err = dry_run(monkeypatch, capsys, forest_config, f"model.source={big}")
+    assert code == 0  # a warning: the dry run also checks configs meant for another machine
+    predicted = r"warning: ds-tree plan predicts (2 ranks x )?[\d.]+ GiB per rank \([\d.]+ B parameters, ZeRO-3 over 2"
+    assert re.search(predicted, err), err
+    assert re.search(r"GiB in all, against [\d.]+ GiB of (this machine's|the GPU's) memory", err), err
+    assert "ds-tree plan predicts" not in dry_run(monkeypatch, capsys, forest_config)[1]

@@ -191,20 +191,20 @@ BAD_LINES = {
     "logprob_positive": ({**GOOD, "logprobs": [None, -1.0, 0.01, -2.0]}, r"logprobs has 0\.01 at token 2; .*at most 0"),
     "logprob_just_beyond_roundoff": ({**GOOD, "logprobs": [None, 2e-6, -1, -1]}, r"logprobs has 2e-06 at token 1"),
     "logprob_nan_literal": (
-        '{"input_ids": [5, 6], "loss_mask": [0, 1], "logprobs": [null, NaN]}',
+        '{"group_id": "a", "input_ids": [5, 6], "loss_mask": [0, 1], "logprobs": [null, NaN]}',
         r"field 'logprobs' must be a list of finite numbers or null; it holds a non-finite value",
     ),
     "logprob_minus_infinity": (
-        '{"input_ids": [5, 6], "loss_mask": [0, 1], "logprobs": [null, -Infinity]}',
+        '{"group_id": "a", "input_ids": [5, 6], "loss_mask": [0, 1], "logprobs": [null, -Infinity]}',
         r"field 'logprobs' .*non-finite",
     ),
     "advantage_nan_literal": (
-        '{"input_ids": [5, 6], "loss_mask": [0, 1], "advantages": [0, NaN]}',
+        '{"group_id": "a", "input_ids": [5, 6], "loss_mask": [0, 1], "advantages": [0, NaN]}',
         r"field 'advantages' must be a list of finite numbers; it holds a non-finite value",
     ),
     "advantage_overflow": ({**GOOD, "advantages": [0, 1, 10**400, 2]}, r"field 'advantages' .*non-finite"),
     "advantage_float_overflow": (
-        '{"input_ids": [5], "loss_mask": [1], "advantages": [1e999]}',
+        '{"group_id": "a", "input_ids": [5], "loss_mask": [1], "advantages": [1e999]}',
         r"field 'advantages' .*non-finite",
     ),
     "advantage_null": ({**GOOD, "advantages": [0, None, 1, 1]}, r"field 'advantages' must be a list of finite numbers"),

@@ -202,7 +202,8 @@ def test_verify_spawns_a_sequence_parallel_group_and_is_exact_in_float64(tmp_pat
 def test_long_context_example_dry_runs_and_sp_size_reaches_the_config(tmp_path: Path, monkeypatch, capsys) -> None:
     data = write_cases(tmp_path / "cases.jsonl")
     example = str(ROOT / "configs/examples/long_context_sp.yaml")
-    code, out, err = dry_run_in_process(monkeypatch, capsys, 8, example, f"data.path={data}")
+    groups = "data.groups_per_step=6"  # the cases are 6 groups
+    code, out, err = dry_run_in_process(monkeypatch, capsys, 8, example, f"data.path={data}", groups)
     assert code == 0, err
     assert json.loads(out)["world_size"] == 8
     code, _, err = dry_run_in_process(monkeypatch, capsys, 6, example, f"data.path={data}")

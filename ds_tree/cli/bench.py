@@ -28,13 +28,13 @@ updates_speedup and target_ratio (flat / tree).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import BENCH_DTYPES, ENGINES, MODES
 from ds_tree.cli.common import command_parser
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     report["command"] = " ".join([invoked, *(argv if argv is not None else sys.argv[1:])])
     report["data"] = str(args.data)
     report["model"] = str(args.model)
-    text = json.dumps(report, indent=2)
+    text = json_text(report, indent=2)
     print(text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,12 @@ visible (query, key) pairs and the scores the plan computes (masked-out ones inc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES
 from ds_tree.cli.common import command_parser
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "modes": modes,
         "command": " ".join([prog or "python tools/bench_attention.py", *(sys.argv[1:] if argv is None else argv)]),
     }
-    text = json.dumps(report, indent=2)
+    text = json_text(report, indent=2)
     print(text)
     if args.json is not None:
         args.json.write_text(text + "\n")

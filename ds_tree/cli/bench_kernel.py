@@ -11,7 +11,6 @@ smoke test ("smoke": true in the report; the times are meaningless there), for e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from ds_tree.cli.choices import KERNEL_DTYPES
 from ds_tree.cli.common import command_parser
+from ds_tree.data.jsonl import json_text
 
 SMOKE = shutil.which("nvidia-smi") is None
 """No GPU: run under the Triton interpreter, chosen before torch or triton is imported (in main)."""
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             rep_ms=args.rep_ms,
         ),
     }
-    report = json.dumps(results, indent=2)
+    report = json_text(results, indent=2)
     print(report)
     if args.json:
         args.json.write_text(report + "\n")

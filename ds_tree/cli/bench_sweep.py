@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.cli.common import command_parser
+from ds_tree.data.jsonl import json_text
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository: bench.py runs there, and data paths are recorded relative to it."""
@@ -63,7 +64,7 @@ def bench(args, name: str, data: Path, options: list[str], repeats: int | None =
         }
         for r in reports
     ]
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json_text(report, indent=2) + "\n")
     return report
 
 
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             results.append(bench(args, name, dataset, options, repeats))
     elif not args.skip_shared:
         print(f"bench-sweep: {args.shared} is absent: the real data sets are left out (docs/DATA.md)", file=sys.stderr)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "results.json").write_text(json_text(results, indent=2) + "\n")
     plot(results, args.out / "speedup.png")
     (args.out / "table.md").write_text(table(results))
     print(table(results))

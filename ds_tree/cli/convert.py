@@ -18,13 +18,13 @@ written at --output unless the whole run succeeds.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import CONVERT_DEFAULTS, CONVERT_FORMATS, MERGES, PREFIX_POLICIES
 from ds_tree.cli.common import command_parser
 from ds_tree.data.chat import TRAIN_ON
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
 
@@ -88,5 +88,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (DataError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(summary))
+    print(json_text(summary))
     return 0

@@ -9,11 +9,11 @@ ends in .gz; its folder must exist. Prints the achieved POR next to the target a
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from ds_tree.cli.choices import SYNTHETIC_MAX_TOKENS, SYNTHETIC_SEED, TOKENIZER_VOCAB_SIZE
 from ds_tree.cli.common import command_parser, output_file_problem
+from ds_tree.data.jsonl import json_text
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -51,5 +51,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         )
     except ValueError as error:
         parser.error(str(error))
-    print(json.dumps(write_synthetic(config, args.output)))
+    print(json_text(write_synthetic(config, args.output)))
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ds_tree.cli.choices import AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS  # not the losses' (torch): --help stays fast
-from ds_tree.config import ConfigError, ObjectiveConfig
+from ds_tree.config import ConfigError, ObjectiveConfig, objective_strays
 
 OBJECTIVES = ("sft", "grpo", "ppo")
 
@@ -57,7 +57,8 @@ RL_FIELDS = (
     "entropy_coef",
     "ppo_epochs",
 )
-"""ObjectiveConfig fields that the RL options set (argument ``--x-y`` sets field ``x_y``)."""
+"""ObjectiveConfig fields that the RL options set (argument ``--x-y`` sets field ``x_y``); all of them are
+in :data:`ds_tree.config.RL_ONLY_FIELDS`."""
 
 
 def _flag(name: str) -> str:
@@ -75,8 +76,8 @@ def objective_config(
     contradiction. ``rl_only`` / ``sft_only`` name more of the command's options (``None`` unless given)."""
     options = vars(args)
     chosen = {name: options[name] for name in RL_FIELDS if options.get(name) is not None}
-    if args.objective == "sft":
-        stray = [_flag(name) for name in (*chosen, *rl_only) if options.get(name) is not None]
+    if args.objective == "sft":  # the config's rule (objective_strays) on the options given, plus the command's own
+        stray = [_flag(name) for name in (*objective_strays("sft", chosen), *rl_only) if options.get(name) is not None]
         if stray:
             parser.error(f"{', '.join(stray)}: only with --objective grpo or ppo")
         return None

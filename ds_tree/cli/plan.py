@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ds_tree.cli.common import command_parser
 from ds_tree.config import ConfigError, load_config
+from ds_tree.data.jsonl import json_text
 from ds_tree.memory_plan import (
     GIB,
     ModelShape,
@@ -55,12 +56,21 @@ def zero_settings(path: str) -> tuple[int, bool, bool]:
 
 
 def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gib: float, path_tokens: int = 0) -> dict:
-    from ds_tree.engine.dfs import uses_dfs
     from ds_tree.models.loading import load_config as load_model_config
+    from ds_tree.models.ulysses import check_sequence_parallel
 
     config = load_config(config_path, overrides)
+    model_config = load_model_config(config.model.source)
+    check_sequence_parallel(config, world_size, model_config)  # the dry run's check
+    return plan_of(config, config_path, model_config, world_size, memory_gib, path_tokens)
+
+
+def plan_of(config, config_path: str, model_config, world_size: int, memory_gib: float, path_tokens: int = 0) -> dict:
+    """The plan of a loaded config (``make_plan``; the trainer's dry run asks for it too)."""
+    from ds_tree.engine.dfs import uses_dfs
+
     stage, offload_optimizer, offload_param = zero_settings(config.deepspeed)
-    shape = ModelShape.of(load_model_config(config.model.source))
+    shape = ModelShape.of(model_config)
     dtype, budget = config.model.dtype, config.packing.budget
     entropy = config.objective.is_rl  # RL computes each target's entropy for its metric
     states = state_bytes(
@@ -113,6 +123,34 @@ def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gi
         "largest_budget": budgets,
         "dfs": dfs,
     }
+
+
+def check_memory(config, model_config, world_size: int) -> str | None:
+    """A warning when the plan's predicted peak does not fit this machine (``None`` when it fits):
+    per rank against the GPU's memory, or on the CPU, the ranks of this machine (``LOCAL_WORLD_SIZE``,
+    else the world size) together, offloaded states included, against its physical memory. A
+    warning, not an error: the dry run also checks configs meant for another machine."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        available = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+        where, ranks = "the GPU's memory", 1
+    else:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        where = "this machine's memory"
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    plan = plan_of(config, "", model_config, world_size, available / GIB)
+    needed = ranks * (plan["peak_bytes"] + (0 if torch.cuda.is_available() else plan["states"]["cpu"]))
+    if needed <= available:
+        return None
+    share = f"{ranks} ranks x " if ranks > 1 else ""
+    return (
+        f"ds-tree plan predicts {share}{plan['peak_bytes'] / GIB:.3g} GiB per rank ({plan['parameters'] / 1e9:.3g} B "
+        f"parameters, ZeRO-{plan['zero_stage']} over {world_size} rank(s)), {needed / GIB:.3g} GiB in all, against "
+        f"{available / GIB:.3g} GiB of {where}: the run will likely fail for memory (see `ds-tree plan`)"
+    )
 
 
 def dfs_plan(config, shape: ModelShape, free: int, path_tokens: int, entropy: bool) -> dict:
@@ -237,7 +275,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan | ({} if steps is None else {"step_plan": steps.as_dict()}), indent=2))
+        print(json_text(plan | ({} if steps is None else {"step_plan": steps.as_dict()}), indent=2))
     else:
         print(format_plan(plan) + ("" if steps is None else "\n\n" + steps.explain()))
     return 0

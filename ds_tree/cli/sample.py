@@ -14,7 +14,6 @@ without a reward. Exits 2 on bad input, before sampling.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 
 from ds_tree.cli.choices import MODEL_DTYPES
 from ds_tree.cli.common import command_parser, output_file_problem
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 from ds_tree.rollout.rewards import REWARDS
 
@@ -152,5 +152,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     summary["flat_sampled_tokens"] = flat_tokens
     summary["reward_failures"] = len(failures)
     summary["output"] = str(args.output)
-    print(json.dumps(summary))
+    print(json_text(summary))
     return 0

@@ -10,7 +10,6 @@ the file named (PNG). Unreadable input exits 2 with one error line naming the pa
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from ds_tree.cli.common import command_parser, output_plot_problem, save_figure
 from ds_tree.data import load_trajectories
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 from ds_tree.trees import TokenTree, build_forest
 from ds_tree.trees.stats import tree_arrays, tree_stats
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 2
     stats = tree_stats(trees)
     if args.json:
-        print(json.dumps(stats))
+        print(json_text(stats))
     else:
         print_text(stats)
     if args.plot is not None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from ds_tree.cli.choices import ENGINES, NORMALISATIONS, POLICIES, VERIFY_DTYPES
 from ds_tree.cli.common import command_parser
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.config import ObjectiveConfig
+from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
 DEFAULT_PERTURBATION = 0.5
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     with stdout_to_stderr():
         code, report = run(args, objective)
     if report is not None:
-        print(json.dumps(report, indent=2))
+        print(json_text(report, indent=2))
     return code
 
 

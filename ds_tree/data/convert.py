@@ -27,7 +27,7 @@ from tqdm import tqdm
 from ds_tree.data.chat import TRAIN_ON, render_chat
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
-from ds_tree.data.records import PER_TOKEN_FIELDS
+from ds_tree.data.records import MISSING, PER_TOKEN_FIELDS, group_id
 from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tokens import trajectory_from_record
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
@@ -103,11 +103,8 @@ class Converter:
         self.tokenizer = tokenizer
         self.prefix_unstable = 0  # trajectories kept with unstable turns untrained (policy "full")
 
-    def group_id(self, where: str, record: dict, default: str | None = None) -> str:
-        value = record.get(self.options.group_key, default)
-        if not isinstance(value, str | int) or isinstance(value, bool):
-            raise RecordError("bad_group_id", f"{where}: field {self.options.group_key!r} must be a string")
-        return str(value)
+    def group_id(self, where: str, record: dict, default: object = MISSING) -> str | int:
+        return group_id(where, record.get(self.options.group_key, default), self.options.group_key)
 
     def render(self, where: str, messages: object, tools: object) -> tuple[np.ndarray, np.ndarray]:
         rendered = render_chat(self.tokenizer, messages, tools, where=where, train_on=self.options.train_on)

@@ -2,7 +2,7 @@
 
 Record shape (one tree a JSONL line)::
 
-    {"group_id": str?, "tools": [...]?,
+    {"group_id": str | int?, "tools": [...]?,
      "nodes": [{"id": str|int, "parent": id|null, "input_ids": [int], "loss_mask": [number]?,
                 "logprobs": [number|null]?, "advantages": [number]?, "reward": number?}, ...]}
 
@@ -10,7 +10,8 @@ A node holds either ``input_ids`` (with an optional ``loss_mask``, default all 1
 nodes are usually generated text) or ``messages`` (OpenAI chat messages); one tree uses one kind.
 A leaf's trajectory concatenates the nodes on its root path. Message trees are rendered per path
 with the full message list (a chat template renders a conversation, not a fragment), and the
-trie merges the shared prefixes again. ``reward`` belongs on leaves, one per trajectory.
+trie merges the shared prefixes again. ``reward`` belongs on leaves, one per trajectory. A
+line without ``group_id`` is a group by itself (named by its ``file:line``).
 
 A token node may carry the RL rollout fields of the tokens format (:mod:`ds_tree.data.tokens`),
 aligned with its ``input_ids``: the sampler's ``logprobs`` (``null`` where not sampled) and

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -23,14 +24,18 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
+    with opener(path, "rb") as handle:  # bytes, decoded line by line: a bad byte names its line
+        for number, raw in enumerate(handle, start=1):
+            if not raw.strip():
                 continue
             where = f"{path}:{number}"
+            error = None
             try:
-                record = json.loads(line)
-                error = None
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as bad:
+                error = RecordError(
+                    "not_utf8", f"{where}: not UTF-8 text (byte 0x{raw[bad.start]:02x} at byte {bad.start + 1})"
+                )
             except json.JSONDecodeError as bad:
                 error = RecordError("malformed_json", f"{where}: malformed JSON ({bad.msg} at column {bad.colno})")
             if error is None and not isinstance(record, dict):
@@ -38,6 +43,25 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
             if error is not None and not keep_going:
                 raise error
             yield where, error or record
+
+
+def finite(value: object) -> object:
+    """``value`` with every non-finite float (NaN, infinities) replaced by ``None``, in nested dicts,
+    lists and tuples: JSON has no NaN or Infinity, and Python's ``json`` would write them as bare
+    ``NaN`` / ``Infinity``, which other readers (and ours) refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
+
+
+def json_text(value: object, **options) -> str:
+    """``json.dumps`` for everything ds_tree writes (stdout reports, metrics.jsonl, records, meta
+    files): non-finite floats become ``null`` (:func:`finite`), so the output is always valid JSON."""
+    return json.dumps(finite(value), allow_nan=False, **options)
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
@@ -52,7 +76,7 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
     try:
         with opener(temporary, "wt", encoding="utf-8") as handle:
             for record in records:
-                handle.write(json.dumps(record, separators=(",", ":")) + "\n")
+                handle.write(json_text(record, separators=(",", ":")) + "\n")
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)

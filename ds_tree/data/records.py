@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ds_tree.errors import DataError
+from ds_tree.errors import DataError, RecordError
 
 INT64_MAX = 2**63 - 1
 PER_TOKEN_FIELDS = {"logprobs": True, "advantages": False}
@@ -43,11 +43,22 @@ def number_list(where: str, name: str, value: object) -> list[int | float]:
     return value
 
 
-def group_id(where: str, value: object) -> str:
-    """A group id: a string, or an integer taken as its decimal string."""
-    if not (isinstance(value, str) or is_integer(value)):
-        raise DataError(f"{where}: field 'group_id' must be a string")
-    return str(value)
+MISSING = object()
+"""The value of a field a record does not have (``record.get(name, MISSING)``)."""
+
+
+def group_id(where: str, value: object, name: str = "group_id") -> str | int:
+    """A group id, required: a string, or an integer kept as one (``1`` and ``"1"`` are two groups).
+
+    Every reader checks group ids here (tokens, explicit trees, chat, converted datasets), so the
+    rule and its error are one. The error is a :class:`RecordError` (``bad_group_id``), which
+    ``convert --skip-bad`` counts.
+    """
+    if isinstance(value, str) or is_integer(value):
+        return value
+    if value is MISSING:
+        raise RecordError("bad_group_id", f"{where}: missing field {name!r} (a string or an integer)")
+    raise RecordError("bad_group_id", f"{where}: field {name!r} must be a string or an integer")
 
 
 def _as_float(value: object) -> float:

@@ -1,9 +1,10 @@
 """The tokens JSONL format: one trajectory a line, already tokenised.
 
-``{"group_id": str, "input_ids": [int], "loss_mask": [number], "reward": number?, "trial": int?,
+``{"group_id": str | int, "input_ids": [int], "loss_mask": [number], "reward": number?, "trial": int?,
 "logprobs": [number | null]?, "advantages": [number]?}``;
 ``"labels"`` with ``-100`` for untrained tokens may stand instead of ``loss_mask`` (Hugging Face
-style, labels equal to input_ids elsewhere). Trajectories sharing a ``group_id`` form one tree.
+style, labels equal to input_ids elsewhere). Trajectories sharing a ``group_id`` form one tree; the
+group id is required (:func:`ds_tree.data.records.group_id`).
 
 RL rollouts may carry, one entry per token of ``input_ids``: ``logprobs``, the sampling policy's
 log-probability of each token (``<= 0``; ``null`` where the token was not sampled, such as the
@@ -19,6 +20,7 @@ import numpy as np
 
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.records import (
+    MISSING,
     PER_TOKEN_FIELDS,
     group_id,
     integer_list,
@@ -51,7 +53,7 @@ def trajectory_from_record(where: str, record: dict) -> Trajectory:
     return Trajectory(
         input_ids=np.asarray(input_ids, dtype=np.int64),
         loss_mask=np.asarray(mask, dtype=np.float64),
-        group_id=group_id(where, record.get("group_id", "")),
+        group_id=group_id(where, record.get("group_id", MISSING)),
         reward=optional_finite_number(where, "reward", record.get("reward")),
         trial=trial if is_integer(trial) else None,
         source=where,

@@ -1,13 +1,14 @@
 """Converted tree datasets on disk: a Hugging Face ``datasets.Dataset``, one row per tree (group).
 
-Columns: ``group_id`` (string), ``input_ids`` (list of int32 lists, one per trajectory),
-``loss_mask`` (list of float32 lists, or float64 when a mask value is not exactly a float32, so
-masks always round-trip bit for bit), ``reward`` (list of float64, null when missing), ``trial``
-(list of int64, -1 when missing), ``logprobs`` and ``advantages`` (list of float64 lists, a null
-list for a trajectory without them; NaN log-probs mark tokens not sampled). Beside it,
-``ds_tree_meta.json`` records the format version, the tokenizer identity and the counts (groups,
-trajectories, flat and tree tokens, skipped lines). Version 1 datasets, written before the
-rollout columns existed, still load (their trajectories have neither).
+Columns: ``group_id`` (string; ``integer_group_id``, bool, marks the rows whose id was an integer,
+kept apart from the string of its digits; without that column every id is a string), ``input_ids``
+(list of int32 lists, one per trajectory), ``loss_mask`` (list of float32 lists, or float64 when a
+mask value is not exactly a float32, so masks always round-trip bit for bit), ``reward`` (list of
+float64, null when missing), ``trial`` (list of int64, -1 when missing), ``logprobs`` and
+``advantages`` (list of float64 lists, a null list for a trajectory without them; NaN log-probs mark
+tokens not sampled). Beside it, ``ds_tree_meta.json`` records the format version, the tokenizer
+identity and the counts (groups, trajectories, flat and tree tokens, skipped lines). Version 1
+datasets, written before the rollout columns existed, still load (their trajectories have neither).
 
 One row per tree keeps a group together for the packer (a tree is never split across workers by
 accident) and stores trajectories rather than the trie: the trie is rebuilt on load in seconds
@@ -29,6 +30,8 @@ import numpy as np
 import pyarrow as pa
 
 from ds_tree.atomic import replace_directory
+from ds_tree.data.jsonl import json_text
+from ds_tree.data.records import group_id as group_id_of
 from ds_tree.errors import DataError
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
@@ -49,6 +52,7 @@ def _features(mask_dtype: str):
     return Features(
         {
             "group_id": Value("string"),
+            "integer_group_id": Value("bool"),
             "input_ids": List(List(Value("int32"))),
             "loss_mask": List(List(Value(mask_dtype))),
             "reward": List(Value("float64")),
@@ -98,7 +102,8 @@ def save_tree_dataset(
 
     groups = group_trajectories(trajectories)
     columns = {
-        "group_id": [members[0].group_id for members in groups],
+        "group_id": [str(members[0].group_id) for members in groups],
+        "integer_group_id": [isinstance(members[0].group_id, int) for members in groups],
         "input_ids": [[t.input_ids.astype(np.int32) for t in members] for members in groups],
         "loss_mask": [[t.loss_mask.astype(mask_dtype) for t in members] for members in groups],
         "reward": [[t.reward for t in members] for members in groups],
@@ -116,7 +121,7 @@ def save_tree_dataset(
     shutil.rmtree(temporary, ignore_errors=True)
     try:
         Dataset.from_dict(columns, features=_features(mask_dtype)).save_to_disk(str(temporary))
-        (temporary / META_FILE).write_text(json.dumps(full_meta, indent=2) + "\n")
+        (temporary / META_FILE).write_text(json_text(full_meta, indent=2) + "\n")
         replace_directory(temporary, output_dir)  # the old output aside, the new one in, the old one deleted
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -181,6 +186,9 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
         raise DataError(f"{dataset_dir}: missing column(s) {', '.join(missing)}")
     per_token = {name: _NestedLists(table.column(name)) for name in required if name not in SCALAR_COLUMNS}
     group_ids = table.column("group_id").to_pylist()
+    if "integer_group_id" in table.column_names:  # written since integer ids are kept apart from strings
+        marks = table.column("integer_group_id").to_pylist()
+        group_ids = [int(v) if mark and v is not None else v for v, mark in zip(group_ids, marks, strict=True)]
     rewards = table.column("reward").to_pylist()
     trials = table.column("trial").to_pylist()
     trajectories = []
@@ -193,7 +201,7 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
             reward, trial = rewards[row][j], trials[row][j]
             trajectories.append(
                 Trajectory(
-                    group_id=group_id,
+                    group_id=group_id_of(where, group_id),
                     reward=None if reward is None or math.isnan(reward) else reward,
                     trial=None if trial < 0 else trial,
                     source=f"{where}:trajectory {j}",

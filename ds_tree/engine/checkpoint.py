@@ -28,6 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ds_tree.atomic import replace_directory, write_text_atomically
+from ds_tree.data.jsonl import json_text
 
 RECORD = "ds_tree_checkpoint.json"
 LATEST = "latest"
@@ -136,7 +137,7 @@ def save(engine, directory: Path, step: int, client_state: dict, record: dict, k
     dist.barrier()
     if rank == 0:
         try:
-            write_text_atomically(partial / RECORD, json.dumps({**record, "step": step}, indent=2) + "\n")
+            write_text_atomically(partial / RECORD, json_text({**record, "step": step}, indent=2) + "\n")
             replace_directory(partial, directory / tag)
             write_text_atomically(directory / LATEST, tag)
         except OSError as error:

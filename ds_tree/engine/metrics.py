@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ds_tree.atomic import write_text_atomically
+from ds_tree.data.jsonl import json_text
 
 
 class MetricsLogger:
@@ -33,7 +34,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         with open(self.path, "a") as handle:
-            handle.write(json.dumps({"step": step, **scalars}) + "\n")
+            handle.write(json_text({"step": step, **scalars}) + "\n")
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)

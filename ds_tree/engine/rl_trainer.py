@@ -25,7 +25,7 @@ from ds_tree.engine.rl_step import (
 )
 from ds_tree.engine.runners import add_metrics
 from ds_tree.errors import DataError
-from ds_tree.losses.advantages import estimate
+from ds_tree.losses.advantages import check_finite_statistics, estimate, non_finite_statistics
 from ds_tree.packing.plan import RankPlan
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.trees.trie import build_forest
@@ -60,7 +60,8 @@ class RLSteps:
                 f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
             )
         try:
-            estimate(self.trajectories, objective.estimator, objective.normalise_advantages)
+            computed = estimate(self.trajectories, objective.estimator, objective.normalise_advantages)
+            check_finite_statistics(self.trajectories, computed.values)
             if objective.old_logprobs == "data" or objective.importance_truncation:
                 missing = next((t for t in self.trajectories if getattr(t, "logprobs", None) is None), None)
                 if missing is not None:
@@ -123,6 +124,10 @@ class RLSteps:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
         Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
         rollouts = self.rl_rollouts(step)
+        problem = non_finite_statistics(rollouts.trajectories, rollouts.advantages)  # every rank alike
+        if problem is not None:  # as a non-finite loss: stop, or discard the step (no update)
+            self.discard_step(step + 1, problem)
+            return rollouts.plans, float("nan"), None, {}
         if StepNormalisers.of(rollouts.trajectories).total_tokens == 0:
             self.count_untrained(step + 1)
         losses, metrics, grad_norm = [], None, None

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ds_tree.cli.plan import check_memory
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
@@ -43,8 +44,8 @@ from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
+from ds_tree.models.loading import check_model_settings, load_model
 from ds_tree.models.loading import load_config as load_model_config
-from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.models.ulysses import check_sequence_parallel, enable_sequence_parallel
@@ -109,6 +110,7 @@ class Trainer(RLSteps):
         run_dir.check_writable(self.output_dir)
         self.model_config = load_model_config(config.model.source)
         check_layer_types(self.model_config)
+        check_model_settings(config)  # attention engine, objective.reference
         check_sequence_parallel(config, self.world_size, self.model_config)
         if config.objective.is_rl and config.model.router_aux_loss_coef:
             raise ConfigError(
@@ -121,6 +123,9 @@ class Trainer(RLSteps):
             self.prepare_dataset()
         hidden = getattr(self.model_config, "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
+        warning = check_memory(config, self.model_config, self.world_size)  # what `ds-tree plan` predicts
+        if warning:
+            logger.warning(warning)
         self.plan_resume()
 
     def prepare_dataset(self) -> None:
@@ -144,6 +149,11 @@ class Trainer(RLSteps):
                 "every root-to-leaf path must fit one row"
             )
         self.groups = group_trajectories(self.trajectories)
+        if config.data.groups_per_step > len(self.groups):  # a step would train some groups twice
+            raise ConfigError(
+                f"data.groups_per_step ({config.data.groups_per_step}) is more than the {len(self.groups)} groups "
+                f"in data.path ({config.data.path}); set it to at most {len(self.groups)}"
+            )
         self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
         if config.objective.is_rl:
             self.check_rl_data()
@@ -416,6 +426,10 @@ class Trainer(RLSteps):
                 f"step {step}: {what}, and DeepSpeed applied the update (it discards such steps only under ZeRO "
                 f"stages 1-3 and bf16): the model is no longer finite. {self.last_good()}"
             )
+        self.discard_step(step, what)
+
+    def discard_step(self, step: int, what: str) -> None:
+        """A non-finite step whose update was not applied: stop (``optimizer.non_finite=stop``), or count it."""
         if self.config.optimizer.non_finite == "stop":
             raise NonFiniteError(self.non_finite_message(step, what))
         self.skipped_steps += 1

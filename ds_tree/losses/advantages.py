@@ -209,3 +209,38 @@ def estimate(trajectories: Sequence[Trajectory], estimator: str, normalise: bool
     computed = ESTIMATORS[estimator](trajectories, normalise=normalise)
     computed.trajectories = trajectories
     return computed
+
+
+def non_finite_statistics(trajectories: Sequence[Trajectory], advantages: Sequence[np.ndarray]) -> str | None:
+    """What is not finite among a step's reward and advantage statistics, or ``None``.
+
+    Finite rewards can still overflow float64 in their mean or spread (1.5e308 and 0), and so can
+    the advantages built from them; the step's loss then hides it (every advantage 0, or NaN
+    clipped away). The statistics are those the trainer logs: reward mean and standard deviation,
+    the mean and spread of the advantages per trained token. A step with any of them non-finite
+    is treated as a non-finite loss (``optimizer.non_finite``).
+    """
+    rewards = np.array([t.reward for t in trajectories if t.reward is not None], dtype=np.float64)
+    masks = [t.loss_mask[1:] for t in trajectories]
+    weight = float(sum(m.sum() for m in masks))
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = sum(float((m * a[1:]).sum()) for m, a in zip(masks, advantages, strict=True)) / weight if weight else 0.0
+        spread = sum(float((m * (a[1:] - mean) ** 2).sum()) for m, a in zip(masks, advantages, strict=True))
+        statistics = {
+            "the reward mean": float(rewards.mean()) if rewards.size else 0.0,
+            "the reward standard deviation": float(rewards.std()) if rewards.size else 0.0,
+            "an advantage": 0.0 if all(np.all(np.isfinite(a)) for a in advantages) else np.nan,
+            "the advantage mean": mean,
+            "the advantage standard deviation": spread,
+        }
+    bad = [name for name, value in statistics.items() if not np.isfinite(value)]
+    if not bad:
+        return None
+    return f"not finite over {len(trajectories)} trajectories: {', '.join(bad)} (rewards overflow float64)"
+
+
+def check_finite_statistics(trajectories: Sequence[Trajectory], advantages: Sequence[np.ndarray]) -> None:
+    """Raise a :class:`DataError` when :func:`non_finite_statistics` finds something."""
+    problem = non_finite_statistics(trajectories, advantages)
+    if problem is not None:
+        raise DataError(problem)

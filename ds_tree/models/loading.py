@@ -32,21 +32,83 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
 
 
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+"""Model config fields that must be positive integers where a config has them."""
+
+
+def check_shape(fields: dict, source: str | Path) -> None:
+    """Refuse sizes no model can have, naming the field: a size that is not a positive integer,
+    attention heads that do not divide the hidden size (without an explicit ``head_dim``), key/value
+    heads that do not divide the attention heads. ``ValueError`` (a config error, exit 2)."""
+    for name in SIZE_FIELDS:
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{source}: {name} must be a positive integer, got {value!r}")
+    hidden, heads = fields.get("hidden_size"), fields.get("num_attention_heads")
+    kv_heads = fields.get("num_key_value_heads")
+    if hidden and heads and fields.get("head_dim") is None and hidden % heads:
+        raise ValueError(
+            f"{source}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}); "
+            "change one, or give head_dim"
+        )
+    if heads and kv_heads and heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        )
+
+
 def load_config(source: str | Path) -> PretrainedConfig:
-    """Config from a JSON file (must name its ``model_type``) or a local model directory."""
+    """Config from a JSON file (must name its ``model_type``) or a local model directory; its sizes
+    checked (:func:`check_shape`)."""
     source = Path(source)
     if source.is_dir():
-        return AutoConfig.from_pretrained(source, local_files_only=True)
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        check_shape({name: getattr(text, name, None) for name in (*SIZE_FIELDS, "head_dim")}, source)
+        return config
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such model config file or directory")
     try:
         fields = json.loads(source.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{source}: malformed JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{source}: a model config must be a JSON object")
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise ValueError(f"{source}: the config needs a 'model_type' field (e.g. \"llama\")")
-    return AutoConfig.for_model(model_type, **fields)
+    check_shape(fields, source)
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except Exception as error:  # noqa: BLE001 - transformers' validators raise their own types
+        reason = str(error).strip().splitlines()[-1].strip() if str(error).strip() else type(error).__name__
+        raise ValueError(f"{source}: not a valid {model_type} config ({reason})") from None
+
+
+def check_model_settings(config) -> None:
+    """What the training config asks of the model that can be checked before anything is built:
+    ``model.attention: triton`` needs a CUDA GPU (or ``TRITON_INTERPRET=1``, Triton's CPU
+    interpreter, which the tests use); ``objective.reference`` must be a loadable model config."""
+    import os
+
+    from ds_tree.config import ConfigError
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if config.model.attention == "triton" and not torch.cuda.is_available() and not interpreted:
+        raise ConfigError("model.attention: triton needs a CUDA GPU and none is visible; use torch on the CPU")
+    reference = config.objective.reference
+    if config.objective.is_rl and reference:
+        try:
+            check_layer_types(load_config(reference))
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"objective.reference: {error}") from None
 
 
 def has_weights(source: str | Path) -> bool:

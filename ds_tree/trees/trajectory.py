@@ -25,9 +25,10 @@ class Trajectory:
     input_ids: np.ndarray
     """int64 token ids, length >= 1."""
     loss_mask: np.ndarray
-    """float64 per-token loss coefficients (0 where untrained), same length as input_ids."""
-    group_id: str = ""
-    """Trajectories with the same group id form one tree (when merging by group)."""
+    """float64 per-token loss coefficients (>= 0; 0 where untrained), same length as input_ids."""
+    group_id: str | int = ""
+    """Trajectories with the same group id form one tree (when merging by group); an integer id is
+    a different group from the string of its digits."""
     reward: float | None = None
     """Scalar outcome for RL objectives; carried through untouched for SFT."""
     trial: int | None = None
@@ -49,6 +50,12 @@ class Trajectory:
         self.loss_mask = self._per_token("loss_mask")
         if not np.all(np.isfinite(self.loss_mask)):
             raise DataError(f"{where}: loss_mask contains a non-finite value")
+        negative = np.flatnonzero(self.loss_mask < 0)
+        if negative.size:
+            raise DataError(
+                f"{where}: loss_mask has {float(self.loss_mask[negative[0]])!r} at token {negative[0]}; "
+                "a loss coefficient is >= 0"
+            )
         if self.input_ids.min() < 0:
             raise DataError(f"{where}: negative token id {int(self.input_ids.min())}")
         if self.advantages is not None:
@@ -100,7 +107,7 @@ def check_vocab(trajectories: list[Trajectory], vocab_size: int) -> None:
 
 def group_trajectories(trajectories: Sequence[Trajectory]) -> list[list[Trajectory]]:
     """Trajectories grouped by ``group_id``, groups in order of first appearance (one tree per group)."""
-    groups: dict[str, list[Trajectory]] = {}
+    groups: dict[str | int, list[Trajectory]] = {}
     for trajectory in trajectories:
         groups.setdefault(trajectory.group_id, []).append(trajectory)
     return list(groups.values())
