@@ -23,6 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from ds_tree.errors import ConfigError
+from ds_tree.rollout.settings import SamplerSettings
 
 # Choices of string fields. Where the library keeps a registry of the same names (attention
 # engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
@@ -365,8 +366,11 @@ class DistributedConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """Online RL (docs/RL.md, *Online RL*): each step samples its groups from the current policy."""
+class RolloutConfig(SamplerSettings):
+    """Online RL (docs/RL.md, *Online RL*): each step samples its groups from the current policy, with the
+    sampler's settings (:class:`~ds_tree.rollout.settings.SamplerSettings`: ``segment_length``,
+    ``branching``, ``max_depth``, ``width``, ``max_new_tokens``, ``temperature``, ``top_p``,
+    ``repetition_ngram``, ``logprob_floor``, ``refill``, ``independent``) as fields of this section."""
 
     enabled: bool = False
     """Sample, score and train each step (``data.path`` must then be empty); needs an RL ``objective``
@@ -383,28 +387,6 @@ class RolloutConfig:
     """Seed of the prompt order (reshuffled each pass over the prompts) and, with the step and the
     prompt's slot in it, of the slot's sampling generator: a resumed run samples what an uninterrupted
     one would have, without generator state in the checkpoint."""
-    segment_length: int = 16
-    """Sampler (docs/ROLLOUTS.md): tokens decoded per segment before a branch decision."""
-    branching: int = 2
-    """Sampler: children per branch point."""
-    max_depth: int = 3
-    """Sampler: branch levels (at most ``branching ** max_depth`` leaves)."""
-    width: int = 8
-    """Sampler: leaves per prompt (the group size)."""
-    max_new_tokens: int = 64
-    """Sampler: most tokens of one completion."""
-    temperature: float = 1.0
-    """Sampler: softmax temperature (0: greedy)."""
-    top_p: float = 1.0
-    """Sampler: nucleus sampling mass."""
-    repetition_ngram: int = 0
-    """Sampler: stop a branch that repeats an n-gram of this length (0: off)."""
-    logprob_floor: float = 0.0
-    """Sampler: stop a branch whose mean segment log-prob falls below this (< 0; 0: off)."""
-    refill: bool = True
-    """Sampler: re-branch from live or finished paths to keep ``width`` leaves."""
-    independent: bool = False
-    """Sampler: ``width`` independent completions instead of a tree (the baseline, same leaves)."""
 
     def __post_init__(self) -> None:
         """The ranges of the fields, checked whether or not ``enabled`` (a value out of range is an
@@ -414,18 +396,13 @@ class RolloutConfig:
         if self.logprob_floor > 0:
             raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
         try:
-            self.sampler_settings()
-        except (TypeError, ValueError) as error:
+            super().__post_init__()
+        except ValueError as error:
             raise ConfigError(f"rollout: {error}") from None
 
-    def sampler_settings(self):
-        """These fields as :class:`ds_tree.rollout.sampler.SamplerSettings`."""
-        from ds_tree.rollout.sampler import SamplerSettings
-
-        names = [f.name for f in dataclasses.fields(SamplerSettings)]
-        values = {name: getattr(self, name) for name in names}
-        values["logprob_floor"] = self.logprob_floor or None
-        return SamplerSettings(**values)
+    def sampler_settings(self) -> SamplerSettings:
+        """The sampler's fields of this section, as the sampler takes them."""
+        return SamplerSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplerSettings)})
 
     def check_with(self, config: Config) -> None:
         """What an enabled rollout section needs from itself and from the rest of the config."""

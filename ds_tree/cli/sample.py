@@ -39,10 +39,10 @@ SAMPLER_OPTIONS = {
     "temperature": (float, 1.0, "sampling temperature; 0 = greedy"),
     "top_p": (float, 1.0, "nucleus sampling: sample among the most likely tokens whose probabilities sum to top_p"),
     "repetition_ngram": (int, 0, "n > 0 stops a branch whose last n tokens already occur earlier in it; 0 = off"),
-    "logprob_floor": (float, None, "stop a branch whose mean log-prob over a segment falls below this (<= 0)"),
+    "logprob_floor": (float, 0.0, "stop a branch whose mean log-prob over a segment falls below this (< 0; 0: off)"),
 }
 """The SamplerSettings fields set by --x-y options: (type, default, help); tests/test_cli.py checks them
-against ds_tree.rollout.sampler.SamplerSettings, which imports torch."""
+against ds_tree.rollout.settings.SamplerSettings."""
 
 
 def token_records(tree: SampledTree, group: str, rewards: list[float | None]) -> list[dict]:
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ds_tree.models.loading import load_model
     from ds_tree.rollout.prompts import read_prompts, stop_token_ids
     from ds_tree.rollout.rewards import RewardRequest, score
-    from ds_tree.rollout.sampler import SamplerSettings, sample_tree
+    from ds_tree.rollout.sampler import sample_tree
+    from ds_tree.rollout.settings import SamplerSettings
 
     settings_fields = {field.name: getattr(args, field.name) for field in fields(SamplerSettings)}
     try:

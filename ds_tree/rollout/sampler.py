@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,63 +43,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from ds_tree.rollout.settings import SamplerSettings
 from ds_tree.trees.trajectory import Trajectory
 
 FINISH_REASONS = ("eos", "repetition", "logprob_floor", "length")
 
 GENERATION_ATTENTION = "sdpa"
 """Attention used while sampling: a plain causal kernel with a KV cache (the tree kernels take packed rows)."""
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    """How one prompt's group is sampled (docs/ROLLOUTS.md)."""
-
-    segment_length: int = 16
-    """Tokens decoded per segment before a branch decision."""
-    branching: int = 2
-    """Children per branch point."""
-    max_depth: int = 3
-    """Branch levels (segment boundaries 0 .. max_depth-1 may fork): at most branching**max_depth leaves."""
-    width: int = 8
-    """Leaves per prompt (the group size)."""
-    max_new_tokens: int = 64
-    """Longest completion, in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature; 0 = greedy (argmax)."""
-    top_p: float = 1.0
-    """Nucleus sampling: sample among the most likely tokens whose probabilities sum to >= top_p."""
-    repetition_ngram: int = 0
-    """0 = off; n > 0 stops a branch when its last n completion tokens already occur earlier in its completion."""
-    logprob_floor: float | None = None
-    """Stop a branch whose mean sampler log-prob over a segment falls below this value."""
-    refill: bool = True
-    """Re-branch from live or stopped paths so a tree keeps ``width`` leaves when branches stop early."""
-    independent: bool = False
-    """Baseline: ``width`` independent completions (a depth-1 tree), same output type."""
-
-    def __post_init__(self) -> None:
-        for name in ("segment_length", "branching", "max_depth", "width", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sampler {name} must be >= 1, got {getattr(self, name)}")
-        if not self.independent and self.width > self.branching**self.max_depth:
-            raise ValueError(
-                f"sampler width {self.width} exceeds branching**max_depth = {self.branching}**{self.max_depth}; "
-                "raise branching or max_depth, or lower width"
-            )
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"sampler temperature must be finite and >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampler top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_ngram < 0:
-            raise ValueError(f"sampler repetition_ngram must be >= 0 (0 = off), got {self.repetition_ngram}")
-        if self.logprob_floor is not None and not (self.logprob_floor <= 0 and math.isfinite(self.logprob_floor)):
-            raise ValueError(f"sampler logprob_floor must be a finite value <= 0, got {self.logprob_floor}")
-
-    @property
-    def branch_levels(self) -> int:
-        """Segment boundaries that may fork (1 for the independent baseline)."""
-        return 1 if self.independent else self.max_depth
 
 
 @dataclass
@@ -348,7 +297,7 @@ class _TreeSampler:
         if repeats_ngram(branch.completion, settings.repetition_ngram):
             return "repetition"
         if len(branch.completion) == segment_end:
-            if settings.logprob_floor is not None and np.mean(node.logprobs) < settings.logprob_floor:
+            if settings.logprob_floor and np.mean(node.logprobs) < settings.logprob_floor:
                 return "logprob_floor"
             if segment_end == settings.max_new_tokens:
                 return "length"
