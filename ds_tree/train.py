@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     preemption = PreemptionHandler(config.checkpoint.preempt_signals, config.checkpoint.preempt_grace_s)
     try:
-        trainer.setup()
-        with preemption:
+        with preemption:  # from here on a signal stops the run at a step boundary
+            trainer.setup()
+            preemption.before_first_step(trainer)
             trainer.preemption = preemption
             trainer.train()
     except Preempted as stop:

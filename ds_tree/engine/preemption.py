@@ -53,9 +53,10 @@ SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 class Preempted(Exception):
     """The run stopped at a step boundary for a preemption signal; its checkpoint is saved."""
 
-    def __init__(self, signal_name: str, step: int, tag: str) -> None:
+    def __init__(self, signal_name: str, step: int, tag: str | None) -> None:
+        saved = f"checkpoint {tag} saved" if tag else "before the first step, nothing new to save"
         super().__init__(
-            f"stopped by {signal_name} after step {step}: checkpoint {tag} saved; "
+            f"stopped by {signal_name} after step {step}: {saved}; "
             f"run the same command again to resume (exit code {EXIT_PREEMPTED})"
         )
         self.signal_name = signal_name
@@ -108,7 +109,7 @@ class PreemptionHandler:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        if self._thread is None:
+        if self._thread is None or self.saved:  # saved: leaving with EXIT_PREEMPTED, whatever comes now
             return
         for number, previous in self._previous.items():
             signal.signal(number, previous)
@@ -173,6 +174,12 @@ class PreemptionHandler:
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def before_first_step(self, trainer) -> None:
+        """After set-up: when any rank was signalled during it, raise :class:`Preempted` (nothing new to save)."""
+        if self.requested():
+            self.saved = True
+            raise Preempted(self.signal_name(), trainer.start_step, None)
 
     def at_step_boundary(self, trainer, step: int) -> None:
         """After ``step`` (not the last): when any rank was signalled, save ``step`` and raise :class:`Preempted`.
