@@ -156,6 +156,7 @@ forward() {
         # shellcheck disable=SC2086 # one pid a word
         kill -s "$signal" $ranks 2>/dev/null || true
     fi
+    return 0
 }
 trap 'forward TERM' TERM HUP
 trap 'forward INT' INT

@@ -159,6 +159,19 @@ stop_pid_file() {
     rm -f "$file"
 }
 
+job_processes() {
+    # Processes of this cluster's jobs: SLURM_JOB_ID and this cluster's SLURM_CONF in their environment.
+    local environ pid
+    for environ in /proc/[0-9]*/environ; do
+        pid=${environ#/proc/}
+        pid=${pid%/environ}
+        if tr '\0' '\n' <"$environ" 2>/dev/null | grep -qx "SLURM_CONF=$DIR/slurm.conf" &&
+            tr '\0' '\n' <"$environ" 2>/dev/null | grep -q '^SLURM_JOB_ID='; then
+            echo "$pid"
+        fi
+    done
+}
+
 stop() {
     [[ -d $DIR ]] || return 0
     DIR=$(cd "$DIR" && pwd)
@@ -172,6 +185,12 @@ stop() {
             sleep 0.2
         done
     fi
+    # proctrack/linuxproc follows parent links only: a process whose parent died (a rank whose torchrun
+    # was killed) escapes the job's clean-up. Such processes still carry the job's environment.
+    local pid
+    for pid in $(job_processes); do
+        kill -9 "$pid" 2>/dev/null || true
+    done
     for file in "$DIR"/slurmd-*.pid; do
         [[ -e $file ]] && stop_pid_file "$file"
     done
