@@ -32,11 +32,6 @@ import socket
 import threading
 import time
 
-import torch
-import torch.distributed as dist
-
-from ds_tree.engine import checkpoint
-
 logger = logging.getLogger(__name__)
 
 EXIT_PREEMPTED = 75
@@ -170,6 +165,9 @@ class PreemptionHandler:
 
     def requested(self) -> bool:
         """Whether any rank received a preemption signal (collective: an all-reduce of one flag)."""
+        import torch  # here: the module itself loads in a blink (its tests start processes)
+        import torch.distributed as dist
+
         flag = torch.tensor([1 if self.received is not None else 0], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -188,6 +186,8 @@ class PreemptionHandler:
         """
         if not self.requested():
             return
+        from ds_tree.engine import checkpoint
+
         every = trainer.config.checkpoint.every
         if not (every and step % every == 0):  # else the loop saved this step just now
             trainer.save(step)
