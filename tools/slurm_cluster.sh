@@ -165,8 +165,8 @@ job_processes() {
     for environ in /proc/[0-9]*/environ; do
         pid=${environ#/proc/}
         pid=${pid%/environ}
-        if tr '\0' '\n' <"$environ" 2>/dev/null | grep -qx "SLURM_CONF=$DIR/slurm.conf" &&
-            tr '\0' '\n' <"$environ" 2>/dev/null | grep -q '^SLURM_JOB_ID='; then
+        if tr '\0' '\n' 2>/dev/null <"$environ" | grep -qx "SLURM_CONF=$DIR/slurm.conf" &&
+            tr '\0' '\n' 2>/dev/null <"$environ" | grep -q '^SLURM_JOB_ID='; then
             echo "$pid"
         fi
     done
