@@ -43,6 +43,7 @@ Estimator = Literal["grpo", "rloo", "treepo", "given"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
+PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.engine.preemption.SIGNALS
 
 
 RL_ONLY_FIELDS = (
@@ -346,10 +347,22 @@ class CheckpointConfig:
     ``never``: start from step 0; an error if complete checkpoints exist (they would be overwritten)."""
     export_hf: bool = True
     """Write the final model as a Hugging Face directory (safetensors) in ``<output_dir>/hf``."""
+    preempt_signals: list[PreemptSignal] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that stop a run cleanly (SLURM preemption, ``scancel``, ``timeout``; docs/LAUNCH.md): every
+    rank finishes its current step, the step is saved as a complete checkpoint, and each rank exits
+    with code 75 (re-run to resume). A signal reaching one rank stops them all. A second signal (2 s or
+    more after the first) or ``preempt_grace_s`` exits at once with 128 + the signal's number, the last
+    complete checkpoint unchanged. ``[]``: signals keep their default action (the process ends)."""
+    preempt_grace_s: float = 600.0
+    """Seconds from the first preemption signal to the forced exit; keep it below what the scheduler
+    allows before its SIGKILL (SLURM: the ``GRACE`` of ``--signal=B:USR1@GRACE``, ``KillWait`` or
+    ``GraceTime`` of a preemption)."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
             raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
+        if self.preempt_grace_s <= 0:
+            raise ConfigError(f"checkpoint.preempt_grace_s must be > 0, got {self.preempt_grace_s}")
 
 
 @dataclass
@@ -529,6 +542,10 @@ def _coerce(hint: Any, value: Any, where: str, dotted: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{where}: {dotted} must be one of {', '.join(choices)}; got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: {dotted} must be a list, got {value!r}")
+        return [_coerce(typing.get_args(hint)[0], v, where, f"{dotted}[{i}]") for i, v in enumerate(value)]
     if origin is tuple:
         types = typing.get_args(hint)
         if not isinstance(value, list | tuple) or len(value) != len(types):

@@ -7,7 +7,10 @@ output directory and what a resume would load, without starting anything.
 Exit codes: 0 done; 2 a config, data or checkpoint error found before any process group starts
 (every rank finds the same); 1 a failure after that, which each failing rank reports with its
 rank before exiting, so the one that failed first is named even when the others then fail
-waiting for it.
+waiting for it; 75 stopped by a preemption signal (``checkpoint.preempt_signals``, SIGTERM and
+SIGUSR1 by default) after saving the checkpoint of the step it was in: the same command resumes;
+128 + the signal's number: a second signal, or ``checkpoint.preempt_grace_s`` passed, before that
+checkpoint was complete (:mod:`ds_tree.engine.preemption`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ds_tree.data.jsonl import json_text
 from ds_tree.engine import checkpoint
 from ds_tree.engine.checkpoint import CheckpointError
 from ds_tree.engine.console import setup_console
+from ds_tree.engine.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
 from ds_tree.engine.trainer import NonFiniteError, Trainer
 from ds_tree.models.token_mixing import UnsupportedModelError
 
@@ -60,9 +64,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if already_finished(trainer):
         return 0
+    preemption = PreemptionHandler(config.checkpoint.preempt_signals, config.checkpoint.preempt_grace_s)
     try:
-        trainer.setup()
-        trainer.train()
+        with preemption:  # from here on a signal stops the run at a step boundary
+            trainer.setup()
+            preemption.before_first_step(trainer)
+            trainer.preemption = preemption
+            trainer.train()
+    except Preempted as stop:
+        logger.warning("%s", stop)
+        return EXIT_PREEMPTED
     except EXPLAINED as error:
         logger.error("error: %s", error)
         return 1

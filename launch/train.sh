@@ -16,8 +16,14 @@
 #   DRY_RUN=1    validate the config (python -m ds_tree.train --dry-run with WORLD_SIZE=NGPU*NNODES),
 #                print the launch command, exit without launching
 #
-# Relative paths (CONFIG excepted, which may be relative to where you call from) are resolved
-# against the repository root: the script runs from there.
+# CONFIG is taken relative to the directory you call from; other relative paths (in the config and
+# the overrides) are resolved against the repository root: the script runs from there.
+#
+# Signals: SIGTERM, SIGINT and SIGUSR1 to this script (SIGHUP as SIGTERM) are forwarded to the
+# ranks, which save a checkpoint of their current step and exit 75 (checkpoint.preempt_signals;
+# docs/LAUNCH.md); the script waits for them and exits with the launcher's code, never 0 while a
+# rank did not finish. With HOSTFILE (pdsh) the signal goes to the DeepSpeed launcher, which kills
+# the remote ranks without a checkpoint.
 set -euo pipefail
 
 usage() {
@@ -33,9 +39,13 @@ CONFIG=$1
 shift
 
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-# A config given relative to the caller's directory keeps working after the cd below.
-if [[ $CONFIG != /* && -f $CONFIG && ! -f $REPO_DIR/$CONFIG ]]; then
-    CONFIG=$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")
+if [[ ! -f $CONFIG ]]; then
+    echo "train.sh: $CONFIG: no such config file (a relative path is taken from $PWD)" >&2
+    exit 2
+fi
+# The caller's file, also after the cd below (shown as given when called from the repository).
+if [[ $CONFIG != /* && $PWD != "$REPO_DIR" ]]; then
+    CONFIG=$PWD/$CONFIG
 fi
 cd "$REPO_DIR"
 
@@ -80,6 +90,10 @@ if [[ -n $HOSTFILE && ! -f $HOSTFILE ]]; then
     echo "train.sh: HOSTFILE=$HOSTFILE: no such file" >&2
     exit 2
 fi
+if ! [[ $MASTER_PORT =~ ^[1-9][0-9]{0,4}$ && $MASTER_PORT -le 65535 ]]; then
+    echo "train.sh: MASTER_PORT must be an integer in 1..65535 (got MASTER_PORT=$MASTER_PORT)" >&2
+    exit 2
+fi
 if [[ -n ${SP_SIZE:-} ]]; then
     if ! [[ $SP_SIZE =~ ^[1-9][0-9]*$ ]]; then
         echo "train.sh: SP_SIZE must be a positive integer (got SP_SIZE=$SP_SIZE)" >&2
@@ -110,4 +124,69 @@ if [[ $DRY_RUN == 1 ]]; then
     exit 0
 fi
 
-exec "${launch[@]}"
+# Not exec: the DeepSpeed launcher exits on SIGTERM while its ranks train on (reparented), and exits
+# 0 when its per-node launcher is killed. It runs in a session of its own, so signals to this
+# script's process group (a terminal's Ctrl-C, timeout, kill -- -PGID) reach it only through here.
+setsid --wait "${launch[@]}" &
+LAUNCHER_PID=$!
+
+rank_pids() {
+    # Everything in the launcher's session but the launcher and its children (deepspeed.launcher.launch,
+    # or pdsh): the ranks, still found once their launch process is gone and they were reparented.
+    local members children pid
+    members=$(pgrep -s "$LAUNCHER_PID" || true)
+    children=" $(pgrep -P "$LAUNCHER_PID" | tr '\n' ' ') "
+    for pid in $members; do
+        if [[ $pid != "$LAUNCHER_PID" && $children != *" $pid "* ]]; then echo "$pid"; fi
+    done
+}
+
+FORWARDED=
+# shellcheck disable=SC2329 # called by the traps below
+forward() {
+    local signal=$1 ranks
+    FORWARDED=$signal
+    ranks=$(rank_pids | tr '\n' ' ')
+    if [[ -n $HOSTFILE || -z ${ranks// /} ]]; then
+        # pdsh: only the launcher reaches the remote ranks; or no rank has started yet.
+        echo "train.sh: SIG$signal: forwarded to the launcher (pid $LAUNCHER_PID)" >&2
+        kill -s "$signal" "$LAUNCHER_PID" 2>/dev/null || true
+    else
+        echo "train.sh: SIG$signal: forwarded to the ranks (pids ${ranks% }); waiting for them" >&2
+        # shellcheck disable=SC2086 # one pid a word
+        kill -s "$signal" $ranks 2>/dev/null || true
+    fi
+    return 0
+}
+trap 'forward TERM' TERM HUP
+trap 'forward INT' INT
+trap 'forward USR1' USR1
+
+# wait returns early (over 128) when a trapped signal arrives: wait again until the launcher is done.
+SIGNALLED=
+while :; do
+    FORWARDED=
+    status=0
+    wait "$LAUNCHER_PID" || status=$?
+    [[ -n $FORWARDED ]] || break
+    SIGNALLED=$FORWARDED
+done
+
+# Ranks the launcher left behind (its per-node launcher was killed): stop them with a checkpoint
+# (SIGTERM), wait for them, and fail whatever the launcher said.
+leftover=$(rank_pids | tr '\n' ' ')
+if [[ -n ${leftover// /} ]]; then
+    echo "train.sh: the launcher exited ($status) while ranks still ran (pids ${leftover% }): sending them" \
+        "SIGTERM (they save their step and exit); waiting for them" >&2
+    # shellcheck disable=SC2086 # one pid a word
+    kill -s TERM $leftover 2>/dev/null || true
+    while [[ -n $(pgrep -s "$LAUNCHER_PID" || true) ]]; do
+        sleep 0.5
+    done
+    echo "train.sh: failed: the launcher did not see its ranks finish" >&2
+    exit 1
+fi
+if [[ -n $SIGNALLED && $status -eq 0 ]]; then
+    echo "train.sh: SIG$SIGNALLED was forwarded, and the ranks finished the run" >&2
+fi
+exit "$status"

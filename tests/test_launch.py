@@ -70,7 +70,7 @@ def would_run(stdout: str, script: str) -> str:
     return lines[marker + 1]
 
 
-@pytest.mark.parametrize("script", [TRAIN_SH, SLURM_SBATCH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [TRAIN_SH, SLURM_SBATCH, REPO / "tools" / "slurm_cluster.sh"], ids=lambda p: p.name)
 def test_shellcheck(script):
     shellcheck = find_shellcheck()
     if shellcheck is None:
@@ -211,3 +211,30 @@ def test_wrong_batch_size_fails_dry_run(tokens_file, tmp_path, monkeypatch, caps
     )
     assert code != 0
     assert "train_batch_size" in err
+
+
+@pytest.mark.parametrize("port", ["abc", "99999", "0", "65536", "80x", "-1"])
+@pytest.mark.parametrize("script", [TRAIN_SH, SLURM_SBATCH], ids=lambda p: p.name)
+def test_bad_master_port_fails_the_dry_run(script, port):
+    """Issue 26, defect 11: MASTER_PORT=abc or 99999 passed both dry runs."""
+    result = run_script(script, "configs/tiny_cpu.yaml", DRY_RUN="1", DRY_RUN_NODES="node1 node2", MASTER_PORT=port)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "MASTER_PORT must be an integer in 1..65535" in result.stderr and port in result.stderr
+
+
+@pytest.mark.parametrize("script", [TRAIN_SH, SLURM_SBATCH], ids=lambda p: p.name)
+def test_config_path_is_the_callers(script, tmp_path, tokens_file):
+    """Issue 26, defect 8: from a directory with its own configs/tiny_cpu.yaml, the repository's file was used."""
+    own = tmp_path / "configs" / "tiny_cpu.yaml"
+    own.parent.mkdir()
+    own.write_text((REPO / "configs" / "tiny_cpu.yaml").read_text() + "callers_own_key: 1\n")
+    env = script_env(DRY_RUN="1", DRY_RUN_NODES="node1 node2", GPUS_PER_NODE="1", NGPU="2")
+    run = ["bash", str(script), "configs/tiny_cpu.yaml", f"data.path={tokens_file}", f"output_dir={tmp_path / 'run'}"]
+    result = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"config error: {own}: unknown key 'callers_own_key'" in result.stderr, result.stderr
+    missing = subprocess.run(
+        ["bash", str(script), "configs/absent.yaml"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert missing.returncode == 2
+    assert f"configs/absent.yaml: no such config file (a relative path is taken from {tmp_path})" in missing.stderr

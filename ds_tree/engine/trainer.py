@@ -101,6 +101,8 @@ class Trainer(RLSteps):
         """Steps without a trained token (every loss weight 0)."""
         self.online = None
         """Online RL (``rollout.enabled``): samples each step's groups (:mod:`ds_tree.rollout.online`)."""
+        self.preemption = None
+        """The preemption signal handler while :meth:`train` runs (:mod:`ds_tree.engine.preemption`)."""
 
     # ----------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -475,6 +477,8 @@ class Trainer(RLSteps):
                     bar.update(1)
             if config.checkpoint.every and done % config.checkpoint.every == 0 and done < config.max_steps:
                 self.save(done)
+            if self.preemption is not None and done < config.max_steps:  # a collective: every rank stops alike
+                self.preemption.at_step_boundary(self, done)
         if bar:
             bar.close()
         if self.untrained_steps:

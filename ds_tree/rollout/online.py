@@ -39,7 +39,7 @@ from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
-from ds_tree.rollout.rewards import REWARDS, RewardRequest, score
+from ds_tree.rollout.rewards import REWARDS, RewardRequest, describe_failure, score
 from ds_tree.rollout.sampler import sample_tree
 from ds_tree.trees.trajectory import Trajectory
 
@@ -125,6 +125,8 @@ def reward_function(name: str) -> Callable[[RewardRequest], float]:
         function = getattr(importlib.import_module(module), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"{name!r} cannot be imported: {error}") from None
+    except (Exception, SystemExit) as error:  # a syntax error or a failure while the module's code runs
+        raise ValueError(f"{name!r} cannot be imported: module {module!r}: {describe_failure(error)}") from None
     if not callable(function):
         raise ValueError(f"{name!r} is not a function")
     return function

@@ -4,7 +4,8 @@ A reward function takes a :class:`RewardRequest` and returns a finite float. Bui
 (:data:`REWARDS`): ``game24`` (1.0 when the completion's answer solves the prompt's 24 game,
 :mod:`ds_tree.rollout.game24`) and ``exact_match`` (1.0 when the stripped completion equals the
 stripped ``metadata["answer"]``). :func:`score` never lets one bad trajectory stop the loop: an
-exception or a non-finite value gives ``None`` for that request and a message naming it.
+exception (``SystemExit`` included: a reward calling ``sys.exit`` does not end the rank) or a
+non-finite value gives ``None`` for that request and a message naming it.
 """
 
 from __future__ import annotations
@@ -61,6 +62,15 @@ REWARDS: dict[str, Callable[[RewardRequest], float]] = {
 }
 
 
+def describe_failure(error: BaseException) -> str:
+    """``Type: message`` of a reward's failure; where a syntax error is, or the code a ``sys.exit`` gave."""
+    if isinstance(error, SystemExit):
+        return f"SystemExit: the reward code called sys.exit({error.code!r})"
+    if isinstance(error, SyntaxError):
+        return f"SyntaxError: {error.msg} ({error.filename}, line {error.lineno})"
+    return f"{type(error).__name__}: {error}"
+
+
 def score(
     reward_fn: Callable[[RewardRequest], float], requests: list[RewardRequest]
 ) -> tuple[list[float | None], list[str]]:
@@ -74,11 +84,9 @@ def score(
     for index, request in enumerate(requests):
         try:
             value = reward_fn(request)
-        except Exception as error:  # a user's reward function may raise anything
+        except (Exception, SystemExit) as error:  # a user's reward function may raise anything, even exit
             rewards.append(None)
-            failures.append(
-                f"reward failed for request {index} ({request.describe()}): {type(error).__name__}: {error}"
-            )
+            failures.append(f"reward failed for request {index} ({request.describe()}): {describe_failure(error)}")
             continue
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             rewards.append(None)
