@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
-        trainer.prepare()
+        trainer.prepare(lock=not args.dry_run)  # a run locks its output_dir; a dry run checks it is free
     except CheckpointError as error:
         logger.error("checkpoint error: %s", error)
         return 2

@@ -33,6 +33,7 @@ def export_hf(engine, directory: Path, rank: int, tokenizer: str = "") -> None:
         if tokenizer:
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(tokenizer, local_files_only=True).save_pretrained(str(temporary))
+            loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False)
+            loaded.save_pretrained(str(temporary))
         replace_directory(temporary, directory)
     dist.barrier()

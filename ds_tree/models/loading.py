@@ -36,7 +36,7 @@ def load_config(source: str | Path) -> PretrainedConfig:
     """Config from a JSON file (must name its ``model_type``) or a local model directory."""
     source = Path(source)
     if source.is_dir():
-        return AutoConfig.from_pretrained(source, local_files_only=True)
+        return AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False)
     if not source.is_file():
         raise FileNotFoundError(f"{source}: no such model config file or directory")
     try:
@@ -76,7 +76,7 @@ def load_model(
     check_layer_types(config)
     if has_weights(source):
         model = AutoModelForCausalLM.from_pretrained(
-            source, attn_implementation=implementation, dtype=dtype, local_files_only=True
+            source, attn_implementation=implementation, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
     else:
         torch.manual_seed(seed)
