@@ -86,18 +86,38 @@ def _safe_name(name: object) -> bool:
 
 def _files_present(path: Path, record: dict) -> bool:
     """Every file the record lists (every rank's) is there with its recorded size."""
+    return _missing_file(path, record) is None
+
+
+def _missing_file(path: Path, record: dict) -> str | None:
+    """The first listed file that is not there at its recorded size, or what is wrong with the list."""
     files = record.get("files")
     if not isinstance(files, dict) or not files:
-        return False
+        return f"{path / RECORD} lists no files"
     for name, entry in files.items():
         if not _safe_name(name) or not isinstance(entry, dict):
-            return False
+            return f"{path / RECORD} lists {name!r}, not a file of the checkpoint"
         try:
-            if (path / name).stat().st_size != entry.get("size"):
-                return False
+            size = (path / name).stat().st_size
         except OSError:
-            return False
-    return True
+            return f"{path / name} is missing"
+        if size != entry.get("size"):
+            return f"{path / name} holds {size} bytes, its record says {entry.get('size')}"
+    return None
+
+
+def why_incomplete(directory: Path, tag: str) -> str:
+    """Why ``tag`` in ``directory`` is not a complete checkpoint (for error messages)."""
+    path = directory / tag
+    if step_of(tag) is None or path.is_symlink() or not path.is_dir():
+        return f"{path} is not a checkpoint directory"
+    try:
+        record = json.loads((path / RECORD).read_text())
+    except (OSError, ValueError):
+        return f"{path / RECORD} is missing or unreadable"
+    if not isinstance(record, dict) or record.get("step") != step_of(tag):
+        return f"{path / RECORD} is not the record of step {step_of(tag)}"
+    return _missing_file(path, record) or "complete"
 
 
 def sha256_of(path: Path) -> str:
@@ -163,8 +183,9 @@ def read_latest(directory: Path) -> str | None:
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{latest}: unreadable ({error}); {_found(directory)}") from None
     if read_record(directory, tag) is None:
+        why = f": {why_incomplete(directory, tag)}" if step_of(tag) is not None else ""
         raise CheckpointError(
-            f"{latest}: names {tag!r}, which is not a complete checkpoint in {directory} ({_found(directory)}). "
+            f"{latest}: names {tag!r}, which is not a complete checkpoint in {directory}{why} ({_found(directory)}). "
             "Repair or delete the file, or set checkpoint.resume=newest_complete to resume from the newest "
             "complete one"
         )
