@@ -360,3 +360,21 @@ def test_output_dirs_that_another_run_deletes_are_refused(tmp_path: Path) -> Non
     (nested / run_lock.LOCK_FILE).write_text("")
     with pytest.raises(ConfigError, match=rf"output_dir: {nested}, the output_dir of another run, lies inside"):
         run_dir.check_not_nested(outer)
+
+
+def test_deepspeeds_copy_of_zero_to_fp32_is_rewritten_to_load_weights_only(tmp_path: Path) -> None:
+    import deepspeed
+
+    original = Path(deepspeed.__file__).parent / "utils" / "zero_to_fp32.py"
+    assert "weights_only=False" in original.read_text()
+    directory = tmp_path / "run" / "checkpoints"
+    directory.mkdir(parents=True)
+    script = directory / "zero_to_fp32.py"
+    script.write_text(original.read_text())  # as DeepSpeed leaves it when a kill follows its save
+    assert run_dir.remove_leftovers(tmp_path / "run") == []
+    text = script.read_text()
+    assert "weights_only=False" not in text and text.count("weights_only=True") >= 3
+    assert "torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler])" in text
+    compile(text, str(script), "exec")
+    checkpoint.harden_recovery_scripts(directory)  # once only
+    assert script.read_text() == text

@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import pickle
 import re
 import shutil
@@ -43,6 +44,8 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.atomic import replace_directory, write_text_atomically
+
+logger = logging.getLogger(__name__)
 
 RECORD = "ds_tree_checkpoint.json"
 LATEST = "latest"
@@ -237,9 +240,9 @@ def save(engine, directory: Path, step: int, client_state: dict, record: dict, k
             write_text_atomically(partial / RECORD, text)
             replace_directory(partial, directory / tag)
             write_text_atomically(directory / LATEST, tag)
-            harden_recovery_scripts(directory)
         except OSError as error:
             raise CheckpointError(write_failure(directory, tag, error)) from error
+        harden_recovery_scripts(directory)
         prune(directory, keep_last, step)
     dist.barrier()
     return tag
@@ -351,7 +354,10 @@ def harden_recovery_scripts(directory: Path) -> None:
         "torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler])\n"
     )
     text = text.replace(anchor, allow, 1).replace("weights_only=False", "weights_only=True")
-    write_text_atomically(script, text)
+    try:
+        write_text_atomically(script, text)
+    except OSError as error:  # the checkpoint itself is complete: say so, and go on
+        logger.warning("%s still loads with weights_only=False: rewriting it failed (%s)", script, error)
 
 
 def write_failure(directory: Path, tag: str, error: BaseException) -> str:

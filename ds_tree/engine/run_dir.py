@@ -104,7 +104,7 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
     between the two renames left ``NAME`` missing), ``.NAME.tmp-PID`` files, ``hf.partial`` and empty
     copies of DeepSpeed's recovery scripts; one log line says what and how much. Returns that list.
     """
-    from ds_tree.engine.checkpoint import RECOVERY_SCRIPTS
+    from ds_tree.engine.checkpoint import RECOVERY_SCRIPTS, harden_recovery_scripts
 
     output_dir = Path(output_dir)
     removed, restored, total = [], [], 0
@@ -133,6 +133,7 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
         back = f"put back {', '.join(restored)}" if restored else ""
         done = "; ".join(part for part in (what, back) if part)
         logger.warning("output_dir %s: leftovers of an earlier run that was killed: %s", output_dir, done)
+    harden_recovery_scripts(output_dir / "checkpoints")  # a copy DeepSpeed wrote just before a kill
     return removed + restored
 
 
