@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         trainer = Trainer(config)
-        trainer.prepare()
+        trainer.prepare(lock=not args.dry_run)  # a run locks its output_dir; a dry run checks it is free
     except CheckpointError as error:
         logger.error("checkpoint error: %s", error)
         return 2
@@ -95,11 +95,17 @@ def already_finished(trainer: Trainer) -> bool:
     """True (and says so) when the checkpoint this run would resume from is at ``max_steps`` and
     its export is there: a re-run would train 0 steps and export the same weights again."""
     config = trainer.config
-    step = checkpoint.step_of(trainer.resume_from) if trainer.resume_from else None
+    tag = trainer.resume_from
+    if tag is None and int(os.environ.get("RANK", "0")) != 0:  # rank 0 alone planned the resume: read it alike
+        try:
+            tag = checkpoint.resume_tag(trainer.checkpoint_dir, config.checkpoint.resume)
+        except CheckpointError:
+            return False  # rank 0 reported it and stopped
+    step = checkpoint.step_of(tag) if tag else None
     if step is None or step < config.max_steps:
         return False
     export = trainer.output_dir / "hf"
-    saved = (trainer.checkpoint_dir / trainer.resume_from / checkpoint.RECORD).stat().st_mtime
+    saved = (trainer.checkpoint_dir / tag / checkpoint.RECORD).stat().st_mtime
     if config.checkpoint.export_hf and not (export.is_dir() and export.stat().st_mtime >= saved):
         return False  # no export of that checkpoint yet (the run stopped before it): train 0 steps, export
     logger.warning(
@@ -107,7 +113,7 @@ def already_finished(trainer: Trainer) -> bool:
         "raise max_steps (e.g. max_steps=%d); to start a new run, set another output_dir",
         trainer.output_dir,
         config.max_steps,
-        trainer.resume_from,
+        tag,
         f", and its export {export} is up to date" if config.checkpoint.export_hf else "",
         2 * config.max_steps,
     )

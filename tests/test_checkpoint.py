@@ -1,9 +1,10 @@
 """Checkpoint bookkeeping without processes: completeness, ``latest``, resume policies, pruning, the
-description of a failed write, metrics truncation on resume, the atomic-write helpers and the run
-directory (writability, config history, what a resume may change).
+description of a failed write, metrics truncation on resume (a torn last line), line-atomic metrics
+appends, the atomic-write helpers and the run directory (writability, config history, what a resume
+may change, a killed run's leftovers, output directories nested where another run deletes).
 
 Checkpoint directories are laid out here as ``checkpoint.save`` leaves them (DeepSpeed's files
-are stand-ins: the functions under test only read names and the record).
+are stand-ins, listed with their sizes and sha256 in the record).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def complete(directory: Path, step: int, world_size: int = 2, config: dict | None = None) -> Path:
     path = directory / checkpoint.tag_for(step)
     path.mkdir(parents=True)
-    (path / "mp_rank_00_model_states.pt").write_bytes(b"weights")
-    record = {"step": step, "world_size": world_size, "config": config or {}}
+    for rank in range(world_size):
+        (path / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"weights %d" % rank)
+    files = checkpoint.describe_files(path, checkpoint.listing(path))
+    record = {"step": step, "world_size": world_size, "config": config or {}, "files": files}
     (path / checkpoint.RECORD).write_text(json.dumps(record))
     return path
 
@@ -230,3 +233,148 @@ def test_resume_changes_are_listed_or_refused(tmp_path: Path) -> None:
     shorter = load_config(ROOT / "configs/tiny_cpu.yaml", [f"data.path={data}", "max_steps=30"])
     with pytest.raises(ConfigError, match=r"max_steps \(30\) is below the step of .*step_0000040 \(40\)"):
         run_dir.resume_changes(record, shorter, 2, where)
+
+
+def test_a_checkpoint_is_complete_only_with_every_listed_file_at_its_recorded_size(checkpoints: Path) -> None:
+    step = checkpoints / "step_0000006"
+    rank1 = step / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    record = json.loads((step / checkpoint.RECORD).read_text())
+    assert sorted(record["files"]) == [
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    ]
+    assert record["files"][rank1.name]["sha256"] == checkpoint.sha256_of(rank1)
+    content = rank1.read_bytes()
+    rank1.unlink()  # only rank 0's files: not complete, not latest's to name
+    assert checkpoint.complete_tags(checkpoints) == ["step_0000002", "step_0000004"]
+    with pytest.raises(CheckpointError, match="names 'step_0000006', which is not a complete checkpoint"):
+        checkpoint.resume_tag(checkpoints, "auto")
+    rank1.write_bytes(content[:-1])  # cut short
+    assert checkpoint.read_record(checkpoints, "step_0000006") is None
+    rank1.write_bytes(content)
+    assert checkpoint.read_record(checkpoints, "step_0000006") == record
+    for files in ({}, None, {"../step_0000004/zero_pp_rank_0_mp_rank_00_model_states.pt": {"size": 9}}):
+        (step / checkpoint.RECORD).write_text(json.dumps({**record, "files": files}))
+        assert checkpoint.read_record(checkpoints, "step_0000006") is None, files
+
+
+def test_checkpoint_files_are_checked_against_their_sha256(checkpoints: Path) -> None:
+    step = checkpoints / "step_0000004"
+    record = checkpoint.read_record(checkpoints, "step_0000004")
+    names = sorted(record["files"])
+    assert checkpoint.verify_files(step, record, names) == [] and checkpoint.unlisted_files(step, record) == []
+    (step / names[1]).write_bytes(b"weights 7")  # same size, other content: still "complete", never loaded
+    assert checkpoint.read_record(checkpoints, "step_0000004") == record
+    assert checkpoint.verify_files(step, record, names) == [
+        f"{step / names[1]}: its content differs from the sha256 recorded in {step / checkpoint.RECORD}"
+    ]
+    (step / "zero_pp_rank_2_mp_rank_00_model_states.pt").write_bytes(b"extra")
+    assert checkpoint.unlisted_files(step, record) == [
+        f"{step / 'zero_pp_rank_2_mp_rank_00_model_states.pt'}: not listed in {step / checkpoint.RECORD}"
+    ]
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning_naming_the_file(tmp_path: Path, caplog) -> None:
+    lines = [json.dumps({"step": step, "loss/train": 1.0 / step}) for step in range(1, 5)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(lines[:3]) + "\n" + lines[3][:17])  # killed while appending step 4
+    with caplog.at_level("WARNING"):
+        logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=3)
+    assert f"{path}:4: dropped a half-written last line (17 bytes" in caplog.text
+    logger.log(4, {"loss/train": 0.25})
+    logger.close()
+    assert path.read_text() == "\n".join(lines[:3]) + "\n" + json.dumps({"step": 4, "loss/train": 0.25}) + "\n"
+    # A whole last line without its newline is kept; a damaged line before the last is an error naming it.
+    path.write_text("\n".join(lines))
+    MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=4).close()
+    assert path.read_text() == "\n".join(lines) + "\n"
+    path.write_text(lines[0] + "\n" + lines[1][:10] + "\n" + lines[2] + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}:2: not a metrics record"):
+        MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=3)
+
+
+def test_a_metrics_record_is_appended_in_one_write_of_the_whole_line(tmp_path: Path, monkeypatch) -> None:
+    writes = []
+    real_write = os.write
+
+    def recorded(descriptor: int, data: bytes) -> int:
+        writes.append(bytes(data))
+        return real_write(descriptor, data)
+
+    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=0)
+    monkeypatch.setattr(os, "write", recorded)
+    logger.log(1, {"loss/train": 0.5, "optim/lr": 1e-3})
+    logger.log(2, {"loss/train": 0.25, "optim/lr": 1e-3})
+    monkeypatch.undo()
+    assert writes == [
+        (json.dumps({"step": step, "loss/train": loss, "optim/lr": 1e-3}) + "\n").encode()
+        for step, loss in ((1, 0.5), (2, 0.25))
+    ]
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_leftovers_of_a_killed_run_are_removed_and_reported(tmp_path: Path, caplog) -> None:
+    out = tmp_path / "run"
+    directory = out / "checkpoints"
+    complete(directory, 2)
+    incomplete(directory, f"{checkpoint.PARTIAL}step_0000004")
+    (directory / "zero_to_fp32.py").write_text("")  # DeepSpeed's copy, cut to 0 bytes by a kill
+    (directory / ".latest.tmp-4242").write_text("step_00")
+    (out / "hf").mkdir()
+    (out / ".hf.replaced-4242").mkdir()  # a whole previous export
+    (out / ".hf.replaced-4242" / "model.safetensors").write_bytes(b"x" * 100)
+    (out / "hf.partial").mkdir()
+    # Killed between replace_directory's two renames: step 3 only exists under its aside name.
+    aside = complete(directory, 3).rename(directory / ".step_0000003.replaced-4242")
+    with caplog.at_level("WARNING"):
+        done = run_dir.remove_leftovers(out)
+    assert sorted(p.name for p in directory.iterdir()) == ["step_0000002", "step_0000003"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "hf"]
+    assert checkpoint.complete_tags(directory) == ["step_0000002", "step_0000003"]
+    assert not aside.exists()
+    assert len(done) == 6
+    [line] = [record.getMessage() for record in caplog.records]
+    assert line.startswith(f"output_dir {out}: leftovers of an earlier run that was killed: removed 5 (")
+    assert ".hf.replaced-4242 (1 file, 100 bytes)" in line and "checkpoints/zero_to_fp32.py (1 file, 0 bytes)" in line
+    assert "checkpoints/.partial-step_0000004 (1 file, 4 bytes)" in line
+    assert "put back checkpoints/.step_0000003.replaced-4242 -> step_0000003" in line
+    caplog.clear()
+    assert run_dir.remove_leftovers(out) == [] and not caplog.records
+
+
+def test_output_dirs_that_another_run_deletes_are_refused(tmp_path: Path) -> None:
+    outer = tmp_path / "outer"
+    complete(outer / "checkpoints", 5)
+    (outer / "checkpoints" / "latest").write_text("step_0000005")
+    for inner in (outer / "checkpoints" / "step_0000005" / "run", outer / "checkpoints", outer / "hf" / "x"):
+        with pytest.raises(ConfigError, match=rf"output_dir: {inner} lies inside {outer}/(checkpoints|hf), which the"):
+            run_dir.check_not_nested(inner)
+    run_dir.check_not_nested(outer)
+    run_dir.check_not_nested(tmp_path / "checkpoints" / "run")  # no run in tmp_path
+    run_dir.check_not_nested(outer / "logs" / "run")
+    # A run that started inside another's checkpoints earlier: the outer one is refused in turn.
+    from ds_tree.engine import run_lock
+
+    nested = outer / "checkpoints" / "step_0000005" / "old_run"
+    nested.mkdir()
+    (nested / run_lock.LOCK_FILE).write_text("")
+    with pytest.raises(ConfigError, match=rf"output_dir: {nested}, the output_dir of another run, lies inside"):
+        run_dir.check_not_nested(outer)
+
+
+def test_deepspeeds_copy_of_zero_to_fp32_is_rewritten_to_load_weights_only(tmp_path: Path) -> None:
+    import deepspeed
+
+    original = Path(deepspeed.__file__).parent / "utils" / "zero_to_fp32.py"
+    assert "weights_only=False" in original.read_text()
+    directory = tmp_path / "run" / "checkpoints"
+    directory.mkdir(parents=True)
+    script = directory / "zero_to_fp32.py"
+    script.write_text(original.read_text())  # as DeepSpeed leaves it when a kill follows its save
+    assert run_dir.remove_leftovers(tmp_path / "run") == []
+    text = script.read_text()
+    assert "weights_only=False" not in text and text.count("weights_only=True") >= 3
+    assert "torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler])" in text
+    compile(text, str(script), "exec")
+    checkpoint.harden_recovery_scripts(directory)  # once only
+    assert script.read_text() == text

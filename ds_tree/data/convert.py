@@ -89,7 +89,7 @@ def load_tokenizer(path: str | Path):
     if not Path(path).is_dir():
         raise DataError(f"{path}: no such tokenizer directory")
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise DataError(f"{path}: not a loadable tokenizer directory ({reason})") from error

@@ -53,7 +53,7 @@ def save_hf(model, state_dict, directory: Path, tokenizer: str = "") -> None:
     if tokenizer:
         from transformers import AutoTokenizer
 
-        loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+        loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False)
         for option in LOAD_OPTIONS:
             loaded.init_kwargs.pop(option, None)
         loaded.save_pretrained(str(temporary))

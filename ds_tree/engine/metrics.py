@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 from ds_tree.atomic import write_text_atomically
+from ds_tree.config import ConfigError
 from ds_tree.data.jsonl import json_text
+
+logger = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -20,21 +25,63 @@ class MetricsLogger:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
         if self.path.exists():  # a resumed run: drop records of steps it will redo
-            kept = [
-                line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step
-            ]
+            kept = [line for line, record in self.read_records() if record["step"] <= resume_step]
             write_text_atomically(self.path, "".join(line + "\n" for line in kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1)
 
+    def read_records(self) -> list[tuple[str, dict]]:
+        """The (line, record) pairs of ``metrics.jsonl``. A last line without its newline that does not
+        parse (a kill or a full disk during the append) is dropped with a warning; any other line that
+        does not parse is an error naming the file and line."""
+        text = self.path.read_text()
+        lines = text.split("\n")
+        torn = lines.pop()  # the text after the last newline: empty unless an append was cut short
+        records = []
+        for number, line in enumerate(lines, 1):
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ValueError("no integer 'step'")
+            except ValueError as error:
+                message = f"{self.path}:{number}: not a metrics record ({error}); repair or remove the line"
+                raise ConfigError(message) from None
+            records.append((line, record))
+        if torn:
+            try:
+                record = json.loads(torn)
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ValueError("no integer 'step'")
+                records.append((torn, record))
+            except ValueError:
+                logger.warning(
+                    "%s:%d: dropped a half-written last line (%d bytes; a run was killed while appending it)",
+                    self.path,
+                    len(lines) + 1,
+                    len(torn.encode()),
+                )
+        return records
+
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        """``scalars`` keys are namespaced tags such as ``loss/train`` or ``throughput/tokens_per_s``."""
+        """``scalars`` keys are namespaced tags such as ``loss/train`` or ``throughput/tokens_per_s``.
+
+        One ``write`` of the whole line on an ``O_APPEND`` descriptor, then fsync'd: a kill leaves
+        the line whole or absent, a full disk at worst a torn last line that a resume drops."""
         if not self.enabled:
             return
-        with open(self.path, "a") as handle:
-            handle.write(json_text({"step": step, **scalars}) + "\n")
+        line = (json_text({"step": step, **scalars}) + "\n").encode()
+        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            written = os.write(descriptor, line)
+            if written != len(line):
+                raise OSError(f"{self.path}: wrote {written} of {len(line)} bytes of step {step}'s record")
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)

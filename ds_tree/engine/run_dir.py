@@ -13,7 +13,10 @@ the checkpoint restores holds the old ones.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,7 +25,16 @@ import yaml
 from ds_tree.atomic import write_text_atomically
 from ds_tree.config import Config, ConfigError, config_to_dict
 
+logger = logging.getLogger(__name__)
+
 HISTORY = re.compile(r"^config(?:\.(\d+))?\.yaml$")
+# Written inside a run's output_dir and replaced or deleted by it: another output_dir there is lost.
+REPLACED_BY_A_RUN = ("checkpoints", "hf")
+# What a killed run leaves: a save in progress (checkpoint.PARTIAL), a directory renamed aside while
+# its replacement moved in (atomic.replace_directory), a half-written file (atomic.write_text_atomically),
+# an export in progress (export.export_hf).
+LEFTOVER = re.compile(r"^(\.partial-.+|\..+\.replaced-\d+|\..+\.tmp-\d+|hf\.partial)$")
+REPLACED = re.compile(r"^\.(.+)\.replaced-\d+$")
 # AdamW's hyperparameters live in the optimizer and schedule state that a resume loads.
 RESTORED = {"optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay"}
 
@@ -42,6 +54,87 @@ def check_writable(output_dir: str | Path) -> None:
             pass
     except OSError as error:
         raise ConfigError(f"output_dir: {path} cannot be written ({existing}: {error.strerror})") from None
+
+
+def _is_run_dir(path: Path) -> bool:
+    from ds_tree.engine.run_lock import LOCK_FILE
+
+    checkpoints = path / "checkpoints"
+    return (
+        (path / LOCK_FILE).exists()
+        or (checkpoints / "latest").exists()
+        or any(checkpoints.glob("step_*/ds_tree_checkpoint.json"))
+    )
+
+
+def check_not_nested(output_dir: str | Path) -> None:
+    """Refuse an ``output_dir`` that another run deletes or replaces (inside its ``checkpoints`` or
+    ``hf``), and one whose ``checkpoints`` holds another run's output_dir."""
+    from ds_tree.engine.run_lock import LOCK_FILE
+
+    path = Path(output_dir).resolve()
+    for inner in (path, *path.parents):
+        if inner.name in REPLACED_BY_A_RUN and _is_run_dir(inner.parent):
+            raise ConfigError(
+                f"output_dir: {output_dir} lies inside {inner}, which the run in {inner.parent} prunes and replaces "
+                "(its checkpoints and export): this run's files would be deleted with them. Choose a directory "
+                "outside it"
+            )
+    checkpoints = path / "checkpoints"
+    if checkpoints.is_dir():
+        for lock in checkpoints.rglob(LOCK_FILE):
+            raise ConfigError(
+                f"output_dir: {lock.parent}, the output_dir of another run, lies inside {checkpoints}, whose "
+                "checkpoints this run prunes and replaces: move that run out first"
+            )
+
+
+def _size(path: Path) -> tuple[int, int]:
+    """(files, bytes) of a file or directory."""
+    if path.is_symlink() or not path.is_dir():
+        return 1, path.lstat().st_size
+    sizes = [item.lstat().st_size for item in path.rglob("*") if not item.is_dir() or item.is_symlink()]
+    return len(sizes), sum(sizes)
+
+
+def remove_leftovers(output_dir: str | Path) -> list[str]:
+    """Remove what a killed run left in ``output_dir`` and its ``checkpoints`` (call with the lock held).
+
+    ``.partial-*`` saves, ``.NAME.replaced-PID`` directories (put back as ``NAME`` where a kill
+    between the two renames left ``NAME`` missing), ``.NAME.tmp-PID`` files, ``hf.partial`` and empty
+    copies of DeepSpeed's recovery scripts; one log line says what and how much. Returns that list.
+    """
+    from ds_tree.engine.checkpoint import RECOVERY_SCRIPTS, harden_recovery_scripts
+
+    output_dir = Path(output_dir)
+    removed, restored, total = [], [], 0
+    for directory in (output_dir, output_dir / "checkpoints"):
+        if not directory.is_dir():
+            continue
+        for item in sorted(directory.iterdir()):
+            name = item.relative_to(output_dir).as_posix()
+            replaced = REPLACED.match(item.name)
+            if replaced and not (directory / replaced.group(1)).exists() and not item.name.endswith(".tmp"):
+                os.rename(item, directory / replaced.group(1))
+                restored.append(f"{name} -> {replaced.group(1)}")
+                continue
+            empty_script = item.name in RECOVERY_SCRIPTS and item.is_file() and item.stat().st_size == 0
+            if not (LEFTOVER.match(item.name) or empty_script):
+                continue
+            files, size = _size(item)
+            total += size
+            removed.append(f"{name} ({files} file{'s' if files != 1 else ''}, {size} bytes)")
+            if item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item)
+            else:
+                item.unlink()
+    if removed or restored:
+        what = f"removed {len(removed)} ({total} bytes): {', '.join(removed)}" if removed else ""
+        back = f"put back {', '.join(restored)}" if restored else ""
+        done = "; ".join(part for part in (what, back) if part)
+        logger.warning("output_dir %s: leftovers of an earlier run that was killed: %s", output_dir, done)
+    harden_recovery_scripts(output_dir / "checkpoints")  # a copy DeepSpeed wrote just before a kill
+    return removed + restored
 
 
 def resume_changes(record: dict, config: Config, world_size: int, where: Path) -> list[str]:

@@ -34,7 +34,7 @@ from ds_tree.cli.plan import check_memory
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
-from ds_tree.engine import checkpoint, dfs, run_dir
+from ds_tree.engine import checkpoint, dfs, run_dir, run_lock
 from ds_tree.engine.console import progress_bar
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
@@ -105,11 +105,23 @@ class Trainer(RLSteps):
         """The preemption signal handler while :meth:`train` runs (:mod:`ds_tree.engine.preemption`)."""
 
     # ----------------------------------------------------------------- set-up
-    def prepare(self) -> None:
-        """Everything that can fail on bad input, before any process group exists."""
+    def prepare(self, lock: bool = False) -> None:
+        """Everything that can fail on bad input, before any process group exists.
+
+        ``lock``: rank 0 takes the output directory's lock (a run; held until :meth:`close` or the
+        process ends) and removes a killed run's leftovers; without it (a dry run) it only checks
+        that no other run holds the lock. Rank 0 alone plans the resume (:meth:`resume` tells the others).
+        """
         config = self.config
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        first = int(os.environ.get("RANK", "0")) == 0
         run_dir.check_writable(self.output_dir)
+        run_dir.check_not_nested(self.output_dir)
+        if first and lock:
+            run_lock.acquire(self.output_dir)
+            run_dir.remove_leftovers(self.output_dir)
+        elif first:
+            run_lock.check_free(self.output_dir)
         self.model_config = load_model_config(config.model.source)
         check_layer_types(self.model_config)
         check_model_settings(config)  # attention engine, objective.reference
@@ -128,7 +140,8 @@ class Trainer(RLSteps):
         warning = check_memory(config, self.model_config, self.world_size)  # what `ds-tree plan` predicts
         if warning:
             logger.warning(warning)
-        self.plan_resume()
+        if first:
+            self.plan_resume()
 
     def prepare_dataset(self) -> None:
         """:meth:`prepare`'s data: the trajectories of ``data.path``, their checks, the step sampler."""
@@ -262,8 +275,21 @@ class Trainer(RLSteps):
         )
 
     def resume(self) -> None:
+        """Load the checkpoint rank 0 chose for every rank, once each of its files matches its record."""
+
+        def choose() -> str | None:
+            if not run_lock.held(self.output_dir):  # a caller that did not lock in prepare
+                run_lock.acquire(self.output_dir)
+                run_dir.remove_leftovers(self.output_dir)
+                self.plan_resume()
+            return self.resume_from
+
+        device = self.engine.device
+        self.resume_from = checkpoint.agree(choose, self.rank, device)
         if self.resume_from is not None:
-            _, client_state = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=self.resume_from)
+            checkpoint.verify(self.checkpoint_dir, self.resume_from, self.rank, self.world_size, device)
+            with checkpoint.weights_only_loads():
+                _, client_state = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=self.resume_from)
             self.start_step = int(client_state["step"])
             self.skipped_steps = int(client_state.get("skipped_steps", 0))
             self.untrained_steps = int(client_state.get("untrained_steps", 0))
@@ -513,5 +539,6 @@ class Trainer(RLSteps):
         """
         if self.metrics is not None:
             self.metrics.close()
+        run_lock.release(self.output_dir)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

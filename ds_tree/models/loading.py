@@ -69,7 +69,7 @@ def load_config(source: str | Path) -> PretrainedConfig:
     checked (:func:`check_shape`)."""
     source = Path(source)
     if source.is_dir():
-        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         check_shape({name: getattr(text, name, None) for name in (*SIZE_FIELDS, "head_dim")}, source)
         return config
@@ -138,7 +138,7 @@ def load_model(
     check_layer_types(config)
     if has_weights(source):
         model = AutoModelForCausalLM.from_pretrained(
-            source, attn_implementation=implementation, dtype=dtype, local_files_only=True
+            source, attn_implementation=implementation, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
     else:
         torch.manual_seed(seed)
