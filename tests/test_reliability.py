@@ -149,9 +149,13 @@ def test_dry_run_accepts_exponents_without_a_dot(monkeypatch, capsys, forest_con
 def test_dry_run_refuses_a_damaged_latest(monkeypatch, capsys, tmp_path, forest_config, content):
     checkpoints = tmp_path / "run" / "checkpoints"
     for step in (1, 2):
-        (checkpoints / checkpoint.tag_for(step)).mkdir(parents=True)
-        record = {"step": step, "world_size": 2, "config": {}}
-        (checkpoints / checkpoint.tag_for(step) / checkpoint.RECORD).write_text(json.dumps(record))
+        tag = checkpoints / checkpoint.tag_for(step)
+        tag.mkdir(parents=True)
+        for rank in range(2):
+            (tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"weights %d" % rank)
+        files = checkpoint.describe_files(tag, checkpoint.listing(tag))  # complete: every listed file there
+        record = {"step": step, "world_size": 2, "config": {}, "files": files}
+        (tag / checkpoint.RECORD).write_text(json.dumps(record))
     (checkpoints / "latest").write_text(content)
     code, err = dry_run(monkeypatch, capsys, forest_config)
     assert code == 2

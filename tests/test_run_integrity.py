@@ -75,13 +75,18 @@ def test_processes_a_holder_forked_do_not_keep_its_lock(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run_lock.acquire(out)
     read, write = os.pipe()
+    started_read, started_write = os.pipe()
     child = os.fork()
     if child == 0:  # a worker the rank forked: lives on after the rank lets go
         os.close(write)
+        os.write(started_write, b"1")  # its fork hooks have run (until then it holds the descriptor)
         os.read(read, 1)
         os._exit(0)
     os.close(read)
+    os.close(started_write)
     try:
+        assert os.read(started_read, 1) == b"1"
+        os.close(started_read)
         run_lock.release(out)
         assert run_lock.holder(out) is None
     finally:

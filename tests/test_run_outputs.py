@@ -55,7 +55,8 @@ def test_rerun_of_a_finished_run_says_so_and_trains_nothing(tmp_path, monkeypatc
     tag = tmp_path / "run" / "checkpoints" / checkpoint.tag_for(3)
     tag.mkdir(parents=True)
     (tag / "mp_rank_00_model_states.pt").write_bytes(b"weights")
-    record = {"step": 3, "world_size": 1, "config": config_to_dict(config)}
+    files = checkpoint.describe_files(tag, checkpoint.listing(tag))  # a complete checkpoint lists its files
+    record = {"step": 3, "world_size": 1, "config": config_to_dict(config), "files": files}
     (tag / checkpoint.RECORD).write_text(json.dumps(record))
     (tag.parent / checkpoint.LATEST).write_text(tag.name)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
@@ -108,3 +109,25 @@ def test_progress_bar_only_on_a_terminal():
             bar.close()
     finally:
         os.close(main)
+
+
+def test_every_rank_sees_a_finished_run(tmp_path, monkeypatch):
+    """Only rank 0 plans the resume (it holds the lock): another rank reads the same checkpoint, or it
+    would go on to wait in the process group for a rank 0 that has already exited."""
+    from types import SimpleNamespace
+
+    from ds_tree import train
+
+    config = load_config(write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"), max_steps=3))
+    config.checkpoint.export_hf = False
+    tag = tmp_path / "run" / "checkpoints" / checkpoint.tag_for(3)
+    tag.mkdir(parents=True)
+    (tag / "zero_pp_rank_1_mp_rank_00_model_states.pt").write_bytes(b"weights")
+    files = checkpoint.describe_files(tag, checkpoint.listing(tag))
+    (tag / checkpoint.RECORD).write_text(json.dumps({"step": 3, "world_size": 2, "config": {}, "files": files}))
+    (tag.parent / checkpoint.LATEST).write_text(tag.name)
+    rank1 = SimpleNamespace(config=config, resume_from=None, output_dir=tmp_path / "run", checkpoint_dir=tag.parent)
+    monkeypatch.setenv("RANK", "1")
+    assert train.already_finished(rank1)
+    monkeypatch.setenv("RANK", "0")  # rank 0 planned no resume: a fresh run
+    assert not train.already_finished(rank1)
