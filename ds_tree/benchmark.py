@@ -250,7 +250,9 @@ def rl_step_once(
     dfs = dfs_settings if mode == "dfs" else None
     started = time.perf_counter()
     rows = pack_trajectories(trajectories, mode, dfs.chunk if dfs else budget, block)
-    advantages = estimate(trajectories, objective.estimator, objective.normalise_advantages).by_trajectory()
+    advantages = estimate(
+        trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
+    ).by_trajectory()
     packed = time.perf_counter()
     normalisers = StepNormalisers.of(trajectories)
     prepared = prepare_rl_rows(model, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)

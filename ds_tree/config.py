@@ -39,7 +39,7 @@ Schedule = Literal["cosine", "constant"]
 NonFinitePolicy = Literal["stop", "skip"]
 ResumePolicy = Literal["auto", "latest", "newest_complete", "never"]
 ObjectiveKind = Literal["sft", "grpo", "ppo"]
-Estimator = Literal["grpo", "rloo", "treepo", "given"]
+Estimator = Literal["grpo", "rloo", "treepo", "tempo", "given"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
@@ -49,6 +49,7 @@ PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # 
 RL_ONLY_FIELDS = (
     "estimator",
     "normalise_advantages",
+    "tempo_coef",
     "aggregation",
     "aggregation_constant",
     "eps_low",
@@ -179,11 +180,15 @@ class ObjectiveConfig:
     """SFT: ``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
     policy: WeightPolicy = "exact"
     """SFT: ``exact`` (the flat baseline's objective) or ``dedup`` (each distinct token once)."""
-    estimator: Literal["", "grpo", "rloo", "treepo", "given"] = ""
-    """RL advantage estimator: ``grpo``, ``rloo``, ``treepo`` or ``given`` ("": the kind's default)."""
+    estimator: Literal["", "grpo", "rloo", "treepo", "tempo", "given"] = ""
+    """RL advantage estimator: ``grpo``, ``rloo``, ``treepo``, ``tempo`` or ``given`` ("": the kind's
+    default); docs/RL.md compares them."""
     normalise_advantages: bool = False
-    """Divide advantages by the reward standard deviation (``grpo``: of the group; ``treepo``: of the
-    batch). Off: Dr. GRPO's unnormalised advantages."""
+    """Divide advantages by the reward standard deviation (``grpo`` and ``tempo``: of the group;
+    ``treepo``: of the batch). Off: Dr. GRPO's unnormalised advantages."""
+    tempo_coef: float = 1.0
+    """``tempo``: coefficient of the branch-gated TD term, ``A_t = a_i + tempo_coef * (V(s_<=t) - V(s_<t))``
+    at branching tokens (docs/RL.md); 0 gives exactly GRPO."""
     aggregation: Aggregation = "token_mean"
     """RL loss aggregation: ``token_mean`` (over the step's trained tokens), ``seq_mean_token_mean``,
     ``seq_mean_token_sum`` or ``token_sum_norm`` (divide by ``aggregation_constant``)."""
@@ -248,6 +253,13 @@ class ObjectiveConfig:
             raise ConfigError("objective.kl_coef, entropy_coef and importance_truncation must be >= 0")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ConfigError("objective.ppo_epochs and objective.mini_batches must be >= 1")
+        if self.tempo_coef != 1.0 and self.estimator != "tempo":
+            raise ConfigError(
+                f"objective.tempo_coef ({self.tempo_coef}) applies to estimator tempo only "
+                f"(estimator is {self.estimator})"
+            )
+        if not math.isfinite(self.tempo_coef):
+            raise ConfigError(f"objective.tempo_coef must be finite, got {self.tempo_coef}")
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
 
@@ -433,7 +445,7 @@ class RolloutConfig(SamplerSettings):
         if not objective.is_rl or objective.estimator == "given":
             raise ConfigError(
                 "rollout.enabled needs objective.kind grpo or ppo with a reward-based objective.estimator "
-                f"(grpo, rloo, treepo); got kind {objective.kind!r}, estimator {objective.estimator!r}"
+                f"(grpo, rloo, treepo, tempo); got kind {objective.kind!r}, estimator {objective.estimator!r}"
             )
         if objective.mini_batches > self.prompts_per_step:
             raise ConfigError(

@@ -282,6 +282,7 @@ def compare_rl(
     *,
     estimator: str = "grpo",
     normalise_advantages: bool = False,
+    tempo_coef: float = 1.0,
     settings=None,
     dtype: str = "float64",
     seed: int = 0,
@@ -316,7 +317,7 @@ def compare_rl(
     for parameter in old_model.parameters():
         parameter.requires_grad_(False)
     reference = old_model if settings.kl_coef else None
-    computed = estimate(trajectories, estimator, normalise_advantages)
+    computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
     check_finite_statistics(trajectories, computed.values)  # rewards overflowing float64: a data error
     advantages = computed.by_trajectory()
 
@@ -361,6 +362,7 @@ def compare_rl(
         "rows_tree": tree.rows,
         "dtype": dtype,
         "estimator": estimator,
+        **({"tempo_coef": tempo_coef} if estimator == "tempo" else {}),
         "aggregation": settings.aggregation,
         "singleton_trajectories": computed.singletons,
         "loss_flat": flat.loss,

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.errors import DataError
-from ds_tree.losses.advantages import ESTIMATORS, grpo, rloo, treepo
+from ds_tree.losses.advantages import ESTIMATORS, estimate, grpo, rloo, tempo, treepo
 from ds_tree.trees.trajectory import Trajectory
 from tests.strategies import forests
 
@@ -26,7 +26,7 @@ def scalars(advantages) -> list[float]:
 
 
 def test_registry():
-    assert set(ESTIMATORS) == {"grpo", "rloo", "treepo", "given"}
+    assert set(ESTIMATORS) == {"grpo", "rloo", "treepo", "tempo", "given"}
 
 
 def test_grpo_and_rloo_by_hand():
@@ -99,7 +99,9 @@ def test_treepo_equals_brute_force_subgroups(trajectories, data):
     assert result.singletons == sum(len(p) == 1 for p in by_group.values())
 
 
-@pytest.mark.parametrize(("name", "normalise"), [("grpo", False), ("grpo", True), ("rloo", False), ("treepo", True)])
+@pytest.mark.parametrize(
+    ("name", "normalise"), [("grpo", False), ("grpo", True), ("rloo", False), ("treepo", True), ("tempo", True)]
+)
 def test_one_trajectory_group_gets_zero_and_is_counted(name, normalise):
     batch = [trajectory([5, 6], 1.0, "alone"), trajectory([5, 7], 1.0, "pair"), trajectory([5, 8], 0.0, "pair")]
     result = ESTIMATORS[name](batch, normalise=normalise)
@@ -108,7 +110,8 @@ def test_one_trajectory_group_gets_zero_and_is_counted(name, normalise):
 
 
 @pytest.mark.parametrize(
-    ("name", "normalise"), [("grpo", False), ("grpo", True), ("rloo", False), ("treepo", False), ("treepo", True)]
+    ("name", "normalise"),
+    [("grpo", False), ("grpo", True), ("rloo", False), ("treepo", False), ("treepo", True), ("tempo", True)],
 )
 def test_equal_rewards_give_exactly_zero(name, normalise):
     """0.1 * 3 / 3 != 0.1 in floating point: a naive mean gives 1e-17 and, normalised, +-1 garbage."""
@@ -116,7 +119,7 @@ def test_equal_rewards_give_exactly_zero(name, normalise):
     assert scalars(ESTIMATORS[name](batch, normalise=normalise)) == [0.0] * 5
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "treepo"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "treepo", "tempo"])
 def test_missing_reward_names_the_trajectory(name):
     batch = [trajectory([5, 6], 1.0), trajectory([5, 7], None, source="rollouts.jsonl:17")]
     with pytest.raises(DataError, match=r"rollouts\.jsonl:17: .*needs a finite reward"):
@@ -140,3 +143,101 @@ def test_given_advantages():
 def test_no_normalisation_where_none_is_defined(name):
     with pytest.raises(ValueError, match="has no normalisation"):
         ESTIMATORS[name]([trajectory([5], 1.0)], normalise=True)
+
+
+# ----------------------------------------------------------------------------------------- TEMPO
+
+
+def test_tempo_by_hand():
+    """Prompt [5, 6]; x and y share the branch [7] and then differ, z takes [10]. Rewards 1, 0, 1.
+
+    GRPO (mean 2/3): a = 1/3, -2/3, 1/3. The root [5, 6] fans out (not gated: its TD would repeat a).
+    V([7]) = mean(a_x, a_y) = -1/6; V([8]) = 1/3 and V([9]) = -2/3, so predicting 8 gets the TD
+    1/3 + 1/6 = 1/2 and predicting 9 gets -2/3 + 1/6 = -1/2; every other token is GRPO's.
+    """
+    x, y, z = trajectory([5, 6, 7, 8], 1.0), trajectory([5, 6, 7, 9], 0.0), trajectory([5, 6, 10], 1.0)
+    for coef in (1.0, 0.5):
+        values = tempo([z, x, y], tempo_coef=coef).values
+        np.testing.assert_allclose(values[0], [1 / 3] * 3, rtol=1e-15)
+        np.testing.assert_allclose(values[1], [1 / 3] * 3 + [1 / 3 + coef / 2], rtol=1e-15)
+        np.testing.assert_allclose(values[2], [-2 / 3] * 3 + [-2 / 3 - coef / 2], rtol=1e-15)
+    std = np.std([1.0, 0.0, 1.0], ddof=1)  # normalised: every value in units of the group's reward std
+    normalised = tempo([z, x, y], normalise=True).values
+    np.testing.assert_allclose(normalised[1], np.array([1 / 3] * 3 + [1 / 3 + 1 / 2]) / std, rtol=1e-15)
+
+
+def test_tempo_is_grpo_where_only_the_root_branches():
+    """GRPO samples of one prompt that differ from their first completion token on: no gated branch."""
+    rng = np.random.default_rng(3)
+    batch = [trajectory([5, 6, 7, *rng.integers(10, 99, rng.integers(1, 6))], float(r)) for r in rng.normal(size=6)]
+    for normalise in (False, True):
+        for got, want in zip(tempo(batch, normalise=normalise).values, grpo(batch, normalise=normalise).values,
+                             strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+def brute_tempo(group: list[Trajectory], coef: float) -> list[np.ndarray]:
+    """TEMPO from its definition on token prefixes, with no trie: V(P) is the mean GRPO advantage of
+    the trajectories starting with P; the TD applies where P has two or more distinct next tokens and
+    is longer than the root node (the longest prefix every trajectory with the same first token shares,
+    up to the shortest of them)."""
+    rewards = np.array([t.reward for t in group])
+    a = rewards - rewards.mean() if np.any(rewards != rewards[0]) else np.zeros(len(group))
+    ids = [t.input_ids.tolist() for t in group]
+
+    def through(prefix):
+        return [j for j, u in enumerate(ids) if u[: len(prefix)] == prefix and len(u) >= len(prefix)]
+
+    out = []
+    for i, u in enumerate(ids):
+        tree = [v for v in ids if v[0] == u[0]]
+        root = min(len(v) for v in tree)
+        while any(v[:root] != tree[0][:root] for v in tree):
+            root -= 1
+        values = np.full(len(u), a[i])
+        for t in range(1, len(u)):
+            prefix, after = u[:t], u[: t + 1]
+            nexts = {ids[j][t] for j in through(prefix) if len(ids[j]) > t}
+            if len(nexts) >= 2 and t > root:
+                values[t] += coef * (np.mean(a[through(after)]) - np.mean(a[through(prefix)]))
+        out.append(values)
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(trajectories=forests(max_groups=3, max_trajectories=8), data=st.data())
+def test_tempo_equals_its_definition_on_prefixes(trajectories, data):
+    rewards = data.draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, 3.0]), min_size=len(trajectories)))
+    coef = data.draw(st.sampled_from([1.0, 0.3]))
+    for t, r in zip(trajectories, rewards, strict=False):
+        t.reward = r
+    result = tempo(trajectories, tempo_coef=coef)
+    relative = grpo(trajectories).values
+    by_group: dict[str, list[int]] = {}
+    for position, t in enumerate(trajectories):
+        by_group.setdefault(t.group_id, []).append(position)
+    for positions in by_group.values():
+        group = [trajectories[i] for i in positions]
+        expected = brute_tempo(group, coef) if len(group) > 1 else [np.zeros(len(group[0]))]
+        for i, want in zip(positions, expected, strict=True):
+            np.testing.assert_allclose(result.values[i], want, rtol=1e-12, atol=1e-14)
+            assert result.values[i][0] == relative[i][0]  # token 0 is never predicted: no TD there
+
+
+def test_tempo_td_telescopes_to_leaf_minus_first_branch_value():
+    """A three-level tree without trajectories ending inside others: sum_t TD = V(leaf) - V(root child)."""
+    paths = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 10], [5, 6, 7, 11], [5, 6, 12, 13], [5, 6, 12, 14]]
+    rewards = [1.0, 0.0, 0.5, 2.0, -1.0]
+    batch = [trajectory(p, r) for p, r in zip(paths, rewards, strict=True)]
+    a = np.array(rewards) - np.mean(rewards)
+    first_branch_value = {7: a[:3].mean(), 12: a[3:].mean()}  # V of the root's child each path enters
+    for k, values in enumerate(tempo(batch).values):
+        td_sum = float((values - a[k]).sum())
+        assert td_sum == pytest.approx(a[k] - first_branch_value[paths[k][2]], abs=1e-15)
+
+
+def test_tempo_coefficient_zero_is_grpo_and_estimate_passes_it():
+    x, y, z = trajectory([5, 6, 7, 8], 1.0), trajectory([5, 6, 7, 9], 0.0), trajectory([5, 6, 10], 1.0)
+    for got, want in zip(estimate([x, y, z], "tempo", tempo_coef=0.0).values, grpo([x, y, z]).values, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not np.array_equal(estimate([x, y, z], "tempo").values[0], grpo([x, y, z]).values[0])

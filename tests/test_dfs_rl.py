@@ -41,6 +41,7 @@ CASES = [
         DfsSettings(16),
     ),
     ("rloo", False, RLSettings(aggregation="seq_mean_token_mean", kl_coef=0.1, kl_estimator="k1"), DfsSettings(1)),
+    ("tempo", True, RLSettings(aggregation="seq_mean_token_sum"), DfsSettings(5)),
 ]
 
 

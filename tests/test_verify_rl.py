@@ -59,6 +59,7 @@ CASES = {
         "--estimator", "treepo", "--normalise-advantages", "--aggregation", "seq_mean_token_sum",
         "--kl-coef", "0.05", "--kl-estimator", "k2", "--entropy-coef", "0.01",
     ],
+    "tempo": ["--estimator", "tempo", "--normalise-advantages", "--tempo-coef", "0.7", "--kl-coef", "0.05"],
 }
 
 
@@ -103,6 +104,7 @@ def test_data_without_what_the_estimator_needs_exits_2(tmp_path, capsys, objecti
         (["--objective", "grpo", "--policy", "dedup"], "--policy: only with --objective sft"),
         (["--objective", "grpo", "--dual-clip", "0.5"], "dual_clip must be > 1"),
         (["--objective", "ppo", "--normalise-advantages"], "does not apply to the given estimator"),
+        (["--objective", "grpo", "--tempo-coef", "0.5"], "applies to estimator tempo only (estimator is grpo)"),
     ],
 )
 def test_contradictory_options_are_usage_errors(data, capsys, options, message):

@@ -31,6 +31,9 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
     group.add_argument(
         "--normalise-advantages", action="store_true", default=None, help="divide advantages by the reward std"
     )
+    group.add_argument(
+        "--tempo-coef", type=float, help="tempo: coefficient of the branch-gated TD term (default 1; 0 is grpo)"
+    )
     group.add_argument("--aggregation", choices=AGGREGATIONS, help="loss aggregation (default token_mean)")
     group.add_argument("--aggregation-constant", type=float, help="the constant of token_sum_norm")
     group.add_argument("--eps-low", type=float, help="ratio clipped at 1 - eps_low (default 0.2)")
@@ -47,6 +50,7 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
 RL_FIELDS = (
     "estimator",
     "normalise_advantages",
+    "tempo_coef",
     "aggregation",
     "aggregation_constant",
     "eps_low",

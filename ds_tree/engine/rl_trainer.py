@@ -60,7 +60,9 @@ class RLSteps:
                 f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
             )
         try:
-            computed = estimate(self.trajectories, objective.estimator, objective.normalise_advantages)
+            computed = estimate(
+                self.trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
+            )
             check_finite_statistics(self.trajectories, computed.values)
             if objective.old_logprobs == "data" or objective.importance_truncation:
                 missing = next((t for t in self.trajectories if getattr(t, "logprobs", None) is None), None)
@@ -84,7 +86,9 @@ class RLSteps:
         objective = self.config.objective
         settings = objective.rl_settings()
         trajectories = self.step_trajectories(step)
-        computed = estimate(trajectories, objective.estimator, objective.normalise_advantages)
+        computed = estimate(
+            trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
+        )
         advantages = computed.by_trajectory()
         groups = group_trajectories(trajectories)
         batches = [

@@ -5,6 +5,12 @@ returns, for each trajectory in input order, a float64 array aligned with its ``
 (``values[i][t]`` is the advantage of predicting token ``t``; ``t = 0`` is never predicted and
 carries a value only for alignment). A group is the trajectories that share a ``group_id``.
 
+One interface: an estimator is a function of one group (:class:`GroupTrie`: its trajectories, their
+rewards and, built on first use and shared, the group's exact-token trie with per-node leaf counts and
+reward sums) and the :class:`EstimatorSettings`, returning the group's per-token advantages; it is
+registered by name with :func:`register_estimator`, and :func:`estimate` is the one dispatch the
+trainer, ``verify`` and ``bench`` share. A new tree estimator is one function and a registration.
+
 - ``grpo``  (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300): ``A_i = R_i - mean_G R``, divided
   by the group's sample standard deviation (ddof 1, as ``torch.std``) when ``normalise``; without
   the division it is Dr. GRPO's advantage (Liu et al. 2025, arXiv 2503.20783).
@@ -16,6 +22,19 @@ carries a value only for alignment). A group is the trajectories that share a ``
   trajectories start with different tokens (several tries), the whole group is one more sub-group.
   With ``normalise`` the advantages are divided by their sample standard deviation over the batch
   (trajectories of groups of two or more; no re-centring, so a lone trajectory's 0 stays 0).
+- ``tempo`` (Tran, Yao, Yu 2025, "Exploiting Tree Structure for Credit Assignment in RL Training of
+  LLMs", arXiv 2509.18314): the GRPO advantage ``a_i`` (centred, ``/ std_G R`` when ``normalise``)
+  plus a temporal-difference term at branching tokens. The value of a prefix ``s`` is the mean
+  GRPO advantage of the trajectories through it, ``V(s) = mean_{j through s} a_j`` (P2T: the trie's
+  leaf counts and advantage sums per node). Token ``t`` of trajectory ``i`` gets
+  ``A_{i,t} = a_i + tempo_coef * (V(s_{<=t}) - V(s_{<t}))`` where the prefix ``s_{<t}`` ends a trie
+  node that has two or more children and is not the group's root node; elsewhere the TD term is 0
+  (inside a node both prefixes have the same trajectories, so ``V`` does not change; a split made
+  only by a trajectory ending there is not a branch). The root's fan-out is not gated in: there
+  ``V`` is the group mean, and the TD term would repeat the group-relative advantage itself. So a
+  group that branches only at its root (plain GRPO samples that differ from their first completion
+  token on) gets exactly GRPO, and along a path the TD terms sum to ``V(leaf) - V(root child)``
+  (telescoping) when no trajectory ends inside another.
 - ``given``: per-token advantages carried by the data (a trajectory's ``advantages`` array).
 
 A trajectory alone in its group has no baseline: it gets advantage 0 and is counted in
@@ -27,13 +46,16 @@ the first trajectory without one.
 Trie sub-groups come from :func:`ds_tree.trees.trie.build_trees`, so flat trajectories and
 explicit trees (expanded into trajectories, see :mod:`ds_tree.data.explicit`) are treated alike:
 sub-groups are the shared token prefixes, whatever the node split a record gave. Duplicate
-trajectories end at the same trie node and each counts as its own leaf.
+trajectories end at the same trie node and each counts as its own leaf. No estimator sees the
+execution mode: packed rows, split parts, dfs walks and sequence-parallel shards all look the
+per-token values up by trajectory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -54,6 +76,16 @@ class Advantages:
     def by_trajectory(self) -> dict[int, np.ndarray]:
         """``id(trajectory) -> its per-token advantages``, as the RL rows look them up."""
         return {id(t): a for t, a in zip(self.trajectories, self.values, strict=True)}
+
+
+@dataclass(frozen=True)
+class EstimatorSettings:
+    """What an estimator may read besides the group (``objective.normalise_advantages``, ``tempo_coef``)."""
+
+    normalise: bool = False
+    """Divide by the reward standard deviation (the estimator says of what: group or batch)."""
+    tempo_coef: float = 1.0
+    """``tempo``: the coefficient of the branch-gated TD term (0: exactly GRPO)."""
 
 
 def _describe(trajectory: Trajectory) -> str:
@@ -78,111 +110,237 @@ def _groups(trajectories: Sequence[Trajectory]) -> list[np.ndarray]:
     return [np.array(members, dtype=np.int64) for members in groups.values()]
 
 
-def _per_token(trajectories: Sequence[Trajectory], scalars: np.ndarray, singletons: int) -> Advantages:
-    return Advantages([np.full(len(t), a) for t, a in zip(trajectories, scalars, strict=True)], singletons)
+@dataclass
+class NodeStatistics:
+    """Per node of one trie: the trajectories ending in its subtree (``count``), the sum, minimum and
+    maximum of a per-trajectory quantity over them, and each trajectory's end node and token nodes."""
+
+    tree: TokenTree
+    count: np.ndarray
+    total: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+
+    @property
+    def mean(self) -> np.ndarray:
+        """Per node the mean over its subtree's trajectories; exactly the common value when they agree
+        (a computed mean may differ from equal values in the last bit)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.low == self.high, self.low, self.total / self.count)
 
 
-def _no_normalise(name: str, normalise: bool) -> None:
-    if normalise:
-        raise ValueError(f"the {name!r} advantage estimator has no normalisation; use normalise=False")
-
-
-def _group_relative(
-    trajectories: Sequence[Trajectory], name: str, baseline: Callable[[np.ndarray], np.ndarray], normalise: bool
-) -> Advantages:
-    rewards = _rewards(trajectories, name)
-    scalars = np.zeros(len(trajectories))
-    singletons = 0
-    for members in _groups(trajectories):
-        group = rewards[members]
-        if members.size == 1:
-            singletons += 1
-            continue
-        if np.all(group == group[0]):
-            continue  # exactly 0, whatever the round-off of the mean
-        centred = group - baseline(group)
-        scalars[members] = centred / group.std(ddof=1) if normalise else centred
-    return _per_token(trajectories, scalars, singletons)
-
-
-def grpo(trajectories: Sequence[Trajectory], *, normalise: bool = False) -> Advantages:
-    """``A_i = R_i - mean_G R`` (``/ std_G R``, sample std, when ``normalise``); see the module docstring."""
-    return _group_relative(trajectories, "grpo", lambda group: group.mean(), normalise)
-
-
-def rloo(trajectories: Sequence[Trajectory], *, normalise: bool = False) -> Advantages:
-    """``A_i = R_i - (sum_G R - R_i) / (|G| - 1)``, the leave-one-out baseline."""
-    _no_normalise("rloo", normalise)
-    return _group_relative(trajectories, "rloo", lambda group: (group.sum() - group) / (group.size - 1), False)
-
-
-def _subgroup_sums(tree: TokenTree, rewards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per trajectory of ``tree`` (its order): sum over its trie sub-groups of ``R_i - mean_S R``, and their count.
-
-    ``rewards`` follows ``tree.trajectories``. A node's sub-group is every trajectory ending in its
-    subtree; parents precede children in ``node_parent`` (pre-order), so one backward pass folds
-    the leaf counts, reward sums and reward ranges upwards. A sub-group of equal rewards adds
-    exactly 0 (its computed mean may differ from them in the last bit).
-    """
+def node_statistics(tree: TokenTree, values: np.ndarray) -> NodeStatistics:
+    """Fold ``values`` (one per trajectory of ``tree``, its order) up the trie: parents precede children
+    in ``node_parent`` (pre-order), so one backward pass accumulates every subtree."""
     count, total = np.zeros(tree.n_nodes), np.zeros(tree.n_nodes)
     low, high = np.full(tree.n_nodes, np.inf), np.full(tree.n_nodes, -np.inf)
     np.add.at(count, tree.end_node, 1.0)
-    np.add.at(total, tree.end_node, rewards)
-    np.minimum.at(low, tree.end_node, rewards)
-    np.maximum.at(high, tree.end_node, rewards)
+    np.add.at(total, tree.end_node, values)
+    np.minimum.at(low, tree.end_node, values)
+    np.maximum.at(high, tree.end_node, values)
     for node in range(tree.n_nodes - 1, 0, -1):
         parent = tree.node_parent[node]
         count[parent] += count[node]
         total[parent] += total[node]
         low[parent] = min(low[parent], low[node])
         high[parent] = max(high[parent], high[node])
+    return NodeStatistics(tree, count, total, low, high)
+
+
+class GroupTrie:
+    """One group: its trajectories, their rewards (``None`` for an estimator that needs none) and, built
+    on first use, its exact-token tries, shared by every tree estimator of the group."""
+
+    def __init__(self, trajectories: list[Trajectory], rewards: np.ndarray | None) -> None:
+        self.trajectories = trajectories
+        self.rewards = rewards
+        self._trees: list[TokenTree] | None = None
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def trees(self) -> list[TokenTree]:
+        """The group's tries (one per distinct first token), built once."""
+        if self._trees is None:
+            self._trees = build_trees(self.trajectories)
+        return self._trees
+
+    def per_tree(self, values: np.ndarray) -> list[tuple[TokenTree, np.ndarray]]:
+        """``values`` (group order) re-ordered for each trie (its ``trajectories`` order)."""
+        position = {id(t): k for k, t in enumerate(self.trajectories)}
+        return [(tree, values[[position[id(t)] for t in tree.trajectories]]) for tree in self.trees]
+
+    def in_group_order(self, per_tree: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """Per-trajectory arrays given per trie (each in its trie's order) back in group order."""
+        found = {
+            id(t): v for tree, arrays in zip(self.trees, per_tree, strict=True)
+            for t, v in zip(tree.trajectories, arrays, strict=True)
+        }
+        return [found[id(t)] for t in self.trajectories]
+
+
+GroupEstimator = Callable[[GroupTrie, EstimatorSettings], list[np.ndarray]]
+"""``(group of two or more, settings) -> per-token advantages of each trajectory, group order``."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered estimator: the per-group function and what it needs."""
+
+    name: str
+    group_advantages: GroupEstimator
+    normalise: Literal["group", "batch", None]
+    """What ``normalise`` divides by: the group's reward std, the batch's advantage std, or nothing
+    (``normalise`` is then refused)."""
+    needs_rewards: bool = True
+    needs_peers: bool = True
+    """A trajectory alone in its group gets 0 (no baseline) and is counted as a singleton."""
+
+    def __call__(self, trajectories: Sequence[Trajectory], *, normalise: bool = False, **settings) -> Advantages:
+        """Advantages of a batch of trajectories (several groups, any order)."""
+        if normalise and self.normalise is None:
+            raise ValueError(f"the {self.name!r} advantage estimator has no normalisation; use normalise=False")
+        chosen = EstimatorSettings(normalise=normalise, **settings)
+        rewards = _rewards(trajectories, self.name) if self.needs_rewards else None
+        values: list[np.ndarray | None] = [None] * len(trajectories)
+        with_peers = np.zeros(len(trajectories), dtype=bool)
+        for members in _groups(trajectories):
+            group = GroupTrie([trajectories[i] for i in members], None if rewards is None else rewards[members])
+            if self.needs_peers and members.size == 1:
+                values[members[0]] = np.zeros(len(trajectories[members[0]]))
+                continue
+            with_peers[members] = True
+            for position, computed in zip(members, self.group_advantages(group, chosen), strict=True):
+                values[position] = computed
+        if normalise and self.normalise == "batch":
+            values = _batch_normalised(values, with_peers)
+        return Advantages(values, int((~with_peers).sum()) if self.needs_peers else 0)
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+"""name -> :class:`Estimator` (callable as ``estimator(trajectories, *, normalise) -> Advantages``)."""
+
+
+def register_estimator(
+    name: str, *, normalise: Literal["group", "batch", None], needs_rewards: bool = True, needs_peers: bool = True
+) -> Callable[[GroupEstimator], Estimator]:
+    """Register ``group_advantages`` as the estimator ``name`` (``objective.estimator``); the config's
+    ``Estimator`` choices must list it too (a test checks the two agree)."""
+
+    def register(group_advantages: GroupEstimator) -> Estimator:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ESTIMATORS[name] = Estimator(name, group_advantages, normalise, needs_rewards, needs_peers)
+        return ESTIMATORS[name]
+
+    return register
+
+
+def _batch_normalised(values: list[np.ndarray], with_peers: np.ndarray) -> list[np.ndarray]:
+    """Divide by the sample std of the per-trajectory advantages over trajectories with peers (constant
+    per trajectory: the estimators normalised this way give one value per trajectory)."""
+    scalars = np.array([v[0] if v.size else 0.0 for v in values])
+    spread = scalars[with_peers]
+    if not np.any(spread != spread[:1]):
+        return values
+    std = spread.std(ddof=1)
+    return [v / std for v in values]
+
+
+def _per_token(group: GroupTrie, scalars: np.ndarray) -> list[np.ndarray]:
+    return [np.full(len(t), a) for t, a in zip(group.trajectories, scalars, strict=True)]
+
+
+def _centred(group: GroupTrie, baseline: Callable[[np.ndarray], np.ndarray], normalise: bool) -> np.ndarray:
+    """``R - baseline`` per trajectory (``/ std_G R`` when ``normalise``); exactly 0 for equal rewards."""
+    rewards = group.rewards
+    if np.all(rewards == rewards[0]):
+        return np.zeros(rewards.size)  # exactly 0, whatever the round-off of the mean
+    centred = rewards - baseline(rewards)
+    return centred / rewards.std(ddof=1) if normalise else centred
+
+
+def _group_mean(rewards: np.ndarray) -> np.ndarray:
+    return rewards.mean()
+
+
+@register_estimator("grpo", normalise="group")
+def grpo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
+    """``A_i = R_i - mean_G R`` (``/ std_G R``, sample std, when ``normalise``); see the module docstring."""
+    return _per_token(group, _centred(group, _group_mean, settings.normalise))
+
+
+@register_estimator("rloo", normalise=None)
+def rloo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
+    """``A_i = R_i - (sum_G R - R_i) / (|G| - 1)``, the leave-one-out baseline."""
+    return _per_token(group, _centred(group, lambda r: (r.sum() - r) / (r.size - 1), False))
+
+
+def _subgroup_sums(statistics: NodeStatistics, rewards: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per trajectory of the trie (its order): sum over its sub-groups of ``R_i - mean_S R``, and their
+    count. A sub-group of equal rewards adds exactly 0 (its computed mean may differ from them)."""
+    tree, count, total = statistics.tree, statistics.count, statistics.total
     sums, counts = np.zeros(len(rewards)), np.zeros(len(rewards))
     for k, node in enumerate(tree.end_node):
         while node >= 0:
             if count[node] >= 2:
-                sums[k] += 0.0 if low[node] == high[node] else rewards[k] - total[node] / count[node]
+                same = statistics.low[node] == statistics.high[node]
+                sums[k] += 0.0 if same else rewards[k] - total[node] / count[node]
                 counts[k] += 1
             node = tree.node_parent[node]
     return sums, counts
 
 
-def _treepo_group(group: list[Trajectory], rewards: np.ndarray) -> np.ndarray:
-    """TreePO advantages of one group of two or more trajectories (``rewards`` in ``group`` order)."""
-    trees = build_trees(group)
-    reward_of = {id(t): r for t, r in zip(group, rewards, strict=True)}
-    sums, counts = {}, {}
-    for tree in trees:
-        tree_sums, tree_counts = _subgroup_sums(tree, np.array([reward_of[id(t)] for t in tree.trajectories]))
-        for trajectory, s, c in zip(tree.trajectories, tree_sums, tree_counts, strict=True):
-            sums[id(trajectory)], counts[id(trajectory)] = s, c
-    scalars = np.array([sums[id(t)] for t in group])
-    subgroups = np.array([counts[id(t)] for t in group])
-    if len(trees) > 1:  # the group itself, which no single trie node holds
-        centred = rewards - rewards.mean() if np.any(rewards != rewards[0]) else 0.0
-        scalars, subgroups = scalars + centred, subgroups + 1
-    return scalars / subgroups
-
-
-def treepo(trajectories: Sequence[Trajectory], *, normalise: bool = False) -> Advantages:
+@register_estimator("treepo", normalise="batch")
+def treepo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """Mean over trie sub-groups of ``R_i - mean_S R`` (``/ batch std`` when ``normalise``); see the module doc."""
-    rewards = _rewards(trajectories, "treepo")
-    scalars = np.zeros(len(trajectories))
-    with_peers = np.zeros(len(trajectories), dtype=bool)
-    for members in _groups(trajectories):
-        if members.size > 1:
-            scalars[members] = _treepo_group([trajectories[i] for i in members], rewards[members])
-            with_peers[members] = True
-    spread = scalars[with_peers]
-    if normalise and np.any(spread != spread[:1]):
-        scalars = scalars / spread.std(ddof=1)
-    return _per_token(trajectories, scalars, int((~with_peers).sum()))
+    per_tree = []
+    for tree, rewards in group.per_tree(group.rewards):
+        sums, counts = _subgroup_sums(node_statistics(tree, rewards), rewards)
+        per_tree.append(list(zip(sums, counts, strict=True)))
+    sums, subgroups = (np.array(v) for v in zip(*group.in_group_order(per_tree), strict=True))
+    rewards = group.rewards
+    if len(group.trees) > 1:  # the group itself, which no single trie node holds
+        centred = rewards - rewards.mean() if np.any(rewards != rewards[0]) else 0.0
+        sums, subgroups = sums + centred, subgroups + 1
+    return _per_token(group, sums / subgroups)
 
 
-def given(trajectories: Sequence[Trajectory], *, normalise: bool = False) -> Advantages:
+def _branch_gate(tree: TokenTree) -> np.ndarray:
+    """Per node: its prefix is a branching state whose TD term TEMPO applies (two or more children,
+    not the root)."""
+    gate = tree.num_children() >= 2
+    gate[tree.node_parent < 0] = False
+    return gate
+
+
+@register_estimator("tempo", normalise="group")
+def tempo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
+    """GRPO's advantage plus ``tempo_coef`` times the branch-gated TD of the prefix values; see the module doc."""
+    relative = _centred(group, _group_mean, settings.normalise)
+    per_tree = []
+    for tree, advantages in group.per_tree(relative):
+        value = node_statistics(tree, advantages).mean
+        gate = _branch_gate(tree)
+        token_node = np.repeat(np.arange(tree.n_nodes), tree.node_end - tree.node_start)
+        arrays = []
+        for a, path in zip(advantages, tree.paths, strict=True):
+            nodes = token_node[path]
+            td = np.zeros(path.size)
+            if path.size > 1:
+                enters = (nodes[1:] != nodes[:-1]) & gate[nodes[:-1]]
+                td[1:] = np.where(enters, value[nodes[1:]] - value[nodes[:-1]], 0.0)
+            arrays.append(a + settings.tempo_coef * td)
+        per_tree.append(arrays)
+    return group.in_group_order(per_tree)
+
+
+@register_estimator("given", normalise=None, needs_rewards=False, needs_peers=False)
+def given(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """The per-token ``advantages`` each trajectory carries (same length as its ``input_ids``), as float64."""
-    _no_normalise("given", normalise)
     values = []
-    for trajectory in trajectories:
+    for trajectory in group.trajectories:
         carried = getattr(trajectory, "advantages", None)
         if carried is None:
             raise DataError(f"{_describe(trajectory)}: the 'given' advantage estimator needs per-token advantages")
@@ -194,19 +352,17 @@ def given(trajectories: Sequence[Trajectory], *, normalise: bool = False) -> Adv
         if not np.all(np.isfinite(carried)):
             raise DataError(f"{_describe(trajectory)}: advantages contain a non-finite value")
         values.append(carried)
-    return Advantages(values, 0)
+    return values
 
 
-ESTIMATORS: dict[str, Callable[..., Advantages]] = {"grpo": grpo, "rloo": rloo, "treepo": treepo, "given": given}
-"""name -> ``estimator(trajectories, *, normalise) -> Advantages``."""
-
-
-def estimate(trajectories: Sequence[Trajectory], estimator: str, normalise: bool = False) -> Advantages:
+def estimate(
+    trajectories: Sequence[Trajectory], estimator: str, normalise: bool = False, *, tempo_coef: float = 1.0
+) -> Advantages:
     """The advantages of ``trajectories`` by the estimator named ``estimator`` (:data:`ESTIMATORS`): the
     one dispatch the trainer, ``verify`` and ``bench`` share."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"advantage estimator must be one of {tuple(ESTIMATORS)}, got {estimator!r}")
-    computed = ESTIMATORS[estimator](trajectories, normalise=normalise)
+    computed = ESTIMATORS[estimator](trajectories, normalise=normalise, tempo_coef=tempo_coef)
     computed.trajectories = trajectories
     return computed
 
