@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from ds_tree.rollout.env import (
-    Environment,
     EnvironmentCalls,
     SkyRLTextEnvironment,
     StepResult,
