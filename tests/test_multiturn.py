@@ -381,3 +381,46 @@ def test_tiny_model_tree_saved_and_verified_in_float64(tokenizer, tmp_path: Path
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"], report
     assert stats.main([str(path), "--json"]) == 0
+
+
+# ------------------------------------------------------------------ config
+SHIPPED = ["model.source=configs/models/tiny_llama.json", "rollout.prompts=tasks.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.env.path=ds_tree.nowhere:Env", r"rollout.env.path 'ds_tree.nowhere:Env' cannot be imported"),
+        ("rollout.env.fork=clone", r"rollout.env.fork must be one of copy, replay, none"),
+        ("rollout.env.max_turns=0", r"rollout.env.max_turns must be >= 1"),
+        ("rollout.env.step_timeout_s=0", r"rollout.env.step_timeout_s must be a finite number > 0"),
+        ("rollout.reward=exact_match", r"rollout.reward is not used with rollout.env.path"),
+        ("rollout.repetition_ngram=3", r"rollout.repetition_ngram is a single-turn sampler setting"),
+        ("rollout.env.max_context_tokens=1024", r"rollout.env.max_context_tokens \(1024\) is more than packing"),
+    ],
+)
+def test_env_config_errors_name_the_key(override: str, message: str) -> None:
+    from ds_tree.config import ConfigError, load_config
+
+    load_config("configs/multiturn_cpu.yaml", SHIPPED)  # the shipped example is valid
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, override])
+
+
+def test_tau_style_shop_with_a_scripted_user_and_replay_forks(tokenizer) -> None:
+    from ds_tree.rollout.tau_shop import ShopEnv
+
+    calls = [
+        '<tool_call>\n{"name": "find_orders", "arguments": {"user_id": "u1"}}\n</tool_call>',
+        '<tool_call>\n{"name": "cancel_order", "arguments": {"order_id": "W1"}}\n</tool_call>',
+        "Your lamp order is cancelled.",
+    ]
+    task = {"id": "cancel-lamp", "user": "u1", "goal": {"cancel": "W1"}}
+    tree = run(runner(tokenizer, ShopEnv, calls, fork="replay", max_turns=5, max_context_tokens=2048), task)
+    assert [leaf.trajectory.reward for leaf in tree.leaves] == [1.0] * 4 and tree.counts["env_errors"] == 0
+    text = tokenizer.decode(tree.leaves[0].trajectory.input_ids.tolist())
+    assert '["W1", "W2"]' in text and "order W1 cancelled" in text
+    # an agent that only talks: the user restates the goal, then gives up (reward 0)
+    idle = run(runner(tokenizer, ShopEnv, ["How can I help?"], fork="replay", max_context_tokens=2048), task)
+    assert {leaf.trajectory.reward for leaf in idle.leaves} == {0.0} and {leaf.turns for leaf in idle.leaves} == {3}
+    assert "That's not done yet. Please cancel my lamp order." in tokenizer.decode(idle.leaves[0].trajectory.input_ids)
