@@ -94,7 +94,9 @@ def runner(tokenizer, make_env, script=None, sampler=None, **env_settings):
     env = EnvSettings(**env_settings)
     renderer = Renderer(tokenizer, STOPS, env.max_observation_tokens)
     sampler = sampler or ScriptedSampler(tokenizer, script)
-    return EpisodeRunner(make_env, renderer, sampler, settings, env, env.max_context_tokens or 512, EnvironmentCalls(2))
+    return EpisodeRunner(
+        make_env, renderer, sampler, settings, env, env.max_context_tokens or 512, EnvironmentCalls(env.workers)
+    )
 
 
 def run(runner_, task=TASK):
@@ -320,13 +322,18 @@ def test_env_failures_end_the_leaf_and_drop_it(tokenizer, caplog, env_class) -> 
     assert "environment error in task t, turn 1" in caplog.text
 
 
-def test_step_timeout_is_a_tool_error_and_episode_timeout_stops(tokenizer) -> None:
-    tree = run(runner(tokenizer, Sleepy, [CALL, "7"], step_timeout_s=0.05, episode_timeout_s=60))
-    assert tree.counts["step_timeouts"] >= 2 and "did not answer within 0.05 s" in tokenizer.decode(
+def test_step_timeout_is_a_tool_error_and_episode_timeout_stops(tokenizer, caplog) -> None:
+    tree = run(runner(tokenizer, Sleepy, [CALL, "7"], step_timeout_s=0.05, episode_timeout_s=60, workers=8))
+    # every step times out, so no answer ever ends an episode: 2 + 4 + 4 + 4 steps until max_turns
+    assert {leaf.stop_reason for leaf in tree.leaves} == {"max_turns"}
+    assert tree.counts["step_timeouts"] == 14 and "did not answer within 0.05 s" in tokenizer.decode(
         tree.leaves[0].trajectory.input_ids.tolist()
     )
     stopped = run(runner(tokenizer, Sleepy, [CALL, "7"], step_timeout_s=5, episode_timeout_s=0.2))
     assert {leaf.stop_reason for leaf in stopped.leaves} == {"timeout"} and len(stopped.leaves) == 2
+    # timed-out calls still running use up rollout.env.workers: further calls fail as environment errors
+    crowded = run(runner(tokenizer, Sleepy, [CALL, "7"], step_timeout_s=0.05, workers=1))
+    assert crowded.counts["env_errors"] >= 1 and "still running" in caplog.text
 
 
 def test_context_overflow_stops_with_length_and_keeps_sampled_tokens(tokenizer) -> None:

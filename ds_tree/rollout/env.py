@@ -28,11 +28,11 @@ their return values (as text) are the observations. :class:`SkyRLTextEnvironment
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import importlib
 import inspect
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,28 +254,37 @@ class EnvironmentCalls:
 
     A call that times out raises :class:`TimeoutError`; its thread is left to finish on its own (a
     Python thread cannot be killed), so an environment whose calls may time out must tolerate a late
-    call still running on an episode the rollout abandoned.
+    call still running on an episode the rollout abandoned. Threads are daemons, so a call that never
+    returns does not keep the process from exiting; once ``workers`` calls are still running, a new
+    call fails at once (an environment error) instead of piling up threads.
     """
 
     def __init__(self, workers: int) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="env")
+        self.workers = workers
+        self.running = threading.BoundedSemaphore(workers)
 
     def call(self, method: Callable, *args: Any, timeout: float | None = None) -> Any:
-        def run() -> Any:
-            result = method(*args)
-            if inspect.isawaitable(result):
-                return asyncio.run(_await(result))
-            return result
+        if not self.running.acquire(blocking=False):
+            raise EnvFailure(f"{self.workers} environment calls that timed out are still running (rollout.env.workers)")
+        box: dict[str, Any] = {}
+        finished = threading.Event()
 
-        future = self.pool.submit(run)
-        try:
-            return future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"no answer within {timeout} s") from None
+        def run() -> None:
+            try:
+                result = method(*args)
+                box["value"] = asyncio.run(_await(result)) if inspect.isawaitable(result) else result
+            except BaseException as error:  # handed to the caller
+                box["error"] = error
+            finally:
+                self.running.release()
+                finished.set()
 
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        threading.Thread(target=run, name="env-call", daemon=True).start()
+        if not finished.wait(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
 
 async def _await(awaitable: Any) -> Any:
