@@ -309,9 +309,10 @@ class Sleepy(SecretToolEnv):
 
 
 def test_malformed_tool_call_gets_a_parse_error_observation(tokenizer) -> None:
-    tree = run(runner(tokenizer, SecretToolEnv, ['<tool_call>{"name": get}</tool_call>', "5"]))
+    tree = run(runner(tokenizer, SecretToolEnv, ['<tool_call>{"name": get}</tool_call>', "7"]))
     assert tree.counts["parse_errors"] == 2 and len(tree.leaves) == 4
     text = tokenizer.decode(tree.leaves[0].trajectory.input_ids.tolist())
+    # the right digit, but the tool was never called: a guess scores 0
     assert "could not parse your tool call" in text and tree.leaves[0].trajectory.reward == 0.0
 
 

@@ -32,18 +32,21 @@ class SecretToolEnv(ToolEnvironment):
 
     def __init__(self) -> None:
         self.secret = ""
+        self.called = False
         self.tools = [self.get_secret]
 
     def get_secret(self) -> str:
         """Returns the secret digit of this task."""
+        self.called = True
         return self.secret
 
     def reset(self, task: dict) -> list[dict]:
-        self.secret = str(task["secret"])
+        self.secret, self.called = str(task["secret"]), False
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 
     def reward(self, turn: Turn) -> float:
-        return float(turn.text.strip() == self.secret)
+        """1 for the secret, after calling the tool (an answer without the call is a guess: 0)."""
+        return float(self.called and turn.text.strip() == self.secret)
 
 
 def tasks(count: int, seed: int) -> list[dict]:
