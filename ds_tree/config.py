@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from ds_tree.errors import ConfigError
-from ds_tree.rollout.settings import SamplerSettings
+from ds_tree.rollout.settings import EnvSettings, SamplerSettings
 
 # Choices of string fields. Where the library keeps a registry of the same names (attention
 # engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
@@ -412,6 +412,8 @@ class RolloutConfig(SamplerSettings):
     """Seed of the prompt order (reshuffled each pass over the prompts) and, with the step and the
     prompt's slot in it, of the slot's sampling generator: a resumed run samples what an uninterrupted
     one would have, without generator state in the checkpoint."""
+    env: EnvSettings = field(default_factory=EnvSettings)
+    """Multi-turn rollouts against an environment (docs/ENVIRONMENTS.md); off while ``env.path`` is empty."""
 
     def __post_init__(self) -> None:
         """The ranges of the fields, checked whether or not ``enabled`` (a value out of range is an
@@ -435,10 +437,15 @@ class RolloutConfig(SamplerSettings):
 
         if not self.prompts:
             raise ConfigError("rollout.prompts is required with rollout.enabled (a prompts JSONL)")
-        try:
-            reward_function(self.reward)
-        except ValueError as error:
-            raise ConfigError(f"rollout.reward {error}") from None
+        if self.env.path:
+            from ds_tree.rollout.multiturn import check_env_config
+
+            check_env_config(config)
+        else:
+            try:
+                reward_function(self.reward)
+            except ValueError as error:
+                raise ConfigError(f"rollout.reward {error}") from None
         if config.data.path:
             raise ConfigError("data.path must be empty with rollout.enabled: each step's data is sampled")
         objective = config.objective

@@ -177,6 +177,8 @@ class Trainer(RLSteps):
         """:meth:`prepare`'s data for online RL: prompts, tokenizer and reward function instead of a dataset."""
         from ds_tree.rollout.online import OnlineRollouts
 
+        if self.config.rollout.env.path:  # multi-turn episodes against an environment (docs/ENVIRONMENTS.md)
+            from ds_tree.rollout.multiturn import MultiTurnRollouts as OnlineRollouts
         self.online = OnlineRollouts(self.config, self.model_config)
         self.sampler = self.online.sampler
 

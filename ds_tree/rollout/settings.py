@@ -60,3 +60,56 @@ class SamplerSettings:
     def branch_levels(self) -> int:
         """Segment boundaries that may fork (1 for the independent baseline)."""
         return 1 if self.independent else self.max_depth
+
+
+FORK_MODES = ("copy", "replay", "none")
+
+
+@dataclass
+class EnvSettings:
+    """Multi-turn rollouts against an environment (docs/ENVIRONMENTS.md): ``rollout.env``.
+
+    With ``path`` set, each prompt slot is an episode tree: ``rollout.prompts`` holds tasks (one JSON
+    object a line, handed to the environment's ``reset``), ``rollout.max_new_tokens`` caps each
+    assistant turn, and ``rollout.width`` / ``branching`` / ``max_depth`` say how the tree forks at
+    turn boundaries (boundary 0 is the prompt) by the sampler's quota rule; ``rollout.independent``
+    forks all ``width`` episodes at the prompt (the baseline)."""
+
+    path: str = ""
+    """The environment: an importable ``package.module:Class`` (or factory) called with no arguments
+    once per episode. Empty: single-turn online RL with ``rollout.reward``."""
+    fork: str = ""
+    """How an episode is forked at a turn boundary: ``copy`` (deep copy), ``replay`` (a fresh instance
+    replays the recorded turns, checking its answers), ``none`` (branch at the prompt only). Empty:
+    the environment class's ``fork_mode`` (``copy`` unless it says otherwise)."""
+    max_turns: int = 4
+    """Assistant turns per episode at most; a leaf still going after them stops with ``max_turns``."""
+    max_context_tokens: int = 0
+    """Tokens on one root-to-leaf path at most (0: ``packing.budget``); a turn that would pass it stops
+    its leaf with ``length`` (the sampled tokens kept and trained, nothing cut silently)."""
+    max_observation_tokens: int = 256
+    """An observation message longer than this (in tokens) is cut, with a visible marker (0: never)."""
+    step_timeout_s: float = 30.0
+    """Seconds one environment call (``reset``, ``step``, ``fork``, ``score``) may take; a ``step`` over
+    it answers the policy with a tool error, any other call ends the leaf as an environment error."""
+    episode_timeout_s: float = 600.0
+    """Seconds one episode tree may take; leaves still going then stop with ``timeout``."""
+    workers: int = 4
+    """Threads that run environment calls (``async`` methods run on an event loop in them)."""
+    save_rollouts: bool = True
+    """Write each step's leaves to ``output_dir/rollouts/step_<N>.jsonl`` (tokens JSONL, rank 0)."""
+
+    def __post_init__(self) -> None:
+        from ds_tree.errors import ConfigError
+
+        if self.fork and self.fork not in FORK_MODES:
+            raise ConfigError(f"rollout.env.fork must be one of {', '.join(FORK_MODES)} (or empty), got {self.fork!r}")
+        for name in ("max_turns", "workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rollout.env.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_context_tokens", "max_observation_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"rollout.env.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("step_timeout_s", "episode_timeout_s"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"rollout.env.{name} must be a finite number > 0, got {getattr(self, name)}")

@@ -1,0 +1,318 @@
+"""The environment interface of multi-turn rollouts (docs/ENVIRONMENTS.md), and adapters to it.
+
+An environment talks to the policy in chat messages; it never sees a token or a chat template (the
+trainer's :mod:`ds_tree.rollout.render` owns those). One episode:
+
+- ``reset(task) -> messages``: the conversation's opening messages (system, user) for one task, a
+  JSON object of the tasks file (``rollout.prompts``);
+- ``step(turn) -> StepResult``: the policy's assistant turn (its text and parsed tool calls) in,
+  the messages to append (tool results, a user reply), a turn reward, ``done`` and ``info`` out; an
+  environment that rewrites the conversation (compaction) returns ``history`` instead, and the
+  rollout starts a new branch there rather than realigning tokens;
+- ``fork()``: an independent copy standing at the same point, so sibling turns can be tried from it.
+  ``fork_mode`` says how: ``copy`` (``copy.deepcopy``, the default), ``replay`` (a fresh instance
+  reset on the same task re-applies the recorded turns and must give back the recorded messages),
+  ``none`` (cannot fork: a rollout branches at the prompt only);
+- ``score(messages) -> float`` (optional): a final reward added when the episode ends;
+- ``close()``: release what the episode holds.
+
+Every method may be ``async``: the rollout runs each call in a worker thread
+(:class:`EnvironmentCalls`), an ``async`` one under its own event loop there, with timeouts.
+
+:class:`ToolEnvironment` is the usual shape: tools are plain Python functions (or methods) whose
+JSON schema comes from their signature and docstring (:func:`tool_schema`), the policy calls them,
+their return values (as text) are the observations. :class:`SkyRLTextEnvironment` and
+:class:`TRLEnvironment` wrap a SkyRL-style text env and a TRL-style ``environment_factory`` class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import inspect
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ds_tree.rollout.settings import FORK_MODES  # noqa: F401  (re-exported)
+
+
+class EnvFailure(Exception):
+    """An environment misbehaved (raised, returned the wrong type, or replayed differently)."""
+
+
+@dataclass
+class ToolCall:
+    """One parsed tool call of an assistant turn."""
+
+    name: str
+    arguments: dict
+    id: str = ""
+
+
+@dataclass
+class Turn:
+    """The policy's assistant turn, as the environment sees it."""
+
+    text: str
+    """The turn's text outside tool calls (stripped)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    raw: str = ""
+    """The whole decoded turn, tool-call markup included (what a text env such as SkyRL's takes)."""
+
+    def message(self) -> dict:
+        """The turn as an OpenAI-style assistant message."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+@dataclass
+class StepResult:
+    """What one ``step`` returns."""
+
+    messages: list[dict] = field(default_factory=list)
+    """Messages appended after the assistant turn (``tool`` results, a ``user`` reply)."""
+    reward: float = 0.0
+    """This turn's reward; a trajectory's reward is the sum over its turns (plus ``score``)."""
+    done: bool = False
+    info: dict = field(default_factory=dict)
+    history: list[dict] | None = None
+    """Set instead of ``messages`` when the environment rewrites the conversation: the whole new
+    conversation. Its rendering is not an extension of the sampled tokens, so the rollout continues
+    it as a new branch (a new root) rather than realigning tokens."""
+
+
+class Environment:
+    """Base class of an environment (module docstring). Subclasses define ``reset`` and ``step``."""
+
+    fork_mode: str = "copy"
+    tools: list[Callable] = []
+    """Functions the policy may call; their schemas go into the system block (:func:`tool_schema`)."""
+
+    def reset(self, task: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def step(self, turn: Turn) -> StepResult:
+        raise NotImplementedError
+
+    def fork(self) -> Environment:
+        """An independent copy at the same point (``fork_mode: copy``)."""
+        return copy.deepcopy(self)
+
+    def close(self) -> None:
+        """Release what the episode holds (nothing by default)."""
+
+    def tool_schemas(self) -> list[dict]:
+        return [tool_schema(function) for function in self.tools]
+
+
+def tool_schema(function: Callable) -> dict:
+    """The OpenAI function schema of ``function`` from its signature and (Google-style) docstring."""
+    from transformers.utils import get_json_schema
+
+    schema = get_json_schema(function)
+    return schema if "function" in schema else {"type": "function", "function": schema}
+
+
+def tool_result(value: object) -> str:
+    """A tool's return value as observation text: strings as they are, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+class ToolEnvironment(Environment):
+    """An environment whose tools are plain functions: a turn with tool calls gets their results as
+    ``tool`` messages (an unknown tool, bad arguments or a raising tool give an error message, for the
+    policy to read); a turn without tool calls ends the episode, scored by :meth:`reward`."""
+
+    def reset(self, task: dict) -> list[dict]:
+        raise NotImplementedError
+
+    def reward(self, turn: Turn) -> float:
+        """The final reward of an episode whose last turn is ``turn`` (0 by default)."""
+        return 0.0
+
+    def call_tool(self, call: ToolCall) -> str:
+        tools = {function.__name__: function for function in self.tools}
+        if call.name not in tools:
+            return f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(tools))})"
+        try:
+            return tool_result(tools[call.name](**call.arguments))
+        except TypeError as error:
+            return f"error: bad arguments for {call.name}: {error}"
+        except Exception as error:  # a tool's failure is the policy's observation, not the run's
+            return f"error: {call.name} failed: {type(error).__name__}: {error}"
+
+    def step(self, turn: Turn) -> StepResult:
+        if not turn.tool_calls:
+            return StepResult(reward=self.reward(turn), done=True)
+        messages = [
+            {"role": "tool", "tool_call_id": call.id, "content": self.call_tool(call)} for call in turn.tool_calls
+        ]
+        return StepResult(messages=messages)
+
+
+class SkyRLTextEnvironment(Environment):
+    """A SkyRL-style text env: ``init(prompt) -> (messages, metadata)``, ``step(action: str) ->
+    {"observations", "reward", "done", "metadata"}``. The task's ``"prompt"`` (messages) is the
+    prompt; ``make`` builds one env per episode from the task (default: ``cls()``)."""
+
+    def __init__(self, make: Callable[[dict], Any]) -> None:
+        self.make = make
+        self.env = None
+
+    def reset(self, task: dict) -> list[dict]:
+        self.env = self.make(task)
+        messages, _ = self.env.init(task["prompt"])
+        return list(messages)
+
+    def step(self, turn: Turn) -> StepResult:
+        output = self.env.step(turn.raw)
+        return StepResult(
+            messages=list(output["observations"]),
+            reward=float(output.get("reward") or 0.0),
+            done=bool(output["done"]),
+            info=dict(output.get("metadata") or {}),
+        )
+
+    def close(self) -> None:
+        if self.env is not None and hasattr(self.env, "close"):
+            self.env.close()
+
+
+class TRLEnvironment(ToolEnvironment):
+    """A TRL-style ``environment_factory`` class: ``reset(**row)`` may return text appended to the
+    last user message, its public methods are the tools, and ``get_reward()`` (or ``reward(instance)``)
+    scores the episode. The task's ``"prompt"`` is the opening messages, the rest of it the row."""
+
+    def __init__(self, factory: Callable[[], Any], reward: Callable[[Any], float] | None = None) -> None:
+        self.factory = factory
+        self.score_with = reward
+        self.instance = None
+        self.tools = []
+
+    def reset(self, task: dict) -> list[dict]:
+        self.instance = self.factory()
+        row = {key: value for key, value in task.items() if key != "prompt"}
+        extra = self.instance.reset(**row)
+        messages = copy.deepcopy(list(task["prompt"]))
+        if extra:
+            messages[-1]["content"] += str(extra)
+        self.tools = [
+            getattr(self.instance, name)
+            for name, member in inspect.getmembers(type(self.instance), inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")
+        ]
+        return messages
+
+    def reward(self, turn: Turn) -> float:
+        if self.score_with is not None:
+            return float(self.score_with(self.instance))
+        return float(self.instance.get_reward())
+
+    def fork(self) -> Environment:
+        forked = copy.copy(self)
+        forked.instance = copy.deepcopy(self.instance)
+        forked.tools = [getattr(forked.instance, function.__name__) for function in self.tools]
+        return forked
+
+
+def load_environment_class(name: str) -> type:
+    """The class ``package.module:Class`` (``rollout.env.path``); a ValueError says why not."""
+    module, _, attribute = name.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"must be 'package.module:Class', got {name!r}")
+    try:
+        found = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{name!r} cannot be imported: {error}") from None
+    except Exception as error:  # the module's own code failed
+        raise ValueError(f"{name!r} cannot be imported: {type(error).__name__}: {error}") from None
+    if not callable(found):
+        raise ValueError(f"{name!r} is not a class or factory")
+    return found
+
+
+class EnvironmentCalls:
+    """Runs environment methods in worker threads with a timeout; ``async`` ones on a loop there.
+
+    A call that times out raises :class:`TimeoutError`; its thread is left to finish on its own (a
+    Python thread cannot be killed), so an environment whose calls may time out must tolerate a late
+    call still running on an episode the rollout abandoned. Threads are daemons, so a call that never
+    returns does not keep the process from exiting; once ``workers`` calls are still running, a new
+    call fails at once (an environment error) instead of piling up threads.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.running = threading.BoundedSemaphore(workers)
+
+    def call(self, method: Callable, *args: Any, timeout: float | None = None) -> Any:
+        if not self.running.acquire(blocking=False):
+            raise EnvFailure(f"{self.workers} environment calls that timed out are still running (rollout.env.workers)")
+        box: dict[str, Any] = {}
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                result = method(*args)
+                box["value"] = asyncio.run(_await(result)) if inspect.isawaitable(result) else result
+            except BaseException as error:  # handed to the caller
+                box["error"] = error
+            finally:
+                self.running.release()
+                finished.set()
+
+        threading.Thread(target=run, name="env-call", daemon=True).start()
+        if not finished.wait(timeout):
+            raise TimeoutError(f"no answer within {timeout} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def step_result(value: object) -> StepResult:
+    """``step``'s return value checked: a :class:`StepResult` (or a dict of its fields) with messages."""
+    if isinstance(value, dict):
+        try:
+            value = StepResult(**value)
+        except TypeError as error:
+            raise EnvFailure(f"step returned a dict that is not a StepResult: {error}") from None
+    if not isinstance(value, StepResult):
+        raise EnvFailure(f"step must return a StepResult, got {type(value).__name__}")
+    check_messages("step", value.history if value.history is not None else value.messages)
+    if isinstance(value.reward, bool) or not isinstance(value.reward, int | float):
+        raise EnvFailure(f"step's reward must be a number, got {value.reward!r}")
+    return value
+
+
+def check_messages(method: str, messages: object) -> list[dict]:
+    """Messages an environment returned: a list of ``{"role": str, "content": str}`` objects."""
+    if not isinstance(messages, list):
+        raise EnvFailure(f"{method} must return a list of messages, got {type(messages).__name__}")
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+            raise EnvFailure(f"{method}: message {index} is not an object with a string 'role'")
+        if not isinstance(message.get("content"), str):
+            raise EnvFailure(f"{method}: message {index} ({message['role']}) needs a string 'content'")
+    return messages

@@ -1,0 +1,434 @@
+"""Multi-turn rollouts (docs/ENVIRONMENTS.md): the environment interface and adapters, the renderer's
+bridging, episode trees with forked environments, every failure case, saved rollouts through verify."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_tree.rollout.env import (
+    EnvironmentCalls,
+    SkyRLTextEnvironment,
+    StepResult,
+    ToolCall,
+    ToolEnvironment,
+    TRLEnvironment,
+    Turn,
+    tool_schema,
+)
+from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, SampledTurn, save_rollouts
+from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_tool_calls
+from ds_tree.rollout.secret_tool import SecretToolEnv
+from ds_tree.rollout.settings import EnvSettings, SamplerSettings
+
+STOPS = [2, 4]  # <|eos|>, <|im_end|>
+CALL = '<tool_call>\n{"name": "get_secret", "arguments": {}}\n</tool_call>'
+TASK = {"id": "t", "secret": 7}
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+class ScriptedSampler:
+    """A policy that writes given turns: turn k of every sibling is ``script[k]`` (or a function of the
+    sibling index); log-prob -1 per token. Tests the rollout's bookkeeping without a model's randomness."""
+
+    def __init__(self, tokenizer, script, finish="eos"):
+        self.tokenizer, self.script, self.finish = tokenizer, script, finish
+        self.forward_tokens = 0
+        self.calls: list[tuple[list[int], int]] = []
+
+    def sample(self, prefix_ids, n, max_new_tokens, generator):
+        depth = self.depth(prefix_ids)
+        self.calls.append((list(prefix_ids), n))
+        out = []
+        for sibling in range(n):
+            text = self.script[min(depth, len(self.script) - 1)]
+            text = text(sibling) if callable(text) else text
+            ids = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+            finished = self.finish == "eos" and len(ids) < max_new_tokens
+            ids = ids + [4] if finished else ids
+            out.append(SampledTurn(ids, [-1.0] * len(ids), "eos" if finished else "length"))
+        return out
+
+    def depth(self, prefix_ids) -> int:
+        return (sum(1 for token in prefix_ids if token == 3) - 3) // 2  # <|im_start|>: system, user, then 2 a turn
+
+
+class Counter(ToolEnvironment):
+    """Counts its tool calls: siblings forked from one state must count on independently."""
+
+    def __init__(self):
+        self.count = 0
+        self.tools = [self.bump]
+
+    def bump(self) -> int:
+        """Adds one to the counter and returns it."""
+        self.count += 1
+        return self.count
+
+    def reset(self, task):
+        self.count = 0
+        return [{"role": "user", "content": "bump"}]
+
+    def reward(self, turn):
+        return float(self.count)
+
+
+def runner(tokenizer, make_env, script=None, sampler=None, **env_settings):
+    settings = SamplerSettings(width=4, branching=2, max_depth=2, max_new_tokens=40, temperature=1.0)
+    env = EnvSettings(**env_settings)
+    renderer = Renderer(tokenizer, STOPS, env.max_observation_tokens)
+    sampler = sampler or ScriptedSampler(tokenizer, script)
+    return EpisodeRunner(
+        make_env, renderer, sampler, settings, env, env.max_context_tokens or 512, EnvironmentCalls(env.workers)
+    )
+
+
+def run(runner_, task=TASK):
+    tree = runner_.run(task, "t", 0, 3, torch.Generator().manual_seed(0))
+    tree.build_leaves("t/step3/slot0", "tasks.jsonl:1")
+    return tree
+
+
+def bump_twice(sibling):
+    return '<tool_call>\n{"name": "bump", "arguments": {}}\n</tool_call>'
+
+
+# ------------------------------------------------------------------ interface and adapters
+def test_tool_schemas_and_tool_errors_go_to_the_policy() -> None:
+    assert tool_schema(add)["function"]["parameters"]["properties"]["a"] == {
+        "type": "integer",
+        "description": "the first number",
+    }
+
+    class Calc(ToolEnvironment):
+        tools = [add]
+
+        def reset(self, task):
+            return [{"role": "user", "content": "add"}]
+
+    env = Calc()
+    result = env.step(Turn("", [ToolCall("add", {"a": 1, "b": 2}, "c0"), ToolCall("mul", {}, "c1")]))
+    assert [m["content"] for m in result.messages] == ["3", "error: unknown tool 'mul' (tools: add)"]
+    assert "bad arguments for add" in env.step(Turn("", [ToolCall("add", {"x": 1}, "c")])).messages[0]["content"]
+    done = env.step(Turn("the answer"))
+    assert done.done and done.reward == 0.0 and done.messages == []
+
+
+def test_skyrl_and_trl_style_adapters() -> None:
+    class TextEnv:  # SkyRL's BaseTextEnv shape
+        def init(self, prompt):
+            return prompt, {}
+
+        def step(self, action):
+            return {"observations": [{"role": "user", "content": "again"}], "reward": 0.5, "done": "stop" in action}
+
+    skyrl = SkyRLTextEnvironment(lambda task: TextEnv())
+    assert skyrl.reset({"prompt": [{"role": "user", "content": "hi"}]}) == [{"role": "user", "content": "hi"}]
+    step = skyrl.step(Turn("go", raw="go"))
+    assert step.reward == 0.5 and not step.done and step.messages[0]["content"] == "again"
+    assert skyrl.step(Turn("stop", raw="stop")).done
+
+    class Wordle:  # TRL's environment_factory shape: reset(**row), public methods are tools
+        def reset(self, target):
+            self.target, self.solved = target, False
+            return " (5 letters)"
+
+        def guess(self, word: str) -> str:
+            """Guess the word.
+
+            Args:
+                word: the guess
+            """
+            self.solved = word == self.target
+            return "correct" if self.solved else "wrong"
+
+        def get_reward(self):
+            return float(self.solved)
+
+    trl = TRLEnvironment(Wordle)
+    messages = trl.reset({"prompt": [{"role": "user", "content": "Guess"}], "target": "apple"})
+    assert messages[-1]["content"] == "Guess (5 letters)" and [s["function"]["name"] for s in trl.tool_schemas()] == [
+        "guess"
+    ]
+    sibling = trl.fork()
+    assert trl.step(Turn("", [ToolCall("guess", {"word": "apple"}, "c")])).messages[0]["content"] == "correct"
+    assert trl.step(Turn("done")).reward == 1.0 and sibling.step(Turn("done")).reward == 0.0  # forked state
+
+
+def test_async_methods_run_in_threads_with_timeouts() -> None:
+    class Slow:
+        async def step(self, turn):
+            await asyncio.sleep(0.01)
+            return StepResult(done=True, reward=1.0)
+
+    calls = EnvironmentCalls(2)
+    assert calls.call(Slow().step, Turn("x"), timeout=5).reward == 1.0
+    with pytest.raises(TimeoutError):
+        calls.call(time.sleep, 1.0, timeout=0.05)
+
+
+# ------------------------------------------------------------------ renderer
+def test_parse_tool_calls_and_malformed_calls() -> None:
+    parsed = parse_tool_calls('Let me look. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    assert (
+        parsed.error is None and parsed.turn.text == "Let me look." and parsed.turn.tool_calls[0].arguments == {"x": 1}
+    )
+    for text, problem in [
+        ("<tool_call>{'name': 'f'}</tool_call>", "not JSON"),
+        ('<tool_call>{"arguments": {}}</tool_call>', "string 'name'"),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', "'arguments' must be an object"),
+        ('<tool_call>{"name": "f"}', "unbalanced"),
+    ]:
+        assert problem in parse_tool_calls(text).error
+
+
+def test_bridging_equals_a_full_rerender_and_a_rewritten_history_is_refused(tokenizer) -> None:
+    renderer = Renderer(tokenizer, STOPS)
+    tools = [tool_schema(add)]
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 1 and 2."},
+        {"role": "assistant", "content": "Sure.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "3"},
+        {"role": "tool", "tool_call_id": "c", "content": "(cached)"},
+        {"role": "assistant", "content": "It is 3."},
+        {"role": "user", "content": "And 3 and 4?"},
+        {"role": "assistant", "content": "7"},
+    ]
+    assistants = [i for i, m in enumerate(conversation) if m["role"] == "assistant"]
+    ids = renderer.prompt(conversation[:2], tools)
+    for position, index in enumerate(assistants):
+        before = renderer.render(conversation[:index], tools, True)
+        turn = renderer.render(conversation[: index + 1], tools, False)[len(before) :]
+        ids += renderer.encode(turn[: -len(renderer.after_stop)])  # what the model samples: up to its stop token
+        following = assistants[position + 1] if position + 1 < len(assistants) else len(conversation)
+        if index + 1 < following:
+            ids += renderer.bridge(ids, conversation[: index + 1], conversation[index + 1 : following], tools)
+            assert ids == renderer.prompt(conversation[:following], tools)  # == full re-render
+    template = tokenizer.chat_template
+    try:  # a template that rewrites history (here: prints the message count first) is never realigned
+        tokenizer.chat_template = "{{ messages | length }}" + template
+        with pytest.raises(NotAppendOnly):
+            renderer.bridge(ids, conversation[:3], conversation[3:5], tools)
+    finally:
+        tokenizer.chat_template = template
+
+
+def test_long_observations_are_cut_with_a_marker(tokenizer) -> None:
+    tree = run(runner(tokenizer, SecretToolEnvLong, [CALL, "7"], max_observation_tokens=5))
+    text = tokenizer.decode(tree.leaves[0].trajectory.input_ids.tolist())
+    assert "7 and a lon\n[observation cut: 96 more tokens]" in text and tree.counts["observations_cut"] == 2
+
+
+class SecretToolEnvLong(SecretToolEnv):
+    def get_secret(self) -> str:
+        """Returns the secret digit of this task."""
+        return self.secret + " and a long explanation nobody needs " * 5
+
+
+# ------------------------------------------------------------------ episode trees
+def test_episode_tree_masks_logprobs_versions_and_fork_copy(tokenizer) -> None:
+    tree = run(runner(tokenizer, Counter, [bump_twice, bump_twice, "done"]))
+    leaves = tree.leaves
+    assert len(leaves) == 4 and all(leaf.stop_reason == "done" for leaf in leaves)
+    # every sibling bumped its own forked counter: 2 bumps each, never 2 x siblings
+    assert [leaf.trajectory.reward for leaf in leaves] == [2.0] * 4
+    root = tree.nodes[0]
+    first = leaves[0].trajectory
+    for leaf in leaves:
+        t = leaf.trajectory
+        assert t.input_ids[: len(root.token_ids)].tolist() == root.token_ids  # the shared prompt
+        trained = t.loss_mask == 1
+        assert np.array_equal(np.isnan(t.logprobs), ~trained) and np.all(t.logprobs[trained] == -1.0)
+        assert {v for v, m in zip(leaf.versions, trained, strict=True) if m} == {3}
+        assert leaf.turn_rewards == [0.0, 0.0, 2.0] and leaf.turns == 3
+        text = tokenizer.decode(t.input_ids[~trained].tolist())
+        assert "<tool_response>\n1\n</tool_response>" in text and "tool_response" not in tokenizer.decode(
+            t.input_ids[trained]
+        )
+    # siblings share the exact prefix up to the turn boundary they forked at (after turn 1)
+    boundary = len(root.token_ids) + len(tree.nodes[1].token_ids)
+    assert leaves[0].trajectory.input_ids[:boundary].tolist() == leaves[1].trajectory.input_ids[:boundary].tolist()
+    assert first.input_ids.tolist() == leaves[3].trajectory.input_ids.tolist()  # scripted: same tokens
+    assert len(tree.children()[0]) == 2 and all(len(tree.children()[c]) == 2 for c in tree.children()[0])
+
+
+class Nondeterministic(Counter):
+    fork_mode = "replay"
+    draws = iter(range(1000))
+
+    def bump(self) -> int:
+        """Adds a fresh number to the counter and returns it."""
+        self.count += next(self.draws)
+        return self.count
+
+
+def test_fork_replay_and_none(tokenizer) -> None:
+    replayed = run(runner(tokenizer, Counter, [bump_twice, bump_twice, "done"], fork="replay"))
+    assert [leaf.trajectory.reward for leaf in replayed.leaves] == [2.0] * 4
+    # a replay that answers differently than recorded: the sibling is not sampled, counted as an env error
+    diverged = run(runner(tokenizer, Nondeterministic, [bump_twice, bump_twice, "done"]))
+    assert diverged.counts["env_errors"] == 2 and len(diverged.leaves) == 2
+    script = ScriptedSampler(tokenizer, [bump_twice, bump_twice, "done"])
+    none = run(runner(tokenizer, Counter, sampler=script, fork="none"))
+    assert [n for _, n in script.calls] == [4, 1, 1, 1, 1, 1, 1, 1, 1] and len(none.leaves) == 4
+
+
+# ------------------------------------------------------------------ failures never kill the run
+class Raising(SecretToolEnv):
+    def step(self, turn):
+        raise RuntimeError("backend down")
+
+
+class WrongType(SecretToolEnv):
+    def step(self, turn):
+        return "not a StepResult"
+
+
+class Sleepy(SecretToolEnv):
+    def step(self, turn):
+        time.sleep(0.3)
+        return super().step(turn)
+
+
+def test_malformed_tool_call_gets_a_parse_error_observation(tokenizer) -> None:
+    tree = run(runner(tokenizer, SecretToolEnv, ['<tool_call>{"name": get}</tool_call>', "7"]))
+    assert tree.counts["parse_errors"] == 2 and len(tree.leaves) == 4
+    text = tokenizer.decode(tree.leaves[0].trajectory.input_ids.tolist())
+    # the right digit, but the tool was never called: a guess scores 0
+    assert "could not parse your tool call" in text and tree.leaves[0].trajectory.reward == 0.0
+
+
+@pytest.mark.parametrize("env_class", [Raising, WrongType])
+def test_env_failures_end_the_leaf_and_drop_it(tokenizer, caplog, env_class) -> None:
+    tree = run(runner(tokenizer, env_class, [CALL, "7"]))
+    assert tree.counts["env_errors"] == 2 and tree.leaves == []
+    assert "environment error in task t, turn 1" in caplog.text
+
+
+def test_step_timeout_is_a_tool_error_and_episode_timeout_stops(tokenizer, caplog) -> None:
+    tree = run(runner(tokenizer, Sleepy, [CALL, "7"], step_timeout_s=0.05, episode_timeout_s=60, workers=8))
+    # every step times out, so no answer ever ends an episode: 2 + 4 + 4 + 4 steps until max_turns
+    assert {leaf.stop_reason for leaf in tree.leaves} == {"max_turns"}
+    assert tree.counts["step_timeouts"] == 14 and "did not answer within 0.05 s" in tokenizer.decode(
+        tree.leaves[0].trajectory.input_ids.tolist()
+    )
+    stopped = run(runner(tokenizer, Sleepy, [CALL, "7"], step_timeout_s=5, episode_timeout_s=0.2))
+    assert {leaf.stop_reason for leaf in stopped.leaves} == {"timeout"} and len(stopped.leaves) == 2
+    # timed-out calls still running use up rollout.env.workers: further calls fail as environment errors
+    crowded = run(runner(tokenizer, Sleepy, [CALL, "7"], step_timeout_s=0.05, workers=1))
+    assert crowded.counts["env_errors"] >= 1 and "still running" in caplog.text
+
+
+def test_context_overflow_stops_with_length_and_keeps_sampled_tokens(tokenizer) -> None:
+    prompt = len(Renderer(tokenizer, STOPS).prompt(SecretToolEnv().reset(TASK), SecretToolEnv().tool_schemas()))
+    tree = run(runner(tokenizer, SecretToolEnv, [CALL, "7"], max_context_tokens=prompt + 12))
+    assert {leaf.stop_reason for leaf in tree.leaves} == {"length"}
+    for leaf in tree.leaves:  # the turn was cut at the context's end: all 12 sampled tokens trained
+        assert len(leaf.trajectory) == prompt + 12 and leaf.trajectory.loss_mask[prompt:].all()
+
+
+class Compacting(Counter):
+    """Rewrites the conversation after the first tool call (as context compaction does)."""
+
+    def step(self, turn):
+        result = super().step(turn)
+        if self.count == 1 and turn.tool_calls:
+            return StepResult(history=[{"role": "user", "content": "bump (summary: count is 1)"}])
+        return result
+
+
+def test_rewritten_history_continues_as_a_new_branch(tokenizer) -> None:
+    tree = run(runner(tokenizer, Compacting, [bump_twice, "done"]))
+    assert tree.counts["rewritten"] == 2
+    reasons = sorted(leaf.stop_reason for leaf in tree.leaves)
+    assert reasons.count("rewritten") == 2 and reasons.count("done") == 4
+    # the continuation bumps once more (count 2, its return); the rewritten path gets its continuation's mean
+    assert [leaf.trajectory.reward for leaf in tree.leaves] == [2.0] * 6
+    roots = [n for n in tree.nodes if n.parent < 0]
+    assert len(roots) == 3 and all(r.continues >= 0 for r in roots[1:]) and not any(any(r.trainable) for r in roots)
+
+
+# ------------------------------------------------------------------ a real model, saved rollouts, verify
+def test_tiny_model_tree_saved_and_verified_in_float64(tokenizer, tmp_path: Path, capsys) -> None:
+    from ds_tree.cli import stats, verify
+    from ds_tree.models.loading import load_model
+
+    model = load_model("configs/models/tiny_llama.json", attention="torch", dtype=torch.float32, seed=0)
+    sampler = HFTurnSampler(model, SamplerSettings(), STOPS)
+    tree = run(runner(tokenizer, SecretToolEnv, sampler=sampler, max_context_tokens=400))
+    # random weights: 2 first turns of 40 tokens without a stop token (the turn's limit), so 2 leaves
+    assert len(tree.leaves) == 2 and all(leaf.stop_reason == "length" for leaf in tree.leaves)
+    assert tree.forward_tokens == len(tree.nodes[0].token_ids) + 2 * 39  # the prompt once, then batches of 2
+    path = save_rollouts(tmp_path, 1, [tree])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records[0]["versions"][-1] == 3 and records[0]["logprobs"][0] is None
+    assert all(math.isfinite(x) for x in records[0]["logprobs"][-40:])
+    for record in records:  # observation and prompt tokens untrained, sampled ones trained
+        assert [m == 1 for m in record["loss_mask"]] == [x is not None for x in record["logprobs"]]
+    records[1]["reward"] = 1.0  # different rewards, so the policy gradient compared is not zero
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    code = verify.main(["--data", str(path), "--model", "configs/models/tiny_llama.json", "--objective", "grpo"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"], report
+    assert stats.main([str(path), "--json"]) == 0
+
+
+# ------------------------------------------------------------------ config
+SHIPPED = ["model.source=configs/models/tiny_llama.json", "rollout.prompts=tasks.jsonl"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.env.path=ds_tree.nowhere:Env", r"rollout.env.path 'ds_tree.nowhere:Env' cannot be imported"),
+        ("rollout.env.fork=clone", r"rollout.env.fork must be one of copy, replay, none"),
+        ("rollout.env.max_turns=0", r"rollout.env.max_turns must be >= 1"),
+        ("rollout.env.step_timeout_s=0", r"rollout.env.step_timeout_s must be a finite number > 0"),
+        ("rollout.reward=exact_match", r"rollout.reward is not used with rollout.env.path"),
+        ("rollout.repetition_ngram=3", r"rollout.repetition_ngram is a single-turn sampler setting"),
+        ("rollout.env.max_context_tokens=1024", r"rollout.env.max_context_tokens \(1024\) is more than packing"),
+    ],
+)
+def test_env_config_errors_name_the_key(override: str, message: str) -> None:
+    from ds_tree.config import ConfigError, load_config
+
+    load_config("configs/multiturn_cpu.yaml", SHIPPED)  # the shipped example is valid
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, override])
+
+
+def test_tau_style_shop_with_a_scripted_user_and_replay_forks(tokenizer) -> None:
+    from ds_tree.rollout.tau_shop import ShopEnv
+
+    calls = [
+        '<tool_call>\n{"name": "find_orders", "arguments": {"user_id": "u1"}}\n</tool_call>',
+        '<tool_call>\n{"name": "cancel_order", "arguments": {"order_id": "W1"}}\n</tool_call>',
+        "Your lamp order is cancelled.",
+    ]
+    task = {"id": "cancel-lamp", "user": "u1", "goal": {"cancel": "W1"}}
+    tree = run(runner(tokenizer, ShopEnv, calls, fork="replay", max_turns=5, max_context_tokens=2048), task)
+    assert [leaf.trajectory.reward for leaf in tree.leaves] == [1.0] * 4 and tree.counts["env_errors"] == 0
+    text = tokenizer.decode(tree.leaves[0].trajectory.input_ids.tolist())
+    assert '["W1", "W2"]' in text and "order W1 cancelled" in text
+    # an agent that only talks: the user restates the goal, then gives up (reward 0)
+    idle = run(runner(tokenizer, ShopEnv, ["How can I help?"], fork="replay", max_context_tokens=2048), task)
+    assert {leaf.trajectory.reward for leaf in idle.leaves} == {0.0} and {leaf.turns for leaf in idle.leaves} == {3}
+    assert "That's not done yet. Please cancel my lamp order." in tokenizer.decode(idle.leaves[0].trajectory.input_ids)
