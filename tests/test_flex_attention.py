@@ -35,7 +35,7 @@ from tests.test_sliding_window import model_configs as model_configs  # noqa: F4
 LLAMA = "configs/models/tiny_llama.json"
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(forests(), st.data(), st.sampled_from([torch.float64, torch.float32]), st.sampled_from(GQA), st.booleans())
 def test_forward_matches_reference(trajectories, data, dtype, heads, bucketed):
     budget = data.draw(st.integers(longest(trajectories), max(longest(trajectories), 300)), "budget")
@@ -81,10 +81,10 @@ def test_no_backward_on_the_cpu():
     assert not has_backward("flex", "cpu") and has_backward("flex", "cuda") and has_backward("torch", "cpu")
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])  # dense; windows; windows and a soft cap
+@pytest.mark.parametrize("name", ["llama", "gemma2"])  # dense; sliding and full layers with a soft cap
 def test_verify_checks_loss_and_logprobs_not_gradients(name, model_configs):  # noqa: F811
     """Tree equals flat in float64 on loss and every log-prob through real transformers models
-    (windows on Mistral/Qwen2/Gemma, Gemma2's soft cap), and flex's flat loss is the torch engine's."""
+    (Gemma2: sliding-window layers and a soft cap), and flex's flat loss is the torch engine's."""
     source = LLAMA if name == "llama" else model_configs[name]
     report = compare(_forest(1), source, dtype="float64", budget=128, block=8, attention="flex")
     assert report["gradients_checked"] is False and report["max_rel_grad_err"] is None
@@ -120,3 +120,29 @@ def test_training_with_flex_on_a_cpu_is_refused_at_dry_run(monkeypatch, capsys, 
     code, err = dry_run(monkeypatch, capsys, config, "model.attention=flex")
     assert code == 2 and "model.attention: flex cannot train on the CPU" in err, err
     assert "FlexAttention does not support backward on CPU" in err and "use torch on the CPU" in err
+
+
+def test_benchmarks_time_the_flex_forward_and_say_so(tmp_path, capsys):
+    """bench-attention --engine flex and bench-kernel --flex on the CPU: forward only, labelled."""
+    from ds_tree.cli.bench import main as bench_main
+    from ds_tree.cli.bench_attention import main as attention_main
+    from ds_tree.cli.bench_kernel import main as kernel_main
+
+    data = write_forest(tmp_path / "forest.jsonl")
+    with pytest.raises(SystemExit) as exit_info:  # training steps: no backward on the CPU
+        bench_main(["--data", str(data), "--model", LLAMA, "--attention", "flex"])
+    assert exit_info.value.code == 2 and "use --device cuda" in capsys.readouterr().err
+    argv = ["--data", str(data), "--budget", "256", "--repeats", "2", "--heads", "2", "--head-dim", "8"]
+    assert attention_main([*argv, "--engine", "flex"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["engine"] == "flex"
+    for mode in ("flat", "tree"):
+        assert report["modes"][mode]["timed"] == "forward only" and report["modes"][mode]["computed_scores"] is None
+        assert report["modes"][mode]["min_ms"] > 0 and report["modes"][mode]["visible_pairs"] > 0
+    argv = ["--trees", "2", "--depth", "2", "--branching", "2", "--node-len", "4", "--heads", "2", "--kv-heads", "1"]
+    assert kernel_main([*argv, "--head-dim", "16", "--dtype", "float32", "--flex"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tree"]["timed"] == "forward+backward"
+    for layout in ("tree", "flat"):
+        assert report[f"flex_{layout}"]["timed"] == "forward only"
+        assert report[f"flex_{layout}"]["tokens"] == report[layout]["tokens"]
