@@ -39,6 +39,7 @@ from ds_tree.attention.reference import check_window
 MIN_BUCKET = 128
 """Shortest padded length on the compiled path (FlexAttention's default block size)."""
 BLOCK_SIZE = 128
+RECOMPILE_LIMIT = 64
 _MASKS: OrderedDict[tuple, object] = OrderedDict()
 _MASK_CACHE_SIZE = 16
 _COMPILED: dict[str, object] = {}
@@ -65,6 +66,10 @@ def _flex_attention(compiled: bool):
     if not compiled:
         return flex_attention
     if "flex" not in _COMPILED:
+        # one graph per bucket (9 from 128 to 32K) and per variant (window, cap, batch): past dynamo's
+        # default limit of 8 recompiles it would fall back to the eager kernel, which materialises N^2
+        limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        torch._dynamo.config.recompile_limit = limit
         _COMPILED["flex"] = torch.compile(flex_attention, dynamic=False)
     return _COMPILED["flex"]
 
