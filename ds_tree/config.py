@@ -29,7 +29,7 @@ from ds_tree.rollout.settings import EnvSettings, SamplerSettings
 # engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
 # that the two agree.
 Dtype = Literal["float32", "bfloat16"]
-AttentionEngine = Literal["reference", "torch", "triton"]
+AttentionEngine = Literal["reference", "torch", "triton", "flex"]
 Merge = Literal["group", "global"]
 PackingMode = Literal["tree", "flat", "dfs"]
 OverBudget = Literal["error", "dfs", "sequence_parallel"]
@@ -84,7 +84,8 @@ class ModelConfig:
     dtype: Dtype = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16`` (DeepSpeed's bf16 mode)."""
     attention: AttentionEngine = "torch"
-    """Tree attention engine: ``torch`` (CPU block-sparse), ``triton`` (GPU) or ``reference``."""
+    """Tree attention engine: ``torch`` (CPU block-sparse), ``triton`` (GPU), ``flex`` (PyTorch's
+    FlexAttention; GPU only for training, it has no backward on the CPU) or ``reference``."""
     seed: int = 0
     """Seed of the random init."""
     zero_init: bool = False

@@ -80,7 +80,7 @@ def test_float_fields_take_numeric_strings(tmp_path: Path) -> None:
     "override, message",
     [
         ("model.dtype=float16", r"model.dtype must be one of float32, bfloat16; got 'float16'"),
-        ("model.attention=flash", r"model.attention must be one of reference, torch, triton; got 'flash'"),
+        ("model.attention=flash", r"model.attention must be one of reference, torch, triton, flex; got 'flash'"),
         ("checkpoint.resume=true", r"checkpoint.resume must be one of auto, latest, newest_complete, never; got True"),
         ("optimizer.non_finite=ignore", r"optimizer.non_finite must be one of stop, skip; got 'ignore'"),
         ("optimizer.betas=[0.9]", r"optimizer.betas must be a list of 2 values, got \[0.9\]"),

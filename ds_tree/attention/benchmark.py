@@ -5,6 +5,7 @@ gets random q/k/v (float32) and one forward + backward of :func:`blocksparse_tre
 timed per row: one attention layer's work for the whole step. Both modes alternate within each
 repeat; the report gives the minimum and the median (first repeat left out as warm-up) in
 milliseconds, and per mode the visible (query, key) pairs and the scores the plan computes.
+The flex engine can be timed instead, forward only (see :func:`time_attention`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,18 @@ def time_attention(
     heads: int = 4,
     head_dim: int = 64,
     repeats: int = 8,
+    engine: str = "torch",
 ) -> dict:
-    """Per mode: rows, tokens, ``min_ms``, ``median_ms``, ``visible_pairs``, ``computed_scores``."""
+    """Per mode: rows, tokens, ``min_ms``, ``median_ms``, ``visible_pairs``, ``computed_scores``.
+
+    ``engine`` ``flex`` times :mod:`ds_tree.attention.flex` instead, forward only (under no_grad:
+    FlexAttention has no backward on the CPU) and eager; ``computed_scores`` is then None (eager
+    FlexAttention computes every score of the row) and ``timed`` says ``forward only``.
+    """
+    if engine not in ("torch", "flex"):
+        raise ValueError(f"engine must be torch or flex, got {engine!r}")
+    if engine == "flex":
+        from ds_tree.attention.flex import flex_tree_attention
     if repeats < 2:
         raise ValueError("repeats must be at least 2 (the first is a warm-up for the median)")
     groups = group_trajectories(trajectories)
@@ -61,6 +72,12 @@ def time_attention(
         for mode, rows in inputs.items():
             elapsed = 0.0
             for kv_end, qkv, grad in rows:
+                if engine == "flex":
+                    started = time.perf_counter()
+                    with torch.no_grad():
+                        flex_tree_attention(*qkv, kv_end)
+                    elapsed += time.perf_counter() - started
+                    continue
                 q, k, v = (x.clone().requires_grad_() for x in qkv)
                 started = time.perf_counter()
                 output = blocksparse_tree_attention(
@@ -79,6 +96,7 @@ def time_attention(
             "min_ms": min(times[mode]),
             "median_ms": statistics.median(times[mode][1:]),
             "visible_pairs": sum(plan.visible_pairs for plan in plans),
-            "computed_scores": sum(plan.computed_scores() for plan in plans),
+            "computed_scores": sum(plan.computed_scores() for plan in plans) if engine == "torch" else None,
+            "timed": "forward+backward" if engine == "torch" else "forward only",
         }
     return report

@@ -1,8 +1,9 @@
 """One ``tree_attention`` entry point over several engines, and its transformers registration.
 
 Engines: ``reference`` (dense mask, any dtype: the oracle), ``torch`` (block-sparse, the CPU
-default) and ``triton`` (the GPU kernel; on a machine without a GPU only under
-``TRITON_INTERPRET=1``). Each is registered in transformers' ``AttentionInterface`` as
+default), ``triton`` (the GPU kernel; on a machine without a GPU only under
+``TRITON_INTERPRET=1``) and ``flex`` (PyTorch's FlexAttention on the same mask; forward only on
+the CPU, ``flex.py``). Each is registered in transformers' ``AttentionInterface`` as
 ``tree_<engine>``; a model built with that ``attn_implementation`` receives ``kv_end`` (and
 ``position_ids``) as forward kwargs and runs unchanged otherwise. A layer that passes
 ``sliding_window`` (Mistral, Qwen2/3 sliding layers, Gemma2/3 local layers) gets the window rule on
@@ -25,10 +26,17 @@ def _triton(query, key, value, kv_end, scale=None, *, positions=None, window=Non
     return triton_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
 
 
+def _flex(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
+    from ds_tree.attention.flex import flex_tree_attention  # imports FlexAttention: only on demand
+
+    return flex_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
+
+
 ENGINES: dict[str, Callable[..., torch.Tensor]] = {
     "reference": tree_attention_reference,
     "torch": blocksparse_tree_attention,
     "triton": _triton,
+    "flex": _flex,
 }
 
 
@@ -45,6 +53,15 @@ def tree_attention(
     except KeyError:
         raise ValueError(f"unknown attention engine {engine!r}; choose one of {sorted(ENGINES)}") from None
     return function(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
+
+
+FORWARD_ONLY = {"flex": "cpu"}
+"""Engines without a backward on a device type: torch 2.13's FlexAttention on the CPU."""
+
+
+def has_backward(engine: str, device: torch.device | str = "cpu") -> bool:
+    """Whether ``engine`` can train (has a backward) on ``device``."""
+    return FORWARD_ONLY.get(engine) != torch.device(device).type
 
 
 def implementation_name(engine: str) -> str:

@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.attention == "flex" and not args.device.startswith("cuda"):
+        parser.error(
+            "--attention flex times training steps, and FlexAttention has no backward on the CPU: "
+            "use --device cuda, or ds-tree bench-attention --engine flex for its forward"
+        )
     objective = objective_config(parser, args)
     if args.sequence_parallel > 1:
         if objective is not None:

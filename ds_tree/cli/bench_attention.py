@@ -5,7 +5,8 @@ gets random q/k/v (--heads x --head-dim, float32) and one forward + backward of 
 tree attention is timed per row: one attention layer's work for the whole step. The report gives
 the minimum and the median (first repeat left out as warm-up) in milliseconds, and per mode the
 visible (query, key) pairs and the scores the plan computes (masked-out ones included).
---hub-min-keys larger than any row turns hubs off.
+--hub-min-keys larger than any row turns hubs off. --engine flex times the FlexAttention engine
+instead, forward only (it has no backward on the CPU; each mode's "timed" says so).
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         type=int,
         default=HUB_MIN_QUERIES,
         help="fewest queries a hub must serve (default %(default)s)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("torch", "flex"),
+        default="torch",
+        help="torch (block-sparse, forward+backward) or flex (FlexAttention, forward only: no backward on the CPU)",
     )
     parser.add_argument("--heads", type=int, default=4, help="attention heads (default %(default)s)")
     parser.add_argument("--head-dim", type=int, default=64, help="dimension of a head (default %(default)s)")
@@ -73,9 +80,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         heads=args.heads,
         head_dim=args.head_dim,
         repeats=args.repeats,
+        engine=args.engine,
     )
     report = {
         "data": args.data,
+        "engine": args.engine,
         "block": args.block,
         "hub_min_keys": args.hub_min_keys,
         "hub_min_queries": args.hub_min_queries,

@@ -6,6 +6,10 @@ describes. Without a GPU it runs the same measurement once under the Triton inte
 smoke test ("smoke": true in the report; the times are meaningless there), for example:
 
     ds-tree bench-kernel --trees 2 --depth 3 --branching 2 --node-len 8
+
+--flex adds the flex engine (PyTorch's FlexAttention on the same mask) on both rows, as entries
+flex_tree and flex_flat; each entry's "timed" says whether the backward was timed (on the CPU
+FlexAttention has a forward only, so there it is "forward only").
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up time (GPU only)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time (GPU only)")
+    parser.add_argument(
+        "--flex",
+        action="store_true",
+        help="also time the flex engine on both rows (a GPU: forward+backward; the CPU: forward only, eager)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the forest and of q, k, v")
     parser.add_argument("--json", type=Path, help="also write the report here")
     return parser
@@ -76,6 +85,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             smoke=SMOKE,
             warmup_ms=args.warmup_ms,
             rep_ms=args.rep_ms,
+            flex=args.flex,
         ),
     }
     report = json_text(results, indent=2)

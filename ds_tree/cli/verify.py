@@ -17,6 +17,11 @@ tokens (--dfs-recompute: each forwarded twice) and compares it with flat as well
 fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the
 metrics).
 
+--attention flex (PyTorch's FlexAttention, forward only on the CPU) compares loss and log-probs
+and reports "gradients_checked": false with the reason; "passed" then covers loss and log-probs
+only, and the exit code follows it. RL objectives, --dfs-chunk and --sequence-parallel need
+gradients and are refused with it.
+
 Only the JSON report goes to stdout (pipe it to jq); logs and library warnings, the spawned
 ranks' included, go to stderr. Exits 1 when the errors exceed the dtype's tolerance, 2 on bad
 input (e.g. a reward missing for the estimator).
@@ -101,12 +106,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
     if args.dfs_chunk and args.sequence_parallel > 1:
         parser.error("--dfs-chunk and --sequence-parallel check different modes: give one")
+    if args.attention == "flex" and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
+        parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
     objective = objective_config(
         parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
     )
     with stdout_to_stderr():
         code, report = run(args, objective)
     if report is not None:
+        if report.get("gradients_checked") is False:
+            print(f"warning: {report['gradients_not_checked_because']}", file=sys.stderr)
         print(json_text(report, indent=2))
     return code
 

@@ -95,7 +95,8 @@ def load_config(source: str | Path) -> PretrainedConfig:
 def check_model_settings(config) -> None:
     """What the training config asks of the model that can be checked before anything is built:
     ``model.attention: triton`` needs a CUDA GPU (or ``TRITON_INTERPRET=1``, Triton's CPU
-    interpreter, which the tests use); ``objective.reference`` must be a loadable model config."""
+    interpreter, which the tests use); ``model.attention: flex`` needs one too (FlexAttention has no
+    backward on the CPU); ``objective.reference`` must be a loadable model config."""
     import os
 
     from ds_tree.config import ConfigError
@@ -103,6 +104,11 @@ def check_model_settings(config) -> None:
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if config.model.attention == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ConfigError("model.attention: triton needs a CUDA GPU and none is visible; use torch on the CPU")
+    if config.model.attention == "flex" and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.attention: flex cannot train on the CPU: torch's FlexAttention does not support backward on "
+            "CPU (it has a forward only there); use torch on the CPU, or flex on a CUDA GPU"
+        )
     reference = config.objective.reference
     if config.objective.is_rl and reference:
         try:

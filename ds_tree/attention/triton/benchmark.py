@@ -8,6 +8,9 @@ kernel on the flat row), with ``triton.testing.do_bench`` (median and 20th/80th 
 milliseconds), and reported with TFLOP/s on each layout's useful FLOPs (``4 * D * visible pairs``
 per query head forward, 2.5x that backward) and ``block_stats`` of both rows. Under the Triton
 interpreter (no GPU) one call is timed with a wall clock instead: a smoke run, times meaningless.
+With ``flex``, the flex engine (PyTorch's FlexAttention on the same ``kv_end`` mask) is timed on
+both rows as well: forward + backward, compiled, on a GPU; on the CPU its forward alone, eager
+(each entry's ``timed`` says which, and its TFLOP/s count only the passes timed).
 """
 
 from __future__ import annotations
@@ -35,6 +38,28 @@ def tree_kernel_step(kv_end: torch.Tensor, heads: int, kv_heads: int, head_dim: 
     grad = torch.randn(1, n, heads, head_dim, dtype=dtype, device=device)
     kv_end = kv_end[None].to(device)
     return (lambda: triton_tree_attention(*leaves, kv_end).backward(grad)), leaves
+
+
+def flex_step(kv_end: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype, device, backward: bool):
+    """The flex engine (:mod:`ds_tree.attention.flex`) on one row: forward + backward, or the
+    forward alone (under no_grad) where FlexAttention has no backward (the CPU)."""
+    from ds_tree.attention.flex import flex_tree_attention
+
+    n = kv_end.shape[-1]
+    leaves = [
+        torch.randn(1, count, n, head_dim, dtype=dtype, device=device, requires_grad=backward)
+        for count in (heads, kv_heads, kv_heads)
+    ]
+    grad = torch.randn(1, n, heads, head_dim, dtype=dtype, device=device)
+    kv_end = kv_end[None].to(device)
+    if backward:
+        return (lambda: flex_tree_attention(*leaves, kv_end).backward(grad)), leaves
+
+    def forward():
+        with torch.no_grad():
+            flex_tree_attention(*leaves, kv_end)
+
+    return forward, leaves
 
 
 def flash_attn_step(lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype):
@@ -67,12 +92,13 @@ def milliseconds(step, leaves, smoke: bool, warmup_ms: int, rep_ms: int) -> dict
     return {"ms": median, "ms_p20": low, "ms_p80": high}
 
 
-def measure(name: str, timed: dict, kv_end: torch.Tensor, heads: int, head_dim: int) -> dict:
+def measure(name: str, timed: dict, kv_end: torch.Tensor, heads: int, head_dim: int, backward: bool = True) -> dict:
     block_m, block_n = kernels.block_sizes(head_dim)["forward"]
     stats = block_stats(kv_end, block_m, block_n)
-    flops = (1 + BACKWARD_FLOPS_FACTOR) * 4 * head_dim * stats["useful_elements"] * heads
+    flops = (1 + (BACKWARD_FLOPS_FACTOR if backward else 0)) * 4 * head_dim * stats["useful_elements"] * heads
     return {
         "engine": name,
+        "timed": "forward+backward" if backward else "forward only",
         "tokens": kv_end.shape[-1],
         **timed,
         "useful_tflops": flops / (timed["ms"] * 1e-3) / 1e12,
@@ -90,8 +116,11 @@ def benchmark_kernel(
     smoke: bool,
     warmup_ms: int = 25,
     rep_ms: int = 100,
+    flex: bool = False,
 ) -> dict:
-    """``tree`` and ``flat`` measurements and ``flat_over_tree_time`` for one forest."""
+    """``tree`` and ``flat`` measurements and ``flat_over_tree_time`` for one forest; with ``flex``
+    also ``flex_tree`` and ``flex_flat``, the flex engine on both rows (forward only on the CPU,
+    eager: FlexAttention has no backward there)."""
     device = "cpu" if smoke else "cuda"
     budget = sum(len(t) for t in trajectories)  # one row per layout
     (tree_row,) = pack_trajectories(trajectories, "tree", budget)
@@ -110,4 +139,10 @@ def benchmark_kernel(
         "flat": measure(flat_engine, milliseconds(*flat_step, smoke, warmup_ms, rep_ms), flat, heads, head_dim),
     }
     results["flat_over_tree_time"] = results["flat"]["ms"] / results["tree"]["ms"]
+    if flex:
+        backward = device != "cpu"
+        for layout, kv_end in (("tree", tree), ("flat", flat)):
+            step = flex_step(kv_end, heads, kv_heads, head_dim, dtype, device, backward)
+            timed = milliseconds(*step, smoke, warmup_ms, rep_ms)
+            results[f"flex_{layout}"] = measure("flex", timed, kv_end, heads, head_dim, backward)
     return results
