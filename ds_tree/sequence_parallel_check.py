@@ -78,6 +78,12 @@ def sequence_parallel_report(
         policy=policy,
         threads=threads,
     )
+    return spawn_group(_rank, trajectories, settings)
+
+
+def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict) -> dict:
+    """Run ``rank_function(rank, trajectories, settings, port, out)`` in ``settings["size"]`` forked
+    processes (one sequence-parallel group); the JSON report process 0 writes to ``out``."""
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "report.json"
         with socket.socket() as probe:
@@ -86,12 +92,13 @@ def sequence_parallel_report(
         # fork: the entry point may be a script without a ``__main__`` guard (tools/verify.py), which
         # spawned processes would import and run again.
         torch.multiprocessing.start_processes(
-            _rank, args=(trajectories, settings, port, str(out)), nprocs=size, start_method="fork"
+            rank_function, args=(trajectories, settings, port, str(out)), nprocs=settings["size"], start_method="fork"
         )
         return json.loads(out.read_text())
 
 
-def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+def join_group(rank: int, settings: dict, port: int) -> None:
+    """A spawned process joins the group (gloo) with ``settings["threads"]`` threads."""
     import deepspeed
 
     size = settings["size"]
@@ -100,6 +107,11 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, 
     )
     torch.set_num_threads(settings["threads"])
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+    size = settings["size"]
+    join_group(rank, settings, port)
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
     source = settings["model_source"]
     model = load_model(source, attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"])

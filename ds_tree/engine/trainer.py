@@ -252,6 +252,8 @@ class Trainer(RLSteps):
             source = config.objective.reference or config.model.source
             self.reference = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
             self.reference.to(self.engine.device).eval().requires_grad_(False)
+            if config.parallel.sequence_parallel_size > 1:  # it scores the same shards as the policy
+                enable_sequence_parallel(self.reference, config.parallel.sequence_parallel_size)
         self.resume()
 
     def build_engine(self, model: torch.nn.Module) -> None:

@@ -59,12 +59,11 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
         return
     if world_size % size:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) does not divide the world size ({world_size})")
-    if config.objective.is_rl:
-        raise ConfigError(f"parallel.sequence_parallel_size ({size}) > 1 supports objective.kind=sft only")
     if config.packing.mode == "dfs" or config.packing.over_budget == "dfs":
         raise ConfigError(
             f"parallel.sequence_parallel_size ({size}) > 1 shards packed rows; it does not combine with "
-            "packing.mode=dfs or packing.over_budget=dfs"
+            "packing.mode=dfs or packing.over_budget=dfs (not built yet): set packing.mode=tree and "
+            "packing.over_budget=sequence_parallel to shard long paths, or sequence_parallel_size=1 to walk them"
         )
     check_heads(model_config, size, config.model.source)
     check_router_loss(model_config, size, config.model.router_aux_loss_coef)
