@@ -142,3 +142,26 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     assert report["max_rel_grad_err"] < 1e-5 and report["max_rel_metric_err"] < 1e-5, report
     step = report["train_step"]
     assert np.isfinite(step["loss/train"]) and step["rl/kl_ref"] > 0, step
+
+
+def test_plan_counts_the_reference_whole_partitioned_or_offloaded() -> None:
+    """``ds-tree plan`` of the long-tree example on 8 ranks: an 8B reference in bf16 is 1/8 of its bytes
+    per rank when partitioned, none on the accelerator when offloaded, all of them when whole."""
+    from ds_tree.cli.plan import make_plan
+
+    example = str(ROOT / "configs/examples/long_tree_rl.yaml")
+    plans = {
+        name: make_plan(example, overrides, 8, 80.0)
+        for name, overrides in {
+            "partitioned": [],
+            "offloaded": ["objective.reference_offload=true"],
+            "whole": ["model.zero_init=false"],
+            "none": ["objective.kl_coef=0"],
+        }.items()
+    }
+    whole = plans["none"]["parameters"] * 2
+    assert [plans[name]["states"]["reference"] for name in plans] == [whole // 8, 0, whole, 0]
+    assert plans["offloaded"]["states"]["cpu"] == plans["none"]["states"]["cpu"] + whole // 8
+    for name in ("partitioned", "whole"):
+        added = plans[name]["peak_bytes"] - plans["none"]["peak_bytes"]
+        assert added == plans[name]["states"]["reference"], name
