@@ -131,6 +131,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 size=args.sequence_parallel,
                 normalisation=args.normalisation or "token_mean",
                 policy=args.policy or "exact",
+                router_aux_loss_coef=args.router_aux_loss_coef,
                 **common,
             )
         elif objective is None:
