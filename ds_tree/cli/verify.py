@@ -83,9 +83,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help=f"move the trained policy off the old one by this times each parameter's spread "
         f"(default {DEFAULT_PERTURBATION})",
     )
-    parser.add_argument(
-        "--sequence-parallel", type=int, default=1, metavar="S", help="ranks per sequence-parallel row"
-    )
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="S", help="ranks per sequence-parallel row")
     parser.add_argument(
         "--dfs-chunk", type=int, default=0, metavar="C", help="also compare dfs mode, in chunks of at most C tokens"
     )
