@@ -58,6 +58,7 @@ RL_ONLY_FIELDS = (
     "kl_coef",
     "kl_estimator",
     "reference",
+    "reference_offload",
     "entropy_coef",
     "old_logprobs",
     "importance_truncation",
@@ -207,7 +208,11 @@ class ObjectiveConfig:
     """Per-token KL estimator: ``k1``, ``k2`` or ``k3``."""
     reference: str = ""
     """Reference policy for the KL term: a model config JSON or HF directory ("": ``model.source`` at
-    ``model.seed``, the initial policy). Kept frozen and whole on every rank (not ZeRO-partitioned)."""
+    ``model.seed``, the initial policy). Kept frozen: whole on every rank, or with ``model.zero_init``
+    a ZeRO-3 engine partitioned over the ranks (``ds_tree.engine.reference``)."""
+    reference_offload: bool = False
+    """With ``model.zero_init``: keep the partitioned reference's parameters in CPU memory (ZeRO-3
+    ``offload_param``), gathered to the accelerator module by module in its forwards."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus."""
     old_logprobs: OldLogprobs = "recompute"
@@ -512,8 +517,17 @@ class Config:
                 self.max_steps,
                 self.max_steps / self.optimizer.warmup_steps,
             )
-        if self.objective.is_rl and self.objective.kl_coef and self.model.zero_init:
-            raise ConfigError("objective.kl_coef needs a whole reference model on every rank; model.zero_init is on")
+        partitioned = self.objective.is_rl and self.objective.kl_coef and self.model.zero_init
+        if self.objective.reference_offload and not partitioned:
+            raise ConfigError(
+                "objective.reference_offload offloads the partitioned reference model: it needs objective.kl_coef > 0 "
+                "and model.zero_init: true"
+            )
+        if partitioned and "dfs" in (self.packing.mode, self.packing.over_budget):
+            raise ConfigError(
+                "objective.kl_coef with model.zero_init (a ZeRO-3 partitioned reference) does not combine with "
+                "packing.mode=dfs or packing.over_budget=dfs yet; set model.zero_init: false (a whole reference)"
+            )
         if self.rollout.enabled:
             self.rollout.check_with(self)
         elif not self.data.path:

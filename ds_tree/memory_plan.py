@@ -12,7 +12,9 @@ Model states, ``P`` parameters over ``N`` data-parallel ranks (DeepSpeed's layou
   the parameters too, which are then gathered one module at a time (the largest module's full
   parameters are the working set);
 - ``offload_optimizer`` moves the optimizer states and (stages 2-3) the gradient partition, kept
-  there in fp32, to CPU memory; ``offload_param`` (stage 3) the parameter partition.
+  there in fp32, to CPU memory; ``offload_param`` (stage 3) the parameter partition;
+- an RL objective with ``kl_coef > 0`` adds the frozen reference model's parameters: whole on every
+  rank, or ``1 / N`` of them under ``model.zero_init`` (in CPU memory with ``objective.reference_offload``).
 
 Activations of one row of ``tokens`` tokens, the bytes autograd keeps for the backward, per token
 and decoder layer of a Llama-style layer (hidden ``h``, MLP width ``I``, ``Hq`` query and ``Hkv``
@@ -144,6 +146,17 @@ def state_bytes(
         cpu += parameters
         parameters = 0
     return StateBytes(parameters, gradients, optimizer, gathered, cpu)
+
+
+def reference_bytes(shape: ModelShape, dtype: str, world_size: int, *, partitioned: bool, offload: bool) -> StateBytes:
+    """The frozen KL reference model's parameters per rank (``ds_tree.engine.reference``): whole on every
+    rank, or a ZeRO-3 partition (``model.zero_init``), in CPU memory with ``offload`` (no gradients,
+    no optimizer; its gathered module is transient, in no-grad forwards before the training pass)."""
+    whole = shape.parameters * DTYPE_BYTES[dtype]
+    if not partitioned:
+        return StateBytes(whole, 0, 0, 0, 0)
+    share = whole // world_size
+    return StateBytes(0, 0, 0, 0, share) if offload else StateBytes(share, 0, 0, 0, 0)
 
 
 def layer_bytes_per_token(shape: ModelShape, dtype: str) -> int:

@@ -35,6 +35,7 @@ from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
+from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.rows import PackedRow
@@ -57,8 +58,12 @@ def sequence_parallel_report(
     normalisation: str = "token_mean",
     policy: str = "exact",
     threads: int = 1,
+    router_aux_loss_coef: float | None = None,
 ) -> dict:
-    """Loss and gradient errors against the flat baseline, time and activation memory at S = 1 and S = ``size``."""
+    """Loss and gradient errors against the flat baseline, time and activation memory at S = 1 and S = ``size``.
+
+    An MoE model's objective includes its router load-balancing loss (:mod:`ds_tree.models.moe`),
+    weighted by ``router_aux_loss_coef`` (None: the model config's), its value compared as well."""
     check_objective(normalisation, policy)
     verification_dtype(trajectories, dtype)
     if size < 2:
@@ -77,7 +82,14 @@ def sequence_parallel_report(
         normalisation=normalisation,
         policy=policy,
         threads=threads,
+        router_aux_loss_coef=router_aux_loss_coef,
     )
+    return spawn_group(_rank, trajectories, settings)
+
+
+def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict) -> dict:
+    """Run ``rank_function(rank, trajectories, settings, port, out)`` in ``settings["size"]`` forked
+    processes (one sequence-parallel group); the JSON report process 0 writes to ``out``."""
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "report.json"
         with socket.socket() as probe:
@@ -86,12 +98,13 @@ def sequence_parallel_report(
         # fork: the entry point may be a script without a ``__main__`` guard (tools/verify.py), which
         # spawned processes would import and run again.
         torch.multiprocessing.start_processes(
-            _rank, args=(trajectories, settings, port, str(out)), nprocs=size, start_method="fork"
+            rank_function, args=(trajectories, settings, port, str(out)), nprocs=settings["size"], start_method="fork"
         )
         return json.loads(out.read_text())
 
 
-def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+def join_group(rank: int, settings: dict, port: int) -> None:
+    """A spawned process joins the group (gloo) with ``settings["threads"]`` threads."""
     import deepspeed
 
     size = settings["size"]
@@ -100,6 +113,11 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, 
     )
     torch.set_num_threads(settings["threads"])
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+
+
+def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+    size = settings["size"]
+    join_group(rank, settings, port)
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
     source = settings["model_source"]
     model = load_model(source, attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"])
@@ -109,8 +127,9 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, 
     rows = plan.rank_rows(rank, size)
     values = Normalisers.from_rows(rows).as_tensor()
     dist.all_reduce(values)
-    parallel = _measured_step(model, rows, Normalisers.from_tensor(values), settings)
-    loss = torch.tensor([parallel["loss"]], dtype=torch.float64)
+    router_aux = _router_aux(model, trajectories, settings)
+    parallel = _measured_step(model, rows, Normalisers.from_tensor(values), settings, router_aux)
+    loss = torch.tensor([parallel["loss"], parallel["router_aux"] or 0.0], dtype=torch.float64)
     dist.all_reduce(loss)
     for parameter in model.parameters():
         dist.all_reduce(parameter.grad)
@@ -118,15 +137,25 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, 
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     if rank == 0:
         gradients = {name: p.grad for name, p in model.named_parameters()}
-        _write_report(out, trajectories, settings, plan, float(loss.item()), gradients, peaks.tolist())
+        aux = float(loss[1]) if router_aux is not None else None
+        _write_report(out, trajectories, settings, plan, (float(loss[0]), aux), gradients, peaks.tolist())
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _measured_step(model, rows: list[PackedRow], normalisers: Normalisers, settings: dict) -> dict:
-    """Forward and backward of ``rows``, one at a time: loss, seconds, the largest row's saved bytes."""
+def _router_aux(model, trajectories: list[Trajectory], settings: dict) -> RouterAuxLoss | None:
+    flat_tokens = sum(len(t) for t in trajectories)
+    return RouterAuxLoss.of_model(model, settings["router_aux_loss_coef"], flat_tokens)
+
+
+def _measured_step(
+    model, rows: list[PackedRow], normalisers: Normalisers, settings: dict, router_aux: RouterAuxLoss | None = None
+) -> dict:
+    """Forward and backward of ``rows``, one at a time: loss, router loss (or None), seconds, the largest
+    row's saved bytes."""
     excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
     loss, largest, started = 0.0, 0, time.perf_counter()
+    aux = None if router_aux is None else 0.0
     for row in rows:
         meter = SavedTensorMeter()
         with meter.context():
@@ -137,13 +166,16 @@ def _measured_step(model, rows: list[PackedRow], normalisers: Normalisers, setti
                 settings["normalisation"],
                 settings["policy"],
                 backward=torch.Tensor.backward,
+                router_aux=router_aux,
             )
         loss += output.loss
+        if aux is not None:
+            aux += output.router_aux
         largest = max(largest, sum(n for key, n in meter.storages.items() if key not in excluded))
-    return {"loss": loss, "time_s": time.perf_counter() - started, "activation_bytes": largest}
+    return {"loss": loss, "router_aux": aux, "time_s": time.perf_counter() - started, "activation_bytes": largest}
 
 
-def _write_report(out, trajectories, settings, plan, loss, gradients, peaks) -> None:
+def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -> None:
     """Process 0: the flat baseline and the S = 1 tree step from the same seed, in this process."""
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
     single = load_model(
@@ -151,14 +183,17 @@ def _write_report(out, trajectories, settings, plan, loss, gradients, peaks) -> 
     )
     size, budget, block = settings["size"], settings["budget"], settings["block"]
     flat_rows = pack_trajectories(trajectories, "flat", size * budget, block)
-    flat = _measured_step(single, flat_rows, Normalisers.from_rows(flat_rows), settings)
+    router_aux = _router_aux(single, trajectories, settings)
+    flat = _measured_step(single, flat_rows, Normalisers.from_rows(flat_rows), settings, router_aux)
     flat_gradients = {name: p.grad.detach().clone() for name, p in single.named_parameters()}
     single.zero_grad(set_to_none=True)
     tree_rows = pack_trajectories(trajectories, "tree", size * budget, block)
-    tree = _measured_step(single, tree_rows, Normalisers.from_rows(tree_rows), settings)
+    tree = _measured_step(single, tree_rows, Normalisers.from_rows(tree_rows), settings, router_aux)
     errors = gradient_errors(flat_gradients, gradients)
     tolerance = TOLERANCES[torch_dtype]
+    loss, aux = losses
     loss_rel_err = abs(loss - flat["loss"]) / max(abs(flat["loss"]), 1e-300)
+    aux_rel_err = abs(aux - flat["router_aux"]) / max(abs(flat["router_aux"]), 1e-300) if aux is not None else 0.0
     max_rel_grad_err = max(errors.values(), default=0.0)
     sharded = [row for rows in plan.sharded for row in rows if row.n_real]
     report = {
@@ -176,10 +211,19 @@ def _write_report(out, trajectories, settings, plan, loss, gradients, peaks) -> 
         "loss_rel_err": loss_rel_err,
         "max_rel_grad_err": max_rel_grad_err,
         "worst_parameter": max(errors, key=errors.get) if errors else None,
+        "router_aux_loss_coef": router_aux.coefficient if router_aux else None,
+        "router_aux_flat": flat["router_aux"],
+        "router_aux_sequence_parallel": aux,
+        "router_aux_rel_err": aux_rel_err,
         "activation_bytes_per_rank": {"1": tree["activation_bytes"], str(size): int(peaks[0])},
         "step_time_s_per_rank": {"1": tree["time_s"], str(size): peaks[1]},
         "tolerance": tolerance,
-        "passed": bool(settings["policy"] == "exact" and max_rel_grad_err <= tolerance and loss_rel_err <= tolerance),
+        "passed": bool(
+            settings["policy"] == "exact"
+            and max_rel_grad_err <= tolerance
+            and loss_rel_err <= tolerance
+            and aux_rel_err <= tolerance
+        ),
     }
     Path(out).write_text(json_text(report))
 

@@ -15,7 +15,7 @@ from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_config as load_model_config
-from ds_tree.models.ulysses import check_heads, check_router_loss
+from ds_tree.models.ulysses import check_heads
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.parts import split_tree
@@ -113,16 +113,6 @@ def test_heads_that_ulysses_cannot_split_are_config_errors() -> None:
     config.num_attention_heads, config.num_key_value_heads = 6, 3
     with pytest.raises(ConfigError, match="3 key/value heads, which neither divide 2"):
         check_heads(config, 2, "tiny")
-
-
-def test_an_moe_router_loss_is_refused_on_sharded_rows() -> None:
-    moe = load_model_config(ROOT / "configs/models/tiny_qwen3_moe.json")
-    assert moe.router_aux_loss_coef  # the model's own coefficient applies when the config says null
-    with pytest.raises(ConfigError, match="router_aux_loss_coef .* the shards of parallel.sequence_parallel_size=2"):
-        check_router_loss(moe, 2, None)
-    check_router_loss(moe, 2, 0.0)
-    check_router_loss(moe, 1, None)
-    check_router_loss(load_model_config(ROOT / "configs/models/tiny_llama.json"), 2, 0.5)  # no router
 
 
 def test_a_path_over_the_budget_needs_sequence_parallelism(tmp_path: Path, monkeypatch) -> None:

@@ -31,10 +31,12 @@ from ds_tree.data.jsonl import json_text
 from ds_tree.memory_plan import (
     GIB,
     ModelShape,
+    StateBytes,
     activation_bytes,
     dfs_activation_bytes,
     largest_budget,
     largest_dfs_path,
+    reference_bytes,
     state_bytes,
 )
 
@@ -76,9 +78,16 @@ def plan_of(config, config_path: str, model_config, world_size: int, memory_gib:
     states = state_bytes(
         shape, dtype, stage, world_size, offload_optimizer=offload_optimizer, offload_param=offload_param
     )
+    objective = config.objective
+    reference = reference_bytes(
+        shape, dtype, world_size, partitioned=config.model.zero_init, offload=objective.reference_offload
+    )
+    if not (objective.is_rl and objective.kl_coef):
+        reference = StateBytes(0, 0, 0, 0, 0)
     every = config.model.checkpointed_every
     modes = {"without_checkpointing": 0, "with_checkpointing": every or 1}
-    free = int(memory_gib * GIB) - states.total
+    resident = states.total + reference.total
+    free = int(memory_gib * GIB) - resident
     activations, budgets = {}, {}
     for name, checkpoint_every in modes.items():
         plan = activation_bytes(
@@ -89,13 +98,13 @@ def plan_of(config, config_path: str, model_config, world_size: int, memory_gib:
             shape, dtype, free, checkpoint_every=checkpoint_every, head_chunk=config.model.head_chunk, entropy=entropy
         )
     chosen = "with_checkpointing" if every else "without_checkpointing"
-    peak = states.total + activations[chosen]["peak"]
+    peak = resident + activations[chosen]["peak"]
     dfs = None
     if uses_dfs(config.packing):
         dfs = dfs_plan(config, shape, free, path_tokens or 4 * budget, entropy)
         walked = dfs["with_recompute" if dfs["recompute"] else "without_recompute"]["peak"]
         # mode dfs walks every tree; over_budget dfs packs the others as configured
-        peak = states.total + (walked if config.packing.mode == "dfs" else max(walked, activations[chosen]["peak"]))
+        peak = resident + (walked if config.packing.mode == "dfs" else max(walked, activations[chosen]["peak"]))
     return {
         "config": config_path,
         "model": config.model.source,
@@ -113,8 +122,9 @@ def plan_of(config, config_path: str, model_config, world_size: int, memory_gib:
             "gradients": states.gradients,
             "optimizer": states.optimizer,
             "gathered": states.gathered,
-            "total": states.total,
-            "cpu": states.cpu,
+            "reference": reference.total,
+            "total": resident,
+            "cpu": states.cpu + reference.cpu,
         },
         "activations": activations,
         "config_uses": chosen,
@@ -188,6 +198,7 @@ def format_plan(plan: dict) -> str:
         ("gradients", states["gradients"]),
         ("optimizer states (fp32 master, AdamW moments)", states["optimizer"]),
         ("ZeRO-3 gathered module", states["gathered"]),
+        ("KL reference model (frozen)", states.get("reference", 0)),
         ("model states", states["total"]),
         ("in CPU memory (offload)", states["cpu"]),
     ]

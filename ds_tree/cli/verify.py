@@ -7,10 +7,11 @@ old policy's log-probs, then loss, clip/KL/entropy metrics and every gradient of
 off the old one by --perturbation times each parameter's spread (so that ratios are clipped on
 both sides; the report's metrics count the clipped tokens).
 
---sequence-parallel S (SFT) spawns S processes with Ulysses around the tree attention: trees with
+--sequence-parallel S spawns S processes with Ulysses around the tree attention: trees with
 a path over --budget go to rows of up to S x budget sharded over them; loss and gradients are
-compared with the single-process flat result, and the report adds each rank's activation memory
-and step time at S = 1 and S.
+compared with the single-process flat result. SFT: the report adds each rank's activation memory
+and step time at S = 1 and S. RL (--objective grpo / ppo): the old (and reference) policy's
+log-probs are computed on the shards too, and the report compares them and the metrics as well.
 
 --dfs-chunk C also walks every tree in dfs mode (docs/DESIGN.md section 5) in chunks of at most C
 tokens (--dfs-recompute: each forwarded twice) and compares it with flat as well: the dfs_*
@@ -87,9 +88,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help=f"move the trained policy off the old one by this times each parameter's spread "
         f"(default {DEFAULT_PERTURBATION})",
     )
-    parser.add_argument(
-        "--sequence-parallel", type=int, default=1, metavar="S", help="SFT only: ranks per sequence-parallel row"
-    )
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="S", help="ranks per sequence-parallel row")
     parser.add_argument(
         "--dfs-chunk", type=int, default=0, metavar="C", help="also compare dfs mode, in chunks of at most C tokens"
     )
@@ -100,8 +99,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.sequence_parallel > 1 and args.objective not in (None, "sft"):
-        parser.error("--sequence-parallel checks the sft objective only")
     if args.dfs_chunk < 0 or (args.dfs_recompute and not args.dfs_chunk):
         parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
     if args.dfs_chunk and args.sequence_parallel > 1:
@@ -125,6 +122,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
     from ds_tree.data import load_trajectories
     from ds_tree.engine.dfs import DfsSettings
     from ds_tree.sequence_parallel_check import sequence_parallel_report
+    from ds_tree.sequence_parallel_rl_check import sequence_parallel_rl_report
     from ds_tree.verification import compare, compare_rl
 
     dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
@@ -140,6 +138,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 size=args.sequence_parallel,
                 normalisation=args.normalisation or "token_mean",
                 policy=args.policy or "exact",
+                router_aux_loss_coef=args.router_aux_loss_coef,
                 **common,
             )
         elif objective is None:
@@ -150,6 +149,18 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 policy=args.policy or "exact",
                 router_aux_loss_coef=args.router_aux_loss_coef,
                 dfs=dfs,
+                **common,
+            )
+        elif args.sequence_parallel > 1:
+            report = {"objective": objective.kind}
+            report |= sequence_parallel_rl_report(
+                trajectories,
+                args.model,
+                size=args.sequence_parallel,
+                estimator=objective.estimator,
+                normalise_advantages=objective.normalise_advantages,
+                settings=objective.rl_settings(),
+                perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
                 **common,
             )
         else:

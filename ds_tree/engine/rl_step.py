@@ -92,7 +92,7 @@ def trajectory_copies(row: PackedRow) -> list[tuple[Trajectory, np.ndarray]]:
     """
     copies = []
     offset = 0
-    for part in row.parts:
+    for part in row.layout_parts:
         tree = part.tree
         to_row = np.full(tree.n_tokens, -1, dtype=np.int64)
         to_row[part.token_index] = offset + np.arange(part.n_tokens)

@@ -39,6 +39,7 @@ from ds_tree.engine.console import progress_bar
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
 from ds_tree.engine.op_builds import announce_op_builds
+from ds_tree.engine.reference import build_reference
 from ds_tree.engine.rl_trainer import RLSteps
 from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
@@ -250,10 +251,9 @@ class Trainer(RLSteps):
         self.build_engine(model)
         check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
         self.reference = None
-        if config.objective.is_rl and config.objective.kl_coef:
-            source = config.objective.reference or config.model.source
-            self.reference = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
-            self.reference.to(self.engine.device).eval().requires_grad_(False)
+        if config.objective.is_rl and config.objective.kl_coef:  # whole, or partitioned under zero_init
+            hf_config = getattr(self, "_hf_deepspeed_config", None)
+            self.reference = build_reference(config, self.ds_config, dtype, self.engine.device, hf_config)
         self.resume()
 
     def build_engine(self, model: torch.nn.Module) -> None:

@@ -173,25 +173,38 @@ class RouterAuxLoss:
         return cls(float(coefficient), float(flat_tokens), int(routers[0].num_experts), int(routers[0].top_k))
 
     def row_share(self, router_logits: list[torch.Tensor], row: PackedRow) -> torch.Tensor:
-        """``sum_i |i| aux_i / N_flat`` over the trajectories of ``row`` (differentiable)."""
+        """``sum_i |i| aux_i / N_flat`` over the trajectories of ``row`` (differentiable).
+
+        A sequence-parallel shard (rows ``[start, end)`` of its row) holds its own tokens' router
+        outputs only: their top-k counts are summed over the sequence-parallel group into the whole
+        row's (no gradient, one all-reduce in every rank of the group), so ``G_t`` is the row's, and the
+        shard's share is its own tokens' ``Q_t G_t``; the shares of a row's shards add up to the row's.
+        """
         if not router_logits:
             raise RuntimeError("no router logits were captured in the forward of an MoE model")
         layers = len(router_logits)
+        start, end = getattr(row, "start", 0), getattr(row, "end", row.n_tokens)
         dtype = torch.float64 if router_logits[0].dtype == torch.float64 else torch.float32
-        probabilities = [torch.softmax(logits.reshape(row.n_tokens, -1).to(dtype), dim=-1) for logits in router_logits]
+        probabilities = [torch.softmax(logits.reshape(end - start, -1).to(dtype), dim=-1) for logits in router_logits]
         summed = torch.stack(probabilities).sum(0)  # Q: [tokens, experts]
         with torch.no_grad():
             counts = sum(
                 F.one_hot(torch.topk(p, self.top_k, dim=-1).indices, self.num_experts).sum(-2).to(dtype)
                 for p in probabilities
             )  # F per token: top-k assignments summed over layers
-            weights = self.trajectory_weights(counts, row)
+            if end - start != row.n_tokens:
+                counts = _whole_row(counts, row.n_tokens, start)
+            weights = self.trajectory_weights(counts, row)[start:end]
         scale = self.num_experts / (layers * layers * self.flat_tokens) if self.flat_tokens else 0.0
         return scale * (summed * weights).sum()
 
     def trajectory_weights(self, counts: torch.Tensor, row: PackedRow) -> torch.Tensor:
         """``G_t = sum_{i through t} F_i / |i|`` for every row token ``t`` (``F_i``: ``counts`` summed over ``i``)."""
-        paths = [path for _, _, path in row.trajectory_paths()]
+        paths = []
+        offset = 0
+        for part in row.layout_parts:  # a shard's: its whole row's
+            paths += [path + offset for path in part.paths]
+            offset += part.n_tokens
         weights = torch.zeros_like(counts)
         if not paths:
             return weights
@@ -202,3 +215,15 @@ class RouterAuxLoss:
         per_trajectory.index_add_(0, owner, counts[index])
         per_trajectory /= lengths[:, None].to(counts.dtype)
         return weights.index_add_(0, index, per_trajectory[owner])
+
+
+def _whole_row(counts: torch.Tensor, n_tokens: int, start: int) -> torch.Tensor:
+    """A shard's per-token ``counts`` (from row index ``start``) summed over its sequence-parallel group
+    into the whole row's ``[n_tokens, experts]``."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    whole = counts.new_zeros(n_tokens, counts.shape[1])
+    whole[start : start + counts.shape[0]] = counts
+    dist.all_reduce(whole, group=parallel_state_sp.get_sequence_parallel_group())
+    return whole

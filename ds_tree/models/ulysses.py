@@ -59,29 +59,13 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
         return
     if world_size % size:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) does not divide the world size ({world_size})")
-    if config.objective.is_rl:
-        raise ConfigError(f"parallel.sequence_parallel_size ({size}) > 1 supports objective.kind=sft only")
     if config.packing.mode == "dfs" or config.packing.over_budget == "dfs":
         raise ConfigError(
             f"parallel.sequence_parallel_size ({size}) > 1 shards packed rows; it does not combine with "
-            "packing.mode=dfs or packing.over_budget=dfs"
+            "packing.mode=dfs or packing.over_budget=dfs (not built yet): set packing.mode=tree and "
+            "packing.over_budget=sequence_parallel to shard long paths, or sequence_parallel_size=1 to walk them"
         )
     check_heads(model_config, size, config.model.source)
-    check_router_loss(model_config, size, config.model.router_aux_loss_coef)
-
-
-def check_router_loss(model_config, size: int, coefficient: float | None) -> None:
-    """Refuse an MoE router loss under sequence parallelism: it is computed per trajectory
-    (docs/MODELS.md), and a shard cuts trajectories."""
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    if not hasattr(text, "router_aux_loss_coef"):  # no router: nothing to refuse
-        return
-    coefficient = text.router_aux_loss_coef if coefficient is None else coefficient
-    if size > 1 and coefficient:
-        raise ConfigError(
-            f"model.router_aux_loss_coef ({coefficient}, a {text.model_type} router): the load-balancing loss is "
-            f"computed per trajectory, which the shards of parallel.sequence_parallel_size={size} cut; set it to 0"
-        )
 
 
 def check_heads(model_config, size: int, source: str) -> None:

@@ -29,6 +29,11 @@ class PackedRow(TokenArrays):
     n_real: int
     """Tokens before padding."""
 
+    @property
+    def layout_parts(self) -> list[TreePart]:
+        """The parts laid out in the row's tokens, in order (a sequence-parallel shard: its whole row's)."""
+        return self.parts
+
     def trajectory_paths(self) -> list[tuple[TreePart, int, np.ndarray]]:
         """``(part, trajectory id in its tree, row indices of its tokens)`` for every trajectory."""
         out = []

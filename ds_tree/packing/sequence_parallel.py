@@ -121,6 +121,14 @@ class RowShard(PackedRow):
 
     start: int
     end: int
+    row_parts: list[TreePart]
+    """The whole row's parts, on every shard (``parts`` lists them on the first shard only): the
+    trajectories laid out in the row's tokens, whose per-token RL terms each shard forms for the
+    targets predicted inside it (:func:`~ds_tree.engine.rl_step.trajectory_copies`)."""
+
+    @property
+    def layout_parts(self) -> list[TreePart]:
+        return self.row_parts
 
     def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The shard's ``input_ids`` and ``position_ids``, and the whole row's ``kv_end``."""
@@ -139,4 +147,4 @@ def shard_row(row: PackedRow, size: int, position: int) -> RowShard:
             arrays[name] = np.where(here, arrays[name], 0)
     arrays["pred_pos"] = np.where(here, row.pred_pos - start, -1)
     parts = row.parts if position == 0 else []
-    return RowShard(**arrays, parts=parts, n_real=row.n_real, start=start, end=end)
+    return RowShard(**arrays, parts=parts, n_real=row.n_real, start=start, end=end, row_parts=row.parts)

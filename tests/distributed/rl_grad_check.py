@@ -5,8 +5,11 @@ no-grad forward through the DeepSpeed engine), then moves the engine's weights o
 (the same seeded perturbation on every rank, gathered under ZeRO-3), so ratios leave the clip
 range on both sides, and runs the first mini-batch's forward and backward with gradient
 accumulation. Rank 0 computes the reference in one process, flat layout, plain PyTorch, from the
-same old and perturbed weights, and writes the largest relative gradient error and the clip
-counts to ``--out`` as JSON.
+same old and perturbed weights (the engine's own initial weights, gathered: under
+``model.zero_init`` they are not those of a model built outside ``zero.Init``), and writes the
+largest relative gradient error, the metrics and their largest relative error to ``--out`` as
+JSON. Under sequence parallelism the flat rows hold up to ``S x budget`` tokens. With
+``--train-step`` the update is applied and one ordinary ``train_step`` follows (its scalars reported).
 """
 
 from __future__ import annotations
@@ -17,21 +20,25 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.verification import perturb_parameters
+from ds_tree.packing.sequence_parallel import RowShard
+from ds_tree.verification import metric_errors, perturb_parameters
 from tests.distributed.common import check_arguments, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
+from tests.distributed.sp_grad_check import full_parameters
 
 PERTURBATION = 0.5
 SEED = 7
 
 
 def main() -> None:
-    args, config = check_arguments()
+    args, config = check_arguments((("--train-step",), {"action": "store_true"}))
     trainer = started_trainer(config)
+    initial = full_parameters(trainer.engine)
     rollouts = trainer.rl_rollouts(0)
     module = trainer.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
@@ -39,30 +46,51 @@ def main() -> None:
     output = trainer.rl_backward(rollouts.prepared[0])
     gradients = gather_full_gradients(trainer.engine)
     metrics = trainer.global_metrics(output.metrics)
-    micro_batches = torch.tensor([len(rollouts.prepared[0])])
+    shards = sum(isinstance(row, RowShard) and row.n_real > 0 for row in rollouts.plans[0].rows)
+    micro_batches = torch.tensor([len(rollouts.prepared[0]), shards])
     dist.all_reduce(micro_batches, op=dist.ReduceOp.MIN)
+    reference_difference = 0.0
+    if trainer.reference is not None:  # a partitioned reference is built as the initial policy was
+        reference = getattr(trainer.reference, "module", trainer.reference)
+        with deepspeed.zero.GatheredParameters(list(reference.parameters())):
+            for name, parameter in reference.named_parameters():
+                difference = (parameter.detach().float() - initial[name].float()).abs().max().item()
+                reference_difference = max(reference_difference, difference)
+    unset_hf_deepspeed_config()  # model.zero_init: rank 0's own models below must not be built partitioned
     if dist.get_rank() == 0:
         settings = config.objective.rl_settings()
         old = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
         new = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
+        old.load_state_dict(initial)
+        new.load_state_dict(initial)
         perturb_parameters(new, PERTURBATION, SEED)
         old.requires_grad_(False)
         batch = rollouts.batches[0]
         advantages = {id(t): a for t, a in zip(rollouts.trajectories, rollouts.advantages, strict=True)}
-        rows = pack_trajectories(batch, "flat", config.packing.budget)
+        rows = pack_trajectories(batch, "flat", config.packing.budget * config.parallel.sequence_parallel_size)
         reference = old if settings.kl_coef else None
         prepared = prepare_rl_rows(old, rows, advantages, settings, StepNormalisers.of(batch), reference=reference)
-        run_rl_rows(new, prepared, settings, backward=torch.Tensor.backward)
+        flat = run_rl_rows(new, prepared, settings, backward=torch.Tensor.backward)
         report = {
             "world_size": dist.get_world_size(),
             "zero_stage": trainer.engine.zero_optimization_stage(),
-            "min_micro_batches_per_rank": int(micro_batches.item()),
+            "min_micro_batches_per_rank": int(micro_batches[0]),
+            "min_sharded_rows_per_rank": int(micro_batches[1]),
+            "reference_max_abs_diff": reference_difference,
             "mini_batches": len(rollouts.prepared),
             "max_rel_grad_err": max(
                 relative(gradients[name], p.grad.detach().double().numpy()) for name, p in new.named_parameters()
             ),
             "metrics": metrics,
+            "max_rel_metric_err": max(metric_errors(flat.metrics, metrics).values()),
+            "reference": type(trainer.reference).__name__,
         }
+    if args.train_step:
+        trainer.apply_update(1, output.loss)
+        scalars = trainer.train_step(1)
+        if dist.get_rank() == 0:
+            report["train_step"] = scalars
+    if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
     trainer.close()

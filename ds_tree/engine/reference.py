@@ -1,0 +1,80 @@
+"""The reference policy of the KL term (``objective.kl_coef > 0``): frozen, whole or ZeRO-3 partitioned.
+
+Built from ``objective.reference`` (default ``model.source`` at ``model.seed``, the initial policy):
+
+- without ``model.zero_init`` a plain model, whole on every rank (no collective in its forward);
+- with ``model.zero_init`` a second DeepSpeed engine: ZeRO stage 3 without an optimizer, its
+  parameters partitioned over all ranks as they are created (the policy's DeepSpeed settings:
+  dtype, bucket sizes), so an 8B reference costs ``16 GB / world size`` per rank in bf16 instead of
+  16 GB; with ``objective.reference_offload`` the partition lives in CPU memory (``offload_param``).
+  Its forward gathers parameters collectively, so every rank must make as many reference forwards:
+  one per item, and every rank runs as many packed items (the dfs walk's varying chunk counts are
+  not padded for it: that combination is refused in the config).
+
+Under sequence parallelism the reference scores the same shards as the policy, through the same
+Ulysses attention (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds_tree.models.loading import load_model
+from ds_tree.models.ulysses import enable_sequence_parallel
+
+
+def reference_ds_config(ds_config: dict, offload: bool = False) -> dict:
+    """The reference engine's DeepSpeed config: the policy's batch sizes, dtype and ZeRO-3 settings
+    (stage 3 whatever the policy's), no optimizer, parameters offloaded to CPU memory if ``offload``."""
+    zero = {
+        key: value
+        for key, value in ds_config.get("zero_optimization", {}).items()
+        if key not in ("offload_optimizer", "offload_param", "stage")
+    }
+    zero["stage"] = 3
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": ds_config["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": ds_config["gradient_accumulation_steps"],
+        "train_batch_size": ds_config["train_batch_size"],
+        "bf16": {"enabled": bool(ds_config.get("bf16", {}).get("enabled", False))},
+        "zero_optimization": zero,
+        "steps_per_print": ds_config.get("steps_per_print", 10**9),
+        "wall_clock_breakdown": False,
+    }
+
+
+def build_reference(config, ds_config: dict, dtype: torch.dtype, device, policy_hf_config=None):
+    """The reference policy (module docstring): a model, or a DeepSpeed engine under ``model.zero_init``.
+
+    ``policy_hf_config``: the policy's ``HfDeepSpeedConfig`` (``model.zero_init``), made current again
+    once the reference is built (transformers keeps one process-wide).
+    """
+    source = config.objective.reference or config.model.source
+    size = config.parallel.sequence_parallel_size
+    if not config.model.zero_init:
+        reference = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
+        reference.to(device).eval().requires_grad_(False)
+        if size > 1:  # it scores the same shards as the policy
+            enable_sequence_parallel(reference, size)
+        return reference
+
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+    engine_config = reference_ds_config(ds_config, config.objective.reference_offload)
+    holder = HfDeepSpeedConfig(engine_config)  # transformers builds the model inside zero.Init with it
+    try:
+        model = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
+    finally:
+        if policy_hf_config is not None:
+            set_hf_deepspeed_config(policy_hf_config)
+    del holder
+    model.requires_grad_(False)
+    if size > 1:
+        enable_sequence_parallel(model, size)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=engine_config)
+    engine.eval()
+    return engine

@@ -1,0 +1,215 @@
+"""The RL objective under sequence parallelism, checked against the flat baseline (``ds-tree verify
+--objective grpo --sequence-parallel S``).
+
+:func:`sequence_parallel_rl_report` spawns ``size`` processes (one sequence-parallel group, gloo,
+:func:`~ds_tree.sequence_parallel_check.spawn_group`). Each builds the old policy (the model at
+``seed``) and the trained policy (moved off it by ``perturbation`` times each parameter's spread, as
+:func:`~ds_tree.verification.compare_rl` does) with Ulysses around the tree attention, plans the
+rows as the trainer does (trees with a path over ``budget`` sharded over the group) and runs the
+trainer's two RL passes on its items: :func:`~ds_tree.engine.rl_step.prepare_rl_rows` (the old and
+reference policies' no-grad forwards on the shards, per-token sums of the trajectories whose
+targets each shard predicts) and :func:`~ds_tree.engine.rl_step.run_rl_rows` (each rank
+backpropagating its own shard's terms). Loss, gradients and metric sums are then summed over the
+ranks, and the old log-probs of every trained token gathered. Process 0 compares them with the
+single-process flat result (:func:`~ds_tree.verification.run_rl_mode` in the flat layout).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds_tree.data.jsonl import json_text
+from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
+from ds_tree.engine.runners import StepOutput
+from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.loading import load_model
+from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.packing.modes import pack_trajectories
+from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
+from ds_tree.sequence_parallel_check import join_group, spawn_group
+from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.trees.trie import build_forest
+from ds_tree.verification import (
+    TOLERANCES,
+    gradient_errors,
+    metric_errors,
+    perturb_parameters,
+    run_rl_mode,
+    verification_dtype,
+)
+
+SUMMED_METRICS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy")
+
+
+def sequence_parallel_rl_report(
+    trajectories: list[Trajectory],
+    model_source: str,
+    *,
+    size: int = 2,
+    estimator: str = "grpo",
+    normalise_advantages: bool = False,
+    settings: RLSettings | None = None,
+    dtype: str = "float64",
+    seed: int = 0,
+    budget: int = 4096,
+    block: int = 1,
+    attention: str = "torch",
+    perturbation: float = 0.5,
+    threads: int = 1,
+) -> dict:
+    """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat."""
+    from ds_tree.losses.advantages import check_finite_statistics, estimate
+
+    verification_dtype(trajectories, dtype)
+    if size < 2:
+        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
+    model_config = load_model_config(model_source)
+    check_heads(model_config, size, str(model_source))
+    check_vocab(trajectories, model_config.vocab_size)
+    computed = estimate(trajectories, estimator, normalise_advantages)  # bad rewards fail here, before spawning
+    check_finite_statistics(trajectories, computed.values)
+    options = dict(
+        model_source=str(model_source),
+        size=size,
+        estimator=estimator,
+        normalise_advantages=normalise_advantages,
+        settings=settings or RLSettings(),
+        dtype=dtype,
+        seed=seed,
+        budget=budget,
+        block=block,
+        attention=attention,
+        perturbation=perturbation,
+        threads=threads,
+    )
+    return spawn_group(_rank, trajectories, options)
+
+
+def _policies(options: dict, torch_dtype: torch.dtype):
+    """The old policy (no gradients) and the trained one, moved off it (:func:`perturb_parameters`)."""
+    source, seed, attention = options["model_source"], options["seed"], options["attention"]
+    old = load_model(source, attention=attention, dtype=torch_dtype, seed=seed).requires_grad_(False)
+    model = load_model(source, attention=attention, dtype=torch_dtype, seed=seed)
+    perturb_parameters(model, options["perturbation"], seed + 1)
+    return old, model
+
+
+def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, out: str) -> None:
+    from ds_tree.losses.advantages import estimate
+
+    size, settings = options["size"], options["settings"]
+    join_group(rank, options, port)
+    torch_dtype = verification_dtype(trajectories, options["dtype"])
+    old, model = _policies(options, torch_dtype)
+    for policy in (old, model):
+        enable_sequence_parallel(policy, size)
+    advantages = estimate(trajectories, options["estimator"], options["normalise_advantages"]).by_trajectory()
+    plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, options["budget"], options["block"])
+    rows = plan.rank_rows(rank, size)
+    reference = old if settings.kl_coef else None
+    normalisers = StepNormalisers.of(trajectories)
+    prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=reference)
+    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
+    loss, metrics = _group_sums(output)
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    old_logprobs = _gathered_old_logprobs(trajectories, prepared)
+    if rank == 0:
+        gradients = {name: p.grad for name, p in model.named_parameters()}
+        sharded = [row for rows in plan.sharded for row in rows if row.n_real]
+        _write_report(out, trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _group_sums(output: StepOutput) -> tuple[float, dict[str, float]]:
+    """The loss and metric sums over the group (``ratio_max`` by max)."""
+    metrics = output.metrics or {}
+    sums = torch.tensor([output.loss] + [metrics.get(name, 0.0) for name in SUMMED_METRICS], dtype=torch.float64)
+    dist.all_reduce(sums)
+    top = torch.tensor([metrics.get("ratio_max", 0.0)], dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    values = sums.tolist()
+    return values[0], {**dict(zip(SUMMED_METRICS, values[1:], strict=True)), "ratio_max": float(top.item())}
+
+
+def _gathered_old_logprobs(trajectories: list[Trajectory], prepared) -> tuple[np.ndarray, np.ndarray]:
+    """``(values, counts)`` over the concatenated tokens of ``trajectories``: the old log-prob of every
+    token some rank scored (a target of one of its items), summed over the group with how often."""
+    offsets = np.concatenate([[0], np.cumsum([len(t) for t in trajectories])])
+    index_of = {id(t): i for i, t in enumerate(trajectories)}
+    values, counts = np.zeros(offsets[-1]), np.zeros(offsets[-1])
+    for item in prepared:
+        by_token = np.full(item.row.n_tokens, np.nan)
+        by_token[item.targets] = item.logp_old
+        for trajectory, path in trajectory_copies(item.row):
+            here = np.flatnonzero(path[1:] >= 0) + 1
+            scored = here[~np.isnan(by_token[path[here]])]
+            flat = offsets[index_of[id(trajectory)]] + scored
+            values[flat] += by_token[path[scored]]
+            counts[flat] += 1
+    gathered = torch.tensor(np.stack([values, counts]))
+    dist.all_reduce(gathered)
+    return gathered[0].numpy(), gathered[1].numpy()
+
+
+def _write_report(out, trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded) -> None:
+    """Process 0: the flat baseline from the same weights, in this process, and the errors."""
+    from ds_tree.engine.step import run_rows
+    from ds_tree.losses.sft import Normalisers
+
+    settings, size, budget, block = options["settings"], options["size"], options["budget"], options["block"]
+    torch_dtype = verification_dtype(trajectories, options["dtype"])
+    old, model = _policies(options, torch_dtype)
+    reference = old if settings.kl_coef else None
+    flat = run_rl_mode(model, old, reference, trajectories, "flat", size * budget, block, advantages, settings)
+    with torch.no_grad():
+        rows = pack_trajectories(trajectories, "flat", size * budget, block)
+        flat_old = run_rows(old, rows, Normalisers(1.0, 1.0, 1.0), collect_logprobs=True).trajectory_logprobs
+    values, counts = old_logprobs
+    expected = np.concatenate([np.concatenate([[np.nan], flat_old[id(t)]]) for t in trajectories])
+    scored = counts > 0
+    logprob_err = float(np.abs(values[scored] - expected[scored]).max(initial=0.0))
+    errors = gradient_errors(flat.gradients, gradients)
+    errors_of_metrics = metric_errors(flat.metrics, metrics)
+    tolerance = TOLERANCES[torch_dtype]
+    loss_rel_err = abs(loss - flat.loss) / max(abs(flat.loss), 1e-300)
+    max_rel_grad_err = max(errors.values(), default=0.0)
+    max_metric_err = max(errors_of_metrics.values(), default=0.0)
+    trained = sum(int((t.loss_mask[1:] != 0).sum()) for t in trajectories)
+    report = {
+        "sequence_parallel_size": size,
+        "n_trajectories": len(trajectories),
+        "longest_trajectory": max(len(t) for t in trajectories),
+        "budget": budget,
+        "sharded_rows": len(sharded),
+        "longest_sharded_row": max((row.n_tokens for row in sharded), default=0),
+        "dtype": options["dtype"],
+        "attention": options["attention"],
+        "estimator": options["estimator"],
+        "aggregation": settings.aggregation,
+        "loss_flat": flat.loss,
+        "loss_sequence_parallel": loss,
+        "loss_rel_err": loss_rel_err,
+        "max_rel_grad_err": max_rel_grad_err,
+        "worst_parameter": max(errors, key=errors.get) if errors else None,
+        "old_logprobs_scored": int(scored.sum()),
+        "trained_tokens": trained,
+        "max_abs_old_logprob_err": logprob_err,
+        "max_rel_metric_err": max_metric_err,
+        "metrics_flat": flat.metrics,
+        "metrics_sequence_parallel": metrics,
+        "tolerance": tolerance,
+        "passed": bool(
+            max_rel_grad_err <= tolerance
+            and loss_rel_err <= tolerance
+            and logprob_err <= tolerance
+            and max_metric_err <= tolerance
+            and counts.max(initial=0.0) <= 1
+        ),
+    }
+    Path(out).write_text(json_text(report))

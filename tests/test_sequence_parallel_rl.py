@@ -1,0 +1,187 @@
+"""The RL objective under Ulysses sequence parallelism (S = 2): per-token terms formed on the shards,
+``verify --objective grpo --sequence-parallel 2`` against the flat baseline, the config checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds_tree.config import ConfigError, load_config
+from ds_tree.engine.rl_step import RLSettings, StepNormalisers, row_sums, trajectory_copies
+from ds_tree.engine.trainer import Trainer
+from ds_tree.losses.advantages import estimate
+from ds_tree.losses.rl import TokenSums
+from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows, shard_row
+from tests.test_engine import ROOT, environment, torchrun, write_config
+from tests.test_sequence_parallel import BLOCK, BUDGET, SIZE, one_kv_head_model, random_trees, write_cases
+
+
+def write_rl_cases(path: Path) -> Path:
+    """:func:`write_cases` (paths up to 500 tokens, over ``BUDGET``) with rewards of both signs in every group."""
+    write_cases(path)
+    rng = np.random.default_rng(1)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for index, line in enumerate(lines):
+        line["reward"] = float(rng.normal()) if index % 2 else float(rng.integers(0, 2))
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_shards_hold_the_whole_rows_rl_sums_at_their_own_targets(seed: int) -> None:
+    """Every shard forms the per-token sums of the whole row's trajectories at the targets it predicts:
+    added over the shards they are the whole row's sums, and a shard's targets are predicted inside it."""
+    trajectories, trees = random_trees(seed)
+    for index, trajectory in enumerate(trajectories):
+        trajectory.reward = float(index % 3) - 1.0
+    advantages = estimate(trajectories, "grpo", False).by_trajectory()
+    normalisers = StepNormalisers.of(trajectories)
+    plan = plan_sequence_parallel_rows(trees, SIZE, SIZE, BUDGET, BLOCK)
+    whole_rows = [row for rows in plan.sharded for row in rows if row.n_real]
+    assert whole_rows
+    for settings in (RLSettings(), RLSettings(aggregation="seq_mean_token_mean")):
+        for row in whole_rows:
+            whole = row_sums(row, trajectory_copies(row), advantages, settings, normalisers)
+            total = None
+            for position in range(SIZE):
+                shard = shard_row(row, SIZE, position)
+                sums = row_sums(shard, trajectory_copies(shard), advantages, settings, normalisers)
+                targets = sums.active()
+                assert np.all((shard.pred_pos[targets] >= 0) & (shard.pred_pos[targets] < shard.end - shard.start))
+                added = {name: getattr(total, name) + values for name, values in vars(sums).items()} if total else None
+                total = sums if total is None else TokenSums(**added)
+            for name, values in vars(whole).items():
+                np.testing.assert_allclose(getattr(total, name), values, rtol=1e-14, atol=0)
+            assert whole.tokens.sum() > 0
+
+
+def verify(data: Path, model: Path, *options: str) -> dict:
+    command = [
+        sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", str(model),
+        "--budget", str(BUDGET), "--block", str(BLOCK), "--sequence-parallel", "2", *options,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(result.stdout)  # stdout is the report alone: the ranks' logs and warnings go to stderr
+
+
+# float64 (the estimator, KL, entropy and dual clip all on): measured ~2e-15 (gradients), ~4e-16 (loss),
+# ~2e-15 (old log-probs). float32 (docs/RL.md): ~7e-7 (gradients), ~4e-7 (loss), ~1e-6 (old log-probs).
+TREEPO = ["--estimator", "treepo", "--normalise-advantages", "--aggregation", "seq_mean_token_sum",
+          "--kl-coef", "0.05", "--kl-estimator", "k2", "--entropy-coef", "0.01", "--dual-clip", "1.3"]  # fmt: skip
+
+
+def test_verify_rl_under_sequence_parallelism_equals_flat_in_float64(tmp_path: Path) -> None:
+    """One run (2 spawned ranks, ~20 s); grpo and float32 runs are in docs/RL.md."""
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    model = one_kv_head_model(tmp_path / "model.json")
+    report = verify(data, model, "--objective", "grpo", *TREEPO)
+    tolerance = 1e-10
+    assert report["passed"] and report["objective"] == "grpo" and report["estimator"] == "treepo"
+    assert report["tolerance"] == tolerance and report["dtype"] == "float64"
+    assert report["longest_trajectory"] > BUDGET and report["sharded_rows"] >= 2, report
+    for error in ("loss_rel_err", "max_rel_grad_err", "max_abs_old_logprob_err", "max_rel_metric_err"):
+        assert report[error] <= tolerance, (error, report[error])
+    # every trained token's old log-prob was scored on exactly one shard (or row) and compared
+    assert report["old_logprobs_scored"] == report["trained_tokens"] > 0
+    metrics = report["metrics_flat"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics
+    assert metrics["kl_ref"] > 0 and metrics["clip_dual"] > 0 and metrics["entropy"] > 0, metrics
+
+
+def test_rl_under_sequence_parallelism_passes_the_dry_run_and_dfs_is_refused(tmp_path: Path, monkeypatch) -> None:
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    config_path = write_config(
+        tmp_path, data, packing={"budget": BUDGET}, parallel={"sequence_parallel_size": 2}, objective={"kind": "grpo"}
+    )
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    Trainer(load_config(config_path)).prepare()
+    Trainer(load_config(config_path, ["objective.kl_coef=0.1", "objective.estimator=treepo"])).prepare()
+    refusal = "does not combine with packing.mode=dfs .* packing.over_budget=sequence_parallel"
+    with pytest.raises(ConfigError, match=refusal):
+        Trainer(load_config(config_path, ["packing.over_budget=dfs"])).prepare()
+    with pytest.raises(ConfigError, match="reference_offload .* needs objective.kl_coef > 0 and model.zero_init"):
+        load_config(config_path, ["objective.kl_coef=0.1", "objective.reference_offload=true"])
+    partitioned = ["objective.kl_coef=0.1", "model.zero_init=true", "parallel.sequence_parallel_size=1"]
+    with pytest.raises(ConfigError, match="partitioned reference.* does not combine with packing.mode=dfs"):
+        load_config(config_path, [*partitioned, "packing.over_budget=dfs"])
+
+
+@pytest.mark.distributed
+def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_reference(tmp_path: Path) -> None:
+    """configs/examples/long_tree_rl.yaml at tiny scale on 2 CPU ranks (one sequence-parallel group):
+    ZeRO-3 built partitioned, the KL reference a ZeRO-3 engine, paths over the budget sharded. The
+    first mini-batch's gradient (2 accumulated rows per rank at least) and its metrics, KL included,
+    equal the single-process flat ones from the same weights with a whole reference; then the update
+    and an ordinary step (2 mini-batches) run."""
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    model = one_kv_head_model(tmp_path / "model.json")
+    out = tmp_path / "report.json"
+    overrides = [
+        f"model.source={model}", "model.dtype=float32", "model.attention=torch", "model.head_chunk=64",
+        f"data.path={data}", "data.groups_per_step=6", f"output_dir={tmp_path / 'run'}",
+        f"packing.budget={BUDGET}", f"packing.block={BLOCK}", "objective.kl_coef=0.05",
+        "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.export_hf=false",
+    ]  # fmt: skip
+    example = ROOT / "configs/examples/long_tree_rl.yaml"
+    torchrun("tests/distributed/rl_grad_check.py", "--config", str(example), "--out", str(out), "--train-step",
+             *overrides)  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["zero_stage"] == 3 and report["world_size"] == 2 and report["reference"] == "DeepSpeedEngine"
+    assert report["min_micro_batches_per_rank"] >= 2 and report["mini_batches"] == 2
+    assert report["min_sharded_rows_per_rank"] >= 1  # the first mini-batch has a path over the budget
+    assert report["reference_max_abs_diff"] == 0.0  # the partitioned reference is the initial policy
+    metrics = report["metrics"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0 and metrics["kl_ref"] > 0, metrics
+    # float32 round-off (the SFT sequence-parallel check measures ~9e-7).
+    assert report["max_rel_grad_err"] < 1e-5 and report["max_rel_metric_err"] < 1e-5, report
+    step = report["train_step"]
+    assert np.isfinite(step["loss/train"]) and step["rl/kl_ref"] > 0, step
+
+
+def test_plan_counts_the_reference_whole_partitioned_or_offloaded() -> None:
+    """``ds-tree plan`` of the long-tree example on 8 ranks: an 8B reference in bf16 is 1/8 of its bytes
+    per rank when partitioned, none on the accelerator when offloaded, all of them when whole."""
+    from ds_tree.cli.plan import make_plan
+
+    example = str(ROOT / "configs/examples/long_tree_rl.yaml")
+    plans = {
+        name: make_plan(example, overrides, 8, 80.0)
+        for name, overrides in {
+            "partitioned": [],
+            "offloaded": ["objective.reference_offload=true"],
+            "whole": ["model.zero_init=false"],
+            "none": ["objective.kl_coef=0"],
+        }.items()
+    }
+    whole = plans["none"]["parameters"] * 2
+    assert [plans[name]["states"]["reference"] for name in plans] == [whole // 8, 0, whole, 0]
+    assert plans["offloaded"]["states"]["cpu"] == plans["none"]["states"]["cpu"] + whole // 8
+    for name in ("partitioned", "whole"):
+        added = plans[name]["peak_bytes"] - plans["none"]["peak_bytes"]
+        assert added == plans[name]["states"]["reference"], name
+
+
+def test_moe_router_loss_under_sequence_parallelism_equals_flat_in_float64(tmp_path: Path) -> None:
+    """SFT of a tiny Qwen3-MoE with its router load-balancing loss (per trajectory), paths over the budget
+    sharded over 2 ranks: each shard's top-k counts are summed over the group before the loss, so the
+    loss, the router loss and every gradient equal the single-process flat ones."""
+    data = write_cases(tmp_path / "cases.jsonl")
+    command = [
+        sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data),
+        "--model", str(ROOT / "configs/models/tiny_qwen3_moe.json"), "--budget", str(BUDGET), "--block", str(BLOCK),
+        "--sequence-parallel", "2", "--router-aux-loss-coef", "0.5", "--limit", "10",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["sharded_rows"] >= 2 and report["router_aux_loss_coef"] == 0.5, report
+    assert report["router_aux_flat"] > 1.0  # E * sum_e f_e P_e: K = 2 when balanced
+    # float64: measured ~1e-15 (loss, router loss, gradients)
+    for error in ("loss_rel_err", "router_aux_rel_err", "max_rel_grad_err"):
+        assert report[error] < 1e-10, (error, report)
