@@ -17,6 +17,10 @@ tokens (--dfs-recompute: each forwarded twice) and compares it with flat as well
 fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the
 metrics).
 
+--lora R puts LoRA adapters of rank R on every linear layer of the decoder (PEFT, as
+``model.lora``; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
+trained policy's adapters perturbed, the KL reference the model with its adapters disabled).
+
 Only the JSON report goes to stdout (pipe it to jq); logs and library warnings, the spawned
 ranks' included, go to stderr. Exits 1 when the errors exceed the dtype's tolerance, 2 on bad
 input (e.g. a reward missing for the estimator).
@@ -89,6 +93,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--dfs-chunk", type=int, default=0, metavar="C", help="also compare dfs mode, in chunks of at most C tokens"
     )
     parser.add_argument("--dfs-recompute", action="store_true", help="dfs mode: forward every chunk twice")
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R on every linear layer (0: none)"
+    )
     return parser
 
 
@@ -101,6 +108,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
     if args.dfs_chunk and args.sequence_parallel > 1:
         parser.error("--dfs-chunk and --sequence-parallel check different modes: give one")
+    if args.lora < 0 or (args.lora and args.sequence_parallel > 1):
+        parser.error("--lora must be a rank >= 0, and checks single-process modes (not --sequence-parallel)")
     objective = objective_config(
         parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
     )
@@ -119,6 +128,11 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
     from ds_tree.verification import compare, compare_rl
 
     dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
+    lora = None
+    if args.lora:
+        from ds_tree.config import LoraSettings
+
+        lora = LoraSettings(rank=args.lora)
     try:
         trajectories = load_trajectories(args.data)
         if args.limit is not None:
@@ -141,6 +155,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 policy=args.policy or "exact",
                 router_aux_loss_coef=args.router_aux_loss_coef,
                 dfs=dfs,
+                lora=lora,
                 **common,
             )
         else:
@@ -153,6 +168,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 settings=objective.rl_settings(),
                 perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
                 dfs=dfs,
+                lora=lora,
                 **common,
             )
     except (DataError, FileNotFoundError, ValueError) as error:

@@ -46,6 +46,7 @@ from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import check_model_settings, load_model
 from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.models.ulysses import check_sequence_parallel, enable_sequence_parallel
@@ -243,12 +244,16 @@ class Trainer(RLSteps):
             seed=config.model.seed,
             checkpoint_every=config.model.checkpointed_every,
         )
+        if config.model.lora.enabled:  # after the tree attention swap: PEFT wraps the linear layers only
+            model = apply_lora(model, config.model.lora)
         if config.parallel.sequence_parallel_size > 1:
             self.sequence_parallel = enable_sequence_parallel(model, config.parallel.sequence_parallel_size)
         self.build_engine(model)
         check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
         self.reference = None
-        if config.objective.is_rl and config.objective.kl_coef:
+        if config.objective.is_rl and config.objective.kl_coef and config.model.lora.enabled:
+            self.reference = AdaptersDisabled(self.engine)  # the policy with its adapters off: no second model
+        elif config.objective.is_rl and config.objective.kl_coef:
             source = config.objective.reference or config.model.source
             self.reference = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
             self.reference.to(self.engine.device).eval().requires_grad_(False)
@@ -259,7 +264,7 @@ class Trainer(RLSteps):
 
         optimizer_config = self.config.optimizer
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            trainable_parameters(model),  # the adapters only under model.lora
             lr=optimizer_config.lr,
             betas=optimizer_config.betas,
             eps=optimizer_config.eps,
@@ -289,7 +294,11 @@ class Trainer(RLSteps):
         if self.resume_from is not None:
             checkpoint.verify(self.checkpoint_dir, self.resume_from, self.rank, self.world_size, device)
             with checkpoint.weights_only_loads():
-                _, client_state = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=self.resume_from)
+                _, client_state = self.engine.load_checkpoint(
+                    str(self.checkpoint_dir),
+                    tag=self.resume_from,
+                    load_module_strict=not self.config.model.lora.enabled,  # adapters only: the base is rebuilt
+                )
             self.start_step = int(client_state["step"])
             self.skipped_steps = int(client_state.get("skipped_steps", 0))
             self.untrained_steps = int(client_state.get("untrained_steps", 0))
@@ -522,13 +531,21 @@ class Trainer(RLSteps):
     def save(self, step: int) -> None:
         client_state = {"step": step, "skipped_steps": self.skipped_steps, "untrained_steps": self.untrained_steps}
         record = {"world_size": self.world_size, "config": config_to_dict(self.config)}
-        checkpoint.save(self.engine, self.checkpoint_dir, step, client_state, record, self.config.checkpoint.keep_last)
+        checkpoint.save(
+            self.engine,
+            self.checkpoint_dir,
+            step,
+            client_state,
+            record,
+            self.config.checkpoint.keep_last,
+            exclude_frozen=self.config.model.lora.enabled,
+        )
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""
         from ds_tree.engine.export import export_hf
 
-        export_hf(self.engine, directory, self.rank, self.config.model.tokenizer)
+        export_hf(self.engine, directory, self.rank, self.config.model.tokenizer, merge=self.config.checkpoint.merge)
         logger.info("exported Hugging Face model to %s", directory)
 
     def close(self) -> None:
