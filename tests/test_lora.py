@@ -129,3 +129,60 @@ def test_lora_with_kl_and_zero_init_is_accepted(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
     assert load_config(path).model.lora.target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.distributed
+def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, data) -> None:
+    """GRPO with a KL term (reference: adapters disabled), activation checkpointing, 2 ranks, ZeRO-3:
+    checkpoints hold adapters only; resuming step 1 repeats step 2 exactly; the adapter export loads
+    with PEFT and the merged export with transformers, and both generate alike."""
+    import shutil
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_engine import launch_training, write_config
+
+    config = write_config(
+        tmp_path,
+        Path(data),
+        model={"lora": {"rank": 4, "alpha": 8}, "activation_checkpointing": True},
+        data={"path": data, "groups_per_step": 2},
+        packing={"budget": 64},
+        objective={"kind": "grpo", "kl_coef": 0.1},
+        optimizer={"lr": 3e-2, "schedule": "constant"},
+        max_steps=2,
+        checkpoint={"every": 1, "keep_last": 2, "export_hf": True, "merge": True},
+    )
+    first = tmp_path / "run"
+    process = launch_training(config)
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["selfcheck/loss_rel_err"] < 1e-5 and "selfcheck/loss_rel_err" not in records[1]
+    assert records[1]["rl/kl_ref"] > 0  # the adapters moved the policy off the base model
+
+    states = torch.load(
+        first / "checkpoints/step_0000002/zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False
+    )
+    assert states["module"] and all("lora_" in name for name in states["module"])  # no frozen base weight
+
+    second = tmp_path / "resumed"
+    shutil.copytree(first, second, ignore=shutil.ignore_patterns("adapter", "hf", "*.lock"))
+    (second / "checkpoints/latest").write_text("step_0000001")
+    process = launch_training(config, f"output_dir={second}", "checkpoint.export_hf=false")
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    assert "resumed from" in output
+    resumed = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
+    assert resumed[-1]["step"] == 2 and resumed[-1]["loss/train"] == pytest.approx(records[1]["loss/train"], rel=1e-6)
+
+    base = load_model(MODEL, seed=3)
+    base.config._attn_implementation, base.config.use_cache = "sdpa", True
+    adapted = PeftModel.from_pretrained(base, first / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(first / "hf", local_files_only=True).eval()
+    prompt = torch.tensor([[5, 9, 17, 300, 2, 44]])
+    with torch.no_grad():
+        assert torch.allclose(adapted(input_ids=prompt).logits, merged(input_ids=prompt).logits, atol=1e-5)
+        greedy = dict(max_new_tokens=8, do_sample=False)
+        assert torch.equal(adapted.generate(prompt, **greedy), merged.generate(prompt, **greedy))

@@ -34,7 +34,7 @@ from ds_tree.cli.plan import check_memory
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
-from ds_tree.engine import checkpoint, dfs, run_dir, run_lock
+from ds_tree.engine import checkpoint, dfs, run_dir, run_lock, self_check
 from ds_tree.engine.console import progress_bar
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
@@ -55,6 +55,9 @@ from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
 logger = logging.getLogger(__name__)
+
+
+SelfCheckError = self_check.SelfCheckError
 
 
 class NonFiniteError(RuntimeError):
@@ -315,8 +318,11 @@ class Trainer(RLSteps):
     def step_trajectories(self, step: int) -> list[Trajectory]:
         """The trajectories of ``step``'s groups (every rank computes the same list)."""
         if self.online is not None:  # sampled from the current policy (a collective)
-            return self.online.step_trajectories(step, self.engine.module)
-        return self.sampler.trajectories_for_step(self.groups, step)
+            trajectories = self.online.step_trajectories(step, self.engine.module)
+        else:
+            trajectories = self.sampler.trajectories_for_step(self.groups, step)
+        self.last_trajectories = trajectories  # the self-check's sample is drawn from them
+        return trajectories
 
     def plan_step(self, step: int, rank: int | None = None) -> RankPlan:
         """This rank's items for ``step`` (pure function of the config and the step)."""
@@ -402,6 +408,7 @@ class Trainer(RLSteps):
                 router_scalars["loss/router_aux"] = float(share.item())
             loss, grad_norm = self.apply_update(step + 1, output.loss)
         elapsed = time.perf_counter() - started
+        router_scalars.update(self.run_self_check(step))  # after the timing: the check is not training
         peak = (
             torch.cuda.max_memory_allocated()
             if torch.cuda.is_available()
@@ -426,6 +433,32 @@ class Trainer(RLSteps):
             **rl_scalars,
             **router_scalars,
         }
+
+    def run_self_check(self, step: int) -> dict[str, float]:
+        """``objective.self_check`` on this step's trajectories (:mod:`ds_tree.engine.self_check`): its
+        ``selfcheck/`` scalars, or a :class:`SelfCheckError`; nothing on steps it does not check."""
+        config = self.config
+        if not self_check.is_due(config.objective.self_check, step, self.start_step):
+            return {}
+        if config.parallel.sequence_parallel_size > 1:  # its rows are sharded: the check's are whole
+            if step == self.start_step:
+                logger.warning("objective.self_check does not run with sequence parallelism yet; skipped")
+            return {}
+        budget = config.packing.budget
+        sample = self_check.sample_groups(self.last_trajectories, budget)
+        if not sample:
+            return {}
+        result = self_check.check_sample(
+            self.engine,
+            sample,
+            budget=budget,
+            normalisation=config.objective.normalisation,
+            dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
+            device=self.engine.device,
+        )
+        dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+        self_check.verdict(result, step + 1, dtype)
+        return result.scalars()
 
     def apply_update(self, step: int, local_loss: float) -> tuple[float, float | None]:
         """The optimizer update after a full accumulation: (global loss, gradient norm), or an error.
