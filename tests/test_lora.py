@@ -147,13 +147,17 @@ def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, dat
         tmp_path,
         Path(data),
         model={"lora": {"rank": 4, "alpha": 8}, "activation_checkpointing": True},
-        data={"path": data, "groups_per_step": 2},
         packing={"budget": 64},
         objective={"kind": "grpo", "kl_coef": 0.1},
         optimizer={"lr": 3e-2, "schedule": "constant"},
         max_steps=2,
         checkpoint={"every": 1, "keep_last": 2, "export_hf": True, "merge": True},
     )
+    import yaml
+
+    values = yaml.safe_load(config.read_text())
+    values["data"]["groups_per_step"] = 2  # of the 3 groups
+    config.write_text(yaml.safe_dump(values))
     first = tmp_path / "run"
     process = launch_training(config)
     output, _ = process.communicate(timeout=600)

@@ -22,6 +22,7 @@ the check costs two no-grad forwards of at most :data:`SAMPLE_TOKENS` tokens per
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,12 +63,15 @@ class SelfCheckResult:
     worst_trajectory: str
     trajectories: int
     tokens: int
+    seconds: float
+    """Wall time of the check (its cost: two no-grad forwards of the sample, three in dfs mode)."""
 
     def scalars(self) -> dict[str, float]:
         return {
             "selfcheck/loss_rel_err": self.loss_rel_err,
             "selfcheck/max_abs_logprob_err": self.max_abs_logprob_err,
             "selfcheck/tokens": float(self.tokens),
+            "selfcheck/time_s": self.seconds,
         }
 
 
@@ -109,6 +113,7 @@ def check_sample(
     """Tree against flat on ``sample``, no gradients; the errors (module docstring). With ``dfs`` the
     log-probs are the dfs walk's (the walk's loss is computed with its backward, so the loss compared
     is the packed tree's: the same restoration weights)."""
+    started = time.perf_counter()
     flat_rows = pack_trajectories(sample, "flat", budget)
     tree_rows = pack_trajectories(sample, "tree", budget)
     with torch.no_grad():
@@ -134,6 +139,7 @@ def check_sample(
         worst_trajectory=worst_name,
         trajectories=len(sample),
         tokens=sum(len(t) for t in sample),
+        seconds=time.perf_counter() - started,
     )
 
 
@@ -143,13 +149,14 @@ def verdict(result: SelfCheckResult, step: int, dtype: torch.dtype) -> None:
     tolerance = TOLERANCES[dtype]
     logger.info(
         "self-check step %d: tree vs flat on %d trajectories (%d tokens): loss rel err %.2e, max log-prob err "
-        "%.2e (tolerance %.0e)",
+        "%.2e (tolerance %.0e), %.2f s",
         step,
         result.trajectories,
         result.tokens,
         result.loss_rel_err,
         result.max_abs_logprob_err,
         tolerance,
+        result.seconds,
     )
     failures = []
     if not result.loss_rel_err <= tolerance:

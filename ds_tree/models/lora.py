@@ -69,6 +69,16 @@ def apply_lora(model: torch.nn.Module, settings, *, init_lora_weights: bool = Tr
     return wrapped
 
 
+def adapter_parameter_count(model_config, settings) -> int:
+    """Trained parameters of ``settings``'s adapters on a model of ``model_config`` (counted on the
+    ``meta`` device: no memory), for ``ds-tree plan``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = apply_lora(AutoModelForCausalLM.from_config(model_config), settings)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def peft_model_of(model):
     """The PEFT model inside ``model`` (a DeepSpeed engine, or the PEFT model itself), or None."""
     from peft import PeftModel
