@@ -180,6 +180,8 @@ def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, dat
     assert "resumed from" in output
     resumed = [json.loads(line) for line in (second / "metrics.jsonl").read_text().splitlines()]
     assert resumed[-1]["step"] == 2 and resumed[-1]["loss/train"] == pytest.approx(records[1]["loss/train"], rel=1e-6)
+    # the first run's self-check (after step 1's update) left step 2's gradient alone
+    assert resumed[-1]["optim/grad_norm"] == pytest.approx(records[1]["optim/grad_norm"], rel=1e-5)
 
     base = load_model(MODEL, seed=3)
     base.config._attn_implementation, base.config.use_cache = "sdpa", True

@@ -1,7 +1,7 @@
 """The training-time tree-vs-flat self-check (``objective.self_check``; docs/LORA.md, "Self-check").
 
 On the chosen steps the trainer takes a small sample of the step's trajectories (whole groups, in the
-step's order, up to :data:`SAMPLE_TOKENS` flat tokens, at least one group) and computes, with the
+step's order, up to :data:`SAMPLE_TOKENS` flat tokens; the smallest group when none fits) and computes, with the
 model as it is (the same weights for both), without gradients:
 - the tree layout's restoration-weighted SFT loss of the sample (packed tree rows) and every
   trajectory's log-probs in the run's own execution mode (packed tree rows, or dfs walks), and
@@ -39,7 +39,7 @@ from ds_tree.trees.trajectory import Trajectory, group_trajectories
 logger = logging.getLogger(__name__)
 
 SAMPLE_TOKENS = 256
-"""Flat tokens of the sample (whole groups; the first group is taken whatever its size)."""
+"""Flat tokens of the sample (whole groups; the smallest group when none fits)."""
 
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}
 """Largest loss relative error and log-prob absolute error per dtype. float64 and float32 are
@@ -82,18 +82,19 @@ def is_due(setting: str, step: int, first_step: int) -> bool:
 
 
 def sample_groups(trajectories: Sequence[Trajectory], budget: int, cap: int = SAMPLE_TOKENS) -> list[Trajectory]:
-    """Whole groups from the start of ``trajectories`` up to ``cap`` flat tokens (at least one), skipping
-    groups with a path longer than ``budget`` (those are walked or sharded, not packed)."""
+    """Whole groups from the start of ``trajectories`` up to ``cap`` flat tokens; when no group fits
+    the cap, the smallest group. Groups with a path longer than ``budget`` are skipped (those are
+    walked or sharded, not packed)."""
+    groups = [g for g in group_trajectories(trajectories) if max(len(t) for t in g) <= budget]
     sample: list[Trajectory] = []
     tokens = 0
-    for group in group_trajectories(trajectories):
+    for group in groups:
         size = sum(len(t) for t in group)
-        if max(len(t) for t in group) > budget or (sample and tokens + size > cap):
-            continue
-        sample.extend(group)
-        tokens += size
-        if tokens >= cap:
-            break
+        if tokens + size <= cap:
+            sample.extend(group)
+            tokens += size
+    if not sample and groups:
+        sample = list(min(groups, key=lambda g: sum(len(t) for t in g)))
     return sample
 
 
