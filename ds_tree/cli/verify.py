@@ -18,7 +18,7 @@ fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-gr
 metrics).
 
 --lora R puts LoRA adapters of rank R on every linear layer of the decoder (PEFT, as
-``model.lora``; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
+model.lora; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
 trained policy's adapters perturbed, the KL reference the model with its adapters disabled).
 
 Only the JSON report goes to stdout (pipe it to jq); logs and library warnings, the spawned
