@@ -79,6 +79,37 @@ def objective_strays(kind: str, given: typing.Iterable[str]) -> list[str]:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters trained instead of the full weights (PEFT; docs/LORA.md)."""
+
+    rank: int = 0
+    """Adapter rank r (0: no adapters, every weight is trained)."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is ``alpha / rank * B A``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input. Above 0 the tree and the flat baseline draw different masks for a
+    shared token (not exact): needs ``objective.self_check: off``."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (suffixes, as PEFT matches them) that get adapters; ``[all-linear]``: every linear
+    layer of the decoder, not the LM head."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained in full beside the adapters (e.g. ``[lm_head]``), saved with them."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(
+                f"model.lora: rank must be >= 0, alpha > 0 and dropout in [0, 1), got {self.rank}, {self.alpha}, "
+                f"{self.dropout}"
+            )
+        if self.rank and not self.target_modules:
+            raise ConfigError("model.lora.target_modules is empty: name the layers that get adapters")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class ModelConfig:
     source: str = ""
     """Model config JSON (random init from ``seed``) or a local Hugging Face directory."""
@@ -104,6 +135,8 @@ class ModelConfig:
     router_aux_loss_coef: float | None = None
     """MoE models: weight of the router load-balancing loss in the SFT objective (docs/MODELS.md);
     null: the model config's ``router_aux_loss_coef``; 0: off. Ignored by models without a router."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters (``rank > 0``): only they are trained and checkpointed (docs/LORA.md)."""
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -225,6 +258,11 @@ class ObjectiveConfig:
     """Passes over each step's rollouts (old log-probs stay those of the step's start)."""
     mini_batches: int = 1
     """Optimizer updates per epoch: the step's groups are cut into this many mini-batches."""
+    self_check: str = "first"
+    """Tree-vs-flat check inside the run (docs/LORA.md, "Self-check"): ``off``, ``first`` (the first
+    step of the run) or ``every:N`` (steps 1, N+1, 2N+1, ...). On a small sample of the step's groups the
+    flat per-trajectory loss and gradient are compared with the tree's; errors beyond the dtype's
+    tolerance stop the run."""
 
     def __post_init__(self) -> None:
         from ds_tree.losses.sft import check_objective
@@ -266,6 +304,7 @@ class ObjectiveConfig:
             )
         if not math.isfinite(self.tempo_coef):
             raise ConfigError(f"objective.tempo_coef must be finite, got {self.tempo_coef}")
+        self_check_every(self.self_check)  # a ConfigError when malformed
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
 
@@ -294,6 +333,18 @@ class ObjectiveConfig:
             old_logprobs=self.old_logprobs,
             importance_truncation=self.importance_truncation or None,
         )
+
+
+def self_check_every(value: str) -> int:
+    """``objective.self_check`` as a period: 0 (off), -1 (first step only) or N (``every:N``)."""
+    if value == "off":
+        return 0
+    if value == "first":
+        return -1
+    prefix, _, number = value.partition(":")
+    if prefix == "every" and number.isdigit() and int(number) >= 1:
+        return int(number)
+    raise ConfigError(f"objective.self_check must be off, first or every:N (N >= 1), got {value!r}")
 
 
 @dataclass
@@ -364,7 +415,11 @@ class CheckpointConfig:
     ``newest_complete``: resume from the newest complete checkpoint, whatever ``latest`` says.
     ``never``: start from step 0; an error if complete checkpoints exist (they would be overwritten)."""
     export_hf: bool = True
-    """Write the final model as a Hugging Face directory (safetensors) in ``<output_dir>/hf``."""
+    """Write the final model as a Hugging Face directory (safetensors) in ``<output_dir>/hf``. With
+    ``model.lora``: a PEFT adapter directory in ``<output_dir>/adapter`` (and ``hf`` with ``merge``)."""
+    merge: bool = False
+    """With ``model.lora`` and ``export_hf``: also write the merged model (adapters added into the base
+    weights) to ``<output_dir>/hf``, a plain Hugging Face model."""
     preempt_signals: list[PreemptSignal] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     """Signals that stop a run cleanly (SLURM preemption, ``scancel``, ``timeout``; docs/LAUNCH.md): every
     rank finishes its current step, the step is saved as a complete checkpoint, and each rank exits
@@ -517,7 +572,9 @@ class Config:
                 self.max_steps,
                 self.max_steps / self.optimizer.warmup_steps,
             )
-        partitioned = self.objective.is_rl and self.objective.kl_coef and self.model.zero_init
+        partitioned = (
+            self.objective.is_rl and self.objective.kl_coef and self.model.zero_init and not self.model.lora.enabled
+        )
         if self.objective.reference_offload and not partitioned:
             raise ConfigError(
                 "objective.reference_offload offloads the partitioned reference model: it needs objective.kl_coef > 0 "
@@ -527,6 +584,18 @@ class Config:
             raise ConfigError(
                 "objective.kl_coef with model.zero_init (a ZeRO-3 partitioned reference) does not combine with "
                 "packing.mode=dfs or packing.over_budget=dfs yet; set model.zero_init: false (a whole reference)"
+            )
+        if self.checkpoint.merge and not self.model.lora.enabled:
+            raise ConfigError("checkpoint.merge merges LoRA adapters: set model.lora.rank > 0, or merge: false")
+        if self.model.lora.enabled and self.objective.reference:
+            raise ConfigError(
+                "objective.reference: with model.lora the KL reference is the model with its adapters disabled; "
+                "leave objective.reference empty"
+            )
+        if self.model.lora.dropout and self.objective.self_check != "off":
+            raise ConfigError(
+                "model.lora.dropout > 0 draws different masks in the tree and in the flat baseline, so "
+                "objective.self_check cannot compare them: set objective.self_check: off or model.lora.dropout: 0"
             )
         if self.rollout.enabled:
             self.rollout.check_with(self)

@@ -120,8 +120,11 @@ def state_bytes(
     *,
     offload_optimizer: bool = False,
     offload_param: bool = False,
+    trained: int | None = None,
 ) -> StateBytes:
-    """Parameters, gradients and AdamW states per rank under ZeRO ``stage`` (module docstring)."""
+    """Parameters, gradients and AdamW states per rank under ZeRO ``stage`` (module docstring).
+    ``trained``: parameters with gradients and optimizer states (LoRA: the adapters; ``shape.parameters``
+    then counts the frozen base and the adapters); None: all of them."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_optimization.stage must be 0-3, got {stage}")
     if world_size < 1:
@@ -131,14 +134,15 @@ def state_bytes(
     if offload_optimizer and stage == 0:
         raise ValueError("zero_optimization.offload_optimizer needs ZeRO stage 1-3")
     count, width = shape.parameters, DTYPE_BYTES[dtype]
+    trained = count if trained is None else trained
     master = 0 if stage == 0 and dtype == "float32" else MASTER_BYTES
     parameters = count * width // (world_size if stage == 3 else 1)
-    gradients = count * width // (world_size if stage >= 2 else 1)
-    optimizer = count * (master + ADAM_STATE_BYTES) // (world_size if stage >= 1 else 1)
+    gradients = trained * width // (world_size if stage >= 2 else 1)
+    optimizer = trained * (master + ADAM_STATE_BYTES) // (world_size if stage >= 1 else 1)
     gathered = shape.largest_module * width if stage == 3 and (world_size > 1 or offload_param) else 0
     cpu = 0
     if offload_optimizer:  # the fp32 master, the moments and the gradient partition (in fp32) go to CPU memory
-        cpu += optimizer + count * 4 // world_size
+        cpu += optimizer + trained * 4 // world_size
         optimizer = 0
         if stage >= 2:
             gradients = 0

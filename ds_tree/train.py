@@ -28,13 +28,13 @@ from ds_tree.engine import checkpoint
 from ds_tree.engine.checkpoint import CheckpointError
 from ds_tree.engine.console import setup_console
 from ds_tree.engine.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
-from ds_tree.engine.trainer import NonFiniteError, Trainer
+from ds_tree.engine.trainer import NonFiniteError, SelfCheckError, Trainer
 from ds_tree.models.token_mixing import UnsupportedModelError
 
 logger = logging.getLogger("ds_tree.train")
 
 # Failures whose message says everything: reported without a traceback.
-EXPLAINED = (ConfigError, CheckpointError, NonFiniteError, UnsupportedModelError)
+EXPLAINED = (ConfigError, CheckpointError, NonFiniteError, SelfCheckError, UnsupportedModelError)
 
 
 def main(argv: list[str] | None = None) -> int:

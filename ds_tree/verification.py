@@ -95,6 +95,21 @@ def run_mode(
     )
 
 
+def load_checked_model(
+    source: str, *, attention: str, dtype: torch.dtype, seed: int, lora=None, checkpoint_every: int = 0
+) -> torch.nn.Module:
+    """The model of a verification run; with ``lora`` (:class:`ds_tree.config.LoraSettings`) wrapped
+    with adapters whose A and B are both random (seeded), so that every adapter weight has a gradient
+    (PEFT's B = 0 start leaves A's exactly 0)."""
+    model = load_model(source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every)
+    if lora is None:
+        return model
+    from ds_tree.models.lora import apply_lora
+
+    torch.manual_seed(seed + 1)
+    return apply_lora(model, lora, init_lora_weights=False)
+
+
 def verification_dtype(trajectories: list[Trajectory], dtype: str) -> torch.dtype:
     """The torch dtype of a verification run (float64 or float32), with something to verify."""
     if not trajectories:
@@ -136,16 +151,18 @@ def compare(
     policy: str = "exact",
     router_aux_loss_coef: float | None = None,
     dfs: DfsSettings | None = None,
+    lora=None,
 ) -> dict:
     """Run flat and tree mode and return the verification report (see ``ds_tree.cli.verify``).
 
     An MoE model's objective includes its router load-balancing loss (:mod:`ds_tree.models.moe`),
     weighted by ``router_aux_loss_coef`` (None: the model config's ``router_aux_loss_coef``).
     With ``dfs``, every tree is also walked in dfs mode and compared with flat (``dfs_*`` fields).
+    ``lora``: LoRA adapters on the model (:func:`load_checked_model`); the gradients are the adapters'.
     """
     check_objective(normalisation, policy)
     torch_dtype = verification_dtype(trajectories, dtype)
-    model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
+    model = load_checked_model(model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora)
     check_vocab(trajectories, model.config.vocab_size)
     router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
     gradients_checked = has_backward(attention)
@@ -186,6 +203,7 @@ def compare(
         "rows_tree": tree.rows,
         "dtype": dtype,
         "attention": attention,
+        "lora_rank": lora.rank if lora is not None else 0,
         "normalisation": normalisation,
         "policy": policy,
         "loss_flat": flat.loss,
@@ -245,7 +263,7 @@ def perturb_parameters(model: torch.nn.Module, scale: float, seed: int) -> None:
     ``pi / pi_old`` leave the clip range on both sides."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for parameter in model.parameters():
+        for parameter in (p for p in model.parameters() if p.requires_grad):  # LoRA: the adapters only
             noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64).to(parameter.dtype)
             spread = parameter.detach().double().std().item() if parameter.numel() > 1 else 1.0
             parameter.add_(noise * (scale * (spread if spread > 0 else 1.0)))
@@ -307,6 +325,7 @@ def compare_rl(
     head_chunk: int = 0,
     checkpoint_every: int = 0,
     dfs: DfsSettings | None = None,
+    lora=None,
 ) -> dict:
     """RL objective, tree vs flat: old log-probs, loss, metrics and every gradient (``ds-tree verify --objective``).
 
@@ -316,22 +335,29 @@ def compare_rl(
     ``head_chunk`` and ``checkpoint_every`` (of the trained policy) are the memory modes of
     :func:`ds_tree.models.logprobs.logprobs_at` and :func:`ds_tree.models.loading.load_model`.
     With ``dfs``, every tree is also walked in dfs mode and compared with flat (``dfs_*`` fields).
+    ``lora``: both policies carry the same random adapters (:func:`load_checked_model`), the trained
+    one's adapters alone are perturbed, and the KL reference is the trained policy with its adapters
+    disabled (the base model, as in training).
     """
     from ds_tree.engine.rl_step import RLSettings
     from ds_tree.losses.advantages import check_finite_statistics, estimate
 
     settings = settings or RLSettings()
     torch_dtype = verification_dtype(trajectories, dtype)
-    old_model = load_model(model_source, attention=attention, dtype=torch_dtype, seed=seed)
+    old_model = load_checked_model(model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora)
     check_vocab(trajectories, old_model.config.vocab_size)
-    model = load_model(
-        model_source, attention=attention, dtype=torch_dtype, seed=seed, checkpoint_every=checkpoint_every
+    model = load_checked_model(
+        model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora, checkpoint_every=checkpoint_every
     )
     perturb_parameters(model, perturbation, seed + 1)
     for parameter in old_model.parameters():
         parameter.requires_grad_(False)
     reference = old_model if settings.kl_coef else None
-    computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
+    if lora is not None and settings.kl_coef:
+        from ds_tree.models.lora import AdaptersDisabled
+
+        reference = AdaptersDisabled(model)
+        computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
     check_finite_statistics(trajectories, computed.values)  # rewards overflowing float64: a data error
     advantages = computed.by_trajectory()
 
@@ -375,6 +401,7 @@ def compare_rl(
         "rows_flat": flat.rows,
         "rows_tree": tree.rows,
         "dtype": dtype,
+        "lora_rank": lora.rank if lora is not None else 0,
         "estimator": estimator,
         **({"tempo_coef": tempo_coef} if estimator == "tempo" else {}),
         "aggregation": settings.aggregation,

@@ -73,10 +73,24 @@ def plan_of(config, config_path: str, model_config, world_size: int, memory_gib:
 
     stage, offload_optimizer, offload_param = zero_settings(config.deepspeed)
     shape = ModelShape.of(model_config)
+    trained = None
+    if config.model.lora.enabled:  # frozen base + adapters; gradients and optimizer states: the adapters'
+        from dataclasses import replace
+
+        from ds_tree.models.lora import adapter_parameter_count
+
+        trained = adapter_parameter_count(model_config, config.model.lora)
+        shape = replace(shape, parameters=shape.parameters + trained)
     dtype, budget = config.model.dtype, config.packing.budget
     entropy = config.objective.is_rl  # RL computes each target's entropy for its metric
     states = state_bytes(
-        shape, dtype, stage, world_size, offload_optimizer=offload_optimizer, offload_param=offload_param
+        shape,
+        dtype,
+        stage,
+        world_size,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        trained=trained,
     )
     objective = config.objective
     reference = reference_bytes(
@@ -109,6 +123,7 @@ def plan_of(config, config_path: str, model_config, world_size: int, memory_gib:
         "config": config_path,
         "model": config.model.source,
         "parameters": shape.parameters,
+        "trained_parameters": shape.parameters if trained is None else trained,
         "dtype": dtype,
         "zero_stage": stage,
         "world_size": world_size,
@@ -226,8 +241,10 @@ def format_plan(plan: dict) -> str:
     chosen = plan["config_uses"].replace("_", " ") + (", dfs walk" if dfs is not None else "")
     rows.append((f"predicted peak per rank ({chosen}, as configured)", plan["peak_bytes"]))
     budgets = plan["largest_budget"]
+    frozen = plan["trained_parameters"] != plan["parameters"]
+    trained = f"; {plan['trained_parameters'] / 1e6:.3f} M trained: LoRA adapters" if frozen else ""
     header = (
-        f"{plan['config']}: {plan['parameters'] / 1e9:.3f} B parameters ({plan['model']}), {plan['dtype']}, "
+        f"{plan['config']}: {plan['parameters'] / 1e9:.3f} B parameters ({plan['model']}{trained}), {plan['dtype']}, "
         f"ZeRO-{plan['zero_stage']} over {plan['world_size']} rank(s), offload: {', '.join(offload) or 'none'}\n"
         f"activations: one row of {plan['budget']} tokens, every token a target, head_chunk {plan['head_chunk']}\n"
     )

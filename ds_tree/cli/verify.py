@@ -23,6 +23,10 @@ and reports "gradients_checked": false with the reason; "passed" then covers los
 only, and the exit code follows it. RL objectives, --dfs-chunk and --sequence-parallel need
 gradients and are refused with it.
 
+--lora R puts LoRA adapters of rank R on every linear layer of the decoder (PEFT, as
+model.lora; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
+trained policy's adapters perturbed, the KL reference the model with its adapters disabled).
+
 Only the JSON report goes to stdout (pipe it to jq); logs and library warnings, the spawned
 ranks' included, go to stderr. Exits 1 when the errors exceed the dtype's tolerance, 2 on bad
 input (e.g. a reward missing for the estimator).
@@ -93,6 +97,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--dfs-chunk", type=int, default=0, metavar="C", help="also compare dfs mode, in chunks of at most C tokens"
     )
     parser.add_argument("--dfs-recompute", action="store_true", help="dfs mode: forward every chunk twice")
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R on every linear layer (0: none)"
+    )
     return parser
 
 
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--dfs-chunk and --sequence-parallel check different modes: give one")
     if args.attention == "flex" and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
         parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
+    if args.lora < 0 or (args.lora and args.sequence_parallel > 1):
+        parser.error("--lora must be a rank >= 0, and checks single-process modes (not --sequence-parallel)")
     objective = objective_config(
         parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
     )
@@ -126,6 +135,11 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
     from ds_tree.verification import compare, compare_rl
 
     dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
+    lora = None
+    if args.lora:
+        from ds_tree.config import LoraSettings
+
+        lora = LoraSettings(rank=args.lora)
     try:
         trajectories = load_trajectories(args.data)
         if args.limit is not None:
@@ -149,6 +163,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 policy=args.policy or "exact",
                 router_aux_loss_coef=args.router_aux_loss_coef,
                 dfs=dfs,
+                lora=lora,
                 **common,
             )
         elif args.sequence_parallel > 1:
@@ -174,6 +189,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 settings=objective.rl_settings(),
                 perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
                 dfs=dfs,
+                lora=lora,
                 **common,
             )
     except (DataError, FileNotFoundError, ValueError) as error:

@@ -219,8 +219,11 @@ def resume_tag(directory: Path, policy: str) -> str | None:
     return latest
 
 
-def save(engine, directory: Path, step: int, client_state: dict, record: dict, keep_last: int) -> str:
-    """Save ``step`` from every rank; it becomes complete and ``latest`` once every rank is done."""
+def save(
+    engine, directory: Path, step: int, client_state: dict, record: dict, keep_last: int, exclude_frozen: bool = False
+) -> str:
+    """Save ``step`` from every rank; it becomes complete and ``latest`` once every rank is done.
+    ``exclude_frozen``: the frozen parameters are left out (LoRA: adapters and their optimizer state only)."""
     tag = tag_for(step)
     partial = directory / f"{PARTIAL}{tag}"
     rank = dist.get_rank()
@@ -230,7 +233,13 @@ def save(engine, directory: Path, step: int, client_state: dict, record: dict, k
             shutil.rmtree(leftover, ignore_errors=True)
     dist.barrier()
     try:
-        engine.save_checkpoint(str(directory), tag=partial.name, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(
+            str(directory),
+            tag=partial.name,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen,
+        )
     except (OSError, RuntimeError) as error:
         raise CheckpointError(write_failure(directory, tag, error)) from error
     dist.barrier()

@@ -20,12 +20,29 @@ LOAD_OPTIONS = ("local_files_only", "is_local")
 """How the tokenizer was loaded here, which transformers would save as if they were its settings."""
 
 
-def export_hf(engine, directory: Path, rank: int, tokenizer: str = "") -> None:
+def export_hf(engine, directory: Path, rank: int, tokenizer: str = "", merge: bool = False) -> None:
     """Gather the full weights (ZeRO-3: consolidated on rank 0) and save them as safetensors
-    (:func:`save_hf` on rank 0)."""
+    (:func:`save_hf` on rank 0).
+
+    A LoRA model (:mod:`ds_tree.models.lora`) is saved as a PEFT adapter directory in
+    ``directory.parent / "adapter"`` instead, and with ``merge`` also as the merged model in
+    ``directory``: the plain Hugging Face model with every adapter update added to its weight.
+    """
+    from ds_tree.models.lora import merged_state_dict, peft_model_of, save_adapter
+
     stage = engine.zero_optimization_stage()
     state_dict = engine._zero3_consolidated_16bit_state_dict() if stage == 3 else engine.module.state_dict()
-    if rank == 0:
+    peft = peft_model_of(engine)
+    if rank == 0 and peft is not None:
+        adapter = directory.parent / "adapter"
+        temporary = adapter.with_name(adapter.name + ".partial")
+        shutil.rmtree(temporary, ignore_errors=True)
+        save_adapter(peft, state_dict, temporary)
+        _apply_umask(temporary)
+        replace_directory(temporary, adapter)
+        if merge:
+            save_hf(peft.get_base_model(), merged_state_dict(peft, state_dict), directory, tokenizer)
+    elif rank == 0:
         save_hf(engine.module, state_dict, directory, tokenizer)
     dist.barrier()
 

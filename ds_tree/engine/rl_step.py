@@ -209,8 +209,10 @@ def prepare_rl_rows(
     busiest (the reference model is not sharded).
     """
     run = RunContext(device, head_chunk, dfs)
-    if dfs is not None and dfs.lockstep and settings.old_logprobs != "data" and in_process_group():
-        count = torch.tensor([sum(runner_of(row).forwards(row, run) for row in rows)])
+    # walks of the policy engine: the old log-probs' and a reference's that runs on it (LoRA: adapters off)
+    passes = (settings.old_logprobs != "data") + bool(getattr(reference, "collective", False))
+    if dfs is not None and dfs.lockstep and passes and in_process_group():
+        count = torch.tensor([passes * sum(runner_of(row).forwards(row, run) for row in rows)])
         most = count.clone()
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
         dummy = dummy_call(model, None, device)

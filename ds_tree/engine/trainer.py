@@ -34,7 +34,7 @@ from ds_tree.cli.plan import check_memory
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
-from ds_tree.engine import checkpoint, dfs, run_dir, run_lock
+from ds_tree.engine import checkpoint, dfs, run_dir, run_lock, self_check
 from ds_tree.engine.console import progress_bar
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
@@ -47,6 +47,7 @@ from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import check_model_settings, load_model
 from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.models.ulysses import check_sequence_parallel, enable_sequence_parallel
@@ -55,6 +56,9 @@ from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
 logger = logging.getLogger(__name__)
+
+
+SelfCheckError = self_check.SelfCheckError
 
 
 class NonFiniteError(RuntimeError):
@@ -246,12 +250,16 @@ class Trainer(RLSteps):
             seed=config.model.seed,
             checkpoint_every=config.model.checkpointed_every,
         )
+        if config.model.lora.enabled:  # after the tree attention swap: PEFT wraps the linear layers only
+            model = apply_lora(model, config.model.lora)
         if config.parallel.sequence_parallel_size > 1:
             self.sequence_parallel = enable_sequence_parallel(model, config.parallel.sequence_parallel_size)
         self.build_engine(model)
         check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
         self.reference = None
-        if config.objective.is_rl and config.objective.kl_coef:  # whole, or partitioned under zero_init
+        if config.objective.is_rl and config.objective.kl_coef and config.model.lora.enabled:
+            self.reference = AdaptersDisabled(self.engine)  # the policy with its adapters off: no second model
+        elif config.objective.is_rl and config.objective.kl_coef:  # whole, or partitioned under zero_init
             hf_config = getattr(self, "_hf_deepspeed_config", None)
             self.reference = build_reference(config, self.ds_config, dtype, self.engine.device, hf_config)
         self.resume()
@@ -261,7 +269,7 @@ class Trainer(RLSteps):
 
         optimizer_config = self.config.optimizer
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            trainable_parameters(model),  # the adapters only under model.lora
             lr=optimizer_config.lr,
             betas=optimizer_config.betas,
             eps=optimizer_config.eps,
@@ -291,7 +299,11 @@ class Trainer(RLSteps):
         if self.resume_from is not None:
             checkpoint.verify(self.checkpoint_dir, self.resume_from, self.rank, self.world_size, device)
             with checkpoint.weights_only_loads():
-                _, client_state = self.engine.load_checkpoint(str(self.checkpoint_dir), tag=self.resume_from)
+                _, client_state = self.engine.load_checkpoint(
+                    str(self.checkpoint_dir),
+                    tag=self.resume_from,
+                    load_module_strict=not self.config.model.lora.enabled,  # adapters only: the base is rebuilt
+                )
             self.start_step = int(client_state["step"])
             self.skipped_steps = int(client_state.get("skipped_steps", 0))
             self.untrained_steps = int(client_state.get("untrained_steps", 0))
@@ -308,8 +320,11 @@ class Trainer(RLSteps):
     def step_trajectories(self, step: int) -> list[Trajectory]:
         """The trajectories of ``step``'s groups (every rank computes the same list)."""
         if self.online is not None:  # sampled from the current policy (a collective)
-            return self.online.step_trajectories(step, self.engine.module)
-        return self.sampler.trajectories_for_step(self.groups, step)
+            trajectories = self.online.step_trajectories(step, self.engine.module)
+        else:
+            trajectories = self.sampler.trajectories_for_step(self.groups, step)
+        self.last_trajectories = trajectories  # the self-check's sample is drawn from them
+        return trajectories
 
     def plan_step(self, step: int, rank: int | None = None) -> RankPlan:
         """This rank's items for ``step`` (pure function of the config and the step)."""
@@ -395,6 +410,7 @@ class Trainer(RLSteps):
                 router_scalars["loss/router_aux"] = float(share.item())
             loss, grad_norm = self.apply_update(step + 1, output.loss)
         elapsed = time.perf_counter() - started
+        router_scalars.update(self.run_self_check(step))  # after the timing: the check is not training
         peak = (
             torch.cuda.max_memory_allocated()
             if torch.cuda.is_available()
@@ -419,6 +435,32 @@ class Trainer(RLSteps):
             **rl_scalars,
             **router_scalars,
         }
+
+    def run_self_check(self, step: int) -> dict[str, float]:
+        """``objective.self_check`` on this step's trajectories (:mod:`ds_tree.engine.self_check`): its
+        ``selfcheck/`` scalars, or a :class:`SelfCheckError`; nothing on steps it does not check."""
+        config = self.config
+        if not self_check.is_due(config.objective.self_check, step, self.start_step):
+            return {}
+        if config.parallel.sequence_parallel_size > 1:  # its rows are sharded: the check's are whole
+            if step == self.start_step:
+                logger.warning("objective.self_check does not run with sequence parallelism yet; skipped")
+            return {}
+        budget = config.packing.budget
+        sample = self_check.sample_groups(self.last_trajectories, budget)
+        if not sample:
+            return {}
+        result = self_check.check_sample(
+            self.engine,
+            sample,
+            budget=budget,
+            normalisation=config.objective.normalisation,
+            dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
+            device=self.engine.device,
+        )
+        dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
+        self_check.verdict(result, step + 1, dtype)
+        return result.scalars()
 
     def apply_update(self, step: int, local_loss: float) -> tuple[float, float | None]:
         """The optimizer update after a full accumulation: (global loss, gradient norm), or an error.
@@ -524,13 +566,21 @@ class Trainer(RLSteps):
     def save(self, step: int) -> None:
         client_state = {"step": step, "skipped_steps": self.skipped_steps, "untrained_steps": self.untrained_steps}
         record = {"world_size": self.world_size, "config": config_to_dict(self.config)}
-        checkpoint.save(self.engine, self.checkpoint_dir, step, client_state, record, self.config.checkpoint.keep_last)
+        checkpoint.save(
+            self.engine,
+            self.checkpoint_dir,
+            step,
+            client_state,
+            record,
+            self.config.checkpoint.keep_last,
+            exclude_frozen=self.config.model.lora.enabled,
+        )
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""
         from ds_tree.engine.export import export_hf
 
-        export_hf(self.engine, directory, self.rank, self.config.model.tokenizer)
+        export_hf(self.engine, directory, self.rank, self.config.model.tokenizer, merge=self.config.checkpoint.merge)
         logger.info("exported Hugging Face model to %s", directory)
 
     def close(self) -> None:
