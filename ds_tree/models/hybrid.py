@@ -54,6 +54,40 @@ def is_hybrid(config) -> bool:
     )
 
 
+def check_hybrid_settings(config, model_config) -> None:
+    """Refuse, before anything is built, what the recurrent layers cannot do yet (a ``ConfigError``
+    naming the field): the dfs walk and sequence-parallel shards would each need the recurrent and
+    conv states handed from chunk to chunk / rank to rank, which is not built (a chunk or shard
+    would start from a zero state: wrong gradients); online RL samples with a KV cache that is
+    forked at branch points, and a recurrent state is not forked yet."""
+    from ds_tree.config import ConfigError
+
+    if not is_hybrid(model_config):
+        return
+    kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
+    what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
+    packing, parallel = config.packing, config.parallel
+    if packing.mode == "dfs" or packing.over_budget == "dfs":
+        field = "packing.mode: dfs" if packing.mode == "dfs" else "packing.over_budget: dfs"
+        raise ConfigError(
+            f"{field}: {what}; the dfs walk forwards a tree chunk by chunk and would have to hand each "
+            "chunk's recurrent and convolution state to the next, which is not built. Use packing.mode: tree "
+            "(split trees carry their ancestor path, which supplies the states)"
+        )
+    if parallel.sequence_parallel_size > 1 or packing.over_budget == "sequence_parallel":
+        raise ConfigError(
+            f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard's "
+            "recurrent state would be the previous shard's final state, a sequential hand-off across the "
+            "sequence-parallel group that is not built. Use parallel.sequence_parallel_size: 1 and a "
+            "packing.budget that holds the longest trajectory"
+        )
+    if config.rollout.enabled:
+        raise ConfigError(
+            f"rollout.enabled: {what}; the tree sampler forks the KV cache at branch points and cannot fork "
+            "a recurrent state yet. Sample offline with another model, or train offline (rollout.enabled: false)"
+        )
+
+
 # ----------------------------------------------------------------------------------- shared steps
 def tree_conv(conv: torch.nn.Conv1d, inputs: torch.Tensor, nodes: TreeNodes, activation: str) -> torch.Tensor:
     """Depthwise causal convolution of ``inputs`` ``[1, N, C]`` along root paths, then ``activation``.
@@ -104,19 +138,30 @@ def scan_levels(
     return torch.cat(pieces)[torch.as_tensor(inverse, device=pieces[0].device)]
 
 
-def _tree_inputs(kwargs: dict, cache) -> TreeNodes | None:
+def _tree_inputs(hidden_states: torch.Tensor, kwargs: dict, cache) -> TreeNodes | None:
+    """The row's nodes; None for a plain sequence (no ``kv_end``: the stock forward is right)."""
+    if "path_cache" in kwargs:
+        raise ValueError(
+            "dfs mode (packing.mode: dfs, verify --dfs-chunk) walks a tree in chunks, and a recurrent layer "
+            "would start each chunk from a zero state: not supported for hybrid models (use tree mode)"
+        )
     kv_end = kwargs.get("kv_end")
     if kv_end is None:
         return None
     if cache is not None:
         raise ValueError("a recurrent layer on a packed tree runs without a cache (use_cache=False)")
+    if hidden_states.shape[:2] != kv_end.shape:
+        raise ValueError(
+            f"a recurrent layer got {tuple(hidden_states.shape[:2])} tokens and kv_end {tuple(kv_end.shape)}: "
+            "it runs on whole packed rows (sequence-parallel shards are not supported for hybrid models)"
+        )
     return tree_nodes(kv_end)
 
 
 # ------------------------------------------------------------------------------- Gated DeltaNet
 def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """``Qwen3_5GatedDeltaNet.forward`` over the tree of ``kwargs['kv_end']`` (module docstring)."""
-    nodes = _tree_inputs(kwargs, cache)
+    nodes = _tree_inputs(hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     batch, length, _ = hidden_states.shape
@@ -142,7 +187,7 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
 # ------------------------------------------------------------------------------------------ Mamba2
 def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """``BambaMixer.forward`` (its torch path) over the tree of ``kwargs['kv_end']`` (module docstring)."""
-    nodes = _tree_inputs(kwargs, cache)
+    nodes = _tree_inputs(hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     batch, length, _ = hidden_states.shape
