@@ -41,7 +41,22 @@ from tests.test_reliability import dry_run
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_5 = str(ROOT / "configs/models/tiny_qwen3_5.json")
 BAMBA = str(ROOT / "configs/models/tiny_bamba.json")
-HYBRIDS = {"qwen3_5": QWEN3_5, "bamba": BAMBA}
+SMALLER = {  # the configs/models entries cut to one recurrent and one attention layer, hidden size 32
+    "qwen3_5": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
+                    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8),
+    "bamba": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, attn_layer_indices=[1], mamba_d_head=16,
+                  mamba_d_state=8, mamba_chunk_size=16),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("hybrid_models")
+    paths = {}
+    for name, source in (("qwen3_5", QWEN3_5), ("bamba", BAMBA)):
+        paths[name] = str(directory / f"{name}.json")
+        Path(paths[name]).write_text(json.dumps({**json.loads(Path(source).read_text()), **SMALLER[name]}))
+    return paths
 
 
 # ------------------------------------------------------------------------------------ tree nodes
@@ -149,12 +164,12 @@ def forest_file(tmp_path_factory) -> str:
     return str(write_jsonl(tmp_path_factory.mktemp("hybrid") / "forest.jsonl", _forest_records(4)))
 
 
-@pytest.mark.parametrize("name", list(HYBRIDS))
+@pytest.mark.parametrize("name", list(SMALLER))
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
-def test_verify_float64_on_random_forests(name, objective, forest_file, capsys):
+def test_verify_float64_on_random_forests(name, objective, forest_file, hybrids, capsys):
     lengths = [len(record["input_ids"]) for record in map(json.loads, Path(forest_file).read_text().splitlines())]
     budget = max(lengths) + 40  # trees split into parts that carry their ancestor paths
-    argv = ["--data", forest_file, "--model", HYBRIDS[name], "--dtype", "float64", "--budget", str(budget)]
+    argv = ["--data", forest_file, "--model", hybrids[name], "--dtype", "float64", "--budget", str(budget)]
     if objective == "grpo":
         argv += ["--objective", "grpo", "--estimator", "grpo"]
     code = verify_main(argv)
@@ -164,12 +179,12 @@ def test_verify_float64_on_random_forests(name, objective, forest_file, capsys):
     assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10
 
 
-@pytest.mark.parametrize("name", list(HYBRIDS))
-def test_float32_tree_equals_flat_and_the_stock_model_per_trajectory(name):
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_float32_tree_equals_flat_and_the_stock_model_per_trajectory(name, hybrids):
     forest = random_forest(
         random.Random(1), TreeShape(trees=2, depth=3, children=(1, 3), node_tokens=(1, 40), alphabet=(3, 1023))
     )
-    model = load_model(HYBRIDS[name], attention="torch", dtype=torch.float32, seed=3)
+    model = load_model(hybrids[name], attention="torch", dtype=torch.float32, seed=3)
     flat = run_mode(model, forest, "flat", 4096, 1, "token_mean", "exact")
     tree = run_mode(model, forest, "tree", 4096, 1, "token_mean", "exact")
     assert abs(tree.loss - flat.loss) <= 1e-5 * abs(flat.loss)
@@ -177,7 +192,7 @@ def test_float32_tree_equals_flat_and_the_stock_model_per_trajectory(name):
     for trajectory in forest:
         np.testing.assert_allclose(tree.logprobs[id(trajectory)], flat.logprobs[id(trajectory)], rtol=0, atol=1e-5)
     # transformers' own model, eager attention and its stock recurrent layers, one trajectory at a time
-    stock = AutoModelForCausalLM.from_config(load_config(HYBRIDS[name]), attn_implementation="eager")
+    stock = AutoModelForCausalLM.from_config(load_config(hybrids[name]), attn_implementation="eager")
     stock.load_state_dict(model.state_dict())
     stock.eval()
     for trajectory in forest[:4]:
@@ -189,11 +204,11 @@ def test_float32_tree_equals_flat_and_the_stock_model_per_trajectory(name):
 
 
 # --------------------------------------------------------------------------- leaks and refusals
-@pytest.mark.parametrize("name", list(HYBRIDS))
-def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name):
-    check_branch_isolation(load_model(HYBRIDS[name], attention="torch", dtype=torch.float32))
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids):
+    check_branch_isolation(load_model(hybrids[name], attention="torch", dtype=torch.float32))
     register_tree_attention()
-    config = load_config(HYBRIDS[name])
+    config = load_config(hybrids[name])
     stock = AutoModelForCausalLM.from_config(config, attn_implementation=implementation_name("torch"))
     with pytest.raises(UnsupportedModelError, match="lets the tokens of one tree branch change"):
         check_branch_isolation(stock)
