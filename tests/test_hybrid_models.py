@@ -263,3 +263,9 @@ def test_two_ranks_zero3_with_activation_checkpointing_match_single_process_flat
     # error is round-off over almost nothing (measured 3e-2 at 2e-9 absolute); for the same reason
     # AdamW's normalised update of those entries is not compared.
     assert report["max_floored_grad_err"] < 1e-5, report
+
+
+def test_verify_refuses_dfs_and_sequence_parallel_for_hybrids(forest_file, capsys):
+    for extra in (["--dfs-chunk", "64"], ["--sequence-parallel", "2"]):
+        assert verify_main(["--data", forest_file, "--model", QWEN3_5, *extra]) == 2
+        assert "recurrent state handed between chunks or shards" in capsys.readouterr().err
