@@ -44,7 +44,7 @@ from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
-from ds_tree.models.hybrid import check_hybrid_settings
+from ds_tree.models.hybrid_settings import check_hybrid_settings
 from ds_tree.models.loading import check_model_settings, load_model
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.moe import RouterAuxLoss
