@@ -63,6 +63,19 @@ MODELS = {
     ),
     "gemma3": dict(model_type="gemma3_text", sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
     "phi3": dict(model_type="phi3"),
+    # Hybrids (ds_tree/models/hybrid.py): recurrent layers run per tree node, from the parent's state.
+    "qwen3_5": dict(
+        model_type="qwen3_5_text",
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+    "bamba": dict(
+        model_type="bamba", attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=4,
+    ),
 }
 
 

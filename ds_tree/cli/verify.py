@@ -130,6 +130,8 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
     """The exit code and the report (``None`` after bad input, reported on stderr)."""
     from ds_tree.data import load_trajectories
     from ds_tree.engine.dfs import DfsSettings
+    from ds_tree.models.hybrid import is_hybrid
+    from ds_tree.models.loading import load_config
     from ds_tree.sequence_parallel_check import sequence_parallel_report
     from ds_tree.sequence_parallel_rl_check import sequence_parallel_rl_report
     from ds_tree.verification import compare, compare_rl
@@ -145,6 +147,11 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
         if args.limit is not None:
             trajectories = trajectories[: args.limit]
         common = dict(dtype=args.dtype, seed=args.seed, budget=args.budget, block=args.block, attention=args.attention)
+        if (dfs or args.sequence_parallel > 1) and is_hybrid(load_config(args.model)):
+            raise ValueError(
+                f"{args.model}: a hybrid model's recurrent layers run on whole packed rows only: --dfs-chunk and "
+                "--sequence-parallel would need the recurrent state handed between chunks or shards (not built)"
+            )
         if objective is None and args.sequence_parallel > 1:
             report = sequence_parallel_report(
                 trajectories,

@@ -45,6 +45,7 @@ from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
+from ds_tree.models.hybrid_settings import check_hybrid_settings
 from ds_tree.models.loading import check_model_settings, load_model
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
@@ -130,6 +131,7 @@ class Trainer(RLSteps):
         self.model_config = load_model_config(config.model.source)
         check_layer_types(self.model_config)
         check_model_settings(config)  # attention engine, objective.reference
+        check_hybrid_settings(config, self.model_config)  # recurrent layers: no dfs, SP or online yet
         check_sequence_parallel(config, self.world_size, self.model_config)
         if config.objective.is_rl and config.model.router_aux_loss_coef:
             raise ConfigError(

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
+from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
 
@@ -155,6 +156,7 @@ def load_model(
         if not is_deepspeed_zero3_enabled():
             model.to(dtype)
     check_router_noise(model)
+    install_tree_mixers(model, dtype)
     if dtype == torch.float64:
         keep_norms_in_float64(model)
         use_float64_routing(model)
@@ -196,8 +198,8 @@ def _gemma_rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states * torch.rsqrt(variance + self.eps) * (1.0 + self.weight)
 
 
-# Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps``.
-GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+# Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps`` (Qwen3.5's too).
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 def keep_norms_in_float64(model: torch.nn.Module) -> int:

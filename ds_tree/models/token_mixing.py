@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, RECURRENT_LAYER_TYPES
+
 # Layer kinds whose token mixing is the attention interface's, or that act on each token alone.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "mlp", "moe")
 LEAK_THRESHOLD = 1e-3
@@ -47,9 +49,14 @@ class UnsupportedModelError(ValueError):
 def check_layer_types(config) -> None:
     """Refuse a config whose ``layer_types`` name a layer kind outside :data:`SUPPORTED_LAYER_TYPES`."""
     layer_types = getattr(config, "layer_types", None) or []
+    # The recurrent mixers of these hybrids run per tree node (ds_tree.models.hybrid); the same
+    # layer kind in any other model type is a mixer that has no tree forward here.
+    supported = SUPPORTED_LAYER_TYPES
+    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+        supported = SUPPORTED_LAYER_TYPES + RECURRENT_LAYER_TYPES
     unsupported: dict[str, list[int]] = {}
     for index, kind in enumerate(layer_types):
-        if kind not in SUPPORTED_LAYER_TYPES:
+        if kind not in supported:
             unsupported.setdefault(str(kind), []).append(index)
     if unsupported:
         listed = "; ".join(f"{kind} (layers {', '.join(map(str, layers))})" for kind, layers in unsupported.items())
@@ -57,7 +64,8 @@ def check_layer_types(config) -> None:
             f"{type(config).__name__} ({config.model_type}): layer_types has {listed}. Tree training is exact only "
             f"for layers that mix tokens through transformers' attention interface with causal (or sliding-window) "
             f"attention (supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}); state-space, linear-attention "
-            "and convolution layers would train with wrong gradients"
+            "and convolution layers would train with wrong gradients (the recurrent layers of "
+            f"{', '.join(sorted(HYBRID_MODEL_TYPES))} run on trees: docs/MODELS.md, 'Hybrid models')"
         )
 
 

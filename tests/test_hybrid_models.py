@@ -1,0 +1,271 @@
+"""Hybrid models on trees (docs/MODELS.md, "Hybrid models"): Gated DeltaNet (Qwen3.5) and Mamba2 (Bamba).
+
+- the node structure a recurrent layer reads from ``kv_end``: predecessors, forks, levels, and the
+  conv window of a node shorter than the window (its grandparent's tokens);
+- the chunked scans against a plain float64 token-by-token recurrence (initial states included) and
+  against transformers' own float32 fallbacks;
+- ``ds-tree verify`` in float64 on random forests (nodes up to 120 tokens, depth 4), SFT and GRPO,
+  trees whole and split into parts: <= 1e-10; float32 within float32 round-off;
+- the stock layers run along the packed row leak between branches (the probe refuses them), the
+  tree forward does not; dfs, sequence parallelism and online RL are refused at config time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ds_tree.attention import implementation_name, register_tree_attention
+from ds_tree.cli.verify import main as verify_main
+from ds_tree.data.jsonl import write_jsonl
+from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2
+from ds_tree.models.loading import load_config, load_model
+from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation
+from ds_tree.models.tree_nodes import build_nodes
+from ds_tree.packing.parts import whole_tree
+from ds_tree.packing.rows import assemble_row
+from ds_tree.trees.random_trees import TreeShape, random_forest
+from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.trie import build_forest
+from ds_tree.verification import gradient_errors, run_mode
+from tests.test_engine import write_config, write_forest
+from tests.test_reliability import dry_run
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3_5 = str(ROOT / "configs/models/tiny_qwen3_5.json")
+BAMBA = str(ROOT / "configs/models/tiny_bamba.json")
+SMALLER = {  # the configs/models entries cut to one recurrent and one attention layer, hidden size 32
+    "qwen3_5": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
+                    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8),
+    "bamba": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, attn_layer_indices=[1], mamba_d_head=16,
+                  mamba_d_state=8, mamba_chunk_size=16),
+}
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory) -> dict[str, str]:
+    directory = tmp_path_factory.mktemp("hybrid_models")
+    paths = {}
+    for name, source in (("qwen3_5", QWEN3_5), ("bamba", BAMBA)):
+        paths[name] = str(directory / f"{name}.json")
+        Path(paths[name]).write_text(json.dumps({**json.loads(Path(source).read_text()), **SMALLER[name]}))
+    return paths
+
+
+# ------------------------------------------------------------------------------------ tree nodes
+def test_nodes_from_kv_end_follow_paths_through_short_nodes():
+    # Root R (2 tokens, shorter than a conv window of 3) forks into A (1 token) and D (3 tokens);
+    # A forks into B (2) and C (2). DFS order: R R A B B C C D D D, then 2 padding tokens.
+    trajectories = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11], [5, 6, 12, 13, 14]]
+    tree = build_forest([Trajectory(np.array(t), np.ones(len(t)), group_id="g") for t in trajectories])[0]
+    row = assemble_row([whole_tree(tree)], block=12)
+    assert row.input_ids.tolist() == [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 0, 0]
+    nodes = build_nodes(row.kv_end)
+    assert nodes.predecessor.tolist() == [-1, 0, 1, 2, 3, 2, 5, 1, 7, 8, -1, -1]
+    assert nodes.start.tolist() == [0, 2, 3, 5, 7, 10, 11]  # R, A, B, C, D, pad, pad
+    assert nodes.parent.tolist() == [-1, 0, 1, 1, 0, -1, -1]
+    assert nodes.level.tolist() == [0, 1, 2, 2, 1, 0, 0]
+    # B's window: A's token, then R's two (A is shorter than the window); C's the same, not B's.
+    assert nodes.history(3).tolist() == [[-1, -1, -1], [-1, 0, 1], [0, 1, 2], [0, 1, 2], [-1, 0, 1], [-1] * 3, [-1] * 3]
+    levels = nodes.levels(chunk=4)
+    assert [sorted(n for g in groups for n in g.nodes) for groups in levels] == [[0, 5, 6], [1, 4], [2, 3]]
+
+
+# ------------------------------------------------------------------------------------------ scans
+def _gated_delta_recurrence(q, k, v, g, beta, state):
+    """The gated delta rule token by token, float64, q/k L2-normalised, q scaled by 1/sqrt(d_k)."""
+    q = q.repeat_interleave(v.shape[2] // q.shape[2], 2)
+    k = k.repeat_interleave(v.shape[2] // k.shape[2], 2)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        error = v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        state = state + torch.einsum("bhk,bhv->bhkv", k[:, t], error * beta[:, t, :, None])
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outputs, 1), state
+
+
+def _mamba2_recurrence(x, dt, A, B, C, D, state):
+    B = B.repeat_interleave(x.shape[2] // B.shape[2], 2)
+    C = C.repeat_interleave(x.shape[2] // C.shape[2], 2)
+    outputs = []
+    for t in range(x.shape[1]):
+        state = state * (dt[:, t] * A).exp()[..., None, None] + torch.einsum(
+            "bh,bhp,bhn->bhpn", dt[:, t], x[:, t], B[:, t]
+        )
+        outputs.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]) + D[:, None] * x[:, t])
+    return torch.stack(outputs, 1), state
+
+
+def test_scans_equal_the_recurrences_in_float64_and_the_stock_fallbacks_in_float32():
+    generator = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    batch, length = 3, 21  # not a multiple of the chunk
+    q, k, v = randn(batch, length, 2, 8), randn(batch, length, 2, 8), randn(batch, length, 4, 6)
+    g = -torch.rand(batch, length, 4, generator=generator, dtype=torch.float64)
+    beta = torch.rand(batch, length, 4, generator=generator, dtype=torch.float64)
+    state = randn(batch, 4, 8, 6)
+    out, final = chunk_gated_delta_rule(q, k, v, g, beta, state, chunk=8)
+    expected, expected_final = _gated_delta_recurrence(q, k, v, g, beta, state)
+    assert (out - expected).abs().max() < 1e-12 and (final - expected_final).abs().max() < 1e-12
+    stock = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5").torch_chunk_gated_delta_rule
+    inputs32 = [t.float() for t in (q, k, v, g, beta)]
+    ref, ref_final = stock.__wrapped__(
+        *inputs32, chunk_size=8, initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    out, final = chunk_gated_delta_rule(*inputs32, state.float(), chunk=8)
+    assert (out - ref).abs().max() < 1e-5 and (final - ref_final).abs().max() < 1e-5
+
+    x, B, C = randn(batch, length, 4, 5), randn(batch, length, 2, 3), randn(batch, length, 2, 3)
+    dt = torch.rand(batch, length, 4, generator=generator, dtype=torch.float64)
+    A, D, state = -2 * torch.rand(4, generator=generator, dtype=torch.float64), randn(4), randn(batch, 4, 5, 3)
+    y, final = chunk_mamba2(x, dt, A, B, C, D, state, chunk=8)
+    expected, expected_final = _mamba2_recurrence(x, dt, A, B, C, D, state)
+    assert (y - expected).abs().max() < 1e-12 and (final - expected_final).abs().max() < 1e-12
+    stock = importlib.import_module("transformers.models.bamba.modeling_bamba").mamba2_chunk_scan
+    inputs32 = [t.float() for t in (x, dt, A, B, C)]
+    ref, ref_final = stock.__wrapped__(
+        *inputs32, chunk_size=8, D=D.float(), initial_states=state.float(), return_final_states=True
+    )
+    y, final = chunk_mamba2(*inputs32, D.float(), state.float(), chunk=8)
+    assert (y - ref).abs().max() < 1e-5 and (final - ref_final).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------------------- verify, float64
+def _forest_records(seed: int) -> list[dict]:
+    """Random forests with nodes of 1..120 tokens, depth 4, two groups, rewards of both signs."""
+    rng = random.Random(seed)
+    records = []
+    for group in range(2):
+        shape = TreeShape(trees=1, depth=4, children=(1, 2), node_tokens=(1, 120), alphabet=(3, 1023))
+        for index, trajectory in enumerate(random_forest(rng, shape, group_id=f"g{group}")):
+            ids = trajectory.input_ids.tolist()
+            records.append(
+                {"group_id": f"g{group}", "input_ids": ids, "loss_mask": [0] * 3 + [1] * (len(ids) - 3),
+                 "reward": float(index % 3) - 0.7}
+            )
+    return records
+
+
+@pytest.fixture(scope="module")
+def forest_file(tmp_path_factory) -> str:
+    return str(write_jsonl(tmp_path_factory.mktemp("hybrid") / "forest.jsonl", _forest_records(4)))
+
+
+@pytest.mark.parametrize("name", list(SMALLER))
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_verify_float64_on_random_forests(name, objective, forest_file, hybrids, capsys):
+    lengths = [len(record["input_ids"]) for record in map(json.loads, Path(forest_file).read_text().splitlines())]
+    budget = max(lengths) + 40  # trees split into parts that carry their ancestor paths
+    argv = ["--data", forest_file, "--model", hybrids[name], "--dtype", "float64", "--budget", str(budget)]
+    if objective == "grpo":
+        argv += ["--objective", "grpo", "--estimator", "grpo"]
+    code = verify_main(argv)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"], report
+    assert report["rows_tree"] > 1  # split parts, each from its own ancestor path
+    assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10
+
+
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_float32_tree_equals_flat_and_the_stock_model_per_trajectory(name, hybrids):
+    forest = random_forest(
+        random.Random(1), TreeShape(trees=2, depth=3, children=(1, 3), node_tokens=(1, 40), alphabet=(3, 1023))
+    )
+    model = load_model(hybrids[name], attention="torch", dtype=torch.float32, seed=3)
+    flat = run_mode(model, forest, "flat", 4096, 1, "token_mean", "exact")
+    tree = run_mode(model, forest, "tree", 4096, 1, "token_mean", "exact")
+    assert abs(tree.loss - flat.loss) <= 1e-5 * abs(flat.loss)
+    assert max(gradient_errors(flat.gradients, tree.gradients).values()) <= 1e-5
+    for trajectory in forest:
+        np.testing.assert_allclose(tree.logprobs[id(trajectory)], flat.logprobs[id(trajectory)], rtol=0, atol=1e-5)
+    # transformers' own model, eager attention and its stock recurrent layers, one trajectory at a time
+    stock = AutoModelForCausalLM.from_config(load_config(hybrids[name]), attn_implementation="eager")
+    stock.load_state_dict(model.state_dict())
+    stock.eval()
+    for trajectory in forest[:4]:
+        ids = torch.as_tensor(trajectory.input_ids)[None]
+        with torch.no_grad():
+            logits = stock(input_ids=ids, use_cache=False).logits[0, :-1].double()
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
+        np.testing.assert_allclose(tree.logprobs[id(trajectory)], expected, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- leaks and refusals
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids):
+    check_branch_isolation(load_model(hybrids[name], attention="torch", dtype=torch.float32))
+    register_tree_attention()
+    config = load_config(hybrids[name])
+    stock = AutoModelForCausalLM.from_config(config, attn_implementation=implementation_name("torch"))
+    with pytest.raises(UnsupportedModelError, match="lets the tokens of one tree branch change"):
+        check_branch_isolation(stock)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("packing.mode=dfs", "packing.mode: dfs: qwen3_5_text is a hybrid model"),
+        ("parallel.sequence_parallel_size=2", "sequence-parallel group that is not built"),
+    ],
+)
+def test_dry_run_refuses_dfs_and_sequence_parallel_for_hybrids(monkeypatch, capsys, tmp_path, override, message):
+    config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", override)
+    assert code == 2 and message in err, err
+
+
+def test_refusals_keep_other_recurrent_models_out(tmp_path):
+    source = tmp_path / "falcon_h1.json"
+    source.write_text(json.dumps({"model_type": "falcon_h1", "vocab_size": 128, "hidden_size": 32,
+                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    with pytest.raises(UnsupportedModelError):
+        load_model(source, attention="torch", dtype="float32")
+
+
+# ------------------------------------------------------------------------- ZeRO-3, 2 ranks
+@pytest.mark.distributed
+def test_two_ranks_zero3_with_activation_checkpointing_match_single_process_flat(tmp_path):
+    """One training step of the hybrid on 2 ranks under ZeRO-3 (the mixers' conv1d, norms and
+    projections gathered by their module hooks), every decoder layer recomputed in the backward
+    (the recomputation rebuilds the same nodes and states): the gradients equal the single-process
+    flat step's."""
+    from tests.test_engine import torchrun, write_accumulating_ds_config
+
+    data = write_forest(tmp_path / "forest.jsonl")
+    ds_path = write_accumulating_ds_config(tmp_path / "ds.json", 3)
+    config = write_config(
+        tmp_path,
+        data,
+        deepspeed=str(ds_path),
+        model={"source": QWEN3_5, "activation_checkpointing": True},
+        packing={"budget": 200},
+    )
+    out = tmp_path / "report.json"
+    torchrun("tests/distributed/grad_check.py", "--config", str(config), "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["zero_stage"] == 3 and report["world_size"] == 2
+    assert report["min_micro_batches_per_rank"] >= 2
+    # float32 round-off, measured as verify does: the decay parameters' (A_log, dt_bias) gradients
+    # are ~1e-7 of the total at random init (most heads forget within a token), so their own relative
+    # error is round-off over almost nothing (measured 3e-2 at 2e-9 absolute); for the same reason
+    # AdamW's normalised update of those entries is not compared.
+    assert report["max_floored_grad_err"] < 1e-5, report
+
+
+def test_verify_refuses_dfs_and_sequence_parallel_for_hybrids(forest_file, capsys):
+    for extra in (["--dfs-chunk", "64"], ["--sequence-parallel", "2"]):
+        assert verify_main(["--data", forest_file, "--model", QWEN3_5, *extra]) == 2
+        assert "recurrent state handed between chunks or shards" in capsys.readouterr().err
