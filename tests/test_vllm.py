@@ -47,6 +47,12 @@ UNAVAILABLE = vllm_available()
 needs_vllm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"vLLM is not installed: {UNAVAILABLE}")
 
 
+def test_ci_installs_vllm() -> None:
+    """CI runs the vLLM tests (.ci/run installs .venv-vllm): there a missing install is a failure, not a skip."""
+    if os.environ.get("CI") == "true":
+        assert UNAVAILABLE is None, UNAVAILABLE
+
+
 def tiny_model(seed: int = 0):
     from ds_tree.models.loading import load_model
 
@@ -195,6 +201,30 @@ def test_weight_sync_moves_the_server_to_the_new_policy(served) -> None:
         bigger.check_model([0.0] * 31, probe_ids(4096), 1e-3)
 
 
+@needs_vllm
+def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(served, tmp_path, tokenizer_dir, capsys):
+    from ds_tree.cli.sample import main as sample_main
+    from ds_tree.data.explicit import trajectories_from_explicit_tree
+    from ds_tree.engine.rl_step import check_shared_logprobs
+
+    engine, _ = served
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"group_id": "g", "prompt_ids": list(range(50, 70))}) + "\n")
+    output = tmp_path / "trees.jsonl"
+    arguments = ["--model", str(MODEL), "--tokenizer", str(tokenizer_dir), "--prompts", str(prompts)]
+    arguments += ["--output", str(output), "--engine", "vllm", "--vllm-url", engine.client.url]
+    arguments += "--width 4 --max-depth 2 --segment-length 3 --max-new-tokens 6".split()
+    assert sample_main(arguments) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["trajectories"] == 4 and summary["sampled_tokens"] < summary["flat_sampled_tokens"]
+    (record,) = [json.loads(line) for line in output.read_text().splitlines()]
+    trajectories = trajectories_from_explicit_tree(record, "line 1")
+    (tree,) = build_forest(trajectories)
+    check_shared_logprobs(tree)  # shared segments carry one engine log-prob: trainable with old_logprobs=data
+    reference = forward_logprobs(tiny_model(), trajectories[0].input_ids)[19:]
+    np.testing.assert_allclose(trajectories[0].logprobs[20:], reference, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
 # ------------------------------------------------------------------------------ failures
 class _Answer(http.server.BaseHTTPRequestHandler):
     body = b""
@@ -287,13 +317,18 @@ def test_two_rank_zero3_grpo_on_vllm_trains_and_syncs_every_step(served, tmp_pat
         tmp_path,
         tokenizer_dir,
         max_steps=3,
-        model={"source": str(MODEL), "seed": 3},
+        model={"source": str(MODEL), "seed": 3, "tokenizer": str(tokenizer_dir)},
         rollout={"engine": "vllm", "vllm": {"url": engine.client.url, "timeout_s": 60}},
         objective={"kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "old_logprobs": "recompute"},
         optimizer={"lr": 2e-2, "schedule": "constant"},
     )
     process = launch_training(config)
-    output, _ = process.communicate(timeout=400)
+    try:
+        output, _ = process.communicate(timeout=540)
+    finally:
+        if process.poll() is None:  # its own session: no rank is left behind
+            os.killpg(process.pid, 9)
+            process.wait()
     assert process.returncode == 0, output[-6000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
     assert [r["step"] for r in records] == [1, 2, 3]

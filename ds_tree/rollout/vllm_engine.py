@@ -496,6 +496,30 @@ def sync_engine(engine: VLLMEngine | None, config, model_config, tokenizer, poli
     return engine
 
 
+def open_engine(model: torch.nn.Module, tokenizer, url: str, directory: str | Path, **server) -> VLLMEngine:
+    """A vLLM engine holding ``model``'s weights outside a training run (``ds-tree sample --engine vllm``):
+    ``url``'s server with the weights loaded into it, or a managed server started from ``directory``
+    (written there); probed against ``model`` either way. ``close()`` stops a managed server."""
+    directory = Path(directory)
+    state = {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()}
+    managed = None
+    if url:
+        engine = VLLMEngine(VLLMClient(url), vocab_size=model.config.vocab_size, snapshot_dir=directory)
+        engine.load_state(state)
+    else:
+        write_model_dir(directory / "model", model, tokenizer)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        managed = VLLMServer(directory / "model", log_path=directory / "server.log", dtype=dtype, **server)
+        engine = VLLMEngine(VLLMClient(managed.start(), server=managed), vocab_size=model.config.vocab_size)
+    try:
+        ids = probe_ids(model.config.vocab_size)
+        engine.check_model(reference_logprobs(model.config, state, ids), ids, 1e-3)
+    except EngineError:
+        engine.close()
+        raise
+    return engine
+
+
 def write_model_dir(directory: str | Path, model: torch.nn.Module, tokenizer) -> Path:
     """``model``'s config, weights and ``tokenizer`` as a directory a managed server starts from."""
     directory = Path(directory)
