@@ -344,7 +344,7 @@ def test_two_rank_zero3_grpo_on_vllm_trains_and_syncs_every_step(served, tmp_pat
     from safetensors.torch import load_file
 
     state = load_file(str(snapshot))
-    initial = dict(tiny_model(seed=3).named_parameters())
+    initial = {name: p.detach() for name, p in tiny_model(seed=3).named_parameters()}
     assert max(float((state[name] - p).abs().max()) for name, p in initial.items()) > 0  # the trained policy
     ids = probe_ids(1024)
     served_now = engine.prompt_logprobs(ids)

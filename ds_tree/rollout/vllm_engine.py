@@ -450,9 +450,7 @@ def start_engine(config, model_config, tokenizer, policy: torch.nn.Module) -> VL
                 from safetensors.torch import save_file
 
                 directory.mkdir(parents=True, exist_ok=True)
-                model_config.architectures = model_config.architectures or [
-                    f"{model_config.model_type.capitalize()}ForCausalLM"
-                ]
+                model_config.architectures = model_config.architectures or [type(policy).__name__]
                 model_config.save_pretrained(directory)
                 tokenizer.save_pretrained(directory)
                 save_file(state, str(directory / "model.safetensors"))
