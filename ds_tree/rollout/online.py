@@ -22,7 +22,7 @@ One step (``rollout.enabled``; docs/RL.md, *Online RL*):
 With ``rollout.engine: vllm`` step 2 is a weight sync to a vLLM server instead (rank 0 writes a
 snapshot, the server reloads it; :mod:`ds_tree.rollout.vllm_engine`) and step 3 sends each slot's
 segments to the server (:func:`ds_tree.rollout.engines.sample_tree_by_segments`), seeded from the same
-generator. Every trajectory records the ``policy_version`` (optimizer steps taken) that sampled it.
+generator. Every trajectory records the ``policy_version`` (training steps taken) that sampled it.
 
 The trajectories then go through the RL step exactly as offline rollouts do (advantages, old
 log-probs, updates). :func:`rollout_scalars` gives the ``rollout/`` metrics.
