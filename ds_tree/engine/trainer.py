@@ -593,6 +593,8 @@ class Trainer(RLSteps):
         """
         if self.metrics is not None:
             self.metrics.close()
+        if self.online is not None:  # a managed vLLM server stops with the run
+            self.online.close()
         run_lock.release(self.output_dir)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

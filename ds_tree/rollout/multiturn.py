@@ -516,6 +516,11 @@ def check_env_config(config) -> None:
         load_environment_class(rollout.env.path)
     except ValueError as error:
         raise ConfigError(f"rollout.env.path {error}") from None
+    if getattr(rollout, "engine", "hf") != "hf":
+        raise ConfigError(
+            f"rollout.engine {rollout.engine!r} does not drive multi-turn episodes yet (rollout.env.path); "
+            "set rollout.engine: hf"
+        )
     if rollout.reward:
         raise ConfigError(
             "rollout.reward is not used with rollout.env.path (the environment gives the rewards); remove it"

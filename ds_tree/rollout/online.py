@@ -19,6 +19,11 @@ One step (``rollout.enabled``; docs/RL.md, *Online RL*):
    rank the same trajectory list in slot order. A trajectory whose reward function failed (reward
    ``None``) is dropped with a warning naming it, and counted in ``rollout/reward_failures``.
 
+With ``rollout.engine: vllm`` step 2 is a weight sync to a vLLM server instead (rank 0 writes a
+snapshot, the server reloads it; :mod:`ds_tree.rollout.vllm_engine`) and step 3 sends each slot's
+segments to the server (:func:`ds_tree.rollout.engines.sample_tree_by_segments`), seeded from the same
+generator. Every trajectory records the ``policy_version`` (training steps taken) that sampled it.
+
 The trajectories then go through the RL step exactly as offline rollouts do (advantages, old
 log-probs, updates). :func:`rollout_scalars` gives the ``rollout/`` metrics.
 """
@@ -38,9 +43,9 @@ import torch.distributed as dist
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError
+from ds_tree.rollout.engines import HFEngine, SamplingEngine
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import REWARDS, RewardRequest, describe_failure, score
-from ds_tree.rollout.sampler import sample_tree
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -161,6 +166,8 @@ class OnlineRollouts:
         self.stop_ids = stop_token_ids(self.tokenizer, model_config)
         self.sampler = StepSampler(len(self.prompts), rollout.prompts_per_step, rollout.seed)
         self.model: torch.nn.Module | None = None
+        self.engine: SamplingEngine | None = None
+        """Where slots are sampled (``rollout.engine``); a vLLM engine is started by the first step's sync."""
         self.scalars: dict[str, float] = {}
         """The ``rollout/`` metrics of the last step sampled."""
 
@@ -172,6 +179,8 @@ class OnlineRollouts:
         """
         from transformers import AutoModelForCausalLM
 
+        if self.config.rollout.engine == "vllm":  # the server holds the weights: no copy on any rank
+            return
         dtype = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa", dtype=dtype)
         self.model = model.eval().requires_grad_(False)
@@ -190,16 +199,18 @@ class OnlineRollouts:
     def sample_slot(self, step: int, slot: int, prompt_index: int) -> SlotResult:
         """One prompt slot: sample its tree, decode and score the leaves."""
         prompt = self.prompts[prompt_index]
-        device = next(self.model.parameters()).device
+        device = next(self.model.parameters()).device if self.model is not None else "cpu"
         generator = slot_generator(self.config.rollout.seed, step, slot, device)
+        engine = self.engine if self.engine is not None else HFEngine(self.model)
         with torch.no_grad():
-            tree = sample_tree(
-                self.model, prompt.ids.tolist(), self.settings, generator=generator, eos_token_ids=self.stop_ids
+            tree = engine.sample_tree(
+                prompt.ids.tolist(), self.settings, generator=generator, eos_token_ids=self.stop_ids
             )
         trajectories = tree.trajectories(f"{prompt.label}/step{step}/slot{slot}")
         requests = []
         for leaf, trajectory in enumerate(trajectories):
             trajectory.source = f"{prompt.source} (step {step}, slot {slot}, leaf {leaf})"
+            trajectory.policy_version = step
             completion = trajectory.input_ids[prompt.ids.size :]
             text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
             requests.append(RewardRequest(prompt=prompt.text, completion=text, metadata=prompt.metadata))
@@ -220,7 +231,14 @@ class OnlineRollouts:
     def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
         """``step``'s sampled and scored trajectories, the same list on every rank (collective)."""
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.copy_weights(policy)
+        synced = time.perf_counter()
+        if self.config.rollout.engine == "vllm":
+            from ds_tree.rollout.vllm_engine import sync_engine
+
+            self.engine = sync_engine(self.engine, self.config, self.model_config, self.tokenizer, policy)
+        else:
+            self.copy_weights(policy)
+        sync_s = time.perf_counter() - synced
         started = time.perf_counter()
         prompt_indices = self.sampler.groups_for_step(step)
         slots = rank_slots(len(prompt_indices), rank, world_size)
@@ -230,6 +248,7 @@ class OnlineRollouts:
         results = [result for share, _ in gathered for result in share]
         self.scalars = rollout_scalars(results)
         self.scalars["rollout/time_s"] = max(seconds for _, seconds in gathered)  # the slowest rank's
+        self.scalars["rollout/sync_s"] = sync_s
         kept = kept_trajectories(results)
         groups = len({t.group_id for t in kept})
         if groups < self.config.objective.mini_batches:
@@ -239,3 +258,8 @@ class OnlineRollouts:
                 f"left for objective.mini_batches={self.config.objective.mini_batches}. First failure: {failures[0]}"
             )
         return kept
+
+    def close(self) -> None:
+        """Stop the engine (a managed vLLM server); idempotent."""
+        if self.engine is not None:
+            self.engine.close()

@@ -41,6 +41,8 @@ class Trajectory:
     advantages: np.ndarray | None = None
     """float64 finite per-token advantages computed outside (the ``given`` estimator reads them),
     same length as input_ids; ``None`` when the data has none."""
+    policy_version: int | None = None
+    """Online RL: the policy that sampled it (training steps taken before); ``None`` for data from a file."""
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, dtype=np.int64).reshape(-1)

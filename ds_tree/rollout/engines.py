@@ -1,0 +1,261 @@
+"""Sampling engines: one small interface over Hugging Face ``generate``-style sampling and a vLLM server.
+
+An engine does three things (docs/ROLLOUTS.md, *Sampling engines*):
+
+- :meth:`SamplingEngine.continue_prefixes`: for each :class:`PrefixRequest` (the exact token ids of a
+  prefix, ``n`` siblings, at most ``max_tokens`` new tokens, stop ids, a seed) return ``n``
+  :class:`Continuation` s, each with the sampled token ids and the engine's log-prob of every one.
+  Token in, token out: no text is ever re-rendered. Multi-turn environments and the tree sampler
+  are both written on this call.
+- :meth:`SamplingEngine.sample_tree`: one prompt's group as a :class:`SampledTree` with the tree
+  sampler's semantics (segments, branching, width, refill, stops; docs/ROLLOUTS.md). ``hf`` runs
+  :func:`ds_tree.rollout.sampler.sample_tree` (a shared KV cache in this process); ``vllm`` runs
+  :func:`sample_tree_by_segments`: every fork is one request with ``n`` = the number of children, and
+  the server's prefix cache serves the shared part.
+- :meth:`SamplingEngine.sync_weights`: the policy's current weights into the engine (a collective
+  under ZeRO-3: every rank calls it). ``version`` counts syncs; a trajectory records the version that
+  sampled it.
+
+The tree driver :func:`sample_tree_by_segments` works with any engine: the stop rules are applied
+per token to what the engine returns (a branch is cut right after the first token where a rule
+holds, that token kept), so a branch stops exactly where the in-process sampler would stop it on
+the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ds_tree.rollout.sampler import SampledNode, SampledTree, repeats_ngram, sample_tree
+from ds_tree.rollout.settings import SamplerSettings
+
+
+@dataclass
+class PrefixRequest:
+    """Sample ``n`` continuations of the exact token ids ``prefix_ids``."""
+
+    prefix_ids: list[int]
+    n: int
+    max_tokens: int
+    seed: int
+    """The request's seed: a function of the caller's generator, so a tree is a function of its seed."""
+
+
+@dataclass
+class Continuation:
+    """One sampled continuation: token ids, the engine's log-prob of each (raw: before temperature/top-p)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish: str
+    """``eos`` (ended on a stop id, which is the last token) or ``length`` (``max_tokens`` sampled)."""
+
+
+@dataclass
+class EngineSampling:
+    """How an engine samples: the token-level part of :class:`SamplerSettings` and the stop ids."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_ids: list[int] = field(default_factory=list)
+
+
+class SamplingEngine(Protocol):
+    """The interface a rollout loop samples through (module docstring)."""
+
+    name: str
+    version: int
+
+    def continue_prefixes(
+        self, requests: Sequence[PrefixRequest], sampling: EngineSampling
+    ) -> list[list[Continuation]]: ...
+
+    def sample_tree(
+        self,
+        prompt_ids: Sequence[int],
+        settings: SamplerSettings,
+        *,
+        generator: torch.Generator,
+        eos_token_ids: Sequence[int],
+    ) -> SampledTree: ...
+
+    def sync_weights(self, policy: torch.nn.Module) -> float: ...
+
+    def close(self) -> None: ...
+
+
+def request_seed(generator: torch.Generator) -> int:
+    """A request's seed drawn from ``generator`` (the engine seeds its own sampler with it)."""
+    return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+
+
+# ---------------------------------------------------------------------------------------------- hf
+class HFEngine:
+    """Sampling with a Hugging Face model in this process (the default, ``rollout.engine: hf``)."""
+
+    name = "hf"
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.version = 0
+
+    def continue_prefixes(self, requests, sampling):
+        results = []
+        for request in requests:
+            settings = SamplerSettings(
+                segment_length=request.max_tokens,
+                max_new_tokens=request.max_tokens,
+                width=request.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                independent=True,
+                refill=False,
+            )
+            device = next(self.model.parameters()).device
+            generator = torch.Generator(device=device).manual_seed(request.seed)
+            tree = sample_tree(
+                self.model, request.prefix_ids, settings, generator=generator, eos_token_ids=sampling.stop_ids
+            )
+            results.append(
+                [
+                    Continuation(node.token_ids, node.logprobs, "eos" if node.finish_reason == "eos" else "length")
+                    for node in tree.nodes
+                ]
+            )
+        return results
+
+    def sample_tree(self, prompt_ids, settings, *, generator, eos_token_ids):
+        return sample_tree(self.model, prompt_ids, settings, generator=generator, eos_token_ids=eos_token_ids)
+
+    def sync_weights(self, policy: torch.nn.Module) -> float:
+        """Not used by the online loop (it copies weights itself); counts the version."""
+        self.version += 1
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------- the tree driver
+@dataclass
+class _Live:
+    """A branch about to decode a segment: its completion so far, its node, boundary and quota."""
+
+    completion: list[int]
+    node: int
+    boundary: int
+    quota: int
+
+
+def sample_tree_by_segments(
+    engine: SamplingEngine,
+    prompt_ids: Sequence[int],
+    settings: SamplerSettings,
+    *,
+    generator: torch.Generator,
+    eos_token_ids: Sequence[int],
+) -> SampledTree:
+    """One group as a tree (docs/ROLLOUTS.md) with every segment sampled by ``engine.continue_prefixes``.
+
+    Quota, forks, stops and refill follow :func:`ds_tree.rollout.sampler.sample_tree`: the children of
+    one fork are the ``n`` samples of one request whose prefix is the exact ids prompt + path; all the
+    requests of one round (every live fork) go to the engine together. ``forward_tokens`` counts the
+    tokens the requests hand the engine (each prefix in full) plus those sampled: an upper bound of what
+    the engine runs, which its prefix cache lowers.
+    """
+    prompt_ids = [int(token) for token in prompt_ids]
+    if not prompt_ids:
+        raise ValueError("sample_tree needs a non-empty prompt (the first token is never sampled)")
+    eos = {int(token) for token in eos_token_ids}
+    sampling = EngineSampling(settings.temperature, settings.top_p, sorted(eos))
+    nodes: list[SampledNode] = []
+    forward_tokens = passes = 0
+
+    def fork(branch: _Live) -> list[_Live]:
+        last_level = branch.boundary == settings.branch_levels - 1
+        can_fork = branch.boundary < settings.branch_levels
+        count = (branch.quota if last_level else min(branch.quota, settings.branching)) if can_fork else 1
+        shares = [branch.quota // count + (i < branch.quota % count) for i in range(count)]
+        children = []
+        for share in shares:
+            nodes.append(SampledNode(branch.node))
+            children.append(_Live(list(branch.completion), len(nodes) - 1, branch.boundary, share))
+        return children
+
+    def stop_reason(completion: list[int], node: SampledNode, segment_end: int) -> str | None:
+        if completion[-1] in eos:
+            return "eos"
+        if repeats_ngram(completion, settings.repetition_ngram):
+            return "repetition"
+        if len(completion) == segment_end:
+            if settings.logprob_floor and np.mean(node.logprobs) < settings.logprob_floor:
+                return "logprob_floor"
+            if segment_end == settings.max_new_tokens:
+                return "length"
+        return None
+
+    live = [fork(_Live([], -1, 0, settings.width))]  # sibling sets: the children of one fork
+    while live:
+        requests = []
+        for siblings in live:
+            first = siblings[0]
+            segment_end = min(settings.segment_length * (first.boundary + 1), settings.max_new_tokens)
+            requests.append(
+                PrefixRequest(
+                    prompt_ids + first.completion,
+                    len(siblings),
+                    segment_end - len(first.completion),
+                    request_seed(generator),
+                )
+            )
+        answers = engine.continue_prefixes(requests, sampling)
+        passes += 1
+        stopped: list[_Live] = []
+        survivors: list[_Live] = []
+        for siblings, request, continuations in zip(live, requests, answers, strict=True):
+            if len(continuations) != len(siblings):
+                raise RuntimeError(f"the {engine.name} engine answered {len(continuations)} samples for n={request.n}")
+            forward_tokens += len(request.prefix_ids)
+            segment_end = len(siblings[0].completion) + request.max_tokens
+            for branch, continuation in zip(siblings, continuations, strict=True):
+                node = nodes[branch.node]
+                reason = None
+                for token, logprob in zip(continuation.token_ids, continuation.logprobs, strict=True):
+                    node.token_ids.append(int(token))
+                    node.logprobs.append(float(logprob))
+                    branch.completion.append(int(token))
+                    forward_tokens += 1
+                    reason = stop_reason(branch.completion, node, segment_end)
+                    if reason is not None:
+                        break
+                if reason is None and len(branch.completion) != segment_end:
+                    raise RuntimeError(
+                        f"the {engine.name} engine returned {len(continuation.token_ids)} tokens "
+                        f"(finish {continuation.finish!r}) where {request.max_tokens} or a stop token were due"
+                    )
+                node.finish_reason = reason
+                if reason is None:
+                    branch.boundary += 1
+                    survivors.append(branch)
+                else:
+                    stopped.append(branch)
+        at_fork = [b for b in survivors if b.boundary < settings.branch_levels]
+        respawned = []
+        for branch in stopped:
+            freed = branch.quota - 1
+            if freed == 0 or not settings.refill:
+                continue
+            if at_fork:
+                for _ in range(freed):
+                    min(at_fork, key=lambda b: b.quota).quota += 1
+            else:  # a new sibling of its last segment, from the boundary that segment started at
+                start = settings.segment_length * branch.boundary
+                parent = nodes[branch.node].parent
+                respawned.append(_Live(branch.completion[:start], parent, branch.boundary, freed))
+        live = [fork(branch) for branch in survivors + respawned]
+    return SampledTree(prompt_ids, nodes, forward_tokens, passes)

@@ -1,0 +1,538 @@
+"""The ``vllm`` sampling engine: a vLLM server (OpenAI-compatible HTTP), managed by the run or external.
+
+- :class:`VLLMServer` starts ``python -m vllm.entrypoints.openai.api_server`` from vLLM's own venv
+  (``tools/bootstrap.sh --vllm`` makes ``.venv-vllm``) in its own process group (a new session), with
+  the dev routes on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/reset_prefix_cache``), prefix
+  caching on, and waits for ``/health``. :meth:`VLLMServer.stop` ends the whole group (SIGTERM, then
+  SIGKILL); it is also registered with :mod:`atexit`, and the server gets SIGTERM if this process dies
+  (``PR_SET_PDEATHSIG``), so it is never left running.
+- :class:`VLLMClient` sends JSON requests with a deadline of ``timeout_s`` each and a bounded number
+  of retries on connection failures; anything that is not the expected answer is an
+  :class:`EngineError` naming the server and what came back. Never a hang.
+- :class:`VLLMEngine` implements :class:`ds_tree.rollout.engines.SamplingEngine`: prefixes as token
+  ids (``/v1/completions`` with ``prompt: [ids]``, ``return_token_ids``, ``logprobs: 0``: the raw
+  log-prob of each sampled token), ``n`` siblings per request, every request of a round in flight
+  together so the server batches them. :meth:`VLLMEngine.sync_weights` gathers the ZeRO-3 partitioned
+  parameters one at a time (rank 0 keeps a CPU copy of each), rank 0 writes one safetensors snapshot,
+  asks the server to ``reload_weights`` from it and resets the prefix cache; the other ranks wait at a
+  barrier. On GPUs vLLM's NCCL weight transfer would replace the file (not implemented here).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ds_tree.rollout.engines import Continuation, EngineSampling, PrefixRequest, sample_tree_by_segments
+
+logger = logging.getLogger(__name__)
+
+SERVED_NAME = "ds_tree-policy"
+"""The model name a managed server serves under."""
+
+
+class EngineError(RuntimeError):
+    """The sampling engine cannot be used: unreachable, dead, or an answer that is not what was asked."""
+
+
+def default_vllm_python() -> Path:
+    """``.venv-vllm/bin/python`` of the checkout (``tools/bootstrap.sh --vllm``), or ``$DS_TREE_VLLM_PYTHON``."""
+    override = os.environ.get("DS_TREE_VLLM_PYTHON")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_available(python: str | Path | None = None) -> str | None:
+    """None when vLLM's venv is there, else why not (a test's skip reason)."""
+    python = Path(python or default_vllm_python())
+    if not python.exists():
+        return f"{python} is missing: `bash tools/bootstrap.sh --vllm` installs vLLM into .venv-vllm"
+    if not (python.parent.parent / ".vllm-installed").exists():
+        return f"{python.parent.parent} has no finished vLLM install: re-run `bash tools/bootstrap.sh --vllm`"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server in its own process group, for one model directory (module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        log_path: str | Path,
+        python: str | Path | None = None,
+        port: int = 0,
+        dtype: str = "float32",
+        gpu_memory_utilization: float = 0.1,
+        max_model_len: int = 2048,
+        prefix_caching: bool = True,
+        startup_timeout_s: float = 600.0,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.log_path = Path(log_path)
+        self.python = Path(python or default_vllm_python())
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        self.args = [
+            str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", str(gpu_memory_utilization),
+            "--generation-config", "vllm", "--enable-prompt-tokens-details",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            *extra_args,
+        ]  # fmt: skip
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        """Start the server and wait for ``/health``; its URL. A server that exits or is not up in
+        ``startup_timeout_s`` is an :class:`EngineError` with the end of its log."""
+        problem = vllm_available(self.python)
+        if problem:
+            raise EngineError(f"rollout.engine=vllm: {problem}")
+        env = dict(os.environ)
+        env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: no core pinning
+        env.pop("PYTHONPATH", None)  # vLLM's venv, not the project's
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.process = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        log.close()
+        atexit.register(self.stop)
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EngineError(f"the vLLM server exited with code {self.process.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        logger.info("vLLM server up at %s (pid %d)", self.url, self.process.pid)
+                        return self.url
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise EngineError(
+            f"the vLLM server was not up after {self.startup_timeout_s:g} s "
+            f"(rollout.vllm.startup_timeout_s): {self.log_tail()}"
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return f"(no log at {self.log_path})"
+        return f"last lines of {self.log_path}:\n" + "\n".join(text[-lines:])
+
+    def stop(self) -> None:
+        """End the server's whole process group (SIGTERM, then SIGKILL after 20 s); idempotent."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        atexit.unregister(self.stop)
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            process.wait()
+            return
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # the engine-core and worker children are in the same group
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+class VLLMClient:
+    """JSON over HTTP to a vLLM server, each request bounded by ``timeout_s`` (module docstring)."""
+
+    def __init__(self, url: str, *, timeout_s: float = 60.0, retries: int = 2, server: VLLMServer | None = None):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.server = server
+
+    def _dead(self) -> str:
+        if self.server is not None and not self.server.alive():
+            return f"; the managed vLLM server has exited. {self.server.log_tail()}"
+        return ""
+
+    def request(self, path: str, body: dict | None = None, *, method: str = "POST") -> object:
+        """The decoded JSON answer of ``path`` (None for an empty 200); :class:`EngineError` otherwise."""
+        data = None if body is None else json.dumps(body).encode()
+        last, raw = None, None
+        for attempt in range(self.retries + 1):
+            request = urllib.request.Request(
+                self.url + path, data=data, method=method, headers={"content-type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    raw = response.read()
+                break
+            except urllib.error.HTTPError as error:
+                detail = error.read()[:500].decode(errors="replace")
+                raise EngineError(f"{self.url}{path} answered HTTP {error.code}: {detail}") from None
+            except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
+                last = getattr(error, "reason", error)
+                if self.server is not None and not self.server.alive():
+                    break
+                if attempt < self.retries:
+                    time.sleep(min(2.0**attempt, 5.0))
+        if raw is None:
+            raise EngineError(
+                f"{self.url}{path}: no answer after {self.retries + 1} tries of {self.timeout_s:g} s "
+                f"(rollout.vllm.timeout_s): {last}{self._dead()}"
+            )
+        if not raw:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise EngineError(f"{self.url}{path} answered something that is not JSON: {raw[:200]!r}") from None
+
+
+def _continuations(url: str, request: PrefixRequest, answer: object, vocab_size: int) -> list[Continuation]:
+    """The ``n`` continuations of a ``/v1/completions`` answer, checked (an :class:`EngineError` names the problem)."""
+    try:
+        choices = sorted(answer["choices"], key=lambda c: c["index"])  # type: ignore[index]
+        out = []
+        for choice in choices:
+            ids = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(v) for v in choice["logprobs"]["token_logprobs"]]
+            finish = {"stop": "eos", "length": "length"}[choice["finish_reason"]]
+            out.append(Continuation(ids, logprobs, finish))
+    except (KeyError, TypeError, ValueError) as error:
+        raise EngineError(
+            f"{url}/v1/completions: unexpected answer ({type(error).__name__}: {error}): {str(answer)[:300]}"
+        ) from None
+    for c in out:
+        if len(c.token_ids) != len(c.logprobs) or not c.token_ids or len(c.token_ids) > request.max_tokens:
+            raise EngineError(
+                f"{url}/v1/completions: {len(c.token_ids)} tokens with {len(c.logprobs)} log-probs for "
+                f"max_tokens={request.max_tokens}"
+            )
+        if any(not 0 <= t < vocab_size for t in c.token_ids) or any(not v <= 0 for v in c.logprobs):
+            raise EngineError(f"{url}/v1/completions: token ids outside [0, {vocab_size}) or log-probs > 0: {c}")
+    if len(out) != request.n:
+        raise EngineError(f"{url}/v1/completions: {len(out)} samples for n={request.n}")
+    return out
+
+
+class VLLMEngine:
+    """:class:`~ds_tree.rollout.engines.SamplingEngine` on a vLLM server (module docstring)."""
+
+    name = "vllm"
+
+    def __init__(
+        self, client: VLLMClient, *, vocab_size: int, model_name: str = SERVED_NAME,
+        snapshot_dir: str | Path | None = None, max_in_flight: int = 16,
+    ) -> None:  # fmt: skip
+        self.client = client
+        self.vocab_size = vocab_size
+        self.model_name = model_name
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.max_in_flight = max_in_flight
+        self.version = 0
+        self.pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-request")
+
+    def completion_body(self, request: PrefixRequest, sampling: EngineSampling, **extra) -> dict:
+        return {
+            "model": self.model_name,
+            "prompt": list(request.prefix_ids),
+            "n": request.n,
+            "max_tokens": request.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": request.seed,
+            "logprobs": 0,
+            "stop_token_ids": list(sampling.stop_ids),
+            "ignore_eos": True,  # the stop ids are the whole list (they include the model's EOS)
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            **extra,
+        }
+
+    def continue_prefixes(
+        self, requests: Sequence[PrefixRequest], sampling: EngineSampling
+    ) -> list[list[Continuation]]:
+        def one(request: PrefixRequest) -> list[Continuation]:
+            answer = self.client.request("/v1/completions", self.completion_body(request, sampling))
+            return _continuations(self.client.url, request, answer, self.vocab_size)
+
+        return list(self.pool.map(one, requests))
+
+    def sample_tree(self, prompt_ids, settings, *, generator, eos_token_ids):
+        return sample_tree_by_segments(self, prompt_ids, settings, generator=generator, eos_token_ids=eos_token_ids)
+
+    def prompt_logprobs(self, ids: Sequence[int]) -> list[float]:
+        """The server's log-prob of each of ``ids[1:]`` given the tokens before it."""
+        body = self.completion_body(PrefixRequest(list(ids), 1, 1, 0), EngineSampling(), prompt_logprobs=0)
+        answer = self.client.request("/v1/completions", body)
+        try:
+            entries = answer["choices"][0]["prompt_logprobs"][1:]  # type: ignore[index]
+            return [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, ids[1:], strict=True)]
+        except (KeyError, TypeError, ValueError, IndexError) as error:
+            raise EngineError(
+                f"{self.client.url}: unexpected prompt_logprobs answer ({error}): {str(answer)[:300]}"
+            ) from None
+
+    def check_model(self, trainer_logprobs: Sequence[float], probe_ids: Sequence[int], tolerance: float) -> float:
+        """Refuse a server whose model or tokenizer is not the policy's: the probe's log-probs must
+        equal the trainer's within ``tolerance``; the largest difference."""
+        if max(probe_ids) >= self.vocab_size:
+            raise ValueError("probe ids must be inside the policy's vocabulary")
+        served = self.prompt_logprobs(probe_ids)
+        worst = max(abs(a - b) for a, b in zip(served, trainer_logprobs, strict=True))
+        if not worst <= tolerance:
+            raise EngineError(
+                f"{self.client.url} serves another model than the policy: its log-probs of a probe sequence differ "
+                f"from the trainer's by up to {worst:.3g} (> {tolerance:g}, rollout.vllm.probe_tolerance); check "
+                "rollout.vllm.url, the model and its tokenizer"
+            )
+        return worst
+
+    def sync_weights(self, policy: torch.nn.Module) -> float:
+        """The policy's weights into the server (a collective: every rank calls it); seconds taken."""
+        started = time.perf_counter()
+        state = gather_state(policy)
+        failure = None
+        if state is not None:
+            try:
+                self.load_state(state)
+            except EngineError as error:
+                failure = str(error)
+        failure = _from_rank0(failure)
+        if failure is not None:
+            raise EngineError(failure)
+        self.version += 1
+        return time.perf_counter() - started
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Write ``state`` as the snapshot (atomically) and have the server reload it, prefix cache reset."""
+        from safetensors.torch import save_file
+
+        if self.snapshot_dir is None:
+            raise EngineError("weight sync needs a snapshot directory the server can read (rollout.vllm)")
+        weights = self.snapshot_dir / "weights"
+        weights.mkdir(parents=True, exist_ok=True)
+        partial = weights / "model.safetensors.partial"
+        save_file(state, str(partial))
+        os.replace(partial, weights / "model.safetensors")
+        self.client.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}})
+        answer = self.client.request("/reset_prefix_cache")
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineError(f"{self.client.url}/reset_prefix_cache failed after a weight reload: {answer}")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.client.server is not None:
+            self.client.server.stop()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _from_rank0(value):
+    """Rank 0's ``value`` on every rank (as it is without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def gather_state(policy: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """Rank 0: the policy's parameters as CPU tensors (None elsewhere). Under ZeRO-3 each partitioned
+    parameter is gathered on its own (a collective) and dropped again: no rank holds the whole model
+    on its device, rank 0 holds it once in CPU memory (for the snapshot)."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    rank = _rank()
+    state = {}
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            with GatheredParameters([parameter], enabled=hasattr(parameter, "ds_id")):
+                if rank == 0:
+                    state[name] = parameter.detach().to("cpu", copy=True).contiguous()
+    return state if rank == 0 else None
+
+
+def probe_ids(vocab_size: int, length: int = 32) -> list[int]:
+    """A fixed probe sequence that ends on the last id of the vocabulary (a smaller vocabulary fails on it)."""
+    return [1 + (37 * i) % (vocab_size - 1) for i in range(length - 1)] + [vocab_size - 1]
+
+
+def reference_logprobs(model_config, state: dict[str, torch.Tensor], ids: Sequence[int]) -> list[float]:
+    """The trainer's float log-probs of ``ids[1:]`` with ``state`` (a plain transformers forward)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(iter(state.values())).dtype
+    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa", dtype=dtype)
+    model.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([list(ids)])).logits[0].double()
+    logprobs = torch.log_softmax(logits, dim=-1)[:-1].gather(-1, torch.tensor(list(ids[1:]))[:, None])
+    return logprobs[:, 0].tolist()
+
+
+def start_engine(config, model_config, tokenizer, policy: torch.nn.Module) -> VLLMEngine:
+    """The run's vLLM engine, holding the policy's current weights (a collective: every rank calls it).
+
+    Rank 0 starts the managed server from a model directory it writes (``<output_dir>/vllm``: config,
+    tokenizer, the gathered weights), or loads the weights into ``rollout.vllm.url``'s server; then it
+    checks the server against the trainer: a probe sequence ending on the vocabulary's last id must be
+    accepted and scored like the trainer's forward within ``rollout.vllm.probe_tolerance``. The other
+    ranks get the URL, or rank 0's error.
+    """
+    settings = config.rollout.vllm
+    directory = Path(config.output_dir) / "vllm"
+    state = gather_state(policy)
+    answer: tuple[str | None, str | None] = (None, None)
+    server = None
+    if state is not None:
+        try:
+            if settings.url:
+                client = VLLMClient(settings.url, timeout_s=settings.timeout_s, retries=settings.retries)
+                engine = VLLMEngine(
+                    client, vocab_size=model_config.vocab_size, model_name=settings.model_name or SERVED_NAME,
+                    snapshot_dir=directory,
+                )  # fmt: skip
+                engine.load_state(state)
+            else:
+                from safetensors.torch import save_file
+
+                directory.mkdir(parents=True, exist_ok=True)
+                model_config.architectures = model_config.architectures or [type(policy).__name__]
+                model_config.save_pretrained(directory)
+                tokenizer.save_pretrained(directory)
+                save_file(state, str(directory / "model.safetensors"))
+                server = VLLMServer(
+                    directory, log_path=directory / "server.log", python=settings.python or None,
+                    dtype=config.model.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+                    max_model_len=settings.max_model_len or config.packing.budget,
+                    prefix_caching=settings.prefix_caching, startup_timeout_s=settings.startup_timeout_s,
+                )  # fmt: skip
+                client = VLLMClient(server.start(), timeout_s=settings.timeout_s, retries=settings.retries,
+                                    server=server)  # fmt: skip
+                engine = VLLMEngine(client, vocab_size=model_config.vocab_size, snapshot_dir=directory)
+            ids = probe_ids(model_config.vocab_size)
+            worst = engine.check_model(reference_logprobs(model_config, state, ids), ids, settings.probe_tolerance)
+            logger.info("vLLM server %s: probe log-probs within %.2g of the trainer's", client.url, worst)
+            answer = (client.url, None)
+        except EngineError as error:
+            if server is not None:
+                server.stop()
+            answer = (None, str(error))
+    url, failure = _from_rank0(answer)
+    if failure is not None:
+        raise EngineError(failure)
+    if state is not None:
+        engine.version = 1
+        return engine
+    client = VLLMClient(url, timeout_s=settings.timeout_s, retries=settings.retries)
+    engine = VLLMEngine(
+        client, vocab_size=model_config.vocab_size, model_name=settings.model_name or SERVED_NAME,
+        snapshot_dir=directory,
+    )  # fmt: skip
+    engine.version = 1
+    return engine
+
+
+def sync_engine(engine: VLLMEngine | None, config, model_config, tokenizer, policy: torch.nn.Module) -> VLLMEngine:
+    """The first call starts the engine (:func:`start_engine`), later ones sync the weights (collectives)."""
+    if engine is None:
+        return start_engine(config, model_config, tokenizer, policy)
+    engine.sync_weights(policy)
+    return engine
+
+
+def open_engine(model: torch.nn.Module, tokenizer, url: str, directory: str | Path, **server) -> VLLMEngine:
+    """A vLLM engine holding ``model``'s weights outside a training run (``ds-tree sample --engine vllm``):
+    ``url``'s server with the weights loaded into it, or a managed server started from ``directory``
+    (written there); probed against ``model`` either way. ``close()`` stops a managed server."""
+    directory = Path(directory)
+    state = {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()}
+    managed = None
+    if url:
+        engine = VLLMEngine(VLLMClient(url), vocab_size=model.config.vocab_size, snapshot_dir=directory)
+        engine.load_state(state)
+    else:
+        write_model_dir(directory / "model", model, tokenizer)
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        managed = VLLMServer(directory / "model", log_path=directory / "server.log", dtype=dtype, **server)
+        engine = VLLMEngine(VLLMClient(managed.start(), server=managed), vocab_size=model.config.vocab_size)
+    try:
+        ids = probe_ids(model.config.vocab_size)
+        engine.check_model(reference_logprobs(model.config, state, ids), ids, 1e-3)
+    except EngineError:
+        engine.close()
+        raise
+    return engine
+
+
+def write_model_dir(directory: str | Path, model: torch.nn.Module, tokenizer) -> Path:
+    """``model``'s config, weights and ``tokenizer`` as a directory a managed server starts from."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if not getattr(config, "architectures", None):
+        config.architectures = [type(model).__name__]
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+if __name__ == "__main__":  # pragma: no cover - a manual check: python -m ds_tree.rollout.vllm_engine MODEL_DIR
+    server = VLLMServer(sys.argv[1], log_path="vllm_server.log")
+    try:
+        print(server.start())
+    finally:
+        server.stop()

@@ -1,0 +1,353 @@
+"""Rollouts on vLLM (rollout.engine: vllm): tree sampling through a real vLLM server, weight sync, the
+start-up probe, failures, and a 2-rank ZeRO-3 online GRPO run.
+
+One server serves the whole module (started by the project's :class:`VLLMServer`, stopped at the
+end); each test first loads the weights it expects (0.2 s). Skipped, saying why, where vLLM's venv
+is absent (``bash tools/bootstrap.sh --vllm``; CI installs it). ``DS_TREE_TEST_VLLM_URL`` points the
+tests at a server already running (development only: it must serve a model of
+``configs/models/tiny_llama_vllm.json``'s shape under the name ``ds_tree-policy``).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from ds_tree.config import ConfigError, load_config
+from ds_tree.rollout.engines import EngineSampling, HFEngine, PrefixRequest
+from ds_tree.rollout.sampler import repeats_ngram
+from ds_tree.rollout.settings import SamplerSettings
+from ds_tree.rollout.vllm_engine import (
+    EngineError,
+    VLLMClient,
+    VLLMEngine,
+    VLLMServer,
+    free_port,
+    probe_ids,
+    reference_logprobs,
+    vllm_available,
+)
+from ds_tree.trees.trie import build_forest
+from tests.test_engine import ROOT, launch_training
+from tests.test_online_rl import online_config
+
+MODEL = ROOT / "configs/models/tiny_llama_vllm.json"
+LOGPROB_TOLERANCE = 1e-5
+"""|vLLM - transformers| float32 log-prob on the same weights (measured: 4e-7..7e-7, docs/ROLLOUTS.md)."""
+
+UNAVAILABLE = vllm_available()
+needs_vllm = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"vLLM is not installed: {UNAVAILABLE}")
+
+
+def test_ci_installs_vllm() -> None:
+    """CI runs the vLLM tests (.ci/run installs .venv-vllm): there a missing install is a failure, not a skip."""
+    if os.environ.get("CI") == "true":
+        assert UNAVAILABLE is None, UNAVAILABLE
+
+
+def tiny_model(seed: int = 0):
+    from ds_tree.models.loading import load_model
+
+    model = load_model(str(MODEL), dtype="float32", seed=seed)
+    model.set_attn_implementation("sdpa")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer_dir):
+    """(engine, model): the module's vLLM server and the transformers model of its initial weights."""
+    from ds_tree.data.convert import load_tokenizer
+    from ds_tree.rollout.vllm_engine import write_model_dir
+
+    if UNAVAILABLE is not None:
+        pytest.skip(f"vLLM is not installed: {UNAVAILABLE}")
+    directory = tmp_path_factory.mktemp("vllm")
+    model = tiny_model()
+    server = None
+    url = os.environ.get("DS_TREE_TEST_VLLM_URL")
+    if not url:
+        write_model_dir(directory / "model", model, load_tokenizer(tokenizer_dir))
+        server = VLLMServer(directory / "model", log_path=directory / "server.log", max_model_len=512)
+        url = server.start()
+    try:
+        engine = VLLMEngine(
+            VLLMClient(url, timeout_s=60, server=server), vocab_size=model.config.vocab_size,
+            snapshot_dir=directory / "snapshot",
+        )  # fmt: skip
+        yield engine, model
+    finally:
+        if server is not None:
+            process = server.process
+            server.stop()
+            assert process.poll() is not None
+            assert group_gone(process.pid)  # the whole group is gone: engine core and workers too
+
+
+def group_gone(group: int, wait_s: float = 10.0) -> bool:
+    """Whether no process of process group ``group`` is left (its zombies are reaped within ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def with_weights(engine: VLLMEngine, model) -> None:
+    engine.load_state({name: p.detach().clone() for name, p in model.named_parameters()})
+
+
+def forward_logprobs(model, ids) -> np.ndarray:
+    with torch.no_grad():
+        logits = model(torch.tensor([list(ids)])).logits[0].double()
+    return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(list(ids[1:]))[:, None])[:, 0].numpy()
+
+
+# ----------------------------------------------------------------- trees on the server
+@needs_vllm
+@pytest.mark.parametrize(
+    "settings, eos",
+    [
+        (SamplerSettings(segment_length=4, branching=2, max_depth=3, width=8, max_new_tokens=12), [2]),
+        # many stop ids and a repetition rule: early stops, refill and re-branching
+        (SamplerSettings(segment_length=3, branching=2, max_depth=2, width=4, max_new_tokens=9, repetition_ngram=1),
+         list(range(3, 120))),
+    ],
+)  # fmt: skip
+def test_tree_on_vllm_has_the_sampler_semantics_and_the_trainers_logprobs(served, settings, eos) -> None:
+    engine, model = served
+    with_weights(engine, model)
+    prompt = list(range(40, 75))
+    trees = [engine.sample_tree(prompt, settings, generator=torch.Generator().manual_seed(s), eos_token_ids=eos)
+             for s in range(2)]  # fmt: skip
+    again = engine.sample_tree(prompt, settings, generator=torch.Generator().manual_seed(0), eos_token_ids=eos)
+    assert [n.token_ids for n in again.nodes] == [n.token_ids for n in trees[0].nodes]  # one seed, one tree
+    reasons = set()
+    for tree in trees:
+        assert tree.leaves == settings.width and tree.depth <= settings.max_depth  # refill keeps the width
+        trajectories = tree.trajectories("g")
+        for leaf, trajectory in zip(tree.leaf_nodes(), trajectories, strict=True):
+            node = tree.nodes[leaf]
+            reasons.add(node.finish_reason)
+            completion = trajectory.input_ids[len(prompt) :].tolist()
+            assert trajectory.input_ids[: len(prompt)].tolist() == prompt and len(completion) <= settings.max_new_tokens
+            if node.finish_reason == "eos":
+                assert completion[-1] in eos and not set(completion[:-1]) & set(eos)
+            if node.finish_reason == "repetition":
+                assert repeats_ngram(completion, settings.repetition_ngram)
+            if node.finish_reason == "length":
+                assert len(completion) == settings.max_new_tokens
+            # the engine's log-prob of every sampled token is the trainer's forward on the same ids
+            reference = forward_logprobs(model, trajectory.input_ids)[len(prompt) - 1 :]
+            np.testing.assert_allclose(trajectory.logprobs[len(prompt) :], reference, rtol=0, atol=LOGPROB_TOLERANCE)
+        # siblings share their parent's exact ids: the trie of the leaves is the sampled tree
+        (forest,) = build_forest(trajectories)
+        assert forest.n_tokens <= len(prompt) + tree.sampled_tokens
+        for index in range(len(tree.nodes)):
+            below = [t for leaf, t in zip(tree.leaf_nodes(), trajectories, strict=True) if index in tree.path(leaf)]
+            path = prompt + [tok for n in tree.path(index) for tok in tree.nodes[n].token_ids]
+            assert all(t.input_ids[: len(path)].tolist() == path for t in below)
+    if settings.repetition_ngram:
+        assert "eos" in reasons  # a stop before the end: refilled (every tree still has width leaves)
+    else:
+        assert "length" in reasons and reasons <= {"length", "eos"}
+
+
+@needs_vllm
+def test_prefix_requests_give_n_siblings_like_the_hf_engine_interface(served) -> None:
+    engine, model = served
+    with_weights(engine, model)
+    sampling = EngineSampling(temperature=1.0, top_p=0.9, stop_ids=[2])
+    requests = [PrefixRequest(list(range(5, 25)), 3, 5, 11), PrefixRequest(list(range(7, 30)), 2, 4, 12)]
+    for answer in (engine.continue_prefixes(requests, sampling), HFEngine(model).continue_prefixes(requests, sampling)):
+        assert [len(a) for a in answer] == [3, 2]
+        for request, continuations in zip(requests, answer, strict=True):
+            for c in continuations:
+                assert len(c.token_ids) == len(c.logprobs) and 1 <= len(c.token_ids) <= request.max_tokens
+                reference = forward_logprobs(model, request.prefix_ids + c.token_ids)[len(request.prefix_ids) - 1 :]
+                np.testing.assert_allclose(c.logprobs, reference, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+@needs_vllm
+def test_weight_sync_moves_the_server_to_the_new_policy(served) -> None:
+    engine, model = served
+    with_weights(engine, model)
+    ids = probe_ids(model.config.vocab_size)
+    before = np.asarray(engine.prompt_logprobs(ids))
+    np.testing.assert_allclose(before, forward_logprobs(model, ids), rtol=0, atol=LOGPROB_TOLERANCE)
+    moved = tiny_model(seed=5)
+    state = {name: p.detach().clone() for name, p in moved.named_parameters()}
+    engine.load_state(state)
+    after = np.asarray(engine.prompt_logprobs(ids))
+    np.testing.assert_allclose(after, forward_logprobs(moved, ids), rtol=0, atol=LOGPROB_TOLERANCE)
+    assert np.abs(after - before).max() > 1e-2
+    # the start-up probe: the served model agrees with the trainer's, another model's does not
+    assert engine.check_model(reference_logprobs(moved.config, state, ids), ids, 1e-3) < LOGPROB_TOLERANCE
+    with pytest.raises(EngineError, match="serves another model than the policy"):
+        engine.check_model(forward_logprobs(model, ids).tolist(), ids, 1e-3)
+    # a larger vocabulary than the server's: the probe's last id is refused by the server
+    bigger = VLLMEngine(engine.client, vocab_size=4096)
+    with pytest.raises(EngineError, match="HTTP 400"):
+        bigger.check_model([0.0] * 31, probe_ids(4096), 1e-3)
+
+
+@needs_vllm
+def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(served, tmp_path, tokenizer_dir, capsys):
+    from ds_tree.cli.sample import main as sample_main
+    from ds_tree.data.explicit import trajectories_from_explicit_tree
+    from ds_tree.engine.rl_step import check_shared_logprobs
+
+    engine, _ = served
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"group_id": "g", "prompt_ids": list(range(50, 70))}) + "\n")
+    output = tmp_path / "trees.jsonl"
+    arguments = ["--model", str(MODEL), "--tokenizer", str(tokenizer_dir), "--prompts", str(prompts)]
+    arguments += ["--output", str(output), "--engine", "vllm", "--vllm-url", engine.client.url]
+    arguments += "--width 4 --max-depth 2 --segment-length 3 --max-new-tokens 6".split()
+    assert sample_main(arguments) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["trajectories"] == 4 and summary["sampled_tokens"] < summary["flat_sampled_tokens"]
+    (record,) = [json.loads(line) for line in output.read_text().splitlines()]
+    trajectories = trajectories_from_explicit_tree(record, "line 1")
+    (tree,) = build_forest(trajectories)
+    check_shared_logprobs(tree)  # shared segments carry one engine log-prob: trainable with old_logprobs=data
+    reference = forward_logprobs(tiny_model(), trajectories[0].input_ids)[19:]
+    np.testing.assert_allclose(trajectories[0].logprobs[20:], reference, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+# ------------------------------------------------------------------------------ failures
+class _Answer(http.server.BaseHTTPRequestHandler):
+    body = b""
+
+    def do_POST(self):  # noqa: N802 - the handler's name
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+def answering(body: bytes) -> http.server.HTTPServer:
+    handler = type("Handler", (_Answer,), {"body": body})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_unreachable_garbage_and_dead_servers_are_clear_errors_not_hangs(tmp_path) -> None:
+    request, sampling = PrefixRequest([5, 6, 7], 2, 3, 0), EngineSampling(stop_ids=[2])
+    started = time.monotonic()
+    engine = VLLMEngine(VLLMClient(f"http://127.0.0.1:{free_port()}", timeout_s=2, retries=1), vocab_size=1024)
+    with pytest.raises(EngineError, match=r"no answer after 2 tries of 2 s \(rollout.vllm.timeout_s\)"):
+        engine.continue_prefixes([request], sampling)
+    assert time.monotonic() - started < 30
+    for body, message in [
+        (b"<html>not json</html>", "answered something that is not JSON"),
+        (json.dumps({"choices": [{"index": 0, "text": "x"}]}).encode(), "unexpected answer"),
+        (json.dumps({"choices": [{"index": 0, "token_ids": [3, 4], "finish_reason": "length",
+                                  "logprobs": {"token_logprobs": [-1.0, -2.0]}}]}).encode(), "1 samples for n=2"),
+        (json.dumps({"choices": [{"index": i, "token_ids": [9999], "finish_reason": "stop",
+                                  "logprobs": {"token_logprobs": [-1.0]}} for i in range(2)]}).encode(), "outside"),
+    ]:  # fmt: skip
+        fake = answering(body)
+        try:
+            engine = VLLMEngine(VLLMClient(f"http://127.0.0.1:{fake.server_port}", timeout_s=5), vocab_size=1024)
+            with pytest.raises(EngineError, match=message):
+                engine.continue_prefixes([request], sampling)
+        finally:
+            fake.shutdown()
+    # a managed server that died: the error says so and shows its log, without waiting out the retries
+    server = VLLMServer(tmp_path, log_path=tmp_path / "server.log")
+    (tmp_path / "server.log").write_text("RuntimeError: Unsupported CPU attention configuration: head_dim=16\n")
+    server.process = subprocess.Popen(["sleep", "0"])
+    server.process.wait()
+    engine = VLLMEngine(VLLMClient(server.url, timeout_s=30, retries=5, server=server), vocab_size=1024)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"(?s)the managed vLLM server has exited.*head_dim=16"):
+        engine.continue_prefixes([request], sampling)
+    assert time.monotonic() - started < 10
+
+
+def test_a_server_that_never_comes_up_is_stopped_with_its_whole_group(tmp_path) -> None:
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    fake = tmp_path / "venv" / "bin" / "python"  # vLLM's python: its child outlives it unless the group is killed
+    fake.write_text(f"#!/bin/sh\necho $$ > {tmp_path}/pid\necho starting\nsleep 300 &\nsleep 300\n")
+    fake.chmod(0o755)
+    (tmp_path / "venv" / ".vllm-installed").write_text("fake")
+    server = VLLMServer(tmp_path, log_path=tmp_path / "server.log", python=fake, startup_timeout_s=3)
+    with pytest.raises(EngineError, match=r"(?s)not up after 3 s \(rollout.vllm.startup_timeout_s\).*starting"):
+        server.start()
+    assert server.process is None
+    group = int((tmp_path / "pid").read_text())  # its own session: the group's id is the shell's pid
+    assert group_gone(group)
+
+
+def test_vllm_config_fields_and_refused_values(tmp_path, tokenizer_dir) -> None:
+    path = online_config(tmp_path, tokenizer_dir, rollout={"engine": "vllm", "vllm": {"timeout_s": 5}})
+    config = load_config(path)
+    assert config.rollout.engine == "vllm" and config.rollout.vllm.timeout_s == 5 and config.rollout.vllm.url == ""
+    for override, message in [
+        ("rollout.engine=sglang", "rollout.engine must be one of hf, vllm"),
+        ("rollout.max_staleness=1", "rollout.max_staleness=1: asynchronous sampling is not implemented; set 0"),
+        ("rollout.vllm.timeout_s=0", "rollout.vllm.timeout_s must be > 0"),
+        ("rollout.vllm.gpu_memory_utilization=1.5", r"rollout.vllm.gpu_memory_utilization must be in \(0, 1\]"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, [override])
+
+
+# ------------------------------------------------------------------ 2 ranks, ZeRO-3, GRPO
+@needs_vllm
+@pytest.mark.distributed
+def test_two_rank_zero3_grpo_on_vllm_trains_and_syncs_every_step(served, tmp_path, tokenizer_dir) -> None:
+    engine, _ = served
+    config = online_config(
+        tmp_path,
+        tokenizer_dir,
+        max_steps=3,
+        model={"source": str(MODEL), "seed": 3, "tokenizer": str(tokenizer_dir)},
+        rollout={"engine": "vllm", "vllm": {"url": engine.client.url, "timeout_s": 60}},
+        objective={"kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "old_logprobs": "recompute"},
+        optimizer={"lr": 2e-2, "schedule": "constant"},
+    )
+    process = launch_training(config)
+    try:
+        output, _ = process.communicate(timeout=540)
+    finally:
+        if process.poll() is None:  # its own session: no rank is left behind
+            os.killpg(process.pid, 9)
+            process.wait()
+    assert process.returncode == 0, output[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["optim/grad_norm"] > 0  # step 1 trained: steps 2 and 3 sampled from moved weights
+    for record in records:
+        assert record["rollout/leaves"] == 4
+        assert record["rollout/sync_s"] >= 0 and record["rollout/tokens_saved"] > 0
+        # engine and trainer agree on every sampled token: vLLM's float32 kernels vs the tree forward
+        assert record["rollout/logprob_mismatch_max"] < LOGPROB_TOLERANCE, record
+    # the server holds the last sync's snapshot (the policy after step 2, which sampled step 3)
+    snapshot = tmp_path / "run" / "vllm" / "weights" / "model.safetensors"
+    assert snapshot.is_file()
+    from safetensors.torch import load_file
+
+    state = load_file(str(snapshot))
+    initial = {name: p.detach() for name, p in tiny_model(seed=3).named_parameters()}
+    assert max(float((state[name] - p).abs().max()) for name, p in initial.items()) > 0  # the trained policy
+    ids = probe_ids(1024)
+    served_now = engine.prompt_logprobs(ids)
+    np.testing.assert_allclose(
+        served_now, reference_logprobs(tiny_model().config, state, ids), rtol=0, atol=LOGPROB_TOLERANCE
+    )
