@@ -460,6 +460,11 @@ class Trainer(RLSteps):
             dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
             device=self.engine.device,
         )
+        if self.engine.zero_optimization_stage() == 3:
+            # The check's forwards ran outside a training step: ZeRO-3 may still hold parameters it
+            # prefetched for them, in flight. Release them now, or the next gather of a parameter
+            # (the vLLM weight sync) fails with "Cannot partition a param in flight".
+            self.engine.empty_partition_cache()
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
         self_check.verdict(result, step + 1, dtype)
         return result.scalars()
