@@ -272,6 +272,7 @@ def test_bench_reports_dfs_against_tree(tmp_path: Path) -> None:
     assert dfs["step_time_s"] > 0 and 0 < dfs["peak_memory_bytes"] < tree["peak_memory_bytes"]
     assert report["dfs_time_over_tree"] == dfs["step_time_s"] / tree["step_time_s"]
     assert report["dfs_memory_over_tree"] < 1
+    assert tree["calls_per_step"] >= 1 and dfs["calls_per_step"] >= 2  # per row; per chunk, a tree one at least
 
 
 @pytest.mark.parametrize("packing", [{"mode": "dfs"}, {"mode": "tree", "over_budget": "dfs"}])
