@@ -1,10 +1,10 @@
 """Attention of one chunk of tokens on its ancestors' cached keys and values (the dfs mode).
 
 The dfs mode (docs/DESIGN.md section 5, :mod:`ds_tree.engine.dfs`) forwards a tree one chunk at a
-time: a chunk is a run of consecutive tokens of one node (a whole node when it is short enough),
-and its context is the tokens of its ancestor chunks, root first. Its queries see every ancestor
-key and, causally, the chunk's own keys; nothing else exists in the forward, so no tree mask is
-needed.
+time (:mod:`ds_tree.packing.dfs_chunks`): a chunk is a piece of a node chain, or whole subtrees
+below one token, and its context is the path to that token: the tokens of its ancestor chunks, root
+first. Its queries see every ancestor key and the chunk's own keys causally, or, for subtrees, by
+the chunk's own ``kv_end`` (the model kwarg, in the chunk's indices) as in a packed row.
 
 A sliding window (Mistral, Qwen2/3 sliding layers, Gemma2/3 local layers) limits query ``q`` to keys
 with ``positions[q] - positions[k] < window`` (reference module). The context is the path from the

@@ -1,8 +1,9 @@
 """The dfs execution mode: a tree walked depth-first, one root-to-leaf path in memory (docs/DESIGN.md section 5).
 
-A packed row (whole trees, any size) is cut into *chunks*: runs of at most ``chunk`` consecutive
-tokens of one node chain (a node and its only child are one chain), each chunk's parent the chunk
-before it on its path. The walk, for every chunk in DFS order:
+A packed row (whole trees, any size) is cut into *chunks* of at most ``chunk`` tokens
+(:mod:`ds_tree.packing.dfs_chunks`): whole subtrees packed below one parent token, or pieces of a
+node chain whose subtree is larger, below which further chunks hang; every chunk's context is the
+path to its parent token, held by its ancestor chunks. The walk, for every chunk in DFS order:
 
 1. forwards the chunk on its ancestors' cached per-layer keys and values (leaf tensors that
    require grad, :mod:`ds_tree.attention.cached`); the chunk's loss is the SFT loss of every target
@@ -15,7 +16,8 @@ before it on its path. The walk, for every chunk in DFS order:
    ancestors' leaves receive in turn the gradient it sends them.
 
 Memory: while a chunk runs, only its ancestors' graphs are alive (they wait for their backward),
-so the activations follow one root-to-leaf path, whatever the tree's size. With ``recompute`` a
+pieces of one root-to-leaf path, so the activations follow one path plus one chunk, whatever the
+tree's size. With ``recompute`` a
 chunk is first forwarded without grad (only its keys and values kept for the children) and
 forwarded again with grad right before its backward: one more forward of every token, and the
 activations of a single chunk plus the path's keys and values.
