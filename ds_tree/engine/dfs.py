@@ -64,8 +64,6 @@ from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
 from ds_tree.packing.rows import PackedRow
 
-__all__ = ["Chunks", "row_chunks"]  # the chunker lives in ds_tree.packing.dfs_chunks; imported from here too
-
 
 @dataclass(frozen=True)
 class DfsSettings:
