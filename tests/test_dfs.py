@@ -192,7 +192,7 @@ def test_peak_activation_memory_follows_one_path() -> None:
     alone, and within 1x with recomputation; packed tree mode on the whole tree needs more than 8x
     (measured 10.4x), so the bound tells the two apart. The walk holds pieces of one path plus one
     chunk of up to ``chunk`` tokens (whole subtrees packed), so the chunk is half the path here
-    (measured 1.16x and 0.47x). Parameters, which linear layers save for backward in every mode, are
+    (measured 1.07x and 0.41x). Parameters, which linear layers save for backward in every mode, are
     not counted.
     """
     trajectories = random_forest(random.Random(0), TreeShape(1, 3, (5, 5), (10, 10)))
