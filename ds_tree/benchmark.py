@@ -68,6 +68,8 @@ class ModeTimes:
     """RL: tokens the LM head scores in one pass (owned tokens with a non-zero sum)."""
     rows: list[list[tuple[int, int, float]]] = field(default_factory=list)
     """SFT: per step, every row's (tokens, visible pairs, forward+backward seconds), for the cost fit."""
+    calls: list[int] = field(default_factory=list)
+    """Forward-and-backward model calls of a step (RL: of one update): rows, or a walk's chunks."""
 
 
 class SavedTensorMeter:
@@ -163,6 +165,7 @@ def step_once(
         "forward_backward": computed - packed,
         "optimizer": done - computed,
         **row_counts(rows),
+        "calls": len(rows),
         "saved_bytes": saved,
         "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
         "rows": row_times,
@@ -203,6 +206,7 @@ def dfs_step_once(model, optimizer, trajectories, normalisation, measure_memory,
         "forward_backward": computed - packed,
         "optimizer": done - computed,
         **row_counts(rows),
+        "calls": stats.chunks,
         "saved_bytes": meter.peak + stats.peak_cache_bytes if measure_memory else 0,
         "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
         "rows": [],
@@ -259,6 +263,7 @@ def rl_step_once(
     old_done = time.perf_counter()
     forward_backward = optimizer_time = 0.0
     saved = 0
+    calls = len(rows)
     for epoch in range(objective.ppo_epochs):
         epoch_started = time.perf_counter()
         if dfs is not None:
@@ -268,6 +273,8 @@ def rl_step_once(
                 run_rl_walk(model, prepared, settings, dfs, backward_for=backward_for, stats=stats)
             if measure_memory and epoch == 0:
                 saved = meter.peak + stats.peak_cache_bytes
+            if epoch == 0:
+                calls = stats.chunks
         else:
             saved = max(
                 saved,
@@ -292,6 +299,7 @@ def rl_step_once(
         "optimizer": optimizer_time,
         **row_counts(rows),
         "targets": sum(item.targets.size for item in prepared),
+        "calls": calls,
         "saved_bytes": saved,
         "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
     }
@@ -481,6 +489,7 @@ def mode_report(record: ModeTimes, flat_tokens: list, tree_tokens: list, peak: i
         "activation_peak_bytes": peak,
         # first touches of fresh memory: each costs microseconds, and allocator settings change them
         "page_faults_per_step": statistics.median(record.page_faults),
+        "calls_per_step": float(np.mean(record.calls)),
     }
     if rl:
         report |= {

@@ -302,9 +302,14 @@ def dfs_activation_bytes(
     checkpoint_every: int = 0,
     head_chunk: int = 0,
     entropy: bool = False,
+    packed_below: bool = False,
 ) -> DfsActivationBytes:
     """Activation memory of walking a root-to-leaf path of ``path_tokens`` tokens in chunks of ``chunk``
     (the path cut into full chunks, the remainder last), every token a target.
+
+    ``packed_below``: the worst tree with such paths instead, if worse (``ds-tree plan``): a packed chunk
+    (:mod:`ds_tree.packing.dfs_chunks`) of ``chunk`` tokens, whole sibling subtrees, below a context of
+    ``path_tokens - 1`` tokens held as chain chunks (a chain's remainder is then held too).
 
     A path whose nodes are shorter than ``chunk`` has more chunks than that: without ``recompute`` each
     holds its own copy of its context's keys and values (``P + n`` per layer), so short nodes cost more."""
@@ -366,11 +371,18 @@ def dfs_activation_bytes(
         # a held full chunk's graph grows linearly with its context: the sum over k of graph(chunk, k x chunk)
         first, step = graph(chunk, 0), graph(chunk, chunk) - graph(chunk, 0)
         held = ancestors * first + step * ancestors * (ancestors - 1) // 2
-        return DfsActivationBytes(held, layers * kv * (path_tokens + context), backward(n, context))
+        plans = [DfsActivationBytes(held, layers * kv * (path_tokens + context), backward(n, context))]
+        if packed_below and path_tokens > 1:
+            context = path_tokens - 1
+            ancestors, rest = divmod(context, chunk)
+            held = ancestors * first + step * ancestors * (ancestors - 1) // 2
+            held += graph(rest, ancestors * chunk) if rest else 0
+            plans.append(DfsActivationBytes(held, layers * kv * (2 * context + chunk), backward(chunk, context)))
+        return max(plans, key=lambda plan: plan.peak)
     # Every term grows with a chunk's size and context, so the peak is at the deepest full chunk or at
     # the shorter last one (the first of them on a tie, as in path order).
     deepest = [(chunk, (full - 1) * chunk)] if full else []
-    candidates = deepest + ([last] if rest else [])
+    candidates = deepest + ([last] if rest else []) + ([(chunk, path_tokens - 1)] if packed_below else [])
     plans = [DfsActivationBytes(0, layers * kv * (2 * p + 2 * n), backward(n, p)) for n, p in candidates]
     return max(plans, key=lambda plan: plan.peak)
 
@@ -385,6 +397,7 @@ def largest_dfs_path(
     checkpoint_every: int = 0,
     head_chunk: int = 0,
     entropy: bool = False,
+    packed_below: bool = False,
 ) -> int:
     """The longest path length ``L`` such that the dfs walk trains every root-to-leaf path of at most ``L``
     tokens in chunks of ``chunk`` within ``free_bytes`` (0 if not even one token fits).
@@ -398,6 +411,7 @@ def largest_dfs_path(
         if tokens == 0:
             return True
         options = {"recompute": recompute, "checkpoint_every": checkpoint_every, "head_chunk": head_chunk}
+        options["packed_below"] = packed_below
         return dfs_activation_bytes(shape, dtype, tokens, chunk, entropy=entropy, **options).peak <= free_bytes
 
     def last_true(low: int, high: int, test) -> int:  # test(low) holds, test is monotone on [low, high]

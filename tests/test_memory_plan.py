@@ -175,6 +175,32 @@ def test_dfs_prediction_within_documented_error_of_measurement(chunk, recompute,
     assert abs(planned.peak / measured - 1) <= DOCUMENTED_ERROR, (planned, measured)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dfs_prediction_with_a_packed_chunk_below_the_path(recompute):
+    """The new chunks' worst case (``packed_below``): 32 sibling subtrees of 8 tokens, two 128-token packed
+    chunks below a 383-token stem walked in chain chunks (the second with gradients on the stem's keys
+    and values, as the planner assumes); planned against measured."""
+    chunk, stem_tokens = 128, 383
+    rng = np.random.default_rng(1)
+    stem = rng.integers(3, 1000, stem_tokens).tolist()
+    paths = [Trajectory(stem + rng.integers(3, 1000, 8).tolist(), [1] * (stem_tokens + 8)) for _ in range(32)]
+    rows = pack_trajectories(paths, "dfs", 10**6)
+    normalisers = Normalisers.from_rows(pack_trajectories(paths, "tree", 10**6))
+    model = load_model(BENCH)
+
+    def step():
+        backward = lambda n: torch.Tensor.backward  # noqa: E731
+        run_step(model, rows, normalisers, "token_mean", "exact", DfsSettings(chunk, recompute), backward_for=backward)
+
+    step()
+    measured = profiled_peak_bytes(step)
+    shape = ModelShape.of(load_config(BENCH))
+    planned = dfs_activation_bytes(shape, "float32", stem_tokens + 1, chunk, recompute=recompute, packed_below=True)
+    chain = dfs_activation_bytes(shape, "float32", stem_tokens + 1, chunk, recompute=recompute)
+    assert planned.peak > chain.peak
+    assert abs(planned.peak / measured - 1) <= DOCUMENTED_ERROR, (planned, measured)
+
+
 @pytest.mark.parametrize(
     ("chunk", "recompute", "every", "head_chunk"),
     [(5, False, 0, 0), (5, True, 0, 0), (8, False, 2, 3), (3, True, 1, 2)],

@@ -1,10 +1,10 @@
 """Attention of one chunk of tokens on its ancestors' cached keys and values (the dfs mode).
 
 The dfs mode (docs/DESIGN.md section 5, :mod:`ds_tree.engine.dfs`) forwards a tree one chunk at a
-time: a chunk is a run of consecutive tokens of one node (a whole node when it is short enough),
-and its context is the tokens of its ancestor chunks, root first. Its queries see every ancestor
-key and, causally, the chunk's own keys; nothing else exists in the forward, so no tree mask is
-needed.
+time (:mod:`ds_tree.packing.dfs_chunks`): a chunk is a piece of a node chain, or whole subtrees
+below one token, and its context is the path to that token: the tokens of its ancestor chunks, root
+first. Its queries see every ancestor key and the chunk's own keys causally, or, for subtrees, by
+the chunk's own ``kv_end`` (the model kwarg, in the chunk's indices) as in a packed row.
 
 A sliding window (Mistral, Qwen2/3 sliding layers, Gemma2/3 local layers) limits query ``q`` to keys
 with ``positions[q] - positions[k] < window`` (reference module). The context is the path from the
@@ -85,24 +85,39 @@ class PathCache:
         finally:
             self.recording = True
 
-    def mask(self, n: int, context: int, window: int | None, additive_dtype: torch.dtype | None, device):
+    def mask(
+        self,
+        n: int,
+        context: int,
+        window: int | None,
+        additive_dtype: torch.dtype | None,
+        device,
+        kv_end: torch.Tensor | None = None,
+        depths: torch.Tensor | None = None,
+    ):
         """Which of the ``context`` gathered ancestor keys and the chunk's ``n`` own keys each query of the
         chunk sees (``[n, context + n]``): boolean, or as SDPA's additive mask (0 or -inf) of
-        ``additive_dtype``; made once per forward for each distinct argument tuple."""
+        ``additive_dtype``; made once per forward for each distinct argument tuple. The own keys are
+        seen causally, or with ``kv_end`` (``[n]``, the chunk's own indices) as in a packed row; a
+        ``window`` needs the own tokens' ``depths`` (``[n]``; the gathered keys are at the depths
+        right below the chunk's first token's)."""
         key = (n, context, window, additive_dtype, str(device))
         if key in self.masks and self.recording:
             return self.masks[key]
-        if window is None and additive_dtype is not None:  # made in place: no second chunk x context tensor
+        if window is None and kv_end is None and additive_dtype is not None:  # in place: no second chunk x context
             mask = torch.zeros(n, context + n, dtype=additive_dtype, device=device)
             mask[:, context:] = torch.full((n, n), float("-inf"), dtype=additive_dtype, device=device).triu_(1)
         else:
             own = torch.arange(n, device=device)
-            mask = torch.cat(
-                [torch.ones(n, context, dtype=torch.bool, device=device), own[None, :] <= own[:, None]], dim=1
-            )
-            if window is not None:  # query i is at depth first + context + i, gathered key j at first + j
-                gathered = torch.arange(context + n, device=device)
-                mask &= own[:, None] + context - gathered[None, :] < window
+            seen = own[None, :] <= own[:, None]
+            if kv_end is not None:
+                seen &= own[:, None] < kv_end.reshape(-1)[None, :]
+            mask = torch.cat([torch.ones(n, context, dtype=torch.bool, device=device), seen], dim=1)
+            if window is not None:
+                depths = depths.reshape(-1).to(device)
+                first = int(depths[0]) - context  # the gathered keys: the path's last ``context`` tokens
+                keys = torch.cat([torch.arange(first, first + context, device=device), depths])
+                mask &= depths[:, None] - keys[None, :] < window
             if additive_dtype is not None:  # what SDPA makes of a boolean mask, in every call
                 mask = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill_(~mask, float("-inf"))
         if self.recording:
@@ -132,25 +147,29 @@ def cached_attention(module, query, key, value, attention_mask, scaling=None, dr
     first = 0  # the first context token any query of the chunk sees
     if window is not None:
         path = cache.context_length(layer)
-        _check_positions(module, kwargs.get("position_ids"), path, n, window)
+        _check_positions(module, kwargs.get("position_ids"), path, n, window, kwargs.get("kv_end") is not None)
         first = max(path - window + 1, 0)
     past_keys, past_values = cache.context(layer, first)
     keys = torch.cat([*past_keys, key], dim=2) if past_keys else key
     values = torch.cat([*past_values, value], dim=2) if past_values else value
     context = keys.shape[2] - n
+    own = (kwargs.get("kv_end"), kwargs.get("position_ids"))  # a packed chunk's own mask; depths for a window
     if softcap is None:
-        visible = cache.mask(n, context, window, query.dtype, query.device)
+        visible = cache.mask(n, context, window, query.dtype, query.device, *own)
         output = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
         )
     else:
-        visible = cache.mask(n, context, window, None, query.device)
+        visible = cache.mask(n, context, window, None, query.device, *own)
         output = _capped_attention(query, keys, values, visible, scaling, softcap)
     return output.transpose(1, 2).contiguous(), None
 
 
-def _check_positions(module, positions: torch.Tensor | None, context: int, n: int, window: int) -> None:
-    """The window rule is applied on depths: the chunk's must continue its context (root at depth 0)."""
+def _check_positions(
+    module, positions: torch.Tensor | None, context: int, n: int, window: int, packed: bool = False
+) -> None:
+    """The window rule is applied on depths: the chunk's must continue its context (root at depth 0): a
+    chain chunk's run on from it, a packed chunk's subtrees each start right below it."""
     name = module.__class__.__name__
     if positions is None:
         raise ValueError(
@@ -158,8 +177,12 @@ def _check_positions(module, positions: torch.Tensor | None, context: int, n: in
             "pass its position_ids to the model's forward"
         )
     check_window(positions.reshape(1, -1), window, torch.Size((1, n)))
-    expected = torch.arange(context, context + n, device=positions.device)
-    if not bool((positions.reshape(-1) == expected).all()):
+    depths = positions.reshape(-1)
+    if packed:
+        continues = bool(depths[0] == context) and bool((depths >= context).all())
+    else:
+        continues = bool((depths == torch.arange(context, context + n, device=positions.device)).all())
+    if not continues:
         raise ValueError(
             f"{name} uses a sliding window ({window}): the chunk's position_ids must continue its ancestors' "
             f"{context} cached tokens ({context}..{context + n - 1}), got {positions.reshape(-1).tolist()}"

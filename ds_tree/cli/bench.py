@@ -17,6 +17,8 @@ cannot see), and activation_peak_ratio_tree_over_flat their ratio.
 Mode dfs (SFT and RL) walks every tree depth-first in chunks of at most --dfs-chunk tokens
 (default --budget; --dfs-recompute forwards each chunk twice); its peak_memory_bytes is the most
 the walk holds at once, and dfs_time_over_tree / dfs_memory_over_tree compare it with tree mode.
+modes.<mode>.calls_per_step counts forward-and-backward model calls (RL: of one update): a
+packed mode's rows, the walk's chunks.
 
 --objective grpo / ppo times RL steps instead (docs/RL.md; the data needs rewards, or per-token
 advantages for the given estimator): the old policy's no-grad forward, then --ppo-epochs

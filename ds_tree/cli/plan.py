@@ -187,6 +187,7 @@ def dfs_plan(config, shape: ModelShape, free: int, path_tokens: int, entropy: bo
         "checkpoint_every": config.model.checkpointed_every,
         "head_chunk": config.model.head_chunk,
         "entropy": entropy,
+        "packed_below": True,  # the worst tree: a packed chunk below the path (ds_tree/packing/dfs_chunks.py)
     }
     plan = {"chunk": settings.chunk, "recompute": settings.recompute, "path_tokens": path_tokens}
     for name, recompute in (("without_recompute", False), ("with_recompute", True)):

@@ -1,8 +1,9 @@
 """The dfs execution mode: a tree walked depth-first, one root-to-leaf path in memory (docs/DESIGN.md section 5).
 
-A packed row (whole trees, any size) is cut into *chunks*: runs of at most ``chunk`` consecutive
-tokens of one node chain (a node and its only child are one chain), each chunk's parent the chunk
-before it on its path. The walk, for every chunk in DFS order:
+A packed row (whole trees, any size) is cut into *chunks* of at most ``chunk`` tokens
+(:mod:`ds_tree.packing.dfs_chunks`): whole subtrees packed below one parent token, or pieces of a
+node chain whose subtree is larger, below which further chunks hang; every chunk's context is the
+path to its parent token, held by its ancestor chunks. The walk, for every chunk in DFS order:
 
 1. forwards the chunk on its ancestors' cached per-layer keys and values (leaf tensors that
    require grad, :mod:`ds_tree.attention.cached`); the chunk's loss is the SFT loss of every target
@@ -15,7 +16,8 @@ before it on its path. The walk, for every chunk in DFS order:
    ancestors' leaves receive in turn the gradient it sends them.
 
 Memory: while a chunk runs, only its ancestors' graphs are alive (they wait for their backward),
-so the activations follow one root-to-leaf path, whatever the tree's size. With ``recompute`` a
+pieces of one root-to-leaf path, so the activations follow one path plus one chunk, whatever the
+tree's size. With ``recompute`` a
 chunk is first forwarded without grad (only its keys and values kept for the children) and
 forwarded again with grad right before its backward: one more forward of every token, and the
 activations of a single chunk plus the path's keys and values.
@@ -59,6 +61,7 @@ from ds_tree.engine.calls import (
 from ds_tree.losses.sft import weighted_nll
 from ds_tree.models.logprobs import logprobs_at, predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
+from ds_tree.packing.dfs_chunks import Chunks, row_chunks
 from ds_tree.packing.rows import PackedRow
 
 
@@ -84,58 +87,29 @@ def settings_of(packing, ds_config: dict | None = None) -> DfsSettings:
 
 
 @dataclass
-class Chunks:
-    """A row's chunks in DFS order: token ranges ``[start, end)`` and the parent chunk (``-1``: a root)."""
-
-    start: np.ndarray
-    end: np.ndarray
-    parent: np.ndarray
-
-    def __len__(self) -> int:
-        return int(self.start.size)
-
-    def of_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        """The chunk holding each of ``tokens``."""
-        return np.searchsorted(self.start, tokens, side="right") - 1
-
-
-def row_chunks(row: PackedRow, chunk: int) -> Chunks:
-    """The chunks of the real tokens of ``row``: node chains cut every ``chunk`` tokens.
-
-    A token continues the chain of the token before it when that token predicts it and both have the
-    same subtree end (same node, or a node's only child); else it starts a chain (a root, or one of
-    several children) whose first chunk's parent is the chunk of the token that predicts it.
-    """
-    if chunk < 1:
-        raise ValueError(f"the dfs chunk size must be >= 1, got {chunk}")
-    n = row.n_real
-    if n == 0:
-        return Chunks(*(np.zeros(0, dtype=np.int64) for _ in range(3)))
-    tokens = np.arange(n)
-    continues = (row.pred_pos[:n] == tokens - 1) & (row.kv_end[:n] == np.roll(row.kv_end[:n], 1))
-    chain_start = np.flatnonzero(~continues | (tokens == 0))
-    chain_end = np.append(chain_start[1:], n)
-    starts = np.concatenate([np.arange(s, e, chunk) for s, e in zip(chain_start, chain_end, strict=True)])
-    chunks = Chunks(starts, np.append(starts[1:], n), np.empty(starts.size, dtype=np.int64))
-    predictor = row.pred_pos[starts]
-    chunks.parent = np.where(predictor >= 0, chunks.of_tokens(np.maximum(predictor, 0)), -1)
-    return chunks
-
-
-@dataclass
 class ChunkInputs:
-    """The model inputs of one chunk: its tokens, their depths, the path cache (``PackedRow.tensors``' role)."""
+    """The model inputs of one chunk: its tokens, their depths, the path cache (``PackedRow.tensors``' role),
+    and for a packed chunk its own ``kv_end`` (:meth:`Chunks.local_kv_end`; None: causal)."""
 
     input_ids: np.ndarray
     position_ids: np.ndarray
     path_cache: PathCache
+    kv_end: np.ndarray | None = None
+
+    @classmethod
+    def of_chunk(cls, row: PackedRow, chunks: Chunks, index: int, cache: PathCache) -> ChunkInputs:
+        tokens = chunks.tokens(index)
+        return cls(row.input_ids[tokens], row.position_ids[tokens], cache, chunks.local_kv_end(row, index))
 
     def tensors(self, device: torch.device | str = "cpu") -> dict:
-        return {
+        inputs = {
             "input_ids": torch.as_tensor(self.input_ids, device=device)[None],
             "position_ids": torch.as_tensor(self.position_ids, device=device)[None],
             "path_cache": self.path_cache,
         }
+        if self.kv_end is not None:
+            inputs["kv_end"] = torch.as_tensor(self.kv_end, device=device)[None]
+        return inputs
 
 
 @contextlib.contextmanager
@@ -219,9 +193,9 @@ class WalkedRouterLoss:
         """The chunk's ``Q`` from the router logits of its forward; records its tokens' assignments."""
         if not router_logits:
             raise RuntimeError("no router logits were captured in the forward of an MoE model")
-        start, end = int(self.chunks.start[index]), int(self.chunks.end[index])
+        tokens = self.chunks.tokens(index)
         dtype = torch.float64 if router_logits[0].dtype == torch.float64 else torch.float32
-        probabilities = [torch.softmax(logits.reshape(end - start, -1).to(dtype), dim=-1) for logits in router_logits]
+        probabilities = [torch.softmax(logits.reshape(tokens.size, -1).to(dtype), dim=-1) for logits in router_logits]
         with torch.no_grad():
             counts = sum(
                 F.one_hot(torch.topk(p, self.aux.top_k, dim=-1).indices, self.aux.num_experts).sum(-2).to(dtype)
@@ -229,17 +203,16 @@ class WalkedRouterLoss:
             )
             if self.counts is None:
                 self.counts = counts.new_zeros(self.row.n_tokens, self.aux.num_experts)
-            self.counts[start:end] = counts
+            self.counts[torch.as_tensor(tokens, device=counts.device)] = counts
         self.layers = len(router_logits)
         return torch.stack(probabilities).sum(0)
 
     def chunk_share(self, index: int, probabilities: torch.Tensor) -> torch.Tensor:
         """``scale * sum_{t in chunk} Q_t . G_t`` (differentiable in ``probabilities``, the chunk's ``Q``)."""
-        start, end = int(self.chunks.start[index]), int(self.chunks.end[index])
         weights = torch.zeros_like(probabilities)
         for i in self.through[index]:
             path = self.paths[i]
-            mine = torch.as_tensor(path[(path >= start) & (path < end)] - start, device=weights.device)
+            mine = torch.as_tensor(self.chunks.local(path[self.chunks.of_tokens(path) == index]), device=weights.device)
             per_trajectory = self.counts[torch.as_tensor(path, device=weights.device)].sum(0) / len(path)
             weights.index_add_(0, mine, per_trajectory.expand(len(mine), -1))
         aux = self.aux
@@ -274,8 +247,7 @@ def walk(
     def forward(index: int, grad: bool = True) -> tuple[tuple | None, LayerKV]:
         """The chunk's loss and router probabilities (None without ``grad``: only its keys and values
         are needed, and its routing), and its keys and values."""
-        start, end = int(chunks.start[index]), int(chunks.end[index])
-        inputs = ChunkInputs(row.input_ids[start:end], row.position_ids[start:end], cache)
+        inputs = ChunkInputs.of_chunk(row, chunks, index, cache)
         with chunk_attention(model), torch.set_grad_enabled(grad):
             with captured_router_logits(model, enabled=router is not None) as router_logits:
                 loss = chunk_loss(index, inputs) if grad else logprobs_at(model, inputs, *_ONE_TARGET, device)
@@ -332,11 +304,10 @@ def walk_logprobs(
         if not entering:
             cache.ancestors.pop()
             continue
-        start, end = int(chunks.start[index]), int(chunks.end[index])
-        inputs = ChunkInputs(row.input_ids[start:end], row.position_ids[start:end], cache)
+        inputs = ChunkInputs.of_chunk(row, chunks, index, cache)
         mine = np.flatnonzero(target_chunk == index)
-        predictors = row.pred_pos[targets[mine]] - start if mine.size else np.zeros(1, np.int64)
-        labels = row.input_ids[targets[mine]] if mine.size else row.input_ids[start : start + 1]
+        predictors = chunks.local(row.pred_pos[targets[mine]]) if mine.size else np.zeros(1, np.int64)
+        labels = row.input_ids[targets[mine]] if mine.size else inputs.input_ids[:1]
         with chunk_attention(model):
             logprobs = logprobs_at(model, inputs, predictors, labels, device, head_chunk=head_chunk)
         if mine.size:

@@ -174,15 +174,14 @@ class WalkedRunner:
         target_chunk = chunks.of_tokens(row.pred_pos[terms.targets])
 
         def chunk_loss(index: int, inputs: ChunkInputs) -> torch.Tensor:
-            start = int(chunks.start[index])
             mine = np.flatnonzero(target_chunk == index)
             if mine.size == 0:
-                return _zero_loss(model, row, inputs, start, run.device)
+                return _zero_loss(model, row, inputs, int(chunks.tokens(index)[0]), run.device)
             targets = terms.targets[mine]
             logp, entropy = logprobs_and_entropy_at(
                 model,
                 inputs,
-                row.pred_pos[targets] - start,
+                chunks.local(row.pred_pos[targets]),
                 row.input_ids[targets],
                 run.device,
                 entropy=terms.entropy,
