@@ -357,7 +357,7 @@ def compare_rl(
         from ds_tree.models.lora import AdaptersDisabled
 
         reference = AdaptersDisabled(model)
-        computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
+    computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
     check_finite_statistics(trajectories, computed.values)  # rewards overflowing float64: a data error
     advantages = computed.by_trajectory()
 
