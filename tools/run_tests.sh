@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh
+# vLLM in its own venv (.venv-vllm; reused when present) for tests/test_vllm.py (rollout.engine: vllm).
+# Not fatal here: without it those tests skip and say how to install it (under CI=true they fail).
+bash tools/bootstrap.sh --vllm || echo "run_tests.sh: could not install vLLM (bash tools/bootstrap.sh --vllm): tests/test_vllm.py will skip" >&2
 # The Triton interpreter must be chosen before anything imports triton (transformers does).
 export TRITON_INTERPRET=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
