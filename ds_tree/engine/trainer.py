@@ -412,7 +412,7 @@ class Trainer(RLSteps):
                 router_scalars["loss/router_aux"] = float(share.item())
             loss, grad_norm = self.apply_update(step + 1, output.loss)
         elapsed = time.perf_counter() - started
-        router_scalars.update(self.run_self_check(step))  # after the timing: the check is not training
+        router_scalars.update(self.run_self_check(step, loss))  # after the timing: the check is not training
         peak = (
             torch.cuda.max_memory_allocated()
             if torch.cuda.is_available()
@@ -438,12 +438,21 @@ class Trainer(RLSteps):
             **router_scalars,
         }
 
-    def run_self_check(self, step: int) -> dict[str, float]:
+    def run_self_check(self, step: int, loss: float) -> dict[str, float]:
         """``objective.self_check`` on this step's trajectories (:mod:`ds_tree.engine.self_check`): its
-        ``selfcheck/`` scalars, or a :class:`SelfCheckError`; nothing on steps it does not check."""
+        ``selfcheck/`` scalars, or a :class:`SelfCheckError`; nothing on steps it does not check.
+
+        A due step whose loss is not finite (discarded by ``optimizer.non_finite: skip``) is not a
+        tree-vs-flat question: both sides are NaN. The check moves to the next step with a finite loss.
+        """
         config = self.config
-        if not self_check.is_due(config.objective.self_check, step, self.start_step):
+        deferred = getattr(self, "_self_check_deferred", False)
+        if not (deferred or self_check.is_due(config.objective.self_check, step, self.start_step)):
             return {}
+        if not math.isfinite(loss):
+            self._self_check_deferred = True
+            return {}
+        self._self_check_deferred = False
         if config.parallel.sequence_parallel_size > 1:  # its rows are sharded: the check's are whole
             if step == self.start_step:
                 logger.warning("objective.self_check does not run with sequence parallelism yet; skipped")
