@@ -52,6 +52,7 @@ def sequence_parallel_rl_report(
     size: int = 2,
     estimator: str = "grpo",
     normalise_advantages: bool = False,
+    tempo_coef: float = 1.0,
     settings: RLSettings | None = None,
     dtype: str = "float64",
     seed: int = 0,
@@ -70,13 +71,15 @@ def sequence_parallel_rl_report(
     model_config = load_model_config(model_source)
     check_heads(model_config, size, str(model_source))
     check_vocab(trajectories, model_config.vocab_size)
-    computed = estimate(trajectories, estimator, normalise_advantages)  # bad rewards fail here, before spawning
+    # bad rewards fail here, before spawning
+    computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
     check_finite_statistics(trajectories, computed.values)
     options = dict(
         model_source=str(model_source),
         size=size,
         estimator=estimator,
         normalise_advantages=normalise_advantages,
+        tempo_coef=tempo_coef,
         settings=settings or RLSettings(),
         dtype=dtype,
         seed=seed,
@@ -107,7 +110,9 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, o
     old, model = _policies(options, torch_dtype)
     for policy in (old, model):
         enable_sequence_parallel(policy, size)
-    advantages = estimate(trajectories, options["estimator"], options["normalise_advantages"]).by_trajectory()
+    advantages = estimate(
+        trajectories, options["estimator"], options["normalise_advantages"], tempo_coef=options["tempo_coef"]
+    ).by_trajectory()
     plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, options["budget"], options["block"])
     rows = plan.rank_rows(rank, size)
     reference = old if settings.kl_coef else None

@@ -181,6 +181,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 size=args.sequence_parallel,
                 estimator=objective.estimator,
                 normalise_advantages=objective.normalise_advantages,
+                tempo_coef=objective.tempo_coef,
                 settings=objective.rl_settings(),
                 perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
                 **common,
