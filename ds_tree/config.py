@@ -215,7 +215,7 @@ class ObjectiveConfig:
     """SFT: ``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
     policy: WeightPolicy = "exact"
     """SFT: ``exact`` (the flat baseline's objective) or ``dedup`` (each distinct token once)."""
-    estimator: Literal["", "grpo", "rloo", "treepo", "tempo", "given"] = ""
+    estimator: Literal["", Estimator] = ""
     """RL advantage estimator: ``grpo``, ``rloo``, ``treepo``, ``tempo`` or ``given`` ("": the kind's
     default); docs/RL.md compares them."""
     normalise_advantages: bool = False

@@ -1,39 +1,64 @@
 #!/usr/bin/env bash
-# Online GRPO demo (docs/RL.md, "Online RL"): a random-init tiny Llama learns the digit-parity task on
-# 2 CPU ranks with ZeRO-3, with tree sampling and with independent sampling of the same 8 leaves per
-# prompt (configs/online_parity_cpu.yaml), once per seed (model init, prompt order and sampling), then
-# both samplers' reward curves, averaged over the seeds, are plotted with a table of figures.
+# Online RL demo on the digit-parity task (configs/online_parity_cpu.yaml: a random-init tiny Llama on
+# 2 CPU ranks with ZeRO-3): one run per variant and seed (model init, prompt order and sampling), then
+# the variants' reward curves, averaged over the seeds, plotted with a table of figures.
+#   COMPARE=sampler   (default; docs/RL.md, "Online RL"): tree sampling against independent sampling of
+#                     the same 8 leaves per prompt.
+#   COMPARE=estimator (docs/RL.md, "Tree estimators compared"): tree sampling, one run per advantage
+#                     estimator in ESTIMATORS.
 # Extra arguments are config overrides for every run (key=value), e.g. max_steps=10.
 # A run whose output directory already holds its last checkpoint is not trained again.
-# Environment: RUN [runs/online_parity], SEEDS ["0"], PLOT [docs/bench/online_rl.png], NGPU [2].
+# Environment: COMPARE [sampler], SEEDS ["0"], ESTIMATORS ["grpo treepo tempo"],
+# RUN [runs/online_parity, or runs/online_estimators], PLOT [docs/bench/online_rl.png, or
+# docs/bench/online_estimators.png], NGPU [2], MASTER_PORT [29500].
 set -euo pipefail
 cd "$(dirname "$0")/.."
+COMPARE=${COMPARE:-sampler}
+SEEDS=${SEEDS:-0}
+case $COMPARE in
+  sampler)
+    variants=(tree independent)
+    RUN=${RUN:-runs/online_parity}
+    PLOT=${PLOT:-docs/bench/online_rl.png}
+    ;;
+  estimator)
+    read -r -a variants <<<"${ESTIMATORS:-grpo treepo tempo}"
+    RUN=${RUN:-runs/online_estimators}
+    PLOT=${PLOT:-docs/bench/online_estimators.png}
+    ;;
+  *)
+    echo "online_parity.sh: COMPARE must be sampler or estimator, got '$COMPARE'" >&2
+    exit 2
+    ;;
+esac
 bash tools/bootstrap.sh
 DS_TREE=.venv/bin/ds-tree
-RUN=${RUN:-runs/online_parity}
-SEEDS=${SEEDS:-0}
-PLOT=${PLOT:-docs/bench/online_rl.png}
 if [ ! -f "$RUN/tokenizer/tokenizer.json" ]; then
   "$DS_TREE" make-tokenizer --output "$RUN/tokenizer"
 fi
 curves=()
-for sampler in tree independent; do
-  independent=false
-  if [ "$sampler" = independent ]; then independent=true; fi
+for variant in "${variants[@]}"; do
+  if [ "$COMPARE" = sampler ]; then
+    independent=false
+    if [ "$variant" = independent ]; then independent=true; fi
+    override="rollout.independent=$independent"
+  else
+    override="objective.estimator=$variant"
+  fi
   runs=()
   for seed in $SEEDS; do
-    output="$RUN/$sampler-seed$seed"
+    output="$RUN/$variant-seed$seed"
     NGPU=${NGPU:-2} bash launch/train.sh configs/online_parity_cpu.yaml "model.tokenizer=$RUN/tokenizer" \
-      "output_dir=$output" "rollout.independent=$independent" "model.seed=$seed" "rollout.seed=$seed" "$@"
+      "output_dir=$output" "$override" "model.seed=$seed" "rollout.seed=$seed" "$@"
     runs+=("$output")
   done
-  curves+=("$sampler=$(IFS=,; echo "${runs[*]}")")
+  curves+=("$variant=$(IFS=,; echo "${runs[*]}")")
 done
 "$DS_TREE" plot-online "${curves[@]}" --output "$PLOT"
 cat <<MSG
 
 Done.
-  runs          : $RUN/SAMPLER-seedSEED for SAMPLER in tree, independent and SEED in $SEEDS
+  runs          : $RUN/VARIANT-seedSEED for VARIANT in ${variants[*]} and SEED in $SEEDS
                   (metrics.jsonl; tensorboard/ with rollout/reward_mean, rollout/por, ...)
   reward curves : $PLOT
 MSG

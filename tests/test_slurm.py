@@ -83,18 +83,48 @@ def submit(env: dict, nodes: int, output: Path, *args: str, **variables: str) ->
 
 
 def wait_for_job(env: dict, job: str, output: Path, requeue_now: bool = False) -> dict[str, str]:
-    """The job's final record. A requeued job waits ~2 min (SLURM's requeue delay): ``requeue_now`` starts it."""
+    """The job's final record. A requeued job waits ~2 min (SLURM's requeue delay): ``requeue_now`` starts it
+    sooner, once its nodes are idle again and a few seconds after the requeue.
+
+    Not at once: slurmd refuses to launch a job whose credential is not newer than the time the job was
+    last killed, at one-second resolution ("Job N already killed, do not launch batch job"), and then
+    ends the requeued job. SLURM's own requeue delay keeps real clusters clear of that; a test that cuts
+    the delay to nothing ran into it.
+    """
     deadline = time.monotonic() + JOB_TIMEOUT_S
+    requeued_at = None
     while time.monotonic() < deadline:
         record = scontrol_job(env, job)
         state = record["JobState"]
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return record
         if requeue_now and state == "PENDING" and record.get("Reason") == "BeginTime":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+            requeued_at = requeued_at or time.monotonic()
+            if time.monotonic() - requeued_at >= REQUEUE_SETTLE_S and nodes_idle(env):
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
         time.sleep(1)
     subprocess.run(["scancel", job], env=env)
     pytest.fail(f"job {job} did not finish within {JOB_TIMEOUT_S} s:\n{tail(output)}")
+
+
+REQUEUE_SETTLE_S = 3
+"""Seconds between a requeue and starting the job again (over slurmd's one-second credential clock)."""
+
+
+def nodes_idle(env: dict) -> bool:
+    """No node is still allocated or completing a job."""
+    result = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+    states = result.stdout.split()
+    return result.returncode == 0 and bool(states) and all(state == "idle" for state in states)
+
+
+def job_report(env: dict, record: dict[str, str], output: Path) -> str:
+    """What a failed job assertion shows: the job's record, its output, and the daemons' last log lines."""
+    fields = ("JobState", "Reason", "ExitCode", "Restarts", "NodeList")
+    lines = [" ".join(f"{name}={record.get(name)}" for name in fields), tail(output)]
+    for log in sorted((Path(env["SLURM_CONF"]).parent / "log").glob("slurm*.log")):
+        lines.append(f"--- {log.name} (last lines)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(lines)
 
 
 def tail(path: Path, chars: int = 6000) -> str:
@@ -148,8 +178,8 @@ def test_torchrun_two_nodes_preempted_requeued_resumes_to_the_same_losses(slurm,
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
     record = wait_for_job(slurm, job, log, requeue_now=True)
     text = log.read_text()
-    assert record["JobState"] == "COMPLETED", tail(log)
-    assert record["Restarts"] == "1", tail(log)
+    assert record["JobState"] == "COMPLETED", job_report(slurm, record, log)
+    assert record["Restarts"] == "1", job_report(slurm, record, log)
     assert "slurm.sbatch: torchrun on 2 node(s) x 1 = 2 ranks: n1 n2" in text
     stopped = [line for line in text.splitlines() if "stopped by SIGUSR1 after step" in line]
     assert len(stopped) == 1, tail(log)
