@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM
 from ds_tree.attention import implementation_name, register_tree_attention
 from ds_tree.cli.verify import main as verify_main
 from ds_tree.data.jsonl import write_jsonl
+from ds_tree.engine.dfs import DfsSettings
+from ds_tree.models import hybrid
 from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation
@@ -170,6 +172,7 @@ def test_verify_float64_on_random_forests(name, objective, forest_file, hybrids,
     lengths = [len(record["input_ids"]) for record in map(json.loads, Path(forest_file).read_text().splitlines())]
     budget = max(lengths) + 40  # trees split into parts that carry their ancestor paths
     argv = ["--data", forest_file, "--model", hybrids[name], "--dtype", "float64", "--budget", str(budget)]
+    argv += ["--dfs-chunk", "64"]  # and every tree walked in chunks, each from its parent chunk's states
     if objective == "grpo":
         argv += ["--objective", "grpo", "--estimator", "grpo"]
     code = verify_main(argv)
@@ -177,6 +180,7 @@ def test_verify_float64_on_random_forests(name, objective, forest_file, hybrids,
     assert code == 0 and report["passed"], report
     assert report["rows_tree"] > 1  # split parts, each from its own ancestor path
     assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10
+    assert report["dfs_max_rel_grad_err"] <= 1e-10 and report["dfs_loss_rel_err"] <= 1e-10
 
 
 @pytest.mark.parametrize("name", list(SMALLER))
@@ -203,6 +207,38 @@ def test_float32_tree_equals_flat_and_the_stock_model_per_trajectory(name, hybri
         np.testing.assert_allclose(tree.logprobs[id(trajectory)], expected, rtol=0, atol=1e-5)
 
 
+# ------------------------------------------------------------------------------------------ dfs
+SHORT_NODES = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11], [5, 6, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27]]
+"""Root R (2 tokens) forks into A (1 token, forking again into B, C of 2) and D (3); a chain of 8 on its
+own. Every node of the first tree is shorter than the conv windows (3 inputs): a chunk's window reaches
+through its parent chunk's cached taps into its grandparents'."""
+
+
+def _dfs_errors(model, forest, flat, chunk: int) -> tuple[float, float]:
+    """Largest relative loss and gradient error of the dfs walk in chunks of ``chunk`` against ``flat``."""
+    walked = run_mode(model, forest, "dfs", 4096, 1, "token_mean", "exact", dfs=DfsSettings(chunk))
+    gradient_error = max(gradient_errors(flat.gradients, walked.gradients).values())
+    return abs(walked.loss - flat.loss) / abs(flat.loss), gradient_error
+
+
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_dfs_chunks_shorter_than_the_conv_window_start_from_the_cached_state_and_taps(name, hybrids, monkeypatch):
+    forest = [Trajectory(np.array(t), np.ones(len(t)), group_id="g") for t in SHORT_NODES]
+    model = load_model(hybrids[name], attention="torch", dtype=torch.float64, seed=5)
+    flat = run_mode(model, forest, "flat", 4096, 1, "token_mean", "exact")
+    for chunk in (1, 2, 3):  # chain chunks of 1-3 tokens, packed chunks (B, C) below one token
+        loss_error, gradient_error = _dfs_errors(model, forest, flat, chunk)
+        assert loss_error <= 1e-10 and gradient_error <= 1e-10, (chunk, loss_error, gradient_error)
+    # Each half of the cached context is needed: without the parent chunk's taps (zeros instead) or
+    # without its recurrent state (a zero state), the walk differs from flat far beyond round-off
+    # (Bamba's random-init heads forget within a few tokens: its state error is ~1e-6, not ~1).
+    record = hybrid.ChunkContext.record
+    monkeypatch.setattr(hybrid.ChunkContext, "record", lambda self, state, taps: record(self, state, taps * 0))
+    assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
+    monkeypatch.setattr(hybrid.ChunkContext, "record", lambda self, state, taps: record(self, state * 0, taps))
+    assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
+
+
 # --------------------------------------------------------------------------- leaks and refusals
 @pytest.mark.parametrize("name", list(SMALLER))
 def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids):
@@ -215,16 +251,22 @@ def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "overrides, message",
     [
-        ("packing.mode=dfs", "packing.mode: dfs: qwen3_5_text is a hybrid model"),
-        ("parallel.sequence_parallel_size=2", "sequence-parallel group that is not built"),
+        (["parallel.sequence_parallel_size=2"], "the ranks of the group would run every recurrent layer one after"),
+        (["packing.over_budget=sequence_parallel"], "For trees over the budget use packing.over_budget: dfs"),
+        (["packing.mode=dfs", "packing.dfs_chunk=16"], None),  # the walk carries the states: accepted
     ],
 )
-def test_dry_run_refuses_dfs_and_sequence_parallel_for_hybrids(monkeypatch, capsys, tmp_path, override, message):
+def test_dry_run_refuses_sequence_parallel_and_accepts_dfs_for_hybrids(
+    monkeypatch, capsys, tmp_path, overrides, message
+):
     config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))
-    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", override)
-    assert code == 2 and message in err, err
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", *overrides)
+    if message is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and "qwen3_5_text is a hybrid model (Gated DeltaNet layers)" in err and message in err, err
 
 
 def test_refusals_keep_other_recurrent_models_out(tmp_path):
@@ -265,7 +307,8 @@ def test_two_ranks_zero3_with_activation_checkpointing_match_single_process_flat
     assert report["max_floored_grad_err"] < 1e-5, report
 
 
-def test_verify_refuses_dfs_and_sequence_parallel_for_hybrids(forest_file, capsys):
-    for extra in (["--dfs-chunk", "64"], ["--sequence-parallel", "2"]):
-        assert verify_main(["--data", forest_file, "--model", QWEN3_5, *extra]) == 2
-        assert "recurrent state handed between chunks or shards" in capsys.readouterr().err
+def test_verify_refuses_sequence_parallel_for_hybrids(forest_file, capsys):
+    assert verify_main(["--data", forest_file, "--model", QWEN3_5, "--sequence-parallel", "2"]) == 2
+    assert "--sequence-parallel would need each shard's recurrent state handed from the previous rank" in (
+        capsys.readouterr().err
+    )
