@@ -33,6 +33,9 @@ from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isol
 from ds_tree.models.tree_nodes import build_nodes
 from ds_tree.packing.parts import whole_tree
 from ds_tree.packing.rows import assemble_row
+from ds_tree.rollout import sampler
+from ds_tree.rollout.sampler import sample_tree
+from ds_tree.rollout.settings import SamplerSettings
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -237,6 +240,30 @@ def test_dfs_chunks_shorter_than_the_conv_window_start_from_the_cached_state_and
     assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
     monkeypatch.setattr(hybrid.ChunkContext, "record", lambda self, state, taps: record(self, state * 0, taps))
     assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
+
+
+# ---------------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybrids, monkeypatch):
+    """The tree sampler on a hybrid: branches fork the recurrent and conv states (shared, never written),
+    stopped branches re-branch by re-encoding their path; every sampled log-prob equals the tree
+    forward's recompute of the same tokens to float32 round-off (a leaked or stale state would not)."""
+    model = load_model(hybrids[name], attention="torch", dtype=torch.float32, seed=3)
+    settings = SamplerSettings(segment_length=3, branching=2, max_depth=3, width=6, max_new_tokens=12)
+    rebranched = []
+    rebranch = sampler._TreeSampler.rebranch
+    monkeypatch.setattr(sampler._TreeSampler, "rebranch", lambda *a: rebranched.append(1) or rebranch(*a))
+    # one in 4 tokens ends a branch: stops, refills and re-branches happen
+    tree = sample_tree(model, [5, 6, 7, 8, 9, 10], settings, generator=torch.Generator().manual_seed(0),
+                       eos_token_ids=range(3, 1024, 4))
+    trajectories = tree.trajectories("g")
+    assert len(trajectories) == 6 and any(node.finish_reason == "eos" for node in tree.nodes) and rebranched
+    recomputed = run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact", forward_only=True).logprobs
+    for trajectory in trajectories:
+        sampled = trajectory.logprobs[1:]
+        mine = np.isfinite(sampled)  # the sampled tokens (NaN on the prompt)
+        assert mine.sum() == len(trajectory.input_ids) - 6
+        np.testing.assert_allclose(recomputed[id(trajectory)][mine], sampled[mine], rtol=0, atol=2e-5)
 
 
 # --------------------------------------------------------------------------- leaks and refusals

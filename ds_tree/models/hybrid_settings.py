@@ -14,8 +14,8 @@ def check_hybrid_settings(config, model_config) -> None:
     """Refuse, before anything is built, what the recurrent layers cannot do (a ``ConfigError``
     naming the field): sequence-parallel shards would each need the previous shard's final recurrent
     and conv state, a sequential hand-off across the group (refused: docs/MODELS.md, "Hybrid models");
-    online RL samples with a KV cache that is forked at branch points, and a recurrent state is not
-    forked yet. Packed rows, split parts and the dfs walk carry the states exactly."""
+    online RL samples with the in-process tree sampler only (it forks the recurrent states). Packed
+    rows, split parts and the dfs walk carry the states exactly."""
     if not is_hybrid(model_config):
         return
     kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
@@ -29,8 +29,9 @@ def check_hybrid_settings(config, model_config) -> None:
             "\"Hybrid models\"). For trees over the budget use packing.over_budget: dfs (the walk carries the "
             "states exactly, in one path plus one chunk of memory) and parallel.sequence_parallel_size: 1"
         )
-    if config.rollout.enabled:
+    if config.rollout.enabled and config.rollout.engine != "hf":
         raise ConfigError(
-            f"rollout.enabled: {what}; the tree sampler forks the KV cache at branch points and cannot fork "
-            "a recurrent state yet. Sample offline with another model, or train offline (rollout.enabled: false)"
+            f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "
+            "tree sampler (rollout.engine: hf), which forks their recurrent and conv states at branch points "
+            "(ds_tree/rollout/state_cache.py); the vLLM route is not checked for them"
         )
