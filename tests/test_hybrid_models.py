@@ -266,6 +266,36 @@ def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybri
         np.testing.assert_allclose(recomputed[id(trajectory)][mine], sampled[mine], rtol=0, atol=2e-5)
 
 
+@pytest.mark.distributed
+def test_online_rl_on_a_hybrid_samples_and_trains(tmp_path, tokenizer_dir):
+    """Two online GRPO steps of the Qwen3.5 hybrid under the DeepSpeed launcher (one rank, ZeRO-3): the
+    tree sampler forks its states, the trainer recomputes every sampled token's log-prob
+    (``old_logprobs: recompute``) and finds the sampler's to float32 round-off."""
+    import subprocess
+
+    from tests.test_engine import BIN, environment, free_port
+    from tests.test_online_rl import online_config
+
+    config = online_config(
+        tmp_path,
+        tokenizer_dir,
+        max_steps=2,
+        model={"tokenizer": str(tokenizer_dir), "source": QWEN3_5},
+        objective={"kind": "grpo", "normalise_advantages": True, "old_logprobs": "recompute"},
+        checkpoint={"every": 0, "export_hf": False},
+    )
+    command = [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()), "--module",
+               "ds_tree.train", "--config", str(config)]
+    result = subprocess.run(command, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2]
+    for record in records:
+        assert record["rollout/leaves"] == 4 and record["rollout/tokens_saved"] > 0  # sampled as trees
+        assert record["optim/grad_norm"] > 0
+        assert record["rollout/logprob_mismatch_max"] < 1e-5, record
+
+
 # --------------------------------------------------------------------------- leaks and refusals
 @pytest.mark.parametrize("name", list(SMALLER))
 def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids):
