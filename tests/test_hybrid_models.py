@@ -242,6 +242,34 @@ def test_dfs_chunks_shorter_than_the_conv_window_start_from_the_cached_state_and
     assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
 
 
+MORE_FAMILIES = {  # Qwen3-Next (GDN, gated attention, MoE + router loss) and Nemotron-H (Mamba2), cut small
+    "qwen3_next": ("tiny_qwen3_next.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
+                   layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+                   linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "nemotron_h": ("tiny_nemotron_h.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
+                   layers_block_type=["linear_attention", "full_attention"], mamba_head_dim=16, ssm_state_size=8)),
+}
+
+
+@pytest.mark.parametrize("name, objective", [("qwen3_next", "sft"), ("nemotron_h", "grpo")])
+def test_more_families_verify_float64_tree_and_dfs(name, objective, tmp_path, capsys):
+    source, smaller = MORE_FAMILIES[name]
+    model = tmp_path / f"{name}.json"
+    model.write_text(json.dumps({**json.loads((ROOT / "configs/models" / source).read_text()), **smaller}))
+    records = [{"group_id": "g", "input_ids": ids, "loss_mask": [0] * 2 + [1] * (len(ids) - 2),
+                "reward": float(index % 3) - 0.7} for index, ids in enumerate(SHORT_NODES)]
+    data = write_jsonl(tmp_path / "short.jsonl", records)
+    argv = ["--data", str(data), "--model", str(model), "--dtype", "float64", "--dfs-chunk", "2"]
+    if objective == "grpo":
+        argv += ["--objective", "grpo", "--estimator", "grpo"]
+    code = verify_main(argv)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"], report
+    assert report["max_rel_grad_err"] <= 1e-10 and report["dfs_max_rel_grad_err"] <= 1e-10, report
+    if name == "qwen3_next":  # an MoE hybrid: its router loss is part of the checked loss
+        assert report["router_aux_loss_coef"] == 0.5 and report["router_aux_rel_err"] <= 1e-10
+
+
 # ---------------------------------------------------------------------------------- sampling
 @pytest.mark.parametrize("name", list(SMALLER))
 def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybrids, monkeypatch):

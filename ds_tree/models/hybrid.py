@@ -47,7 +47,13 @@ from ds_tree.models.tree_nodes import TreeNodes, chain_nodes, tree_nodes
 GATED_DELTA_CHUNK = 64
 """The chunk of transformers' ``torch_chunk_gated_delta_rule`` (its default, what the stock layer uses)."""
 
-HYBRID_MODEL_TYPES = {"qwen3_5_text": "Gated DeltaNet", "qwen3_5_moe_text": "Gated DeltaNet", "bamba": "Mamba2"}
+HYBRID_MODEL_TYPES = {
+    "qwen3_5_text": "Gated DeltaNet",
+    "qwen3_5_moe_text": "Gated DeltaNet",
+    "qwen3_next": "Gated DeltaNet",
+    "bamba": "Mamba2",
+    "nemotron_h": "Mamba2",
+}
 """``model_type`` -> its recurrent mixer, for the model types whose ``linear_attention`` layers run on trees."""
 
 RECURRENT_LAYER_TYPES = ("linear_attention",)
@@ -127,6 +133,12 @@ def scan_levels(
     return torch.cat(pieces)[torch.as_tensor(inverse, device=pieces[0].device)], previous
 
 
+def state_key(layer: int) -> tuple[str, int]:
+    """The :class:`~ds_tree.attention.cached.PathCache` key of decoder layer ``layer``'s recurrent entry
+    (a layer may hold attention keys and values under its index too: Falcon-H1 runs both in one layer)."""
+    return ("state", layer)
+
+
 @dataclass
 class ChunkContext:
     """A dfs chunk's recurrent context (:mod:`ds_tree.engine.dfs`): its parent token's state and conv taps.
@@ -134,7 +146,7 @@ class ChunkContext:
     Every path of a dfs chunk continues the path to its parent token (the last token of its parent
     chunk), so its root nodes start from that token's recurrent state and their conv windows reach
     into the K-1 inputs before it. Both are cached with the parent chunk's keys and values in the
-    :class:`~ds_tree.attention.cached.PathCache` (under the layer's index, as the pair
+    :class:`~ds_tree.attention.cached.PathCache` (under :func:`state_key`, as the pair
     ``(state, taps)``): leaf tensors that require grad, so the chunk's backward accumulates their
     gradients and the walk's surrogate hands them to the parent chunk exactly as it does the keys'.
     A chain chunk (no ``kv_end``: one node) records its own last token's state and taps for its children.
@@ -150,7 +162,7 @@ class ChunkContext:
 
     def record(self, state: torch.Tensor, taps: torch.Tensor) -> None:
         if self.records and self.cache.recording:
-            self.cache.recorded[self.layer] = (state, taps)
+            self.cache.recorded[state_key(self.layer)] = (state, taps)
 
 
 def _tree_inputs(
@@ -178,12 +190,12 @@ def _tree_inputs(
     state = taps = None
     if path_cache.ancestors:
         parent = path_cache.ancestors[-1]
-        if layer not in parent:
+        if state_key(layer) not in parent:
             raise ValueError(
                 f"recurrent layer {layer}: the dfs parent chunk cached no state for it (a chunk with children "
                 "must be a chain chunk, which records its last token's state; see ds_tree/packing/dfs_chunks.py)"
             )
-        state, taps = parent[layer]
+        state, taps = parent[state_key(layer)]
     return nodes, ChunkContext(path_cache, layer, state, taps, records=kv_end is None)
 
 
@@ -199,8 +211,30 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
     nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    batch, length, _ = hidden_states.shape
     projected = self.in_proj_qkv(hidden_states)
+    z = self.in_proj_z(hidden_states)
+    b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    return _gated_delta_tree(self, hidden_states.shape, nodes, context, projected, z, b, a)
+
+
+def qwen3_next_gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """``Qwen3NextGatedDeltaNet.forward`` over the tree of ``kwargs['kv_end']``: Qwen3.5's layer with
+    fused projections (``in_proj_qkvz``, ``in_proj_ba``, grouped per key head; the model's own
+    ``fix_query_key_value_ordering`` unpacks them)."""
+    nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
+    if nodes is None:
+        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    query, key, value, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+    )
+    projected = torch.cat([x.reshape(*x.shape[:2], -1) for x in (query, key, value)], dim=-1)
+    return _gated_delta_tree(self, hidden_states.shape, nodes, context, projected, z, b, a)
+
+
+def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | None, projected, z, b, a):
+    """The Gated DeltaNet mixer from its projections: ``projected`` ``[1, N, 2 Dk + Dv]`` (pre-conv q, k, v),
+    ``z`` (the output gate, ``N * Hv`` heads of ``Dv``), ``b``, ``a`` ``[1, N, Hv]``."""
+    batch, length, _ = shape
     taps = None if context is None else context.taps
     if context is not None and taps is None:  # a root chunk: its paths start at the chunk
         taps = projected.new_zeros(self.conv1d.kernel_size[0] - 1, projected.shape[-1])
@@ -209,11 +243,11 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
     query = query.reshape(length, -1, self.head_k_dim)
     key = key.reshape(length, -1, self.head_k_dim)
     value = value.reshape(length, -1, self.head_v_dim)
-    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
-    beta = self.in_proj_b(hidden_states)[0].sigmoid()
+    z = z.reshape(-1, self.head_v_dim)
+    beta = b.reshape(length, -1).sigmoid()
     # The stock layer takes A_log and a in float32 (".float()", against -inf in fp16): at least float32.
-    dtype = compute_dtype(hidden_states.dtype)
-    g = -self.A_log.to(dtype).exp() * F.softplus(self.in_proj_a(hidden_states)[0].to(dtype) + self.dt_bias)
+    dtype = compute_dtype(projected.dtype)
+    g = -self.A_log.to(dtype).exp() * F.softplus(a.reshape(length, -1).to(dtype) + self.dt_bias)
 
     def scan(gathered, initial):
         return chunk_gated_delta_rule(*gathered, initial, chunk=GATED_DELTA_CHUNK, l2_norm_qk=True)
@@ -265,7 +299,9 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
 TREE_MIXERS: dict[str, Callable] = {
     "Qwen3_5GatedDeltaNet": gated_delta_net_forward,
     "Qwen3_5MoeGatedDeltaNet": gated_delta_net_forward,
+    "Qwen3NextGatedDeltaNet": qwen3_next_gated_delta_net_forward,
     "BambaMixer": mamba2_forward,
+    "NemotronHMamba2Mixer": mamba2_forward,
 }
 """Mixer class name -> its tree forward."""
 
@@ -291,8 +327,33 @@ def _gated_norm_gate_first_float64(self, hidden_states, gate=None):
 FLOAT64_GATED_NORMS = {
     "Qwen3_5RMSNormGated": _gated_norm_norm_first_float64,
     "Qwen3_5MoeRMSNormGated": _gated_norm_norm_first_float64,
+    "Qwen3NextRMSNormGated": _gated_norm_norm_first_float64,
     "BambaRMSNormGated": _gated_norm_gate_first_float64,
+    "NemotronHRMSNormGated": _gated_norm_gate_first_float64,
 }
+
+
+def _nemotron_h_forward_float64(
+    self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None, labels=None,
+    use_cache=None, logits_to_keep=0, **kwargs,
+):
+    """``NemotronHForCausalLM.forward`` without its ``.float()`` on the logits (which rounds a float64
+    model's logits to float32); no ``labels`` (the trainer computes its own losses)."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    if labels is not None:
+        raise ValueError("the float64 NemotronH forward computes no loss: pass no labels")
+    outputs = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+    )
+    logits = self.lm_head(slice_logits_to_keep(outputs[0], logits_to_keep))
+    return MoeCausalLMOutputWithPast(logits=logits, cache=outputs.cache, router_logits=outputs.router_logits)
+
+
+FLOAT64_FORWARDS = {"NemotronHForCausalLM": _nemotron_h_forward_float64}
+"""Model classes whose own forward casts the logits to float32, with a float64 forward."""
 
 
 def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -302,6 +363,8 @@ def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype) -> int:
     how many mixers."""
     installed = 0
     float64 = dtype == torch.float64
+    if float64 and type(model).__name__ in FLOAT64_FORWARDS:
+        model.forward = FLOAT64_FORWARDS[type(model).__name__].__get__(model)
     for module in model.modules():
         name = type(module).__name__
         if name in TREE_MIXERS:

@@ -47,7 +47,6 @@ from ds_tree.rollout.settings import SamplerSettings
 from ds_tree.rollout.state_cache import (
     SUPPORTED_LAYERS,
     has_recurrent_layers,
-    is_recurrent,
     layer_row,
     stacked_cache,
 )
@@ -234,7 +233,8 @@ def check_cache_layers(model: PreTrainedModel) -> None:
     (a sliding window cannot be cropped back to a branch point; recurrent states are forked whole:
     :mod:`ds_tree.rollout.state_cache`)."""
     kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
-    if not kinds <= set(SUPPORTED_LAYERS) or DynamicLayer.__name__ not in kinds:
+    plain = kinds == {DynamicLayer.__name__}  # a dense model's (cropped to re-branch); a hybrid's is re-encoded
+    if not plain and not (kinds <= set(SUPPORTED_LAYERS) and has_recurrent_layers(model.config)):
         raise ValueError(
             f"sample_tree needs a full KV cache or a recurrent state on every layer; {model.config.model_type} "
             f"uses {sorted(kinds)} (a sliding window cannot be cropped back to a branch point)"
@@ -272,7 +272,7 @@ class _TreeSampler:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         extra = {}
         if self.recurrent:  # some hybrids (Bamba) number positions from 0 unless told: the attention keys' count
-            fed = next(layer.get_seq_length() for layer in cache.layers if not is_recurrent(layer))
+            fed = next(layer.get_seq_length() for layer in cache.layers if type(layer) is DynamicLayer)
             extra["position_ids"] = torch.arange(fed, fed + input_ids.shape[1], device=self.device).expand_as(input_ids)
         output = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True, **extra)
         self.forward_tokens += input_ids.numel()

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
 
 LayerEntry = tuple[torch.Tensor, torch.Tensor]
 """One layer of one branch (module docstring), batch dimension 1."""
 
-SUPPORTED_LAYERS = (DynamicLayer.__name__, LinearAttentionLayer.__name__)
+SUPPORTED_LAYERS = (DynamicLayer.__name__, LinearAttentionLayer.__name__, DummyLayer.__name__)
+"""Cache layers the sampler forks; a ``DummyLayer`` (an MLP-only layer: Nemotron-H) holds nothing."""
 
 
 def is_recurrent(layer) -> bool:
@@ -40,6 +41,8 @@ def has_recurrent_layers(config) -> bool:
 
 def layer_row(layer, row: int) -> LayerEntry:
     """Row ``row`` of a batched cache layer, as views."""
+    if isinstance(layer, DummyLayer):
+        return None, None
     if is_recurrent(layer):
         if not (layer.is_conv_states_initialized[0] and layer.is_recurrent_states_initialized[0]):
             raise RuntimeError("a recurrent cache layer was read before the model filled it")
@@ -51,6 +54,8 @@ def stacked_cache(config, entries: list[list[LayerEntry]]) -> DynamicCache:
     """A fresh cache for ``config`` holding branch ``b``'s ``entries[b]`` (one per layer) as batch row ``b``."""
     cache = DynamicCache(config=config)
     for index, layer in enumerate(cache.layers):
+        if isinstance(layer, DummyLayer):
+            continue
         first, second = (torch.cat([entry[index][part] for entry in entries]) for part in (0, 1))
         if not is_recurrent(layer):
             layer.update(first, second)
