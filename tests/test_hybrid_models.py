@@ -242,16 +242,17 @@ def test_dfs_chunks_shorter_than_the_conv_window_start_from_the_cached_state_and
     assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
 
 
-MORE_FAMILIES = {  # Qwen3-Next (GDN, gated attention, MoE + router loss) and Nemotron-H (Mamba2), cut small
+MORE_FAMILIES = {  # Qwen3-Next (GDN, gated attention, MoE + router loss), Nemotron-H and Falcon-H1 (Mamba2)
     "qwen3_next": ("tiny_qwen3_next.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
                    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
                    linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
     "nemotron_h": ("tiny_nemotron_h.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
                    layers_block_type=["linear_attention", "full_attention"], mamba_head_dim=16, ssm_state_size=8)),
+    "falcon_h1": ("tiny_falcon_h1.json", dict(ssm_in_multiplier=0.5, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9])),
 }
 
 
-@pytest.mark.parametrize("name, objective", [("qwen3_next", "sft"), ("nemotron_h", "grpo")])
+@pytest.mark.parametrize("name, objective", [("qwen3_next", "sft"), ("nemotron_h", "grpo"), ("falcon_h1", "grpo")])
 def test_more_families_verify_float64_tree_and_dfs(name, objective, tmp_path, capsys):
     source, smaller = MORE_FAMILIES[name]
     model = tmp_path / f"{name}.json"
@@ -355,8 +356,8 @@ def test_dry_run_refuses_sequence_parallel_and_accepts_dfs_for_hybrids(
 
 
 def test_refusals_keep_other_recurrent_models_out(tmp_path):
-    source = tmp_path / "falcon_h1.json"
-    source.write_text(json.dumps({"model_type": "falcon_h1", "vocab_size": 128, "hidden_size": 32,
+    source = tmp_path / "jamba.json"
+    source.write_text(json.dumps({"model_type": "jamba", "vocab_size": 128, "hidden_size": 32,
                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
     with pytest.raises(UnsupportedModelError):
         load_model(source, attention="torch", dtype="float32")

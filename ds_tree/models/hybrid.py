@@ -53,11 +53,13 @@ HYBRID_MODEL_TYPES = {
     "qwen3_next": "Gated DeltaNet",
     "bamba": "Mamba2",
     "nemotron_h": "Mamba2",
+    "falcon_h1": "Mamba2",
 }
 """``model_type`` -> its recurrent mixer, for the model types whose ``linear_attention`` layers run on trees."""
 
-RECURRENT_LAYER_TYPES = ("linear_attention",)
-"""The ``layer_types`` entries that name these mixers."""
+RECURRENT_LAYER_TYPES = ("linear_attention", "hybrid")
+"""The ``layer_types`` entries that name these mixers (``hybrid``: Falcon-H1, a Mamba2 mixer and attention
+side by side in every layer)."""
 
 
 def is_hybrid(config) -> bool:
@@ -268,7 +270,10 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     batch, length, _ = hidden_states.shape
     dtype = hidden_states.dtype
-    projected = self.in_proj(hidden_states)
+    falcon = hasattr(self, "mup_vector")  # Falcon-H1: muP multipliers on the input and the projections
+    projected = self.in_proj(hidden_states * self.ssm_in_multiplier if falcon else hidden_states)
+    if falcon:
+        projected = projected * self.mup_vector
     gate, pre_conv, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
     taps = None if context is None else context.taps
     if context is not None and taps is None:  # a root chunk: its paths start at the chunk
@@ -292,7 +297,11 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     y, final = scan_levels(nodes, self.chunk_size, [x, dt, B, C], scan, root_state)
     if context is not None:
         context.record(final[0], _chunk_taps(context, pre_conv[0], self.conv1d.kernel_size[0] - 1))
-    y = self.norm(y.reshape(batch, length, -1), gate)
+    y = y.reshape(batch, length, -1)
+    if falcon and not self.mamba_rms_norm:  # Falcon-H1 without its gated norm: the gate alone
+        y = y * F.silu(gate.to(y.dtype))
+    else:
+        y = self.norm(y, gate)
     return self.out_proj(y.to(dtype))
 
 
@@ -302,6 +311,7 @@ TREE_MIXERS: dict[str, Callable] = {
     "Qwen3NextGatedDeltaNet": qwen3_next_gated_delta_net_forward,
     "BambaMixer": mamba2_forward,
     "NemotronHMamba2Mixer": mamba2_forward,
+    "FalconH1Mixer": mamba2_forward,
 }
 """Mixer class name -> its tree forward."""
 
@@ -324,12 +334,26 @@ def _gated_norm_gate_first_float64(self, hidden_states, gate=None):
     return self.weight * grouped.view(*prefix, last)
 
 
+def _falcon_h1_gated_norm_float64(self, hidden_states, gate=None):
+    """Falcon-H1's grouped gated RMSNorm (gate before or after, by ``norm_before_gate``) without its float32 casts."""
+    if not self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate)
+    *prefix, last = hidden_states.shape
+    grouped = hidden_states.view(*prefix, self.n_groups, last // self.n_groups)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    hidden_states = (self.weight.view(self.n_groups, -1) * grouped).view(*prefix, last)
+    if self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate)
+    return hidden_states
+
+
 FLOAT64_GATED_NORMS = {
     "Qwen3_5RMSNormGated": _gated_norm_norm_first_float64,
     "Qwen3_5MoeRMSNormGated": _gated_norm_norm_first_float64,
     "Qwen3NextRMSNormGated": _gated_norm_norm_first_float64,
     "BambaRMSNormGated": _gated_norm_gate_first_float64,
     "NemotronHRMSNormGated": _gated_norm_gate_first_float64,
+    "FalconH1RMSNormGated": _falcon_h1_gated_norm_float64,
 }
 
 
