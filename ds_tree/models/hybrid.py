@@ -26,9 +26,10 @@ next to the attention layers' keys and values (:class:`ChunkContext`); the walk 
 leaves that require grad for the chunks below and hands their gradients back through its
 surrogate, as it does the keys' and values'.
 
-Supported mixers (:data:`TREE_MIXERS`): ``Qwen3_5GatedDeltaNet`` and ``Qwen3_5MoeGatedDeltaNet``
-(``qwen3_5_text``, ``qwen3_5_moe_text``), ``BambaMixer`` (``bamba``). Other hybrids (Qwen3-Next,
-Falcon-H1, Nemotron-H, Jamba, Mamba) stay refused by :func:`ds_tree.models.token_mixing.check_layer_types`.
+Supported mixers (:data:`TREE_MIXERS`): ``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet`` and
+``Qwen3NextGatedDeltaNet`` (``qwen3_5_text``, ``qwen3_5_moe_text``, ``qwen3_next``), ``BambaMixer``,
+``NemotronHMamba2Mixer`` and ``FalconH1Mixer`` (``bamba``, ``nemotron_h``, ``falcon_h1``). Other
+hybrids (Jamba, granite-4, LFM2, Mamba) stay refused by :func:`ds_tree.models.token_mixing.check_layer_types`.
 """
 
 from __future__ import annotations
