@@ -25,12 +25,17 @@ from transformers import AutoModelForCausalLM
 from ds_tree.attention import implementation_name, register_tree_attention
 from ds_tree.cli.verify import main as verify_main
 from ds_tree.data.jsonl import write_jsonl
+from ds_tree.engine.dfs import DfsSettings
+from ds_tree.models import hybrid
 from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation
 from ds_tree.models.tree_nodes import build_nodes
 from ds_tree.packing.parts import whole_tree
 from ds_tree.packing.rows import assemble_row
+from ds_tree.rollout import sampler
+from ds_tree.rollout.sampler import sample_tree
+from ds_tree.rollout.settings import SamplerSettings
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -170,6 +175,7 @@ def test_verify_float64_on_random_forests(name, objective, forest_file, hybrids,
     lengths = [len(record["input_ids"]) for record in map(json.loads, Path(forest_file).read_text().splitlines())]
     budget = max(lengths) + 40  # trees split into parts that carry their ancestor paths
     argv = ["--data", forest_file, "--model", hybrids[name], "--dtype", "float64", "--budget", str(budget)]
+    argv += ["--dfs-chunk", "64"]  # and every tree walked in chunks, each from its parent chunk's states
     if objective == "grpo":
         argv += ["--objective", "grpo", "--estimator", "grpo"]
     code = verify_main(argv)
@@ -177,6 +183,7 @@ def test_verify_float64_on_random_forests(name, objective, forest_file, hybrids,
     assert code == 0 and report["passed"], report
     assert report["rows_tree"] > 1  # split parts, each from its own ancestor path
     assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10
+    assert report["dfs_max_rel_grad_err"] <= 1e-10 and report["dfs_loss_rel_err"] <= 1e-10
 
 
 @pytest.mark.parametrize("name", list(SMALLER))
@@ -203,6 +210,121 @@ def test_float32_tree_equals_flat_and_the_stock_model_per_trajectory(name, hybri
         np.testing.assert_allclose(tree.logprobs[id(trajectory)], expected, rtol=0, atol=1e-5)
 
 
+# ------------------------------------------------------------------------------------------ dfs
+SHORT_NODES = [[5, 6, 7, 8, 9], [5, 6, 7, 10, 11], [5, 6, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27]]
+"""Root R (2 tokens) forks into A (1 token, forking again into B, C of 2) and D (3); a chain of 8 on its
+own. Every node of the first tree is shorter than the conv windows (3 inputs): a chunk's window reaches
+through its parent chunk's cached taps into its grandparents'."""
+
+
+def _dfs_errors(model, forest, flat, chunk: int) -> tuple[float, float]:
+    """Largest relative loss and gradient error of the dfs walk in chunks of ``chunk`` against ``flat``."""
+    walked = run_mode(model, forest, "dfs", 4096, 1, "token_mean", "exact", dfs=DfsSettings(chunk))
+    gradient_error = max(gradient_errors(flat.gradients, walked.gradients).values())
+    return abs(walked.loss - flat.loss) / abs(flat.loss), gradient_error
+
+
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_dfs_chunks_shorter_than_the_conv_window_start_from_the_cached_state_and_taps(name, hybrids, monkeypatch):
+    forest = [Trajectory(np.array(t), np.ones(len(t)), group_id="g") for t in SHORT_NODES]
+    model = load_model(hybrids[name], attention="torch", dtype=torch.float64, seed=5)
+    flat = run_mode(model, forest, "flat", 4096, 1, "token_mean", "exact")
+    for chunk in (1, 2, 3):  # chain chunks of 1-3 tokens, packed chunks (B, C) below one token
+        loss_error, gradient_error = _dfs_errors(model, forest, flat, chunk)
+        assert loss_error <= 1e-10 and gradient_error <= 1e-10, (chunk, loss_error, gradient_error)
+    # Each half of the cached context is needed: without the parent chunk's taps (zeros instead) or
+    # without its recurrent state (a zero state), the walk differs from flat far beyond round-off
+    # (Bamba's random-init heads forget within a few tokens: its state error is ~1e-6, not ~1).
+    record = hybrid.ChunkContext.record
+    monkeypatch.setattr(hybrid.ChunkContext, "record", lambda self, state, taps: record(self, state, taps * 0))
+    assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
+    monkeypatch.setattr(hybrid.ChunkContext, "record", lambda self, state, taps: record(self, state * 0, taps))
+    assert _dfs_errors(model, forest, flat, 2)[1] > 1e-8
+
+
+MORE_FAMILIES = {  # Qwen3-Next (GDN, gated attention, MoE + router loss), Nemotron-H and Falcon-H1 (Mamba2)
+    "qwen3_next": ("tiny_qwen3_next.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
+                   layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+                   linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "nemotron_h": ("tiny_nemotron_h.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
+                   layers_block_type=["linear_attention", "full_attention"], mamba_head_dim=16, ssm_state_size=8)),
+    "falcon_h1": ("tiny_falcon_h1.json", dict(ssm_in_multiplier=0.5, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9])),
+}
+
+
+@pytest.mark.parametrize("name, objective", [("qwen3_next", "sft"), ("nemotron_h", "grpo"), ("falcon_h1", "grpo")])
+def test_more_families_verify_float64_tree_and_dfs(name, objective, tmp_path, capsys):
+    source, smaller = MORE_FAMILIES[name]
+    model = tmp_path / f"{name}.json"
+    model.write_text(json.dumps({**json.loads((ROOT / "configs/models" / source).read_text()), **smaller}))
+    records = [{"group_id": "g", "input_ids": ids, "loss_mask": [0] * 2 + [1] * (len(ids) - 2),
+                "reward": float(index % 3) - 0.7} for index, ids in enumerate(SHORT_NODES)]
+    data = write_jsonl(tmp_path / "short.jsonl", records)
+    argv = ["--data", str(data), "--model", str(model), "--dtype", "float64", "--dfs-chunk", "2"]
+    if objective == "grpo":
+        argv += ["--objective", "grpo", "--estimator", "grpo"]
+    code = verify_main(argv)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["passed"], report
+    assert report["max_rel_grad_err"] <= 1e-10 and report["dfs_max_rel_grad_err"] <= 1e-10, report
+    if name == "qwen3_next":  # an MoE hybrid: its router loss is part of the checked loss
+        assert report["router_aux_loss_coef"] == 0.5 and report["router_aux_rel_err"] <= 1e-10
+
+
+# ---------------------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("name", list(SMALLER))
+def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybrids, monkeypatch):
+    """The tree sampler on a hybrid: branches fork the recurrent and conv states (shared, never written),
+    stopped branches re-branch by re-encoding their path; every sampled log-prob equals the tree
+    forward's recompute of the same tokens to float32 round-off (a leaked or stale state would not)."""
+    model = load_model(hybrids[name], attention="torch", dtype=torch.float32, seed=3)
+    settings = SamplerSettings(segment_length=3, branching=2, max_depth=3, width=6, max_new_tokens=12)
+    rebranched = []
+    rebranch = sampler._TreeSampler.rebranch
+    monkeypatch.setattr(sampler._TreeSampler, "rebranch", lambda *a: rebranched.append(1) or rebranch(*a))
+    # one in 4 tokens ends a branch: stops, refills and re-branches happen
+    tree = sample_tree(model, [5, 6, 7, 8, 9, 10], settings, generator=torch.Generator().manual_seed(0),
+                       eos_token_ids=range(3, 1024, 4))
+    trajectories = tree.trajectories("g")
+    assert len(trajectories) == 6 and any(node.finish_reason == "eos" for node in tree.nodes) and rebranched
+    recomputed = run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact", forward_only=True).logprobs
+    for trajectory in trajectories:
+        sampled = trajectory.logprobs[1:]
+        mine = np.isfinite(sampled)  # the sampled tokens (NaN on the prompt)
+        assert mine.sum() == len(trajectory.input_ids) - 6
+        np.testing.assert_allclose(recomputed[id(trajectory)][mine], sampled[mine], rtol=0, atol=2e-5)
+
+
+@pytest.mark.distributed
+def test_online_rl_on_a_hybrid_samples_and_trains(tmp_path, tokenizer_dir):
+    """Two online GRPO steps of the Qwen3.5 hybrid under the DeepSpeed launcher (one rank, ZeRO-3): the
+    tree sampler forks its states, the trainer recomputes every sampled token's log-prob
+    (``old_logprobs: recompute``) and finds the sampler's to float32 round-off."""
+    import subprocess
+
+    from tests.test_engine import BIN, environment, free_port
+    from tests.test_online_rl import online_config
+
+    config = online_config(
+        tmp_path,
+        tokenizer_dir,
+        max_steps=2,
+        model={"tokenizer": str(tokenizer_dir), "source": QWEN3_5},
+        objective={"kind": "grpo", "normalise_advantages": True, "old_logprobs": "recompute"},
+        checkpoint={"every": 0, "export_hf": False},
+    )
+    command = [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()), "--module",
+               "ds_tree.train", "--config", str(config)]
+    result = subprocess.run(command, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2]
+    for record in records:
+        assert record["rollout/leaves"] == 4 and record["rollout/tokens_saved"] > 0  # sampled as trees
+        assert record["optim/grad_norm"] > 0
+        assert record["rollout/logprob_mismatch_max"] < 1e-5, record
+
+
 # --------------------------------------------------------------------------- leaks and refusals
 @pytest.mark.parametrize("name", list(SMALLER))
 def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids):
@@ -215,21 +337,27 @@ def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids
 
 
 @pytest.mark.parametrize(
-    "override, message",
+    "overrides, message",
     [
-        ("packing.mode=dfs", "packing.mode: dfs: qwen3_5_text is a hybrid model"),
-        ("parallel.sequence_parallel_size=2", "sequence-parallel group that is not built"),
+        (["parallel.sequence_parallel_size=2"], "the ranks of the group would run every recurrent layer one after"),
+        (["packing.over_budget=sequence_parallel"], "For trees over the budget use packing.over_budget: dfs"),
+        (["packing.mode=dfs", "packing.dfs_chunk=16"], None),  # the walk carries the states: accepted
     ],
 )
-def test_dry_run_refuses_dfs_and_sequence_parallel_for_hybrids(monkeypatch, capsys, tmp_path, override, message):
+def test_dry_run_refuses_sequence_parallel_and_accepts_dfs_for_hybrids(
+    monkeypatch, capsys, tmp_path, overrides, message
+):
     config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))
-    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", override)
-    assert code == 2 and message in err, err
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", *overrides)
+    if message is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and "qwen3_5_text is a hybrid model (Gated DeltaNet layers)" in err and message in err, err
 
 
 def test_refusals_keep_other_recurrent_models_out(tmp_path):
-    source = tmp_path / "falcon_h1.json"
-    source.write_text(json.dumps({"model_type": "falcon_h1", "vocab_size": 128, "hidden_size": 32,
+    source = tmp_path / "jamba.json"
+    source.write_text(json.dumps({"model_type": "jamba", "vocab_size": 128, "hidden_size": 32,
                                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
     with pytest.raises(UnsupportedModelError):
         load_model(source, attention="torch", dtype="float32")
@@ -265,7 +393,8 @@ def test_two_ranks_zero3_with_activation_checkpointing_match_single_process_flat
     assert report["max_floored_grad_err"] < 1e-5, report
 
 
-def test_verify_refuses_dfs_and_sequence_parallel_for_hybrids(forest_file, capsys):
-    for extra in (["--dfs-chunk", "64"], ["--sequence-parallel", "2"]):
-        assert verify_main(["--data", forest_file, "--model", QWEN3_5, *extra]) == 2
-        assert "recurrent state handed between chunks or shards" in capsys.readouterr().err
+def test_verify_refuses_sequence_parallel_for_hybrids(forest_file, capsys):
+    assert verify_main(["--data", forest_file, "--model", QWEN3_5, "--sequence-parallel", "2"]) == 2
+    assert "--sequence-parallel would need each shard's recurrent state handed from the previous rank" in (
+        capsys.readouterr().err
+    )

@@ -76,6 +76,23 @@ MODELS = {
         model_type="bamba", attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
         mamba_d_state=8, mamba_chunk_size=4,
     ),
+    # Qwen3-Next: Gated DeltaNet with fused projections, gated attention with partial RoPE, MoE with a
+    # shared expert (the router loss included through MOE's coefficient)
+    "qwen3_next": dict(
+        model_type="qwen3_next", layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, **MOE,
+    ),
+    # Falcon-H1: Mamba2 and attention side by side in every layer, muP multipliers, the gate without the norm
+    "falcon_h1": dict(
+        model_type="falcon_h1", mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+        mamba_d_conv=4, mamba_chunk_size=4, mamba_rms_norm=False, ssm_in_multiplier=0.5,
+        ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], ssm_out_multiplier=0.8, attention_in_multiplier=1.2,
+    ),
+    "nemotron_h": dict(
+        model_type="nemotron_h", layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+    ),
 }
 
 

@@ -147,10 +147,11 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
         if args.limit is not None:
             trajectories = trajectories[: args.limit]
         common = dict(dtype=args.dtype, seed=args.seed, budget=args.budget, block=args.block, attention=args.attention)
-        if (dfs or args.sequence_parallel > 1) and is_hybrid(load_config(args.model)):
+        if args.sequence_parallel > 1 and is_hybrid(load_config(args.model)):
             raise ValueError(
-                f"{args.model}: a hybrid model's recurrent layers run on whole packed rows only: --dfs-chunk and "
-                "--sequence-parallel would need the recurrent state handed between chunks or shards (not built)"
+                f"{args.model}: a hybrid model's recurrent layers run on whole packed rows or dfs chunks only: "
+                "--sequence-parallel would need each shard's recurrent state handed from the previous rank "
+                "(refused; docs/MODELS.md, \"Hybrid models\")"
             )
         if objective is None and args.sequence_parallel > 1:
             report = sequence_parallel_report(

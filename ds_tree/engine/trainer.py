@@ -131,7 +131,7 @@ class Trainer(RLSteps):
         self.model_config = load_model_config(config.model.source)
         check_layer_types(self.model_config)
         check_model_settings(config)  # attention engine, objective.reference
-        check_hybrid_settings(config, self.model_config)  # recurrent layers: no dfs, SP or online yet
+        check_hybrid_settings(config, self.model_config)  # recurrent layers: no SP, online with the hf sampler
         check_sequence_parallel(config, self.world_size, self.model_config)
         if config.objective.is_rl and config.model.router_aux_loss_coef:
             raise ConfigError(

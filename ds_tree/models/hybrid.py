@@ -19,14 +19,23 @@ the ``kv_end`` model input that the tree attention receives too; without it (a p
 cached decode) the stock forward runs. Gradients reach a shared parent state from every child
 through autograd.
 
-Supported mixers (:data:`TREE_MIXERS`): ``Qwen3_5GatedDeltaNet`` and ``Qwen3_5MoeGatedDeltaNet``
-(``qwen3_5_text``, ``qwen3_5_moe_text``), ``BambaMixer`` (``bamba``). Other hybrids (Qwen3-Next,
-Falcon-H1, Nemotron-H, Jamba, Mamba) stay refused by :func:`ds_tree.models.token_mixing.check_layer_types`.
+In the dfs walk (:mod:`ds_tree.engine.dfs`) a chunk's paths continue its parent token's path: its
+root nodes start from that token's recurrent state and their conv windows reach into the K-1
+inputs before it. A chain chunk records both, per recurrent layer, in the walk's ``PathCache``
+next to the attention layers' keys and values (:class:`ChunkContext`); the walk turns them into
+leaves that require grad for the chunks below and hands their gradients back through its
+surrogate, as it does the keys' and values'.
+
+Supported mixers (:data:`TREE_MIXERS`): ``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet`` and
+``Qwen3NextGatedDeltaNet`` (``qwen3_5_text``, ``qwen3_5_moe_text``, ``qwen3_next``), ``BambaMixer``,
+``NemotronHMamba2Mixer`` and ``FalconH1Mixer`` (``bamba``, ``nemotron_h``, ``falcon_h1``). Other
+hybrids (Jamba, granite-4, LFM2, Mamba) stay refused by :func:`ds_tree.models.token_mixing.check_layer_types`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,16 +43,24 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2, compute_dtype
-from ds_tree.models.tree_nodes import TreeNodes, tree_nodes
+from ds_tree.models.tree_nodes import TreeNodes, chain_nodes, tree_nodes
 
 GATED_DELTA_CHUNK = 64
 """The chunk of transformers' ``torch_chunk_gated_delta_rule`` (its default, what the stock layer uses)."""
 
-HYBRID_MODEL_TYPES = {"qwen3_5_text": "Gated DeltaNet", "qwen3_5_moe_text": "Gated DeltaNet", "bamba": "Mamba2"}
+HYBRID_MODEL_TYPES = {
+    "qwen3_5_text": "Gated DeltaNet",
+    "qwen3_5_moe_text": "Gated DeltaNet",
+    "qwen3_next": "Gated DeltaNet",
+    "bamba": "Mamba2",
+    "nemotron_h": "Mamba2",
+    "falcon_h1": "Mamba2",
+}
 """``model_type`` -> its recurrent mixer, for the model types whose ``linear_attention`` layers run on trees."""
 
-RECURRENT_LAYER_TYPES = ("linear_attention",)
-"""The ``layer_types`` entries that name these mixers."""
+RECURRENT_LAYER_TYPES = ("linear_attention", "hybrid")
+"""The ``layer_types`` entries that name these mixers (``hybrid``: Falcon-H1, a Mamba2 mixer and attention
+side by side in every layer)."""
 
 
 def is_hybrid(config) -> bool:
@@ -55,17 +72,26 @@ def is_hybrid(config) -> bool:
 
 
 # ----------------------------------------------------------------------------------- shared steps
-def tree_conv(conv: torch.nn.Conv1d, inputs: torch.Tensor, nodes: TreeNodes, activation: str) -> torch.Tensor:
+def tree_conv(
+    conv: torch.nn.Conv1d, inputs: torch.Tensor, nodes: TreeNodes, activation: str, taps: torch.Tensor | None = None
+) -> torch.Tensor:
     """Depthwise causal convolution of ``inputs`` ``[1, N, C]`` along root paths, then ``activation``.
 
     The row is laid out with every node preceded by its K-1 path-history inputs (zeros where the
     path is shorter), and ``conv`` (``padding = K-1``, the models' own module) runs once over it:
-    each node's window then holds exactly its path. Returns ``[1, N, C]`` in ``inputs``' dtype.
+    each node's window then holds exactly its path. ``taps`` ``[K-1, C]`` (a dfs chunk): the K-1
+    inputs on the path right before the row, nearest last, which every path of the row continues.
+    Returns ``[1, N, C]`` in ``inputs``' dtype.
     """
     width = conv.kernel_size[0] - 1
-    gather, place = nodes.conv_layout(width, inputs.device)
+    gather, place = nodes.conv_layout(width, inputs.device, context=taps is not None)
+    n = inputs.shape[1]
     padded = torch.cat([inputs.new_zeros(1, 1, inputs.shape[-1]), inputs], dim=1)
-    laid_out = padded[:, gather + 1].transpose(1, 2)
+    index = gather + 1
+    if taps is not None:  # -2 - j: tap j, stored after the row's tokens
+        padded = torch.cat([padded, taps.to(inputs.dtype)[None]], dim=1)
+        index = torch.where(gather >= -1, index, n + 1 + (-2 - gather))
+    laid_out = padded[:, index].transpose(1, 2)
     out = conv(laid_out.to(conv.weight.dtype))[:, :, : laid_out.shape[-1]][:, :, place]
     return ACT2FN[activation](out).transpose(1, 2).to(inputs.dtype)
 
@@ -75,13 +101,15 @@ def scan_levels(
     chunk: int,
     inputs: list[torch.Tensor],
     scan: Callable[[list[torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-) -> torch.Tensor:
+    root_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``scan`` over the tree, one call per group of a level (:meth:`TreeNodes.levels`).
 
     ``inputs``: per-token tensors ``[N, ...]``; each call gets them gathered to ``[n, length, ...]``
-    (zeros past a node's end) and the nodes' initial states (the parents' final states; None for
-    the roots' level: zeros), and returns outputs ``[n, length, ...]`` and final states. The
-    outputs are put back in row order, ``[N, ...]``.
+    (zeros past a node's end) and the nodes' initial states (the parents' final states; for the
+    roots' level ``root_state`` — a dfs chunk's parent state, ``[...]`` — or None: zeros), and
+    returns outputs ``[n, length, ...]`` and final states. Returns the outputs put back in row order,
+    ``[N, ...]``, and the final states of the deepest level's nodes (of a one-node row: its final state).
     """
     zero_rows = [torch.cat([x.new_zeros(1, *x.shape[1:]), x]) for x in inputs]
     pieces, order = [], []
@@ -91,8 +119,12 @@ def scan_levels(
         for group in groups:
             index = torch.as_tensor(group.tokens + 1, device=inputs[0].device)
             gathered = [x[index] for x in zero_rows]
-            # Level 0 holds the roots (zero states); every deeper node has its parent one level up.
-            initial = None if previous is None else previous[torch.as_tensor(group.parent_slot, device=previous.device)]
+            # Level 0 holds the roots (zero states, or the dfs chunk's parent state); every deeper
+            # node has its parent one level up.
+            if previous is None:
+                initial = None if root_state is None else root_state.expand(len(group.nodes), *root_state.shape)
+            else:
+                initial = previous[torch.as_tensor(group.parent_slot, device=previous.device)]
             output, final = scan(gathered, initial)
             valid = group.tokens >= 0
             pieces.append(output[torch.as_tensor(valid, device=output.device)])
@@ -101,51 +133,132 @@ def scan_levels(
         previous = torch.cat(finals)
     inverse = np.empty(nodes.n_tokens, dtype=np.int64)
     inverse[np.concatenate(order)] = np.arange(nodes.n_tokens)
-    return torch.cat(pieces)[torch.as_tensor(inverse, device=pieces[0].device)]
+    return torch.cat(pieces)[torch.as_tensor(inverse, device=pieces[0].device)], previous
 
 
-def _tree_inputs(hidden_states: torch.Tensor, kwargs: dict, cache) -> TreeNodes | None:
-    """The row's nodes; None for a plain sequence (no ``kv_end``: the stock forward is right)."""
-    if "path_cache" in kwargs:
-        raise ValueError(
-            "dfs mode (packing.mode: dfs, verify --dfs-chunk) walks a tree in chunks, and a recurrent layer "
-            "would start each chunk from a zero state: not supported for hybrid models (use tree mode)"
-        )
+def state_key(layer: int) -> tuple[str, int]:
+    """The :class:`~ds_tree.attention.cached.PathCache` key of decoder layer ``layer``'s recurrent entry
+    (a layer may hold attention keys and values under its index too: Falcon-H1 runs both in one layer)."""
+    return ("state", layer)
+
+
+@dataclass
+class ChunkContext:
+    """A dfs chunk's recurrent context (:mod:`ds_tree.engine.dfs`): its parent token's state and conv taps.
+
+    Every path of a dfs chunk continues the path to its parent token (the last token of its parent
+    chunk), so its root nodes start from that token's recurrent state and their conv windows reach
+    into the K-1 inputs before it. Both are cached with the parent chunk's keys and values in the
+    :class:`~ds_tree.attention.cached.PathCache` (under :func:`state_key`, as the pair
+    ``(state, taps)``): leaf tensors that require grad, so the chunk's backward accumulates their
+    gradients and the walk's surrogate hands them to the parent chunk exactly as it does the keys'.
+    A chain chunk (no ``kv_end``: one node) records its own last token's state and taps for its children.
+    """
+
+    cache: object
+    layer: int
+    state: torch.Tensor | None
+    """``[...]`` (one sequence's state, no batch dimension); None: a root chunk (zeros)."""
+    taps: torch.Tensor | None
+    """``[K-1, C]`` pre-conv inputs before the chunk, nearest last; None: a root chunk (zeros)."""
+    records: bool
+
+    def record(self, state: torch.Tensor, taps: torch.Tensor) -> None:
+        if self.records and self.cache.recording:
+            self.cache.recorded[state_key(self.layer)] = (state, taps)
+
+
+def _tree_inputs(
+    self, hidden_states: torch.Tensor, kwargs: dict, cache
+) -> tuple[TreeNodes | None, ChunkContext | None]:
+    """The row's nodes (None for a plain sequence, no ``kv_end``: the stock forward is right) and,
+    for a dfs chunk (the ``path_cache`` kwarg), its :class:`ChunkContext`."""
     kv_end = kwargs.get("kv_end")
-    if kv_end is None:
-        return None
+    path_cache = kwargs.get("path_cache")
+    if kv_end is None and path_cache is None:
+        return None, None
     if cache is not None:
         raise ValueError("a recurrent layer on a packed tree runs without a cache (use_cache=False)")
-    if hidden_states.shape[:2] != kv_end.shape:
+    if kv_end is not None and hidden_states.shape[:2] != kv_end.shape:
         raise ValueError(
             f"a recurrent layer got {tuple(hidden_states.shape[:2])} tokens and kv_end {tuple(kv_end.shape)}: "
             "it runs on whole packed rows (sequence-parallel shards are not supported for hybrid models)"
         )
-    return tree_nodes(kv_end)
+    nodes = tree_nodes(kv_end) if kv_end is not None else chain_nodes(int(hidden_states.shape[1]))
+    if path_cache is None:
+        return nodes, None
+    if hidden_states.shape[0] != 1:
+        raise ValueError(f"a dfs chunk is one sequence, got a batch of {hidden_states.shape[0]}")
+    layer = self.layer_idx
+    state = taps = None
+    if path_cache.ancestors:
+        parent = path_cache.ancestors[-1]
+        if state_key(layer) not in parent:
+            raise ValueError(
+                f"recurrent layer {layer}: the dfs parent chunk cached no state for it (a chunk with children "
+                "must be a chain chunk, which records its last token's state; see ds_tree/packing/dfs_chunks.py)"
+            )
+        state, taps = parent[state_key(layer)]
+    return nodes, ChunkContext(path_cache, layer, state, taps, records=kv_end is None)
+
+
+def _chunk_taps(context: ChunkContext, inputs: torch.Tensor, width: int) -> torch.Tensor:
+    """The K-1 pre-conv inputs ending at a chain chunk's last token (``inputs`` ``[N, C]``), nearest last."""
+    before = context.taps if context.taps is not None else inputs.new_zeros(width, inputs.shape[-1])
+    return torch.cat([before.to(inputs.dtype), inputs])[-width:]
 
 
 # ------------------------------------------------------------------------------- Gated DeltaNet
 def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """``Qwen3_5GatedDeltaNet.forward`` over the tree of ``kwargs['kv_end']`` (module docstring)."""
-    nodes = _tree_inputs(hidden_states, kwargs, cache)
+    nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    batch, length, _ = hidden_states.shape
-    mixed = tree_conv(self.conv1d, self.in_proj_qkv(hidden_states), nodes, self.activation)
+    projected = self.in_proj_qkv(hidden_states)
+    z = self.in_proj_z(hidden_states)
+    b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+    return _gated_delta_tree(self, hidden_states.shape, nodes, context, projected, z, b, a)
+
+
+def qwen3_next_gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """``Qwen3NextGatedDeltaNet.forward`` over the tree of ``kwargs['kv_end']``: Qwen3.5's layer with
+    fused projections (``in_proj_qkvz``, ``in_proj_ba``, grouped per key head; the model's own
+    ``fix_query_key_value_ordering`` unpacks them)."""
+    nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
+    if nodes is None:
+        return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    query, key, value, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
+    )
+    projected = torch.cat([x.reshape(*x.shape[:2], -1) for x in (query, key, value)], dim=-1)
+    return _gated_delta_tree(self, hidden_states.shape, nodes, context, projected, z, b, a)
+
+
+def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | None, projected, z, b, a):
+    """The Gated DeltaNet mixer from its projections: ``projected`` ``[1, N, 2 Dk + Dv]`` (pre-conv q, k, v),
+    ``z`` (the output gate, ``N * Hv`` heads of ``Dv``), ``b``, ``a`` ``[1, N, Hv]``."""
+    batch, length, _ = shape
+    taps = None if context is None else context.taps
+    if context is not None and taps is None:  # a root chunk: its paths start at the chunk
+        taps = projected.new_zeros(self.conv1d.kernel_size[0] - 1, projected.shape[-1])
+    mixed = tree_conv(self.conv1d, projected, nodes, self.activation, taps)
     query, key, value = torch.split(mixed[0], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
     query = query.reshape(length, -1, self.head_k_dim)
     key = key.reshape(length, -1, self.head_k_dim)
     value = value.reshape(length, -1, self.head_v_dim)
-    z = self.in_proj_z(hidden_states).reshape(-1, self.head_v_dim)
-    beta = self.in_proj_b(hidden_states)[0].sigmoid()
+    z = z.reshape(-1, self.head_v_dim)
+    beta = b.reshape(length, -1).sigmoid()
     # The stock layer takes A_log and a in float32 (".float()", against -inf in fp16): at least float32.
-    dtype = compute_dtype(hidden_states.dtype)
-    g = -self.A_log.to(dtype).exp() * F.softplus(self.in_proj_a(hidden_states)[0].to(dtype) + self.dt_bias)
+    dtype = compute_dtype(projected.dtype)
+    g = -self.A_log.to(dtype).exp() * F.softplus(a.reshape(length, -1).to(dtype) + self.dt_bias)
 
     def scan(gathered, initial):
         return chunk_gated_delta_rule(*gathered, initial, chunk=GATED_DELTA_CHUNK, l2_norm_qk=True)
 
-    core = scan_levels(nodes, GATED_DELTA_CHUNK, [query, key, value, g, beta], scan)
+    root_state = None if context is None else context.state
+    core, final = scan_levels(nodes, GATED_DELTA_CHUNK, [query, key, value, g, beta], scan, root_state)
+    if context is not None:
+        context.record(final[0], _chunk_taps(context, projected[0], self.conv1d.kernel_size[0] - 1))
     core = self.norm(core.reshape(-1, self.head_v_dim), z)
     return self.out_proj(core.reshape(batch, length, -1))
 
@@ -153,14 +266,20 @@ def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, atten
 # ------------------------------------------------------------------------------------------ Mamba2
 def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """``BambaMixer.forward`` (its torch path) over the tree of ``kwargs['kv_end']`` (module docstring)."""
-    nodes = _tree_inputs(hidden_states, kwargs, cache)
+    nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     batch, length, _ = hidden_states.shape
     dtype = hidden_states.dtype
-    projected = self.in_proj(hidden_states)
-    gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-    xbc = tree_conv(self.conv1d, xbc, nodes, self.activation)[0]
+    falcon = hasattr(self, "mup_vector")  # Falcon-H1: muP multipliers on the input and the projections
+    projected = self.in_proj(hidden_states * self.ssm_in_multiplier if falcon else hidden_states)
+    if falcon:
+        projected = projected * self.mup_vector
+    gate, pre_conv, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    taps = None if context is None else context.taps
+    if context is not None and taps is None:  # a root chunk: its paths start at the chunk
+        taps = pre_conv.new_zeros(self.conv1d.kernel_size[0] - 1, pre_conv.shape[-1])
+    xbc = tree_conv(self.conv1d, pre_conv, nodes, self.activation, taps)[0]
     x, B, C = torch.split(
         xbc, [self.intermediate_size, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1
     )
@@ -175,15 +294,25 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     def scan(gathered, initial):
         return chunk_mamba2(gathered[0], gathered[1], A, gathered[2], gathered[3], self.D, initial, self.chunk_size)
 
-    y = scan_levels(nodes, self.chunk_size, [x, dt, B, C], scan)
-    y = self.norm(y.reshape(batch, length, -1), gate)
+    root_state = None if context is None else context.state
+    y, final = scan_levels(nodes, self.chunk_size, [x, dt, B, C], scan, root_state)
+    if context is not None:
+        context.record(final[0], _chunk_taps(context, pre_conv[0], self.conv1d.kernel_size[0] - 1))
+    y = y.reshape(batch, length, -1)
+    if falcon and not self.mamba_rms_norm:  # Falcon-H1 without its gated norm: the gate alone
+        y = y * F.silu(gate.to(y.dtype))
+    else:
+        y = self.norm(y, gate)
     return self.out_proj(y.to(dtype))
 
 
 TREE_MIXERS: dict[str, Callable] = {
     "Qwen3_5GatedDeltaNet": gated_delta_net_forward,
     "Qwen3_5MoeGatedDeltaNet": gated_delta_net_forward,
+    "Qwen3NextGatedDeltaNet": qwen3_next_gated_delta_net_forward,
     "BambaMixer": mamba2_forward,
+    "NemotronHMamba2Mixer": mamba2_forward,
+    "FalconH1Mixer": mamba2_forward,
 }
 """Mixer class name -> its tree forward."""
 
@@ -206,11 +335,50 @@ def _gated_norm_gate_first_float64(self, hidden_states, gate=None):
     return self.weight * grouped.view(*prefix, last)
 
 
+def _falcon_h1_gated_norm_float64(self, hidden_states, gate=None):
+    """Falcon-H1's grouped gated RMSNorm (gate before or after, by ``norm_before_gate``) without its float32 casts."""
+    if not self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate)
+    *prefix, last = hidden_states.shape
+    grouped = hidden_states.view(*prefix, self.n_groups, last // self.n_groups)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    hidden_states = (self.weight.view(self.n_groups, -1) * grouped).view(*prefix, last)
+    if self.norm_before_gate and gate is not None:
+        hidden_states = hidden_states * F.silu(gate)
+    return hidden_states
+
+
 FLOAT64_GATED_NORMS = {
     "Qwen3_5RMSNormGated": _gated_norm_norm_first_float64,
     "Qwen3_5MoeRMSNormGated": _gated_norm_norm_first_float64,
+    "Qwen3NextRMSNormGated": _gated_norm_norm_first_float64,
     "BambaRMSNormGated": _gated_norm_gate_first_float64,
+    "NemotronHRMSNormGated": _gated_norm_gate_first_float64,
+    "FalconH1RMSNormGated": _falcon_h1_gated_norm_float64,
 }
+
+
+def _nemotron_h_forward_float64(
+    self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None, labels=None,
+    use_cache=None, logits_to_keep=0, **kwargs,
+):
+    """``NemotronHForCausalLM.forward`` without its ``.float()`` on the logits (which rounds a float64
+    model's logits to float32); no ``labels`` (the trainer computes its own losses)."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    if labels is not None:
+        raise ValueError("the float64 NemotronH forward computes no loss: pass no labels")
+    outputs = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+    )
+    logits = self.lm_head(slice_logits_to_keep(outputs[0], logits_to_keep))
+    return MoeCausalLMOutputWithPast(logits=logits, cache=outputs.cache, router_logits=outputs.router_logits)
+
+
+FLOAT64_FORWARDS = {"NemotronHForCausalLM": _nemotron_h_forward_float64}
+"""Model classes whose own forward casts the logits to float32, with a float64 forward."""
 
 
 def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -220,6 +388,8 @@ def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype) -> int:
     how many mixers."""
     installed = 0
     float64 = dtype == torch.float64
+    if float64 and type(model).__name__ in FLOAT64_FORWARDS:
+        model.forward = FLOAT64_FORWARDS[type(model).__name__].__get__(model)
     for module in model.modules():
         name = type(module).__name__
         if name in TREE_MIXERS:

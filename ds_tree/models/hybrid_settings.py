@@ -11,32 +11,33 @@ from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
 
 
 def check_hybrid_settings(config, model_config) -> None:
-    """Refuse, before anything is built, what the recurrent layers cannot do yet (a ``ConfigError``
-    naming the field): the dfs walk and sequence-parallel shards would each need the recurrent and
-    conv states handed from chunk to chunk / rank to rank, which is not built (a chunk or shard
-    would start from a zero state: wrong gradients); online RL samples with a KV cache that is
-    forked at branch points, and a recurrent state is not forked yet."""
+    """Refuse, before anything is built, what the recurrent layers cannot do (a ``ConfigError``
+    naming the field): sequence-parallel shards would each need the previous shard's final recurrent
+    and conv state, a sequential hand-off across the group (refused: docs/MODELS.md, "Hybrid models");
+    online RL samples with the in-process tree sampler only (it forks the recurrent states). Packed
+    rows, split parts and the dfs walk carry the states exactly."""
     if not is_hybrid(model_config):
         return
     kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
     what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
     packing, parallel = config.packing, config.parallel
-    if packing.mode == "dfs" or packing.over_budget == "dfs":
-        field = "packing.mode: dfs" if packing.mode == "dfs" else "packing.over_budget: dfs"
-        raise ConfigError(
-            f"{field}: {what}; the dfs walk forwards a tree chunk by chunk and would have to hand each "
-            "chunk's recurrent and convolution state to the next, which is not built. Use packing.mode: tree "
-            "(split trees carry their ancestor path, which supplies the states)"
-        )
     if parallel.sequence_parallel_size > 1 or packing.over_budget == "sequence_parallel":
         raise ConfigError(
             f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard's "
-            "recurrent state would be the previous shard's final state, a sequential hand-off across the "
-            "sequence-parallel group that is not built. Use parallel.sequence_parallel_size: 1 and a "
-            "packing.budget that holds the longest trajectory"
+            "recurrent and conv state is the previous shard's final state, so the ranks of the group would run "
+            "every recurrent layer one after another (forward and backward): refused for hybrids (docs/MODELS.md, "
+            "\"Hybrid models\"). For trees over the budget use packing.over_budget: dfs (the walk carries the "
+            "states exactly, in one path plus one chunk of memory) and parallel.sequence_parallel_size: 1"
         )
-    if config.rollout.enabled:
+    if config.rollout.enabled and model_config.model_type == "falcon_h1":
         raise ConfigError(
-            f"rollout.enabled: {what}; the tree sampler forks the KV cache at branch points and cannot fork "
-            "a recurrent state yet. Sample offline with another model, or train offline (rollout.enabled: false)"
+            f"rollout.enabled: {what}; its layers hold attention keys and a recurrent state in one cache layer "
+            "(LinearAttentionAndFullAttentionLayer), which the tree sampler does not fork yet. Train it offline "
+            "(rollout.enabled: false)"
+        )
+    if config.rollout.enabled and config.rollout.engine != "hf":
+        raise ConfigError(
+            f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "
+            "tree sampler (rollout.engine: hf), which forks their recurrent and conv states at branch points "
+            "(ds_tree/rollout/state_cache.py); the vLLM route is not checked for them"
         )

@@ -198,8 +198,10 @@ def _gemma_rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return hidden_states * torch.rsqrt(variance + self.eps) * (1.0 + self.weight)
 
 
-# Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps`` (Qwen3.5's too).
-GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
+# Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps`` (Qwen3.5's and Qwen3-Next's too).
+GEMMA_NORMS = (
+    "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm"
+)
 
 
 def keep_norms_in_float64(model: torch.nn.Module) -> int:

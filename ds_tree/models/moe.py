@@ -52,7 +52,13 @@ import torch.nn.functional as F
 from ds_tree.models.token_mixing import UnsupportedModelError
 from ds_tree.packing.rows import PackedRow
 
-SOFTMAX_TOP_K_ROUTERS = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+SOFTMAX_TOP_K_ROUTERS = (
+    "MixtralTopKRouter",
+    "Qwen2MoeTopKRouter",
+    "Qwen3MoeTopKRouter",
+    "Qwen3NextTopKRouter",
+    "Qwen3_5MoeTopKRouter",
+)
 """Routers that pick the top-k of a softmax over their logits (the load-balancing loss's model), whose
 float64 forward :func:`_router_forward_float64` reproduces."""
 

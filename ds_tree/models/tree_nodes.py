@@ -26,6 +26,7 @@ layer of one forward (and the recomputation of a checkpointed layer) receives as
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,18 +87,26 @@ class TreeNodes:
             taps[:, column] = current
         return taps
 
-    def conv_layout(self, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def conv_layout(self, width: int, device, context: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Indices that lay the row out for a causal convolution of window ``width + 1``: every node
         preceded by its ``width`` history tokens. ``gather[m]`` is the row token at position ``m``
-        of that sequence (``-1``: zero input), ``place[t]`` where row token ``t`` sits in it."""
-        key = (width, str(device))
+        of that sequence (``-1``: zero input), ``place[t]`` where row token ``t`` sits in it.
+
+        With ``context`` the row is a dfs chunk whose paths all continue the ``width`` inputs before
+        it (its parent chunk's taps, nearest last): a history position beyond the row's own tokens is
+        ``-2 - j`` for tap ``j`` instead of ``-1``."""
+        key = (width, str(device), context)
         if key not in self._windows:
             node_of = np.repeat(np.arange(self.n_nodes), self.end - self.start)
             place = np.arange(self.n_tokens) + (node_of + 1) * width
             gather = np.full(self.n_tokens + self.n_nodes * width, -1, dtype=np.int64)
             gather[place] = np.arange(self.n_tokens)
             slots = (self.start + np.arange(self.n_nodes) * width)[:, None] + np.arange(width)
-            gather[slots] = self.history(width)
+            history = self.history(width)
+            if context:  # a row of m own path tokens before a node reaches taps m.. for its older columns
+                own = (history >= 0).sum(1, keepdims=True)
+                history = np.where(history >= 0, history, -2 - (np.arange(width)[None, :] + own))
+            gather[slots] = history
             self._windows[key] = (torch.as_tensor(gather, device=device), torch.as_tensor(place, device=device))
         return self._windows[key]
 
@@ -171,6 +180,12 @@ def _level_groups(nodes: TreeNodes, chunk: int) -> list[list[LevelGroup]]:
         slot_of[order] = np.arange(order.size)
         levels.append(groups)
     return levels
+
+
+@functools.lru_cache(maxsize=32)
+def chain_nodes(n: int) -> TreeNodes:
+    """The nodes of ``n`` tokens in one causal run (a dfs chain chunk: one node)."""
+    return build_nodes(np.full(n, n, dtype=np.int64))
 
 
 def tree_nodes(kv_end: torch.Tensor) -> TreeNodes:

@@ -44,6 +44,12 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from ds_tree.rollout.settings import SamplerSettings
+from ds_tree.rollout.state_cache import (
+    SUPPORTED_LAYERS,
+    has_recurrent_layers,
+    layer_row,
+    stacked_cache,
+)
 from ds_tree.trees.trajectory import Trajectory
 
 FINISH_REASONS = ("eos", "repetition", "logprob_floor", "length")
@@ -176,7 +182,8 @@ class SampledTree:
 
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per layer, the keys and values ``[1, kv_heads, tokens, head_dim]`` of every token fed on a branch's path."""
+"""Per layer, the keys and values ``[1, kv_heads, tokens, head_dim]`` of every token fed on a branch's path
+(a hybrid's recurrent layer: its conv and recurrent state after that path, :mod:`ds_tree.rollout.state_cache`)."""
 
 
 @dataclass
@@ -222,12 +229,15 @@ def generation_mode(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
 
 
 def check_cache_layers(model: PreTrainedModel) -> None:
-    """Refuse models whose KV cache is not a plain growing cache per layer (sliding windows, state-space layers)."""
+    """Refuse models whose cache is neither a plain growing KV cache nor a recurrent state per layer
+    (a sliding window cannot be cropped back to a branch point; recurrent states are forked whole:
+    :mod:`ds_tree.rollout.state_cache`)."""
     kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
-    if kinds != {DynamicLayer.__name__}:
+    plain = kinds == {DynamicLayer.__name__}  # a dense model's (cropped to re-branch); a hybrid's is re-encoded
+    if not plain and not (kinds <= set(SUPPORTED_LAYERS) and has_recurrent_layers(model.config)):
         raise ValueError(
-            f"sample_tree needs a full KV cache on every layer; {model.config.model_type} uses {sorted(kinds)} "
-            "(a sliding window or a recurrent state cannot be cropped back to a branch point)"
+            f"sample_tree needs a full KV cache or a recurrent state on every layer; {model.config.model_type} "
+            f"uses {sorted(kinds)} (a sliding window cannot be cropped back to a branch point)"
         )
 
 
@@ -240,7 +250,7 @@ def cache_keyword(model: PreTrainedModel) -> str:
 
 def cache_row(cache: DynamicCache, row: int) -> KeyValues:
     """Row ``row`` of a batched cache, as views."""
-    return [(layer.keys[row : row + 1], layer.values[row : row + 1]) for layer in cache.layers]
+    return [layer_row(layer, row) for layer in cache.layers]
 
 
 class _TreeSampler:
@@ -250,6 +260,7 @@ class _TreeSampler:
         self.generator = generator
         self.eos = {int(token) for token in eos_token_ids}
         self.cache_keyword = cache_keyword(model)
+        self.recurrent = has_recurrent_layers(model.config)
         self.device = next(model.parameters()).device
         self.nodes: list[SampledNode] = []
         self.forward_tokens = 0
@@ -257,11 +268,13 @@ class _TreeSampler:
 
     def forward(self, token_ids: list[list[int]], key_values: list[KeyValues]) -> tuple[torch.Tensor, DynamicCache]:
         """Feed one row of ``token_ids`` after each branch's ``key_values`` (all as long): last logits, the cache."""
-        layers = range(len(key_values[0]))
-        stacked = [tuple(torch.cat([kv[layer][i] for kv in key_values]) for i in (0, 1)) for layer in layers]
-        cache = DynamicCache(ddp_cache_data=stacked, config=self.model.config)
+        cache = stacked_cache(self.model.config, key_values)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        output = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True)
+        extra = {}
+        if self.recurrent:  # some hybrids (Bamba) number positions from 0 unless told: the attention keys' count
+            fed = next(layer.get_seq_length() for layer in cache.layers if type(layer) is DynamicLayer)
+            extra["position_ids"] = torch.arange(fed, fed + input_ids.shape[1], device=self.device).expand_as(input_ids)
+        output = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True, **extra)
         self.forward_tokens += input_ids.numel()
         self.forward_passes += 1
         return output.logits[:, -1], cache
@@ -343,6 +356,10 @@ class _TreeSampler:
         """A new sibling of ``stopped``'s last segment, from its keys/values cropped back to that segment's start."""
         start = self.settings.segment_length * stopped.boundary  # completion tokens before the segment
         kept = len(self.prompt_ids) + start - 1  # keep all but the token before the boundary, then re-feed it
+        if self.recurrent:  # a recurrent state holds only the path's end: encode the path up to the boundary
+            logits, key_values = self.encode_prompt((self.prompt_ids + stopped.completion)[: kept + 1])
+            parent = self.nodes[stopped.node].parent
+            return _Branch(key_values, logits, stopped.completion[:start], parent, stopped.boundary, quota)
         cropped = [(keys[:, :, :kept], values[:, :, :kept]) for keys, values in stopped.key_values]
         last = (self.prompt_ids + stopped.completion)[kept]
         logits, cache = self.forward([[last]], [cropped])
