@@ -40,7 +40,7 @@ from ds_tree.rollout.vllm_engine import (
 )
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from tests.test_engine import ROOT, launch_training
+from tests.test_engine import ROOT, torchrun
 from tests.test_online_rl import online_config
 
 MODEL = ROOT / "configs/models/tiny_llama_vllm.json"
@@ -259,7 +259,7 @@ def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, token
     # random weights: the first turn's 2 siblings run to the turn's limit without a stop token
     assert len(tree.leaves) == 2 and all(leaf.stop_reason == "length" for leaf in tree.leaves)
     prompt = tree.nodes[0].token_ids
-    assert sampler.forward_tokens == 2 * (len(prompt) + settings.max_new_tokens)  # one request of n=2
+    assert tree.forward_tokens == 2 * (len(prompt) + settings.max_new_tokens)  # one request of n=2
     for leaf in tree.leaves:
         trajectory = leaf.trajectory
         assert trajectory.input_ids[: len(prompt)].tolist() == prompt
@@ -478,9 +478,12 @@ def test_ahead_sampler_failures_reach_the_trainer_and_stale_trajectories_are_dro
 # ------------------------------------------------------------------ 2 ranks, ZeRO-3, GRPO
 @needs_vllm
 @pytest.mark.distributed
-def test_two_rank_zero3_grpo_on_vllm_trains_sampling_a_step_ahead(served, tmp_path, tokenizer_dir) -> None:
+def test_two_rank_zero3_grpo_on_vllm_samples_a_step_ahead_and_resumes_from_the_checkpoints_version(
+    served, tmp_path, tokenizer_dir
+) -> None:
     """max_staleness 1, sync_every 2: step s samples with the weights synced at or before step s - 1 while the
-    ranks train; the importance weights use the sampler's log-probs (truncated, on recomputed old ones)."""
+    ranks train; the importance weights use the sampler's log-probs (truncated, on recomputed old ones). A
+    second trainer resumes from the step-2 checkpoint in the same launch (tests/distributed/online_resume_check.py)."""
     engine, _ = served
     config = online_config(
         tmp_path,
@@ -492,23 +495,23 @@ def test_two_rank_zero3_grpo_on_vllm_trains_sampling_a_step_ahead(served, tmp_pa
         objective={"kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "old_logprobs": "recompute",
                    "importance_truncation": 2.0},
         optimizer={"lr": 2e-2, "schedule": "constant"},
+        checkpoint={"every": 2, "keep_last": 3, "export_hf": False},
     )  # fmt: skip
-    process = launch_training(config)
-    try:
-        output, _ = process.communicate(timeout=540)
-    finally:
-        if process.poll() is None:  # its own session: no rank is left behind
-            os.killpg(process.pid, 9)
-            process.wait()
-    assert process.returncode == 0, output[-6000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
+    out = tmp_path / "runs.json"
+    torchrun(
+        "tests/distributed/online_resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2",
+        timeout=540,
+    )  # fmt: skip
+    runs = json.loads(out.read_text())
+    first, resumed = runs["a"], runs["b"]
+    records = first["metrics"]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[0]["optim/grad_norm"] > 0  # step 1 trained: the sync before step 3 moved the server
     # versions: the engine starts with version 0 and is synced before step 3 (index 2); step s samples with
     # the last sync at or before s - 1, so steps 2 and 3 train on older samples
     assert [r["rollout/policy_version"] for r in records] == [0, 0, 0, 2]
     assert [r["rollout/staleness_max"] for r in records] == [0, 1, 2, 1]
-    for record in records:
+    for record in records + resumed["metrics"]:
         assert record["rollout/leaves"] == 4 and record["rollout/stale_dropped"] == 0
         assert record["rollout/wait_s"] >= 0 and record["rollout/tokens_saved"] > 0
         assert np.isfinite(record["loss/train"])
@@ -516,11 +519,19 @@ def test_two_rank_zero3_grpo_on_vllm_trains_sampling_a_step_ahead(served, tmp_pa
     # forward); stale steps log no mismatch (the trainer's weights moved on)
     assert records[0]["rollout/logprob_mismatch_max"] < LOGPROB_TOLERANCE, records[0]
     assert all("rollout/logprob_mismatch" not in r for r in records[1:])
-    # the server holds the one sync's snapshot: the policy after 2 steps
-    snapshot = tmp_path / "run" / "vllm" / "weights" / "model.safetensors"
+    # resumed at step 2: the engine starts with the checkpoint's weights (version 2). Step 3 was sampled
+    # with version 0 in the first run, which the checkpoint does not hold: sampled fresh (docs/ROLLOUTS.md).
+    # Step 4 is version 2 in both runs, with the same request seeds: the same trees (the docs say why an
+    # exact replay is not guaranteed in general: vLLM batches requests by timing; one slot may differ)
+    assert resumed["start_step"] == 2 and [r["step"] for r in resumed["metrics"]] == [3, 4]
+    assert [r["rollout/policy_version"] for r in resumed["metrics"]] == [2, 2]
+    assert resumed["samples"]["3"] != first["samples"]["3"]
+    same = [a == b for a, b in zip(first["samples"]["4"], resumed["samples"]["4"], strict=True)]
+    assert sum(same) >= len(same) - 4, same  # 4: one slot's leaves (width 4)
+    # the server holds the last sync's snapshot: the resumed run's start (the policy after 2 steps)
     from safetensors.torch import load_file
 
-    state = load_file(str(snapshot))
+    state = load_file(str(tmp_path / "run_resumed" / "vllm" / "weights" / "model.safetensors"))
     initial = {name: p.detach() for name, p in tiny_model(seed=3).named_parameters()}
     assert max(float((state[name] - p).abs().max()) for name, p in initial.items()) > 0  # the trained policy
     ids = probe_ids(1024)

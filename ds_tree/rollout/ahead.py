@@ -160,7 +160,7 @@ class AheadSampler:
 
     def before_sync(self, step: int) -> str | None:
         """Wait until every step sampled with the engine's current version is done (before a sync at ``step``)."""
-        return self._wait(lambda: self.next_step >= step + self.max_staleness)
+        return self._wait(lambda: self.next_step >= min(step + self.max_staleness, self.end))
 
     def synced(self, version: int) -> None:
         with self.condition:
