@@ -516,7 +516,7 @@ class RolloutConfig(SamplerSettings):
     """Multi-turn rollouts against an environment (docs/ENVIRONMENTS.md); off while ``env.path`` is empty."""
     engine: Literal["hf", "vllm"] = "hf"
     """Where groups are sampled: ``hf`` (a gathered copy of the policy on every rank) or ``vllm`` (a vLLM
-    server, ``rollout.vllm``; weights synced after every optimizer step)."""
+    server, ``rollout.vllm``; weights synced every ``sync_every`` optimizer steps)."""
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
     max_staleness: int = 0
     """Steps sampling runs ahead of training (asynchronous RL, ``engine: vllm``): step ``s`` is sampled with

@@ -267,9 +267,8 @@ def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, token
         assert sampled.size == settings.max_new_tokens and np.isfinite(trajectory.logprobs[sampled]).all()
         reference = forward_logprobs(model, trajectory.input_ids)[sampled - 1]
         np.testing.assert_allclose(trajectory.logprobs[sampled], reference, rtol=0, atol=LOGPROB_TOLERANCE)
-    config = load_config(ROOT / "configs/multiturn_cpu.yaml", [
-        "model.source=configs/models/tiny_llama.json", "rollout.prompts=tasks.jsonl", "rollout.engine=vllm",
-    ])  # fmt: skip  (the refusal of multi-turn on vllm is gone)
+    shipped = ["model.source=configs/models/tiny_llama.json", "rollout.prompts=tasks.jsonl"]
+    config = load_config(ROOT / "configs/multiturn_cpu.yaml", [*shipped, "rollout.engine=vllm"])  # no refusal now
     assert config.rollout.engine == "vllm" and config.rollout.env.path
 
 
