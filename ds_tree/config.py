@@ -516,20 +516,25 @@ class RolloutConfig(SamplerSettings):
     """Multi-turn rollouts against an environment (docs/ENVIRONMENTS.md); off while ``env.path`` is empty."""
     engine: Literal["hf", "vllm"] = "hf"
     """Where groups are sampled: ``hf`` (a gathered copy of the policy on every rank) or ``vllm`` (a vLLM
-    server, ``rollout.vllm``; weights synced after every optimizer step)."""
+    server, ``rollout.vllm``; weights synced every ``sync_every`` optimizer steps)."""
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
     max_staleness: int = 0
-    """Steps sampling may run ahead of training (asynchronous RL); only 0 (synchronous) is implemented."""
+    """Steps sampling runs ahead of training (asynchronous RL, ``engine: vllm``): step ``s`` is sampled with
+    the weights synced at or before step ``s - max_staleness`` while the ranks train the steps before it;
+    0: every step samples from the weights after the step before (docs/ROLLOUTS.md, *Asynchronous steps*)."""
+    sync_every: int = 1
+    """Optimizer steps between weight syncs into the sampling engine (1: after every step). A step samples
+    with the last synced weights, so a trajectory may be up to ``max_staleness + sync_every - 1`` steps old."""
 
     def __post_init__(self) -> None:
         """The ranges of the fields, checked whether or not ``enabled`` (a value out of range is an
         error even while it is unused)."""
         if self.prompts_per_step < 1:
             raise ConfigError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
-        if self.max_staleness != 0:
+        if self.max_staleness < 0 or self.sync_every < 1:
             raise ConfigError(
-                f"rollout.max_staleness={self.max_staleness}: asynchronous sampling is not implemented; set 0 "
-                "(every step samples from the weights of the step before)"
+                f"rollout.max_staleness must be >= 0 and rollout.sync_every >= 1, got {self.max_staleness} and "
+                f"{self.sync_every}"
             )
         if self.logprob_floor > 0:
             raise ConfigError(f"rollout.logprob_floor must be <= 0 (0: off), got {self.logprob_floor}")
@@ -572,6 +577,9 @@ class RolloutConfig(SamplerSettings):
             )
         if not config.model.tokenizer:
             raise ConfigError("rollout.enabled needs model.tokenizer (prompts are encoded, completions decoded)")
+        from ds_tree.rollout.ahead import check_staleness_config
+
+        check_staleness_config(config)
 
 
 @dataclass

@@ -13,7 +13,9 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +24,7 @@ import pytest
 import torch
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
 from ds_tree.rollout.engines import EngineSampling, HFEngine, PrefixRequest
 from ds_tree.rollout.sampler import repeats_ngram
 from ds_tree.rollout.settings import SamplerSettings
@@ -35,8 +38,9 @@ from ds_tree.rollout.vllm_engine import (
     reference_logprobs,
     vllm_available,
 )
+from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from tests.test_engine import ROOT, launch_training
+from tests.test_engine import ROOT, torchrun
 from tests.test_online_rl import online_config
 
 MODEL = ROOT / "configs/models/tiny_llama_vllm.json"
@@ -225,6 +229,49 @@ def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(serv
     np.testing.assert_allclose(trajectories[0].logprobs[20:], reference, rtol=0, atol=LOGPROB_TOLERANCE)
 
 
+@needs_vllm
+def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, tokenizer_dir) -> None:
+    """rollout.env.path with engine vllm: every assistant turn is one request after the exact ids of the
+    conversation so far (token in, token out), its siblings the request's n samples, with vLLM's log-probs."""
+    from ds_tree.rollout.engines import EngineTurnSampler
+    from ds_tree.rollout.env import EnvironmentCalls
+    from ds_tree.rollout.multiturn import EpisodeRunner
+    from ds_tree.rollout.render import Renderer
+    from ds_tree.rollout.secret_tool import SecretToolEnv
+    from ds_tree.rollout.settings import EnvSettings
+
+    engine, model = served
+    with_weights(engine, model)
+    settings = SamplerSettings(width=4, branching=2, max_depth=2, max_new_tokens=12, temperature=1.0)
+    env, stops = EnvSettings(max_context_tokens=400), [2, 4]
+    sampler = EngineTurnSampler(engine, settings, stops)
+    runner = EpisodeRunner(
+        SecretToolEnv, Renderer(tokenizer, stops, env.max_observation_tokens), sampler, settings, env, 400,
+        EnvironmentCalls(env.workers),
+    )  # fmt: skip
+    trees = []
+    for _ in range(2):
+        tree = runner.run({"id": "t", "secret": 7}, "t", 0, 3, torch.Generator().manual_seed(0))
+        tree.build_leaves("t/step3/slot0", "tasks.jsonl:1")
+        trees.append(tree)
+    tree = trees[0]
+    assert [n.token_ids for n in trees[1].nodes] == [n.token_ids for n in tree.nodes]  # one seed, one episode tree
+    # random weights: the first turn's 2 siblings run to the turn's limit without a stop token
+    assert len(tree.leaves) == 2 and all(leaf.stop_reason == "length" for leaf in tree.leaves)
+    prompt = tree.nodes[0].token_ids
+    assert tree.forward_tokens == 2 * (len(prompt) + settings.max_new_tokens)  # one request of n=2
+    for leaf in tree.leaves:
+        trajectory = leaf.trajectory
+        assert trajectory.input_ids[: len(prompt)].tolist() == prompt
+        sampled = np.flatnonzero(trajectory.loss_mask)
+        assert sampled.size == settings.max_new_tokens and np.isfinite(trajectory.logprobs[sampled]).all()
+        reference = forward_logprobs(model, trajectory.input_ids)[sampled - 1]
+        np.testing.assert_allclose(trajectory.logprobs[sampled], reference, rtol=0, atol=LOGPROB_TOLERANCE)
+    shipped = ["model.source=configs/models/tiny_llama.json", "rollout.prompts=tasks.jsonl"]
+    config = load_config(ROOT / "configs/multiturn_cpu.yaml", [*shipped, "rollout.engine=vllm"])  # no refusal now
+    assert config.rollout.engine == "vllm" and config.rollout.env.path
+
+
 # ------------------------------------------------------------------------------ failures
 class _Answer(http.server.BaseHTTPRequestHandler):
     body = b""
@@ -280,6 +327,49 @@ def test_unreachable_garbage_and_dead_servers_are_clear_errors_not_hangs(tmp_pat
     assert time.monotonic() - started < 10
 
 
+SILENT_SERVER = """
+import http.server, sys, time
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        print("request", flush=True)
+        time.sleep(300)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_a_server_that_hangs_or_dies_during_a_request_fails_the_request_in_bounded_time(tmp_path) -> None:
+    request, sampling = PrefixRequest([5, 6, 7], 2, 3, 0), EngineSampling(stop_ids=[2])
+    server = VLLMServer(tmp_path, log_path=tmp_path / "server.log")
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - the child's log
+    server.process = subprocess.Popen([sys.executable, "-c", SILENT_SERVER, str(server.port)], stdout=log, stderr=log)
+    try:
+        for _ in range(100):  # listening
+            try:
+                socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        # a server that takes the request and never answers: timeout_s per try, then a clear error
+        engine = VLLMEngine(VLLMClient(server.url, timeout_s=1, retries=1), vocab_size=1024)
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=r"no answer after 2 tries of 1 s \(rollout.vllm.timeout_s\)"):
+            engine.continue_prefixes([request], sampling)
+        assert time.monotonic() - started < 10
+        # the managed server dies while the request is in flight: the error says so at once, with its log,
+        # neither waiting out timeout_s nor retrying
+        engine = VLLMEngine(VLLMClient(server.url, timeout_s=120, retries=5, server=server), vocab_size=1024)
+        threading.Timer(1.0, server.process.kill).start()
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=r"(?s)no answer after .*the managed vLLM server has exited.*request"):
+            engine.continue_prefixes([request], sampling)
+        assert time.monotonic() - started < 20
+    finally:
+        log.close()
+        if server.process.poll() is None:
+            server.process.kill()
+        server.process.wait()
+
+
 def test_a_server_that_never_comes_up_is_stopped_with_its_whole_group(tmp_path) -> None:
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     fake = tmp_path / "venv" / "bin" / "python"  # vLLM's python: its child outlives it unless the group is killed
@@ -298,9 +388,18 @@ def test_vllm_config_fields_and_refused_values(tmp_path, tokenizer_dir) -> None:
     path = online_config(tmp_path, tokenizer_dir, rollout={"engine": "vllm", "vllm": {"timeout_s": 5}})
     config = load_config(path)
     assert config.rollout.engine == "vllm" and config.rollout.vllm.timeout_s == 5 and config.rollout.vllm.url == ""
+    for overrides in (["objective.old_logprobs=data"], ["objective.importance_truncation=2.0"]):
+        config = load_config(path, ["rollout.max_staleness=2", "rollout.sync_every=2", *overrides])
+        assert (config.rollout.max_staleness, config.rollout.sync_every) == (2, 2)
+    with pytest.raises(ConfigError, match="max_staleness=1: sampling ahead of training needs .* rollout.engine: vllm"):
+        load_config(path, ["rollout.engine=hf", "rollout.max_staleness=1", "objective.old_logprobs=data"])
     for override, message in [
         ("rollout.engine=sglang", "rollout.engine must be one of hf, vllm"),
-        ("rollout.max_staleness=1", "rollout.max_staleness=1: asynchronous sampling is not implemented; set 0"),
+        ("rollout.max_staleness=-1", "rollout.max_staleness must be >= 0"),
+        ("rollout.sync_every=0", "rollout.sync_every >= 1"),
+        # stale samples need the sampler's log-probs for the importance correction
+        ("rollout.max_staleness=1", r"weights up to 1 step\(s\) old: .*set objective.old_logprobs: data"),
+        ("rollout.sync_every=3", r"rollout.sync_every=3 trains on .* up to 2 step\(s\) old"),
         ("rollout.vllm.timeout_s=0", "rollout.vllm.timeout_s must be > 0"),
         ("rollout.vllm.gpu_memory_utilization=1.5", r"rollout.vllm.gpu_memory_utilization must be in \(0, 1\]"),
     ]:
@@ -308,42 +407,130 @@ def test_vllm_config_fields_and_refused_values(tmp_path, tokenizer_dir) -> None:
             load_config(path, [override])
 
 
+# ------------------------------------------------------------------- asynchronous steps
+@pytest.mark.parametrize("start, staleness, every", [(0, 1, 1), (0, 2, 1), (0, 1, 2), (3, 1, 2), (0, 0, 3)])
+def test_ahead_sampler_samples_each_step_with_the_scheduled_version_while_training(start, staleness, every) -> None:
+    """The trainer's loop of OnlineRollouts.step_trajectories against a background sampler (no server): each
+    step is sampled once, with the version the schedule names, before training reaches it by k steps at most."""
+    events, engine = [], {"version": start}
+    started = {step: threading.Event() for step in range(start, start + 20)}
+
+    def sample(step, version):
+        assert version == engine["version"]  # no reload while a step is sampled
+        events.append(("sample", step, version))
+        started[step].set()
+        time.sleep(0.01)
+        return [step]
+
+    ahead = AheadSampler(sample, start=start, max_staleness=staleness, sync_every=every, end=start + 7)
+    try:
+        for step in range(start, start + 7):
+            if sync_due(step, start, every):
+                assert ahead.before_sync(step) is None
+                assert all(s < step + staleness for _, s, _ in events)
+                engine["version"] = step
+                ahead.synced(step)
+                events.append(("sync", step, step))
+            ahead.begin(step)
+            sampled, error = ahead.take(step)
+            assert error is None and sampled.results == [step]
+            assert sampled.version == sampling_version(step, start, staleness, every)
+            assert 0 <= step - sampled.version <= staleness_bound(staleness, every)
+            assert all(s <= step + staleness for kind, s, _ in events if kind == "sample")  # never further ahead
+            if staleness and step + 1 < start + 7:  # "training" step s lasts until step s + 1 is sampled: overlap
+                assert started[step + 1].wait(timeout=30)
+            events.append(("train", step, None))
+        time.sleep(0.3)  # room for a step past the end, were one allowed
+    finally:
+        ahead.close()
+    assert not ahead.thread.is_alive()
+    sampled_steps = [s for kind, s, _ in events if kind == "sample"]
+    assert sampled_steps == list(range(start, start + 7))  # each once, in order, none past the run's end
+    # the schedule: k steps ahead, syncs every N; k=0, N=1 is the synchronous loop
+    assert [sampling_version(s, 0, 0, 1) for s in range(5)] == [0, 1, 2, 3, 4]
+    assert [sampling_version(s, 0, 1, 2) for s in range(6)] == [0, 0, 0, 2, 2, 4]
+    assert [sampling_version(s, 3, 1, 2) for s in range(3, 8)] == [3, 3, 4, 4, 6]
+
+
+def test_ahead_sampler_failures_reach_the_trainer_and_stale_trajectories_are_dropped() -> None:
+    def sample(step, version):
+        if step == 2:
+            raise EngineError("http://x/v1/completions: no answer after 3 tries of 1 s (rollout.vllm.timeout_s)")
+        return [step]
+
+    ahead = AheadSampler(sample, start=0, max_staleness=2, sync_every=1, end=10)
+    try:
+        ahead.begin(0)
+        assert ahead.take(0)[0].results == [0]  # steps sampled before the failure are still handed over
+        assert ahead.take(1)[0].results == [1]
+        sampled, error = ahead.take(2)
+        assert sampled is None and "sampling step 3 ahead of training: EngineError: " in error
+        assert "rollout.vllm.timeout_s" in error
+        assert ahead.before_sync(3) == error
+    finally:
+        ahead.close()
+    trajectories = [Trajectory(np.arange(3), np.ones(3), policy_version=v) for v in (5, 4, 3, 2)]
+    kept, dropped = drop_stale(trajectories, 5, staleness_bound(1, 2))
+    assert [t.policy_version for t in kept] == [5, 4, 3] and dropped == 1
+
+
 # ------------------------------------------------------------------ 2 ranks, ZeRO-3, GRPO
 @needs_vllm
 @pytest.mark.distributed
-def test_two_rank_zero3_grpo_on_vllm_trains_and_syncs_every_step(served, tmp_path, tokenizer_dir) -> None:
+def test_two_rank_zero3_grpo_on_vllm_samples_a_step_ahead_and_resumes_from_the_checkpoints_version(
+    served, tmp_path, tokenizer_dir
+) -> None:
+    """max_staleness 1, sync_every 2: step s samples with the weights synced at or before step s - 1 while the
+    ranks train; the importance weights use the sampler's log-probs (truncated, on recomputed old ones). A
+    second trainer resumes from the step-2 checkpoint in the same launch (tests/distributed/online_resume_check.py)."""
     engine, _ = served
     config = online_config(
         tmp_path,
         tokenizer_dir,
-        max_steps=3,
+        max_steps=4,
         model={"source": str(MODEL), "seed": 3, "tokenizer": str(tokenizer_dir)},
-        rollout={"engine": "vllm", "vllm": {"url": engine.client.url, "timeout_s": 60}},
-        objective={"kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "old_logprobs": "recompute"},
+        rollout={"engine": "vllm", "max_staleness": 1, "sync_every": 2,
+                 "vllm": {"url": engine.client.url, "timeout_s": 60}},
+        objective={"kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "old_logprobs": "recompute",
+                   "importance_truncation": 2.0},
         optimizer={"lr": 2e-2, "schedule": "constant"},
-    )
-    process = launch_training(config)
-    try:
-        output, _ = process.communicate(timeout=540)
-    finally:
-        if process.poll() is None:  # its own session: no rank is left behind
-            os.killpg(process.pid, 9)
-            process.wait()
-    assert process.returncode == 0, output[-6000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[0]["optim/grad_norm"] > 0  # step 1 trained: steps 2 and 3 sampled from moved weights
-    for record in records:
-        assert record["rollout/leaves"] == 4
-        assert record["rollout/sync_s"] >= 0 and record["rollout/tokens_saved"] > 0
-        # engine and trainer agree on every sampled token: vLLM's float32 kernels vs the tree forward
-        assert record["rollout/logprob_mismatch_max"] < LOGPROB_TOLERANCE, record
-    # the server holds the last sync's snapshot (the policy after step 2, which sampled step 3)
-    snapshot = tmp_path / "run" / "vllm" / "weights" / "model.safetensors"
-    assert snapshot.is_file()
+        checkpoint={"every": 2, "keep_last": 3, "export_hf": False},
+    )  # fmt: skip
+    out = tmp_path / "runs.json"
+    torchrun(
+        "tests/distributed/online_resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2",
+        timeout=540,
+    )  # fmt: skip
+    runs = json.loads(out.read_text())
+    first, resumed = runs["a"], runs["b"]
+    records = first["metrics"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[0]["optim/grad_norm"] > 0  # step 1 trained: the sync before step 3 moved the server
+    # versions: the engine starts with version 0 and is synced before step 3 (index 2); step s samples with
+    # the last sync at or before s - 1, so steps 2 and 3 train on older samples
+    assert [r["rollout/policy_version"] for r in records] == [0, 0, 0, 2]
+    assert [r["rollout/staleness_max"] for r in records] == [0, 1, 2, 1]
+    for record in records + resumed["metrics"]:
+        assert record["rollout/leaves"] == 4 and record["rollout/stale_dropped"] == 0
+        assert record["rollout/wait_s"] >= 0 and record["rollout/tokens_saved"] > 0
+        assert np.isfinite(record["loss/train"])
+    # the fresh step: engine and trainer agree on every sampled token (vLLM's float32 kernels vs the tree
+    # forward); stale steps log no mismatch (the trainer's weights moved on)
+    assert records[0]["rollout/logprob_mismatch_max"] < LOGPROB_TOLERANCE, records[0]
+    assert all("rollout/logprob_mismatch" not in r for r in records[1:])
+    # resumed at step 2: the engine starts with the checkpoint's weights (version 2). Step 3 was sampled
+    # with version 0 in the first run, which the checkpoint does not hold: sampled fresh (docs/ROLLOUTS.md).
+    # Step 4 is version 2 in both runs, with the same request seeds: the same trees (the docs say why an
+    # exact replay is not guaranteed in general: vLLM batches requests by timing; one slot may differ)
+    assert resumed["start_step"] == 2 and [r["step"] for r in resumed["metrics"]] == [3, 4]
+    assert [r["rollout/policy_version"] for r in resumed["metrics"]] == [2, 2]
+    assert resumed["samples"]["3"] != first["samples"]["3"]
+    same = [a == b for a, b in zip(first["samples"]["4"], resumed["samples"]["4"], strict=True)]
+    assert sum(same) >= len(same) - 4, same  # 4: one slot's leaves (width 4)
+    # the server holds the last sync's snapshot: the resumed run's start (the policy after 2 steps)
     from safetensors.torch import load_file
 
-    state = load_file(str(snapshot))
+    state = load_file(str(tmp_path / "run_resumed" / "vllm" / "weights" / "model.safetensors"))
     initial = {name: p.detach() for name, p in tiny_model(seed=3).named_parameters()}
     assert max(float((state[name] - p).abs().max()) for name, p in initial.items()) > 0  # the trained policy
     ids = probe_ids(1024)

@@ -146,7 +146,8 @@ class RLSteps:
         scalars["rl/singleton_trajectories"] = float(rollouts.singletons)
         if self.online is not None:
             scalars.update(self.online.scalars)
-            if self.config.objective.old_logprobs != "data":  # logp_old: the trainer's, same weights as the sampler
+            fresh = not self.online.scalars.get("rollout/staleness_max")  # sampled with the weights that train
+            if self.config.objective.old_logprobs != "data" and fresh:  # logp_old: the trainer's, same weights
                 from ds_tree.engine.sampler_mismatch import mismatch_scalars
 
                 scalars.update(mismatch_scalars(rollouts.prepared))

@@ -35,6 +35,10 @@ from ds_tree.rollout.sampler import SampledNode, SampledTree, repeats_ngram, sam
 from ds_tree.rollout.settings import SamplerSettings
 
 
+class EngineError(RuntimeError):
+    """The sampling engine cannot be used: unreachable, dead, or an answer that is not what was asked."""
+
+
 @dataclass
 class PrefixRequest:
     """Sample ``n`` continuations of the exact token ids ``prefix_ids``."""
@@ -139,6 +143,44 @@ class HFEngine:
 
     def close(self) -> None:
         pass
+
+
+# ------------------------------------------------------------------------ multi-turn turns
+@dataclass
+class EngineTurn:
+    """One sampled assistant turn (the shape of :class:`ds_tree.rollout.multiturn.SampledTurn`)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """``eos`` (a stop token, kept last) or ``length``."""
+
+
+class EngineTurnSampler:
+    """The multi-turn rollouts' turn sampler on any :class:`SamplingEngine` (``rollout.engine: vllm``):
+    ``sample(prefix_ids, n, max_new_tokens, generator)`` is one :class:`PrefixRequest` of ``n`` siblings
+    after the exact ids of the conversation so far, seeded from ``generator``."""
+
+    def __init__(self, engine: SamplingEngine, settings: SamplerSettings, stop_ids: Sequence[int]) -> None:
+        self.engine = engine
+        self.sampling = EngineSampling(settings.temperature, settings.top_p, sorted({int(t) for t in stop_ids}))
+        self.forward_tokens = 0
+        """Tokens handed to the engine (each prefix in full) plus those sampled: an upper bound of its work."""
+
+    def sample(
+        self, prefix_ids: Sequence[int], n: int, max_new_tokens: int, generator: torch.Generator
+    ) -> list[EngineTurn]:
+        request = PrefixRequest([int(t) for t in prefix_ids], n, max_new_tokens, request_seed(generator))
+        (continuations,) = self.engine.continue_prefixes([request], self.sampling)
+        if len(continuations) != n:
+            raise EngineError(f"the {self.engine.name} engine answered {len(continuations)} samples for n={n}")
+        turns = []
+        for continuation in continuations:
+            self.forward_tokens += len(request.prefix_ids) + len(continuation.token_ids)
+            ended = continuation.finish == "eos" and continuation.token_ids[-1] in self.sampling.stop_ids
+            reason = "eos" if ended else "length"
+            turns.append(EngineTurn(list(continuation.token_ids), list(continuation.logprobs), reason))
+        return turns
 
 
 # ------------------------------------------------------------------------------- the tree driver

@@ -47,6 +47,7 @@ from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import ConfigError, DataError
+from ds_tree.rollout.engines import EngineTurnSampler
 from ds_tree.rollout.env import (
     EnvFailure,
     Environment,
@@ -516,11 +517,6 @@ def check_env_config(config) -> None:
         load_environment_class(rollout.env.path)
     except ValueError as error:
         raise ConfigError(f"rollout.env.path {error}") from None
-    if getattr(rollout, "engine", "hf") != "hf":
-        raise ConfigError(
-            f"rollout.engine {rollout.engine!r} does not drive multi-turn episodes yet (rollout.env.path); "
-            "set rollout.engine: hf"
-        )
     if rollout.reward:
         raise ConfigError(
             "rollout.reward is not used with rollout.env.path (the environment gives the rewards); remove it"
@@ -624,7 +620,9 @@ class MultiTurnRollouts(OnlineRollouts):
             self.runner = EpisodeRunner(
                 self.env_class,
                 self.renderer,
-                HFTurnSampler(self.model, self.settings, self.stop_ids),
+                HFTurnSampler(self.model, self.settings, self.stop_ids)
+                if self.engine is None
+                else EngineTurnSampler(self.engine, self.settings, self.stop_ids),  # rollout.engine: vllm
                 self.settings,
                 env,
                 env.max_context_tokens or self.config.packing.budget,
@@ -635,7 +633,7 @@ class MultiTurnRollouts(OnlineRollouts):
     def sample_episode(self, step: int, slot: int, task_index: int) -> EpisodeTree:
 
         task = self.tasks[task_index]
-        device = next(self.model.parameters()).device
+        device = next(self.model.parameters()).device if self.model is not None else "cpu"
         generator = slot_generator(self.config.rollout.seed, step, slot, device)
         with torch.no_grad():
             tree = self.runner_for_model().run(task.task, task.label, slot, step, generator)
@@ -645,7 +643,7 @@ class MultiTurnRollouts(OnlineRollouts):
     def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
 
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.copy_weights(policy)
+        self.sync(policy)  # rollout.engine: the generation copy (hf) or the vLLM server
         started = time.perf_counter()
         indices = self.sampler.groups_for_step(step)
         mine = [self.sample_episode(step, slot, indices[slot]) for slot in rank_slots(len(indices), rank, world_size)]

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError
-from ds_tree.rollout.engines import HFEngine, SamplingEngine
+from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
+from ds_tree.rollout.engines import EngineError, HFEngine, SamplingEngine
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import REWARDS, RewardRequest, describe_failure, score
 from ds_tree.trees.trajectory import Trajectory
@@ -119,6 +120,17 @@ def rollout_scalars(results: list[SlotResult]) -> dict[str, float]:
     }
 
 
+def raise_any(*failures: str | None, gather: bool = True) -> None:
+    """Raise the first failure of any rank on every rank (``gather``: each rank passes its own; a collective)."""
+    found = [f for f in failures if f]
+    if gather and dist.is_initialized():
+        every: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, found[0] if found else None)
+        found = [f"rank {rank}: {f}" for rank, f in enumerate(every) if f]
+    if found:
+        raise EngineError(found[0] + (f" (and {len(found) - 1} more rank(s))" if len(found) > 1 else ""))
+
+
 def reward_function(name: str) -> Callable[[RewardRequest], float]:
     """A reward by name: one of ``REWARDS``, or a user's ``package.module:function`` (importable on every rank)."""
     if name in REWARDS:
@@ -139,6 +151,10 @@ def reward_function(name: str) -> Callable[[RewardRequest], float]:
 
 class OnlineRollouts:
     """The online loop on one rank: prompts, tokenizer, reward function and the generation model."""
+
+    engine: SamplingEngine | None = None  # class defaults: the multi-turn subclass sets its own fields
+    ahead: AheadSampler | None = None
+    start: int | None = None
 
     def __init__(self, config, model_config) -> None:
         from ds_tree.errors import ConfigError
@@ -170,6 +186,10 @@ class OnlineRollouts:
         """Where slots are sampled (``rollout.engine``); a vLLM engine is started by the first step's sync."""
         self.scalars: dict[str, float] = {}
         """The ``rollout/`` metrics of the last step sampled."""
+        self.start: int | None = None
+        """The run's first step (0, or the checkpoint's): the engine starts with that version."""
+        self.ahead: AheadSampler | None = None
+        """The background sampler of ``rollout.max_staleness > 0`` (:mod:`ds_tree.rollout.ahead`)."""
 
     def build_model(self) -> None:
         """The generation model: same architecture and dtype as the policy, its own (unpartitioned) weights.
@@ -196,8 +216,9 @@ class OnlineRollouts:
             for name, target in self.model.named_parameters():
                 target.copy_(source[name])
 
-    def sample_slot(self, step: int, slot: int, prompt_index: int) -> SlotResult:
-        """One prompt slot: sample its tree, decode and score the leaves."""
+    def sample_slot(self, step: int, slot: int, prompt_index: int, version: int | None = None) -> SlotResult:
+        """One prompt slot: sample its tree, decode and score the leaves; ``version``: the policy version
+        the engine holds (the trajectories' ``policy_version``; default ``step``)."""
         prompt = self.prompts[prompt_index]
         device = next(self.model.parameters()).device if self.model is not None else "cpu"
         generator = slot_generator(self.config.rollout.seed, step, slot, device)
@@ -210,7 +231,7 @@ class OnlineRollouts:
         requests = []
         for leaf, trajectory in enumerate(trajectories):
             trajectory.source = f"{prompt.source} (step {step}, slot {slot}, leaf {leaf})"
-            trajectory.policy_version = step
+            trajectory.policy_version = step if version is None else version
             completion = trajectory.input_ids[prompt.ids.size :]
             text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
             requests.append(RewardRequest(prompt=prompt.text, completion=text, metadata=prompt.metadata))
@@ -228,28 +249,75 @@ class OnlineRollouts:
             failures=list(failures),
         )
 
-    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
-        """``step``'s sampled and scored trajectories, the same list on every rank (collective)."""
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        synced = time.perf_counter()
+    def sample_share(self, step: int, version: int) -> list[SlotResult]:
+        """This rank's slots of ``step`` (no collective: the background sampler runs it too)."""
+        prompt_indices = self.sampler.groups_for_step(step)
+        slots = rank_slots(len(prompt_indices), dist.get_rank(), dist.get_world_size())
+        return [self.sample_slot(step, slot, prompt_indices[slot], version) for slot in slots]
+
+    def sync(self, policy: torch.nn.Module) -> None:
+        """The policy's weights into the engine (the first call starts a vLLM engine; a collective)."""
         if self.config.rollout.engine == "vllm":
             from ds_tree.rollout.vllm_engine import sync_engine
 
             self.engine = sync_engine(self.engine, self.config, self.model_config, self.tokenizer, policy)
         else:
             self.copy_weights(policy)
-        sync_s = time.perf_counter() - synced
+
+    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
+        """``step``'s sampled and scored trajectories, the same list on every rank (collective).
+
+        The engine gets the weights at the run's first step and every ``rollout.sync_every`` steps after;
+        with ``rollout.max_staleness > 0`` each rank's slots are sampled ahead by its background sampler
+        (:mod:`ds_tree.rollout.ahead`). A sampling failure on any rank is raised on every rank."""
+        rollout = self.config.rollout
+        if self.start is None:
+            self.start = step
+        version = sampling_version(step, self.start, rollout.max_staleness, rollout.sync_every)
+        synced, waited = time.perf_counter(), 0.0
+        if step == self.start or sync_due(step, self.start, rollout.sync_every):
+            if self.ahead is not None:  # every step that samples with the old weights is sampled first
+                failure = self.ahead.before_sync(step)
+                waited = time.perf_counter() - synced
+                raise_any(failure)
+            self.sync(policy)
+            if self.ahead is not None:
+                self.ahead.synced(step)
+        sync_s = time.perf_counter() - synced - waited
+        if rollout.max_staleness and self.ahead is None:
+            self.ahead = AheadSampler(
+                self.sample_share, start=self.start, max_staleness=rollout.max_staleness,
+                sync_every=rollout.sync_every, end=self.config.max_steps,
+            )  # fmt: skip
         started = time.perf_counter()
-        prompt_indices = self.sampler.groups_for_step(step)
-        slots = rank_slots(len(prompt_indices), rank, world_size)
-        mine = [self.sample_slot(step, slot, prompt_indices[slot]) for slot in slots]
-        gathered: list[tuple[list[SlotResult], float] | None] = [None] * world_size
-        dist.all_gather_object(gathered, (mine, time.perf_counter() - started))
-        results = [result for share, _ in gathered for result in share]
+        failure = None
+        if self.ahead is not None:
+            self.ahead.begin(step)
+            sampled, failure = self.ahead.take(step)
+            mine, seconds = (sampled.results, sampled.seconds) if sampled is not None else ([], 0.0)
+            waited += time.perf_counter() - started
+        else:
+            try:
+                mine = self.sample_share(step, version)
+            except EngineError as error:  # raised on every rank below, not only here (no rank left waiting)
+                mine, failure = [], f"{type(error).__name__}: {error}"
+            seconds = time.perf_counter() - started
+        gathered: list[tuple[list[SlotResult], float, str | None] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, seconds, failure))
+        raise_any(*[f"rank {rank}: {failed}" for rank, (_, _, failed) in enumerate(gathered) if failed], gather=False)
+        results = [result for share, _, _ in gathered for result in share]
         self.scalars = rollout_scalars(results)
-        self.scalars["rollout/time_s"] = max(seconds for _, seconds in gathered)  # the slowest rank's
+        self.scalars["rollout/time_s"] = max(seconds for _, seconds, _ in gathered)  # the slowest rank's
         self.scalars["rollout/sync_s"] = sync_s
-        kept = kept_trajectories(results)
+        kept, stale = drop_stale(
+            kept_trajectories(results), step, staleness_bound(rollout.max_staleness, rollout.sync_every)
+        )
+        versions = [t.policy_version for t in kept]
+        self.scalars["rollout/policy_version"] = float(np.mean(versions)) if versions else float("nan")
+        self.scalars["rollout/staleness_max"] = float(step - min(versions)) if versions else 0.0
+        self.scalars["rollout/stale_dropped"] = float(stale)
+        if rollout.max_staleness:
+            self.scalars["rollout/wait_s"] = waited  # the time this rank's training waited for sampling
         groups = len({t.group_id for t in kept})
         if groups < self.config.objective.mini_batches:
             failures = [message for result in results for message in result.failures]
@@ -260,6 +328,8 @@ class OnlineRollouts:
         return kept
 
     def close(self) -> None:
-        """Stop the engine (a managed vLLM server); idempotent."""
+        """Stop the background sampler and the engine (a managed vLLM server); idempotent."""
+        if self.ahead is not None:
+            self.ahead.close()
         if self.engine is not None:
             self.engine.close()

@@ -38,16 +38,18 @@ from pathlib import Path
 
 import torch
 
-from ds_tree.rollout.engines import Continuation, EngineSampling, PrefixRequest, sample_tree_by_segments
+from ds_tree.rollout.engines import (
+    Continuation,
+    EngineError,
+    EngineSampling,
+    PrefixRequest,
+    sample_tree_by_segments,
+)
 
 logger = logging.getLogger(__name__)
 
 SERVED_NAME = "ds_tree-policy"
 """The model name a managed server serves under."""
-
-
-class EngineError(RuntimeError):
-    """The sampling engine cannot be used: unreachable, dead, or an answer that is not what was asked."""
 
 
 def default_vllm_python() -> Path:
