@@ -292,7 +292,13 @@ def _run_side(
             old_logprobs=rl.old_logprobs,
         )
         output = run_rl_rows(
-            model, prepared, rl.settings, backward=collector, dfs=dfs, device=device, head_chunk=head_chunk,
+            model,
+            prepared,
+            rl.settings,
+            backward=collector,
+            dfs=dfs,
+            device=device,
+            head_chunk=head_chunk,
             collect_logprobs=True,
         )
     return _Side(output.loss, output.trajectory_logprobs, collector.gradients)
@@ -439,9 +445,7 @@ def verdict(result: SelfCheckResult, step: int, dtype: torch.dtype) -> None:
             f"loss relative error {result.loss_rel_err:.3e} (tree {result.loss_tree:.9g}, flat {result.loss_flat:.9g})"
         )
     if not result.max_grad_rel_err <= tolerance:
-        failures.append(
-            f"gradient relative error {result.max_grad_rel_err:.3e} (parameter {result.worst_parameter})"
-        )
+        failures.append(f"gradient relative error {result.max_grad_rel_err:.3e} (parameter {result.worst_parameter})")
     if not result.max_abs_logprob_err <= tolerance:
         failures.append(
             f"log-prob absolute error {result.max_abs_logprob_err:.3e} (worst trajectory: {result.worst_trajectory})"
