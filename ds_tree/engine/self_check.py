@@ -332,7 +332,8 @@ def rl_inputs(
 def _tree_logprobs(model, sample, budget, dfs, sequence_parallel, device, head_chunk) -> dict[int, np.ndarray]:
     """Every trajectory's log-probs (tokens 1..) from the tree layout, no gradients."""
     if dfs is not None:
-        return trajectory_logprobs(model, pack_trajectories(sample, "dfs", budget), dfs.chunk, device=device)
+        rows = pack_trajectories(sample, "dfs", budget)
+        return trajectory_logprobs(model, rows, dfs.chunk, device=device, head_chunk=head_chunk)
     block = sequence_parallel.size if sequence_parallel is not None else 1
     rows = pack_trajectories(sample, "tree", budget, block)
     side = _Side(
