@@ -175,8 +175,19 @@ class GradientCollector:
     Other leaves (the dfs walk's keys, values and probe) get their ``.grad`` as ``backward`` would."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+        self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.names = {id(p): name for name, p in self.trainable.items()}
         self.gradients: dict[str, torch.Tensor] = {}
+
+    def all_gradients(self) -> dict[str, torch.Tensor]:
+        """:attr:`gradients` with zeros for the trainable parameters that received none (a shard that
+        routed no token to an expert), so that every rank of a group reduces the same tensors."""
+        for name, p in self.trainable.items():
+            if name not in self.gradients:
+                self.gradients[name] = torch.zeros(
+                    tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device=p.device
+                )
+        return self.gradients
 
     def __call__(self, loss: torch.Tensor) -> None:
         if not loss.requires_grad:
@@ -238,7 +249,7 @@ def _sum_over_group(side: _Side, sequence_parallel: SequenceParallel) -> _Side:
     group = sequence_parallel.group
     loss = torch.tensor([side.loss], dtype=torch.float64)
     dist.all_reduce(loss, group=group)
-    for name in sorted(side.gradients):
+    for name in sorted(side.gradients):  # every trainable parameter's (:meth:`GradientCollector.all_gradients`)
         dist.all_reduce(side.gradients[name], group=group)
     keys = list(side.logprobs)
     if keys:
@@ -263,6 +274,7 @@ def _run_side(
     dfs: DfsSettings | None,
     device,
     head_chunk: int,
+    every_parameter: bool = False,
 ) -> _Side:
     """One side's loss, log-probs and gradients of the sample (``items``: ``rows`` as this rank runs them)."""
     collector = GradientCollector(model)
@@ -301,7 +313,8 @@ def _run_side(
             head_chunk=head_chunk,
             collect_logprobs=True,
         )
-    return _Side(output.loss, output.trajectory_logprobs, collector.gradients)
+    gradients = collector.all_gradients() if every_parameter else collector.gradients
+    return _Side(output.loss, output.trajectory_logprobs, gradients)
 
 
 def rl_inputs(
@@ -378,7 +391,8 @@ def check_sample(
         tree_rows = pack_trajectories(sample, "dfs" if dfs is not None else "tree", budget, block)
         common = dict(normalisation=normalisation, rl=rl, device=device, head_chunk=head_chunk)
         flat = _run_side(model, flat_rows, flat_rows, dfs=None, **common)
-        tree = _run_side(model, tree_rows, _tree_items(tree_rows, sequence_parallel), dfs=dfs, **common)
+        items = _tree_items(tree_rows, sequence_parallel)
+        tree = _run_side(model, tree_rows, items, dfs=dfs, every_parameter=sequence_parallel is not None, **common)
         if sequence_parallel is not None:
             tree = _sum_over_group(tree, sequence_parallel)
         if dfs is not None:  # walked rows report no log-probs with their backward: a no-grad walk does
