@@ -37,10 +37,13 @@ def test_due_steps():
 
 
 def test_sample_is_whole_groups_under_the_cap(trajectories):
-    sample = self_check.sample_groups(trajectories, budget=400, cap=300)
+    sample = self_check.sample_groups(trajectories, budget=400, cap=1000)
     groups = {t.group_id for t in sample}
-    assert groups and all(sum(t.group_id == g for t in sample) == 4 for g in groups)  # whole groups of 4
+    assert len(groups) >= 2 and all(sum(t.group_id == g for t in sample) == 4 for g in groups)  # whole groups of 4
+    assert sum(len(t) for t in sample) <= 1000
     assert len(self_check.sample_groups(trajectories, budget=10)) == 0  # no group fits the rows
+    smallest = min(self_check.group_trajectories(trajectories), key=lambda g: sum(len(t) for t in g))
+    assert self_check.sample_groups(trajectories, budget=400, cap=10) == smallest[:2]  # no group fits the cap
 
 
 @pytest.mark.parametrize(
@@ -120,7 +123,7 @@ def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path):
 
 def test_a_broken_restoration_weight_stops_with_a_clear_error(trajectories, monkeypatch):
     model = load_model(MODEL, seed=3)
-    sample = self_check.sample_groups(trajectories, budget=400)
+    sample = self_check.sample_groups(trajectories, budget=400, cap=1000)  # whole groups: shared trained tokens
     exact = step.restoration_weights
 
     def broken(row, *args):  # fault injection: a shared token counted once, not once per trajectory

@@ -1,7 +1,8 @@
 """The training-time tree-vs-flat self-check (``objective.self_check``; docs/LORA.md, "Self-check").
 
 On the chosen steps the trainer takes a small sample of the step's trajectories (whole groups, in the
-step's order, up to :data:`SAMPLE_TOKENS` flat tokens; the smallest group when none fits) and computes,
+step's order, up to :data:`SAMPLE_TOKENS` flat tokens; when none fits, the first trajectories of the
+smallest group, two at least: :func:`sample_groups`) and computes,
 with the model as it is (the same weights for both sides), the run's own objective twice:
 
 - the tree: the sample laid out as the run lays out its rows (packed tree rows; the dfs walk with
@@ -54,7 +55,7 @@ from ds_tree.trees.trajectory import Trajectory, group_trajectories
 logger = logging.getLogger(__name__)
 
 SAMPLE_TOKENS = 256
-"""Flat tokens of the sample (whole groups; the smallest group when none fits)."""
+"""Flat tokens of the sample (whole groups; part of the smallest group when none fits)."""
 
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}
 """Largest loss and gradient relative error and log-prob absolute error per dtype. float64 and
@@ -132,8 +133,10 @@ def is_due(setting: str, step: int, first_step: int) -> bool:
 
 def sample_groups(trajectories: Sequence[Trajectory], budget: int, cap: int = SAMPLE_TOKENS) -> list[Trajectory]:
     """Whole groups from the start of ``trajectories`` up to ``cap`` flat tokens; when no group fits
-    the cap, the smallest group. Groups with a path longer than ``budget`` are skipped (those are
-    walked or sharded, not packed)."""
+    the cap, the first trajectories of the smallest group up to the cap, two at least (they share the
+    group's prompt: the tree still has a shared prefix), so that the flat side stays small however
+    large the groups are. Groups with a path longer than ``budget`` are skipped (those are walked or
+    sharded, not packed)."""
     groups = [g for g in group_trajectories(trajectories) if max(len(t) for t in g) <= budget]
     sample: list[Trajectory] = []
     tokens = 0
@@ -143,7 +146,11 @@ def sample_groups(trajectories: Sequence[Trajectory], budget: int, cap: int = SA
             sample.extend(group)
             tokens += size
     if not sample and groups:
-        sample = list(min(groups, key=lambda g: sum(len(t) for t in g)))
+        for trajectory in min(groups, key=lambda g: sum(len(t) for t in g)):
+            if len(sample) >= 2 and tokens + len(trajectory) > cap:
+                break
+            sample.append(trajectory)
+            tokens += len(trajectory)
     return sample
 
 
