@@ -714,6 +714,8 @@ def _coerce(hint: Any, value: Any, where: str, dotted: str) -> Any:
         return tuple(_coerce(t, v, where, f"{dotted}[{i}]") for i, (t, v) in enumerate(zip(types, value, strict=True)))
     if hint is float:
         return _finite_float(value, where, dotted)
+    if hint is str and value is False and dotted == "objective.self_check":  # YAML 1.1 reads `off` as false
+        return "off"
     if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: {dotted} must be {hint.__name__}, got {value!r}")
     return value

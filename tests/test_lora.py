@@ -164,6 +164,7 @@ def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, dat
     assert process.returncode == 0, output[-4000:]
     records = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["selfcheck/loss_rel_err"] < 1e-5 and "selfcheck/loss_rel_err" not in records[1]
+    assert records[0]["selfcheck/max_grad_rel_err"] < 1e-5  # the RL objective's adapter gradients, ZeRO-3
     assert records[1]["rl/kl_ref"] > 0  # the adapters moved the policy off the base model
 
     states = torch.load(
@@ -192,3 +193,59 @@ def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, dat
         assert torch.allclose(adapted(input_ids=prompt).logits, merged(input_ids=prompt).logits, atol=1e-5)
         greedy = dict(max_new_tokens=8, do_sample=False)
         assert torch.equal(adapted.generate(prompt, **greedy), merged.generate(prompt, **greedy))
+
+
+def train_single_process(config: Path, *overrides: str) -> list[dict]:
+    """``python -m ds_tree.train`` in one process (no launcher): its metrics.jsonl records."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.test_engine import environment
+
+    command = [sys.executable, "-m", "ds_tree.train", "--config", str(config), *overrides]
+    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    named = dict(item.split("=", 1) for item in overrides)
+    run = Path(named.get("output_dir") or yaml.safe_load(config.read_text())["output_dir"])
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_zero2_lora_trains_and_the_self_check_every_step_leaves_training_alone(tmp_path: Path, data) -> None:
+    """ZeRO-2 with LoRA (single process): SFT with the self-check (gradients included) on every step
+    gives the same losses and gradient norms, bit for bit, as the run without it."""
+    from tests.test_engine import write_config
+
+    config = write_config(
+        tmp_path, Path(data), deepspeed=str(ROOT / "configs/ds/zero2.json"), model={"lora": {"rank": 4}},
+        packing={"budget": 400}, optimizer={"lr": 3e-2, "schedule": "constant"}, max_steps=3,
+    )  # fmt: skip
+    one_group = "data.groups_per_step=1"
+    checked = train_single_process(config, one_group, "objective.self_check=every:1", f"output_dir={tmp_path / 'c'}")
+    plain = train_single_process(config, one_group, "objective.self_check=off", f"output_dir={tmp_path / 'p'}")
+    assert [r["step"] for r in checked] == [1, 2, 3]
+    for record in checked:
+        assert record["selfcheck/max_grad_rel_err"] < 1e-5 and record["selfcheck/loss_rel_err"] < 1e-5, record
+    assert not any(key.startswith("selfcheck/") for record in plain for key in record)
+    for name in ("loss/train", "optim/grad_norm"):
+        assert [r[name] for r in checked] == [r[name] for r in plain], name
+    assert checked[0]["loss/train"] != checked[-1]["loss/train"]  # the adapters trained
+
+
+def test_zero_init_kl_lora_grpo_trains_with_the_rl_self_check(tmp_path: Path, data) -> None:
+    """ZeRO-3 with the base built partitioned (model.zero_init), GRPO with a KL term whose reference is
+    the policy with its adapters disabled, LoRA: trains (single process), the RL self-check passing on
+    every step with the clipped objective and gradients."""
+    from tests.test_engine import write_config
+
+    config = write_config(
+        tmp_path, Path(data), model={"lora": {"rank": 4, "alpha": 8}, "zero_init": True},
+        packing={"budget": 400}, objective={"kind": "grpo", "kl_coef": 0.1, "self_check": "every:1"},
+        optimizer={"lr": 3e-2, "schedule": "constant"}, max_steps=2,
+    )  # fmt: skip
+    records = train_single_process(config, "data.groups_per_step=2")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["selfcheck/max_grad_rel_err"] < 1e-5 and record["selfcheck/loss_rel_err"] < 1e-5, record
+    assert records[1]["rl/kl_ref"] > 0 and np.isfinite(records[1]["loss/train"])

@@ -169,6 +169,10 @@ def test_two_ranks_sequence_parallel_match_single_process_flat(tmp_path: Path) -
         assert run["max_rel_grad_err"] < 1e-5, run
         assert run["grad_norm_rel_err"] < 1e-5, run
     assert np.isfinite(report["train_step_loss"])
+    # the self-check of that step: its tree rows sharded over the group, gradients summed over it
+    check = report["train_step_selfcheck"]
+    assert check["selfcheck/tokens"] > 0 and check["selfcheck/max_grad_rel_err"] < 1e-5, check
+    assert check["selfcheck/loss_rel_err"] < 1e-5 and check["selfcheck/max_abs_logprob_err"] < 1e-5, check
 
 
 def test_verify_spawns_a_sequence_parallel_group_and_is_exact_in_float64(tmp_path: Path) -> None:

@@ -127,6 +127,7 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
         f"data.path={data}", "data.groups_per_step=6", f"output_dir={tmp_path / 'run'}",
         f"packing.budget={BUDGET}", f"packing.block={BLOCK}", "objective.kl_coef=0.05",
         "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.export_hf=false",
+        "objective.self_check=every:1",
     ]  # fmt: skip
     example = ROOT / "configs/examples/long_tree_rl.yaml"
     torchrun("tests/distributed/rl_grad_check.py", "--config", str(example), "--out", str(out), "--train-step",
@@ -142,6 +143,9 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     assert report["max_rel_grad_err"] < 1e-5 and report["max_rel_metric_err"] < 1e-5, report
     step = report["train_step"]
     assert np.isfinite(step["loss/train"]) and step["rl/kl_ref"] > 0, step
+    # its RL self-check: SP-sharded tree rows, the partitioned reference, gradients summed over the group
+    assert step["selfcheck/tokens"] > 0 and step["selfcheck/max_grad_rel_err"] < 1e-5, step
+    assert step["selfcheck/loss_rel_err"] < 1e-5 and step["selfcheck/max_abs_logprob_err"] < 1e-5, step
 
 
 def test_plan_counts_the_reference_whole_partitioned_or_offloaded() -> None:

@@ -199,6 +199,7 @@ def prepare_rl_rows(
     device: torch.device | str = "cpu",
     head_chunk: int = 0,
     dfs: DfsSettings | None = None,
+    old_logprobs: dict[int, np.ndarray] | None = None,
 ) -> list[RLRow]:
     """Targets, per-token sums, old and reference log-probs of every row (no gradients).
 
@@ -206,11 +207,14 @@ def prepare_rl_rows(
     before this step's updates (its log-probs are ``logp_old`` unless ``old_logprobs`` is ``data``).
     ``head_chunk``: see :mod:`ds_tree.models.logprobs`. ``dfs``: how walked rows (:class:`DfsRow`)
     are walked; with ``dfs.lockstep`` (ZeRO-3) every rank makes as many forwards of ``model`` as the
-    busiest (the reference model is not sharded).
+    busiest (the reference model is not sharded). ``old_logprobs`` (``id(trajectory) -> log p`` per
+    token, equal on shared tokens): the old policy's log-probs given, not computed (the self-check's,
+    :mod:`ds_tree.engine.self_check`).
     """
     run = RunContext(device, head_chunk, dfs)
     # walks of the policy engine: the old log-probs' and a reference's that runs on it (LoRA: adapters off)
-    passes = (settings.old_logprobs != "data") + bool(getattr(reference, "collective", False))
+    recompute = settings.old_logprobs != "data" and old_logprobs is None
+    passes = recompute + bool(getattr(reference, "collective", False))
     if dfs is not None and dfs.lockstep and passes and in_process_group():
         count = torch.tensor([passes * sum(runner_of(row).forwards(row, run) for row in rows)])
         most = count.clone()
@@ -223,7 +227,9 @@ def prepare_rl_rows(
         copies = trajectory_copies(row)
         sums = row_sums(row, copies, advantages, settings, normalisers)
         targets = sums.active()
-        if settings.old_logprobs == "data":
+        if old_logprobs is not None:
+            logp_old = _given_logprobs(row.n_tokens, copies, old_logprobs)[targets]
+        elif settings.old_logprobs == "data":
             logp_old = shared_sampler_logprobs(row.n_tokens, copies)[targets]
         else:
             logp_old = runner_of(row).logprobs(model, row, targets, run)
@@ -234,6 +240,15 @@ def prepare_rl_rows(
         logp_ref = runner_of(row).logprobs(reference, row, targets, run) if reference is not None else None
         prepared.append(RLRow(row, targets, sums.take(targets), logp_old, logp_ref))
     return prepared
+
+
+def _given_logprobs(n_tokens: int, copies, given: dict[int, np.ndarray]) -> np.ndarray:
+    """Per row token, the log-prob ``given`` holds for the trajectories through it (NaN where none is)."""
+    by_token = np.full(n_tokens, np.nan)
+    for trajectory, path in copies:
+        present = path >= 0
+        by_token[path[present]] = given[id(trajectory)][present]
+    return by_token
 
 
 RLOutput = StepOutput
@@ -285,11 +300,13 @@ def run_rl_rows(
     device: torch.device | str = "cpu",
     head_chunk: int = 0,
     stats: WalkStats | None = None,
+    collect_logprobs: bool = False,
 ) -> RLOutput:
     """Forward every prepared item with gradients and hand its loss to ``backward`` (or the ``backward`` of
     ``backward_for(n)`` for ``n`` calls); ``dfs``: how walked items are walked, a walked row's loss being
-    the sum over its chunks of :func:`ppo_tree_loss` on the targets each chunk predicts."""
-    run = RunContext(device, head_chunk, dfs, stats=stats)
+    the sum over its chunks of :func:`ppo_tree_loss` on the targets each chunk predicts.
+    ``collect_logprobs``: record the trajectories' log-probs at packed items' targets (NaN elsewhere)."""
+    run = RunContext(device, head_chunk, dfs, stats=stats, collect_logprobs=collect_logprobs)
     if backward_for is None:
         backward_for = lambda _: backward or (lambda loss: None)  # noqa: E731
     rows = [item.row for item in prepared]

@@ -128,6 +128,7 @@ class RLSteps:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
         Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
         rollouts = self.rl_rollouts(step)
+        self.prepare_rl_self_check(step, rollouts.trajectories, rollouts.advantages)  # before the updates
         problem = non_finite_statistics(rollouts.trajectories, rollouts.advantages)  # every rank alike
         if problem is not None:  # as a non-finite loss: stop, or discard the step (no update)
             self.discard_step(step + 1, problem)

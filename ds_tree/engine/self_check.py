@@ -1,27 +1,40 @@
 """The training-time tree-vs-flat self-check (``objective.self_check``; docs/LORA.md, "Self-check").
 
 On the chosen steps the trainer takes a small sample of the step's trajectories (whole groups, in the
-step's order, up to :data:`SAMPLE_TOKENS` flat tokens; the smallest group when none fits) and computes, with the
-model as it is (the same weights for both), without gradients:
-- the tree layout's restoration-weighted SFT loss of the sample (packed tree rows) and every
-  trajectory's log-probs in the run's own execution mode (packed tree rows, or dfs walks), and
-- the flat baseline's: every trajectory its own sequence, its own loss terms.
-It compares the two and stops the run (:class:`SelfCheckError`) when the loss's relative error or a
-log-prob's absolute error exceeds the tolerance of the model's dtype (:data:`TOLERANCES`).
+step's order, up to :data:`SAMPLE_TOKENS` flat tokens; when none fits, the first trajectories of the
+smallest group, two at least: :func:`sample_groups`) and computes,
+with the model as it is (the same weights for both sides), the run's own objective twice:
 
-What it covers: the packed layout, positions, the tree mask of the run's attention engine, the dfs
-walk, the restoration weights and the objective's normalisers, on the user's model and data. What it
-does not: the gradients (the exactness of the backward is the forward's plus autograd's, which
-``ds-tree verify`` checks in float64 offline) and the RL objective's per-sign sums (RL runs are
-checked with the SFT objective of their token masks: same layout, same restoration weights).
+- the tree: the sample laid out as the run lays out its rows (packed tree rows; the dfs walk with
+  ``packing.mode: dfs``; rows sharded over the sequence-parallel group with
+  ``parallel.sequence_parallel_size > 1``), with its restoration weights and normalisers;
+- the flat baseline: every trajectory its own sequence, its own loss terms (whole rows, on every rank).
 
-Every rank checks the same whole sample (the ranks' forwards stay collective under ZeRO-3), so
-the check costs two no-grad forwards of at most :data:`SAMPLE_TOKENS` tokens per chosen step.
+Each side gives the loss, every trajectory's log-probs and the gradient of every trainable parameter.
+SFT runs compare the restoration-weighted SFT loss; RL runs compare the clipped objective with its KL
+and entropy terms (:mod:`ds_tree.engine.rl_step`), with the step's advantages and the step's old
+log-probs (recorded before the step's updates, :func:`rl_inputs`) and reference log-probs. The check
+stops the run (:class:`SelfCheckError`) when the loss's or a gradient's relative error, or a log-prob's
+absolute error, exceeds the tolerance of the model's dtype (:data:`TOLERANCES`).
+
+Gradients are taken with ``torch.autograd.grad`` on the trainable parameters of the bare module (not
+the DeepSpeed engine): nothing is written to ``param.grad``, no DeepSpeed gradient hook or reduction
+runs, the optimizer is not touched. Under ZeRO-3 the module's own hooks gather each layer's
+parameters for its forward and backward as in training, so each rank holds the whole gradient of the
+sample (every rank checks the same sample: exact, no reduction needed); under sequence parallelism
+each rank of a group computes its shard of every tree row and the group's gradients, losses and
+log-probs are summed. The RNG state is restored afterwards.
+
+Cost per checked step: the forwards and backwards of at most :data:`SAMPLE_TOKENS` tokens twice (tree
+and flat), plus no-grad forwards for the log-probs of a walk and, in RL, of the old and reference
+policies; memory: one copy of the trainable parameters' gradient per side (the adapters only under
+LoRA; the whole model's for full fine-tuning, gathered on every rank under ZeRO-3).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,23 +44,31 @@ import torch
 
 from ds_tree.config import self_check_every
 from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
+from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.packing.rows import PackedRow
+from ds_tree.packing.sequence_parallel import shard_row
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_TOKENS = 256
-"""Flat tokens of the sample (whole groups; the smallest group when none fits)."""
+"""Flat tokens of the sample (whole groups; part of the smallest group when none fits)."""
 
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}
-"""Largest loss relative error and log-prob absolute error per dtype. float64 and float32 are
-``ds-tree verify``'s. bf16 (8 significant bits, unit round-off 2^-8 = 3.9e-3): the tree and the flat
-forward round their matmuls and attention sums in different orders, so each log-prob carries
-independent bf16 errors of round-off size (measured on the tiny Llama, 16 trajectories: 2e-3
-absolute); 5e-2 leaves room for sharper trained distributions, while a broken restoration weight
-or mask moves the loss by far more (a shared token's weight off by one: tens of percent)."""
+"""Largest loss and gradient relative error and log-prob absolute error per dtype. float64 and
+float32 are ``ds-tree verify``'s. bf16 (8 significant bits, unit round-off 2^-8 = 3.9e-3): the tree
+and the flat forward round their matmuls, attention sums and gradient accumulations in different
+orders, so each log-prob and gradient entry carries independent bf16 errors of round-off size
+(measured on the tiny Llama, docs/LORA.md: log-probs ~2e-3 absolute, gradients ~5e-3 relative);
+5e-2 leaves room for sharper trained distributions, while a broken restoration weight or mask moves
+the loss and the gradients by far more (a shared token's weight off by one: tens of percent)."""
+
+GRADIENT_FLOOR = 1e-2
+"""As ``ds-tree verify``: a parameter's gradient error is relative to ``max(|g|, GRADIENT_FLOOR x |g_all|)``,
+so a parameter whose exact gradient vanishes is not measured as round-off over round-off."""
 
 
 class SelfCheckError(RuntimeError):
@@ -64,15 +85,44 @@ class SelfCheckResult:
     trajectories: int
     tokens: int
     seconds: float
-    """Wall time of the check (its cost: two no-grad forwards of the sample, three in dfs mode)."""
+    """Wall time of the check (its cost)."""
+    max_grad_rel_err: float = 0.0
+    worst_parameter: str = ""
+    parameters: int = 0
+    """Trainable parameters whose gradients were compared."""
 
     def scalars(self) -> dict[str, float]:
         return {
             "selfcheck/loss_rel_err": self.loss_rel_err,
             "selfcheck/max_abs_logprob_err": self.max_abs_logprob_err,
+            "selfcheck/max_grad_rel_err": self.max_grad_rel_err,
             "selfcheck/tokens": float(self.tokens),
             "selfcheck/time_s": self.seconds,
         }
+
+
+@dataclass
+class RLInputs:
+    """What the RL objective of the sample needs, fixed before the step's updates (:func:`rl_inputs`)."""
+
+    sample: list[Trajectory]
+    settings: RLSettings
+    advantages: dict[int, np.ndarray]
+    """``id(trajectory) -> per-token advantages`` (the step's)."""
+    old_logprobs: dict[int, np.ndarray] | None
+    """``id(trajectory) -> log p`` of its tokens (index 0 unused) under the policy before the step's
+    updates; None with ``old_logprobs: data`` (the sampler's, read from the trajectories)."""
+    reference: object | None = None
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """The sequence-parallel group the tree side's rows are sharded over."""
+
+    size: int
+    position: int
+    group: object | None = None
+    """The process group (DeepSpeed's sequence-parallel group); None: the default group."""
 
 
 def is_due(setting: str, step: int, first_step: int) -> bool:
@@ -83,8 +133,10 @@ def is_due(setting: str, step: int, first_step: int) -> bool:
 
 def sample_groups(trajectories: Sequence[Trajectory], budget: int, cap: int = SAMPLE_TOKENS) -> list[Trajectory]:
     """Whole groups from the start of ``trajectories`` up to ``cap`` flat tokens; when no group fits
-    the cap, the smallest group. Groups with a path longer than ``budget`` are skipped (those are
-    walked or sharded, not packed)."""
+    the cap, the first trajectories of the smallest group up to the cap, two at least (they share the
+    group's prompt: the tree still has a shared prefix), so that the flat side stays small however
+    large the groups are. Groups with a path longer than ``budget`` are skipped (those are walked or
+    sharded, not packed)."""
     groups = [g for g in group_trajectories(trajectories) if max(len(t) for t in g) <= budget]
     sample: list[Trajectory] = []
     tokens = 0
@@ -94,12 +146,229 @@ def sample_groups(trajectories: Sequence[Trajectory], budget: int, cap: int = SA
             sample.extend(group)
             tokens += size
     if not sample and groups:
-        sample = list(min(groups, key=lambda g: sum(len(t) for t in g)))
+        for trajectory in min(groups, key=lambda g: sum(len(t) for t in g)):
+            if len(sample) >= 2 and tokens + len(trajectory) > cap:
+                break
+            sample.append(trajectory)
+            tokens += len(trajectory)
     return sample
 
 
 def _name(trajectory: Trajectory) -> str:
     return trajectory.source or f"group {trajectory.group_id!r}"
+
+
+# ----------------------------------------------------------------------------------- gradients
+def _graph_leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors the autograd graph of ``loss`` accumulates gradients into (parameters, and the dfs
+    walk's key/value leaves and scale probe)."""
+    leaves, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+        else:
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+class GradientCollector:
+    """A ``backward(loss)`` that sums the trainable parameters' gradients into :attr:`gradients` by
+    name with ``torch.autograd.grad``: ``param.grad`` and DeepSpeed's gradient hooks are left alone.
+    Other leaves (the dfs walk's keys, values and probe) get their ``.grad`` as ``backward`` would."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.names = {id(p): name for name, p in self.trainable.items()}
+        self.gradients: dict[str, torch.Tensor] = {}
+
+    def all_gradients(self) -> dict[str, torch.Tensor]:
+        """:attr:`gradients` with zeros for the trainable parameters that received none (a shard that
+        routed no token to an expert), so that every rank of a group reduces the same tensors."""
+        for name, p in self.trainable.items():
+            if name not in self.gradients:
+                self.gradients[name] = torch.zeros(
+                    tuple(getattr(p, "ds_shape", p.shape)), dtype=p.dtype, device=p.device
+                )
+        return self.gradients
+
+    def __call__(self, loss: torch.Tensor) -> None:
+        if not loss.requires_grad:
+            return
+        leaves = _graph_leaves(loss)
+        for leaf, grad in zip(leaves, torch.autograd.grad(loss, leaves, allow_unused=True), strict=True):
+            if grad is None:
+                continue
+            name = self.names.get(id(leaf))
+            if name is None:
+                leaf.grad = grad if leaf.grad is None else leaf.grad + grad
+            elif name in self.gradients:
+                self.gradients[name] += grad
+            else:
+                self.gradients[name] = grad.detach().clone()
+
+
+def gradient_errors(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter ``||g_other - g_ref|| / max(||g_ref||, GRADIENT_FLOOR x ||g_ref, all||)`` in float64
+    (``ds-tree verify``'s measure); a parameter with a gradient on one side only counts zero on the other."""
+    total = math.sqrt(sum(g.double().norm().item() ** 2 for g in reference.values()))
+    errors = {}
+    for name in sorted(set(reference) | set(other)):
+        ref, oth = reference.get(name), other.get(name)
+        ref = ref.double() if ref is not None else torch.zeros_like(oth, dtype=torch.float64)
+        oth = oth.double() if oth is not None else torch.zeros_like(ref)
+        floor = max(ref.norm().item(), GRADIENT_FLOOR * total)
+        diff = (oth - ref).norm().item()
+        errors[name] = diff / floor if floor > 0 else diff
+    return errors
+
+
+# ----------------------------------------------------------------------------------- the two sides
+@dataclass
+class _Side:
+    loss: float
+    logprobs: dict[int, np.ndarray]
+    gradients: dict[str, torch.Tensor]
+
+
+def _tree_items(rows: list[PackedRow], sequence_parallel: SequenceParallel | None) -> list[PackedRow]:
+    """The tree rows as this rank computes them: whole, or its shard of each (every shard listing the
+    row's parts, so that each rank reports the log-probs of the targets predicted in its shard)."""
+    if sequence_parallel is None:
+        return rows
+    shards = []
+    for row in rows:
+        shard = shard_row(row, sequence_parallel.size, sequence_parallel.position)
+        shard.parts = row.parts
+        shards.append(shard)
+    return shards
+
+
+def _sum_over_group(side: _Side, sequence_parallel: SequenceParallel) -> _Side:
+    """The group's sums: each shard holds its own targets' loss terms and a share of every gradient;
+    a log-prob is reported by the one shard that predicts it (NaN elsewhere)."""
+    import torch.distributed as dist
+
+    group = sequence_parallel.group
+    loss = torch.tensor([side.loss], dtype=torch.float64)
+    dist.all_reduce(loss, group=group)
+    for name in sorted(side.gradients):  # every trainable parameter's (:meth:`GradientCollector.all_gradients`)
+        dist.all_reduce(side.gradients[name], group=group)
+    keys = list(side.logprobs)
+    if keys:
+        values = np.concatenate([side.logprobs[k] for k in keys])
+        known = torch.as_tensor(~np.isnan(values), dtype=torch.float64)
+        summed = torch.as_tensor(np.nan_to_num(values, nan=0.0), dtype=torch.float64)
+        dist.all_reduce(known, group=group)
+        dist.all_reduce(summed, group=group)
+        merged = np.where(known.numpy() > 0, summed.numpy(), np.nan)
+        offsets = np.cumsum([0] + [side.logprobs[k].size for k in keys])
+        side.logprobs = {k: merged[offsets[i] : offsets[i + 1]] for i, k in enumerate(keys)}
+    return _Side(float(loss.item()), side.logprobs, side.gradients)
+
+
+def _run_side(
+    model,
+    rows: list[PackedRow],
+    items: list[PackedRow],
+    *,
+    normalisation: str,
+    rl: RLInputs | None,
+    dfs: DfsSettings | None,
+    device,
+    head_chunk: int,
+    every_parameter: bool = False,
+) -> _Side:
+    """One side's loss, log-probs and gradients of the sample (``items``: ``rows`` as this rank runs them)."""
+    collector = GradientCollector(model)
+    if rl is None:
+        output = run_rows(
+            model,
+            items,
+            Normalisers.from_rows(rows),
+            normalisation,
+            backward=collector,
+            dfs=dfs,
+            collect_logprobs=True,
+            device=device,
+            head_chunk=head_chunk,
+        )
+    else:
+        prepared = prepare_rl_rows(
+            model,
+            items,
+            rl.advantages,
+            rl.settings,
+            StepNormalisers.of(rl.sample),
+            reference=rl.reference,
+            device=device,
+            head_chunk=head_chunk,
+            dfs=dfs,
+            old_logprobs=rl.old_logprobs,
+        )
+        output = run_rl_rows(
+            model,
+            prepared,
+            rl.settings,
+            backward=collector,
+            dfs=dfs,
+            device=device,
+            head_chunk=head_chunk,
+            collect_logprobs=True,
+        )
+    gradients = collector.all_gradients() if every_parameter else collector.gradients
+    return _Side(output.loss, output.trajectory_logprobs, gradients)
+
+
+def rl_inputs(
+    model,
+    trajectories: Sequence[Trajectory],
+    advantages: dict[int, np.ndarray],
+    settings: RLSettings,
+    *,
+    budget: int,
+    reference=None,
+    dfs: DfsSettings | None = None,
+    sequence_parallel: SequenceParallel | None = None,
+    device: torch.device | str = "cpu",
+    head_chunk: int = 0,
+) -> RLInputs:
+    """Before the step's updates: the sample, its advantages, and its old log-probs from the model as
+    the step's rollouts saw it (the tree side's no-grad forward, shared by both sides so that both
+    compute the same objective; with ``old_logprobs: data`` the sampler's, read later)."""
+    sample = sample_groups(trajectories, budget)
+    old = None
+    if settings.old_logprobs != "data" and sample:
+        with torch.no_grad():
+            old = _tree_logprobs(model, sample, budget, dfs, sequence_parallel, device, head_chunk)
+        old = {key: np.concatenate([[np.nan], values]) for key, values in old.items()}
+    return RLInputs(sample, settings, {id(t): advantages[id(t)] for t in sample}, old, reference)
+
+
+def _tree_logprobs(model, sample, budget, dfs, sequence_parallel, device, head_chunk) -> dict[int, np.ndarray]:
+    """Every trajectory's log-probs (tokens 1..) from the tree layout, no gradients."""
+    if dfs is not None:
+        rows = pack_trajectories(sample, "dfs", budget)
+        return trajectory_logprobs(model, rows, dfs.chunk, device=device, head_chunk=head_chunk)
+    block = sequence_parallel.size if sequence_parallel is not None else 1
+    rows = pack_trajectories(sample, "tree", budget, block)
+    side = _Side(
+        0.0,
+        run_rows(
+            model,
+            _tree_items(rows, sequence_parallel),
+            Normalisers.from_rows(rows),
+            collect_logprobs=True,
+            device=device,
+            head_chunk=head_chunk,
+        ).trajectory_logprobs,
+        {},
+    )
+    return _sum_over_group(side, sequence_parallel).logprobs if sequence_parallel is not None else side.logprobs
 
 
 def check_sample(
@@ -110,28 +379,55 @@ def check_sample(
     normalisation: str = "token_mean",
     dfs: DfsSettings | None = None,
     device: torch.device | str = "cpu",
+    rl: RLInputs | None = None,
+    sequence_parallel: SequenceParallel | None = None,
+    head_chunk: int = 0,
 ) -> SelfCheckResult:
-    """Tree against flat on ``sample``, no gradients; the errors (module docstring). With ``dfs`` the
-    log-probs are the dfs walk's (the walk's loss is computed with its backward, so the loss compared
-    is the packed tree's: the same restoration weights)."""
+    """Tree against flat on ``sample`` (module docstring): loss, log-probs and the trainable parameters'
+    gradients, with the SFT objective or, given ``rl``, the RL objective (``rl.sample`` is the sample).
+    ``model``: the bare module (not a DeepSpeed engine, whose backward hooks would count the check's
+    backwards as training's). With ``dfs`` the tree side is the dfs walk (its log-probs from a no-grad
+    walk); with ``sequence_parallel`` the tree rows are sharded over the group."""
     started = time.perf_counter()
-    flat_rows = pack_trajectories(sample, "flat", budget)
-    tree_rows = pack_trajectories(sample, "tree", budget)
-    with torch.no_grad():
-        flat, tree = (
-            run_rows(model, rows, Normalisers.from_rows(rows), normalisation, collect_logprobs=True, device=device)
-            for rows in (flat_rows, tree_rows)
-        )
-        tree_logprobs = tree.trajectory_logprobs
-        if dfs is not None:  # the walk's log-probs (its loss needs a backward: the packed tree's stands for it)
-            walked_rows = pack_trajectories(sample, "dfs", budget)
-            tree_logprobs = trajectory_logprobs(model, walked_rows, dfs.chunk, device=device)
+    sample = list(rl.sample if rl is not None else sample)
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        flat_rows = pack_trajectories(sample, "flat", budget)
+        block = sequence_parallel.size if sequence_parallel is not None else 1
+        tree_rows = pack_trajectories(sample, "dfs" if dfs is not None else "tree", budget, block)
+        common = dict(normalisation=normalisation, rl=rl, device=device, head_chunk=head_chunk)
+        flat = _run_side(model, flat_rows, flat_rows, dfs=None, **common)
+        items = _tree_items(tree_rows, sequence_parallel)
+        tree = _run_side(model, tree_rows, items, dfs=dfs, every_parameter=sequence_parallel is not None, **common)
+        if sequence_parallel is not None:
+            tree = _sum_over_group(tree, sequence_parallel)
+        if dfs is not None:  # walked rows report no log-probs with their backward: a no-grad walk does
+            with torch.no_grad():
+                tree.logprobs = trajectory_logprobs(model, tree_rows, dfs.chunk, device=device, head_chunk=head_chunk)
+    finally:
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
     worst, worst_name = 0.0, ""
     for trajectory in sample:
         key = id(trajectory)
-        error = float(np.abs(tree_logprobs[key] - flat.trajectory_logprobs[key]).max(initial=0.0))
+        a, b = tree.logprobs.get(key), flat.logprobs.get(key)
+        if a is None or b is None:
+            continue
+        if rl is not None:  # the RL objective scores its targets only: compare where both sides did
+            both = ~np.isnan(a) & ~np.isnan(b)
+            a, b = a[both], b[both]
+        error = float(np.abs(a - b).max(initial=0.0))
         if not error <= worst:  # NaN counts as the worst
             worst, worst_name = error, _name(trajectory)
+    worst_parameter, grad_err = "", 0.0
+    errors = gradient_errors(flat.gradients, tree.gradients)
+    for name, error in errors.items():
+        if not error <= grad_err:  # NaN counts as the worst
+            worst_parameter, grad_err = name, error
+            if math.isnan(error):
+                break
     return SelfCheckResult(
         loss_tree=tree.loss,
         loss_flat=flat.loss,
@@ -141,21 +437,27 @@ def check_sample(
         trajectories=len(sample),
         tokens=sum(len(t) for t in sample),
         seconds=time.perf_counter() - started,
+        max_grad_rel_err=grad_err,
+        worst_parameter=worst_parameter,
+        parameters=len(errors),
     )
 
 
 def verdict(result: SelfCheckResult, step: int, dtype: torch.dtype) -> None:
-    """Log the check's line; raise :class:`SelfCheckError` naming the step, the failing quantity and
-    the worst trajectory when an error exceeds ``dtype``'s tolerance (NaN included)."""
+    """Log the check's line; raise :class:`SelfCheckError` naming the step, the failing quantity, the
+    worst trajectory or parameter, and the tolerance when an error exceeds ``dtype``'s (NaN included)."""
     tolerance = TOLERANCES[dtype]
     logger.info(
         "self-check step %d: tree vs flat on %d trajectories (%d tokens): loss rel err %.2e, max log-prob err "
-        "%.2e (tolerance %.0e), %.2f s",
+        "%.2e, max gradient rel err %.2e over %d parameters (%s) (tolerance %.0e), %.2f s",
         step,
         result.trajectories,
         result.tokens,
         result.loss_rel_err,
         result.max_abs_logprob_err,
+        result.max_grad_rel_err,
+        result.parameters,
+        result.worst_parameter or "-",
         tolerance,
         result.seconds,
     )
@@ -164,6 +466,8 @@ def verdict(result: SelfCheckResult, step: int, dtype: torch.dtype) -> None:
         failures.append(
             f"loss relative error {result.loss_rel_err:.3e} (tree {result.loss_tree:.9g}, flat {result.loss_flat:.9g})"
         )
+    if not result.max_grad_rel_err <= tolerance:
+        failures.append(f"gradient relative error {result.max_grad_rel_err:.3e} (parameter {result.worst_parameter})")
     if not result.max_abs_logprob_err <= tolerance:
         failures.append(
             f"log-prob absolute error {result.max_abs_logprob_err:.3e} (worst trajectory: {result.worst_trajectory})"

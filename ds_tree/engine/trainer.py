@@ -453,30 +453,66 @@ class Trainer(RLSteps):
             self._self_check_deferred = True
             return {}
         self._self_check_deferred = False
-        if config.parallel.sequence_parallel_size > 1:  # its rows are sharded: the check's are whole
-            if step == self.start_step:
-                logger.warning("objective.self_check does not run with sequence parallelism yet; skipped")
+        rl, self._self_check_rl = getattr(self, "_self_check_rl", None), None
+        if config.objective.is_rl and rl is None:  # RL: its inputs are recorded before the updates
             return {}
         budget = config.packing.budget
-        sample = self_check.sample_groups(self.last_trajectories, budget)
+        sample = rl.sample if rl is not None else self_check.sample_groups(self.last_trajectories, budget)
         if not sample:
             return {}
         result = self_check.check_sample(
-            self.engine,
+            self.engine.module,  # the bare module: the engine's backward hooks stay out of the check
             sample,
             budget=budget,
             normalisation=config.objective.normalisation,
             dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
             device=self.engine.device,
+            rl=rl,
+            sequence_parallel=self.self_check_group(),
+            head_chunk=config.model.head_chunk,
         )
-        if self.engine.zero_optimization_stage() == 3:
-            # The check's forwards ran outside a training step: ZeRO-3 may still hold parameters it
-            # prefetched for them, in flight. Release them now, or the next gather of a parameter
-            # (the vLLM weight sync) fails with "Cannot partition a param in flight".
-            self.engine.empty_partition_cache()
+        self.release_partition_cache()
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
         self_check.verdict(result, step + 1, dtype)
         return result.scalars()
+
+    def prepare_rl_self_check(self, step: int, trajectories: list, advantages: list) -> None:
+        """RL, before the step's updates: the self-check's sample with the step's advantages and old
+        log-probs (:func:`~ds_tree.engine.self_check.rl_inputs`), on the steps it checks."""
+        config = self.config
+        self._self_check_rl = None
+        due = self_check.is_due(config.objective.self_check, step, self.start_step)
+        if not (due or getattr(self, "_self_check_deferred", False)):
+            return
+        self._self_check_rl = self_check.rl_inputs(
+            self.engine.module,
+            trajectories,
+            {id(t): a for t, a in zip(trajectories, advantages, strict=True)},
+            config.objective.rl_settings(),
+            budget=config.packing.budget,
+            reference=self.reference,
+            dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
+            sequence_parallel=self.self_check_group(),
+            device=self.engine.device,
+            head_chunk=config.model.head_chunk,
+        )
+        self.release_partition_cache()
+
+    def self_check_group(self) -> self_check.SequenceParallel | None:
+        """The sequence-parallel group the self-check shards its tree rows over (None without SP)."""
+        if self.config.parallel.sequence_parallel_size == 1:
+            return None
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        group = self.sequence_parallel
+        return self_check.SequenceParallel(group.size, group.position, parallel_state_sp.get_sequence_parallel_group())
+
+    def release_partition_cache(self) -> None:
+        """After the self-check's forwards, outside a training step: ZeRO-3 may still hold parameters it
+        prefetched for them, in flight. Release them now, or the next gather of a parameter (the vLLM
+        weight sync) fails with "Cannot partition a param in flight"."""
+        if self.engine.zero_optimization_stage() == 3:
+            self.engine.empty_partition_cache()
 
     def apply_update(self, step: int, local_loss: float) -> tuple[float, float | None]:
         """The optimizer update after a full accumulation: (global loss, gradient norm), or an error.

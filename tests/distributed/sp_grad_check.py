@@ -88,6 +88,7 @@ def main() -> None:
     config.packing.mode = "tree"
     scalars = trainer.train_step(0)
     report["train_step_loss"] = scalars["loss/train"]
+    report["train_step_selfcheck"] = {name: v for name, v in scalars.items() if name.startswith("selfcheck/")}
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
