@@ -485,6 +485,14 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
 
     online = MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
     assert online.warming_up(3) and not online.warming_up(4)
+    config.rollout.env.refresh_every = 2  # then every 2nd step re-teaches the call turn, never the answer
+    assert [online.warming_up(step) for step in range(4, 9)] == [False, True, False, True, False]
+    for trajectory in online.demonstrations(5, 0):
+        ids, trained = trajectory.input_ids.tolist(), trajectory.loss_mask == 1
+        assert tokenizer.decode([i for i, m in zip(ids, trained, strict=True) if m]).endswith(
+            "</tool_call><|im_end|>\n"
+        )
+    config.rollout.env.refresh_every = 0
     first, again, other = online.demonstrations(0, 0), online.demonstrations(0, 0), online.demonstrations(0, 1)
     assert len(first) == 4 and [t.input_ids.tolist() for t in first] == [t.input_ids.tolist() for t in again]
     assert [t.input_ids.tolist() for t in first] != [t.input_ids.tolist() for t in other]

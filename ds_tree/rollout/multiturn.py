@@ -663,8 +663,12 @@ class MultiTurnRollouts(OnlineRollouts):
         return tree
 
     def warming_up(self, step: int) -> bool:
-        """Whether ``step`` (0-based) is one of the SFT warm-up's (``rollout.env.warmup_steps``)."""
-        return step < self.config.rollout.env.warmup_steps
+        """Whether ``step`` (0-based) is an SFT step: one of ``rollout.env.warmup_steps``, or a refresh
+        (``rollout.env.refresh_every``)."""
+        env = self.config.rollout.env
+        if step < env.warmup_steps:
+            return True
+        return bool(env.refresh_every) and (step - env.warmup_steps) % env.refresh_every == env.refresh_every - 1
 
     def demonstrations(self, step: int, update: int) -> list[Trajectory]:
         """The warm-up's demonstrations of one update of ``step``: one per task of the step's order,
@@ -683,6 +687,11 @@ class MultiTurnRollouts(OnlineRollouts):
             try:
                 messages = env.demonstration(task.task, rng)
                 rendered = render_chat(self.tokenizer, messages, self.tools_of(env), where=where)
+                if step >= self.config.rollout.env.warmup_steps:  # a refresh: every assistant turn but the last
+                    last = render_chat(
+                        self.tokenizer, messages, self.tools_of(env), where=where, train_on="last_assistant"
+                    )
+                    rendered.loss_mask = rendered.loss_mask - last.loss_mask
             except Exception as error:  # a broken demonstration is the environment's bug: stop, naming it
                 raise DataError(f"{where}: {type(error).__name__}: {error}") from error
             finally:

@@ -110,6 +110,11 @@ class EnvSettings:
     the environment writes (its ``demonstration(task, rng)``: messages, every assistant turn
     trained); no rollout is sampled and no ``rollout/`` metric is logged. RL starts at step
     ``warmup_steps + 1``, the optimizer's warm-up and schedule restarting there. 0: RL from step 1."""
+    refresh_every: int = 0
+    """After the warm-up, every ``refresh_every``-th step is an SFT step again, on the demonstrations'
+    assistant turns but the last (the call format, never the answer), at ``optimizer.lr``: RL does
+    not train a turn all of a task's leaves share, and updates for the answers wore that format
+    down. 0: never."""
     warmup_lr: float = 0.0
     """The learning rate of the warm-up steps (after ``optimizer.warmup_steps`` of linear warm-up);
     0: ``optimizer.lr``."""
@@ -124,7 +129,7 @@ class EnvSettings:
                 raise ConfigError(f"rollout.env.{name} must be >= 1, got {getattr(self, name)}")
         if any(not isinstance(count, int) or count < 1 for count in self.turn_branching):
             raise ConfigError(f"rollout.env.turn_branching must be a list of integers >= 1, got {self.turn_branching}")
-        for name in ("max_context_tokens", "max_observation_tokens", "warmup_steps"):
+        for name in ("max_context_tokens", "max_observation_tokens", "warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"rollout.env.{name} must be >= 0, got {getattr(self, name)}")
         if self.warmup_lr < 0 or not math.isfinite(self.warmup_lr):
