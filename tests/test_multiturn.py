@@ -493,6 +493,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
             "</tool_call><|im_end|>\n"
         )
     config.rollout.env.refresh_every = 0
+    online.close()  # what the trainer calls at the end of every run
     first, again, other = online.demonstrations(0, 0), online.demonstrations(0, 0), online.demonstrations(0, 1)
     assert len(first) == 4 and [t.input_ids.tolist() for t in first] == [t.input_ids.tolist() for t in again]
     assert [t.input_ids.tolist() for t in first] != [t.input_ids.tolist() for t in other]

@@ -31,10 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=5)
     args = parser.parse_args(argv)
     records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    warmup = [r for r in records if "warmup/sft_loss" in r]
     rl = sorted((r for r in records if "rollout/reward_mean" in r), key=lambda r: r["step"])
     if not rl:
         raise SystemExit(f"{args.run}/metrics.jsonl: no RL step (rollout/reward_mean) yet")
+    sft = [r for r in records if "warmup/sft_loss" in r]
+    warmup = [r for r in sft if r["step"] < rl[0]["step"]]  # the rest: refresh steps (rollout.env.refresh_every)
+    refresh = [r for r in sft if r["step"] > rl[0]["step"]]
     steps = np.array([r["step"] for r in rl])
     reward = np.array([r["rollout/reward_mean"] for r in rl])
     window = min(args.window, len(reward))
@@ -72,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(args.output, dpi=110)
     first, last = reward[:window].mean(), reward[-window:].mean()
-    print(f"warm-up steps: {len(warmup)}; RL steps: {len(rl)} (steps {steps[0]}-{steps[-1]})")
+    print(
+        f"warm-up steps: {len(warmup)}; RL steps: {len(rl)} (steps {steps[0]}-{steps[-1]}); "
+        f"refresh steps: {len(refresh)}"
+    )
     print(
         f"reward: first {window} RL steps {first:.3f}, last {window} {last:.3f} (gain {last - first:+.3f}), "
         f"best step {reward.max():.3f}"
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"parse errors {sum(r['rollout/parse_errors'] for r in rl):.0f}, env errors "
         f"{sum(r['rollout/env_errors'] for r in rl):.0f}; wall: warm-up {sum(r['time/step_s'] for r in warmup):.0f} s, "
-        f"RL {sum(r['time/step_s'] for r in rl):.0f} s (step times)"
+        f"RL {sum(r['time/step_s'] for r in rl):.0f} s, "
+        f"refresh {sum(r['time/step_s'] for r in refresh):.0f} s (step times)"
     )
     print(f"wrote {args.output}")
     return 0

@@ -635,6 +635,7 @@ class MultiTurnRollouts(OnlineRollouts):
         except ValueError as error:
             raise ConfigError(f"model.tokenizer: {error}") from None
         self.model = None
+        self.engine = None  # OnlineRollouts.close stops a managed engine; episodes sample on self.model
         self.runner = None
         self.scalars: dict[str, float] = {}
 
