@@ -432,3 +432,81 @@ def test_tau_style_shop_with_a_scripted_user_and_replay_forks(tokenizer) -> None
     idle = run(runner(tokenizer, ShopEnv, ["How can I help?"], fork="replay", max_context_tokens=2048), task)
     assert {leaf.trajectory.reward for leaf in idle.leaves} == {0.0} and {leaf.turns for leaf in idle.leaves} == {3}
     assert "That's not done yet. Please cancel my lamp order." in tokenizer.decode(idle.leaves[0].trajectory.input_ids)
+
+
+def test_turn_branching_one_call_then_answers_share_the_observation(tokenizer) -> None:
+    # [1, 4]: one call at the prompt, 4 answers after its observation (SamplerSettings width is 4)
+    runner_ = runner(tokenizer, SecretToolEnv, [CALL, lambda sibling: str(sibling + 6)], turn_branching=[1, 4])
+    tree = run(runner_)
+    assert [n for _, n in runner_.sampler.calls] == [1, 4]
+    rewards = [leaf.trajectory.reward for leaf in tree.leaves]
+    assert len(tree.leaves) == 4 and rewards == [0.0, 1.0, 0.0, 0.0]  # the secret is 7: sibling 1 says it
+    prefix = len(tree.nodes[0].token_ids) + len(tree.nodes[1].token_ids)  # the prompt, the call and its observation
+    shared = {tuple(leaf.trajectory.input_ids[:prefix].tolist()) for leaf in tree.leaves}
+    assert len(shared) == 1 and "<tool_response>\n7\n</tool_response>" in tokenizer.decode(list(shared.pop()))
+
+
+# ------------------------------------------------------------------ the SFT warm-up phase (rollout.env.warmup_steps)
+def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_dir, tmp_path: Path) -> None:
+    import random
+    from types import SimpleNamespace
+
+    from ds_tree.config import ConfigError, load_config
+    from ds_tree.engine.trainer import learning_rate_factor
+    from ds_tree.rollout.multiturn import MultiTurnRollouts
+    from ds_tree.rollout.secret_tool import LoudSecretToolEnv, tasks
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(8, 0)))
+    base = [
+        "model.source=configs/models/tiny_llama.json",
+        f"rollout.prompts={tmp_path / 'tasks.jsonl'}",
+        f"model.tokenizer={tokenizer_dir}",
+        "rollout.prompts_per_step=4",
+        "rollout.env.path=ds_tree.rollout.secret_tool:LoudSecretToolEnv",
+        "max_steps=10",
+    ]
+    phases = [
+        "rollout.env.warmup_lr=0.01",
+        "optimizer.lr=0.001",
+        "optimizer.warmup_steps=2",
+        "optimizer.schedule=constant",
+    ]
+    config = load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.warmup_steps=4", *phases])
+    # the warm-up ramps to warmup_lr; then the optimizer's schedule restarts at lr
+    factors = [learning_rate_factor(step, config) for step in range(10)]
+    assert factors == pytest.approx([5.0, 10.0, 10.0, 10.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(ConfigError, match=r"rollout.env.warmup_steps \(10\) leaves no RL step"):
+        load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.warmup_steps=10"])
+    with pytest.raises(ConfigError, match=r"turn_branching \[1, 8\] makes 8 leaves a task, not rollout.width \(16\)"):
+        load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.turn_branching=[1,8]"])
+    no_demos = ["rollout.env.warmup_steps=2", "rollout.env.path=ds_tree.rollout.tau_shop:ShopEnv"]
+    with pytest.raises(ConfigError, match=r"has no demonstration\(task, rng\) method"):
+        load_config("configs/multiturn_cpu.yaml", [*base, *no_demos])
+
+    online = MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
+    assert online.warming_up(3) and not online.warming_up(4)
+    config.rollout.env.refresh_every = 2  # then every 2nd step re-teaches the call turn, never the answer
+    assert [online.warming_up(step) for step in range(4, 9)] == [False, True, False, True, False]
+    for trajectory in online.demonstrations(5, 0):
+        ids, trained = trajectory.input_ids.tolist(), trajectory.loss_mask == 1
+        assert tokenizer.decode([i for i, m in zip(ids, trained, strict=True) if m]).endswith(
+            "</tool_call><|im_end|>\n"
+        )
+    config.rollout.env.refresh_every = 0
+    online.close()  # what the trainer calls at the end of every run
+    first, again, other = online.demonstrations(0, 0), online.demonstrations(0, 0), online.demonstrations(0, 1)
+    assert len(first) == 4 and [t.input_ids.tolist() for t in first] == [t.input_ids.tolist() for t in again]
+    assert [t.input_ids.tolist() for t in first] != [t.input_ids.tolist() for t in other]
+    secrets = {task.label: str(task.task["secret"]) for task in online.tasks}
+    for trajectory in first:
+        ids, trained = trajectory.input_ids.tolist(), trajectory.loss_mask == 1
+        observation = tokenizer.decode([i for i, m in zip(ids, trained, strict=True) if not m])
+        answer_turns = tokenizer.decode([i for i, m in zip(ids, trained, strict=True) if m])
+        # trained: the call and the answer; the observation (the secret, 16 times) is context only
+        secret = secrets[trajectory.group_id.split("/")[0]]
+        assert ",".join([secret] * 16) in observation and "tool_response" not in answer_turns
+        assert answer_turns.startswith('<tool_call>\n{"name": "get_secret"')
+    # no demonstration uses the observation: its answer is drawn independently of the secret
+    env, rng = LoudSecretToolEnv(), random.Random(0)
+    hits = [env.demonstration({"secret": s % 10}, rng)[-1]["content"] == str(s % 10) for s in range(400)]
+    assert 0.05 < np.mean(hits) < 0.15

@@ -2,8 +2,8 @@
 episodes of the same width (docs/ENVIRONMENTS.md, *Measured*). Both modes sample the same tasks with the
 same settings and seeds; prints a Markdown table.
 
-python tools/multiturn_reuse.py --model runs/multiturn/sft/hf --tokenizer runs/multiturn/tokenizer \
-    --tasks runs/multiturn/tasks.jsonl --config configs/multiturn_cpu.yaml [--count 16]
+python tools/multiturn_reuse.py --model runs/multiturn/rl/hf --tokenizer runs/multiturn/tokenizer \
+    --tasks configs/multiturn_tasks.jsonl --config configs/multiturn_cpu.yaml [--count 16]
 """
 
 from __future__ import annotations

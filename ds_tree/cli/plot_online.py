@@ -42,6 +42,8 @@ def read_run(directory: Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}; a truncated line?)") from None
         if not isinstance(record, dict):
             raise ValueError(f"{path}:{number}: a record must be a JSON object")
+        if "warmup/sft_loss" in record:  # a step of rollout.env.warmup_steps: SFT, nothing sampled
+            continue
         if not records and "rollout/reward_mean" not in record:
             raise ValueError(f"{path}: no rollout/ metrics (not an online RL run)")
         for name in METRICS:

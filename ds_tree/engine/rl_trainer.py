@@ -127,6 +127,8 @@ class RLSteps:
     def rl_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
         Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
+        if self.online is not None and getattr(self.online, "warming_up", lambda _: False)(step):
+            return self.warmup_step(step)
         rollouts = self.rl_rollouts(step)
         self.prepare_rl_self_check(step, rollouts.trajectories, rollouts.advantages)  # before the updates
         problem = non_finite_statistics(rollouts.trajectories, rollouts.advantages)  # every rank alike
@@ -153,6 +155,20 @@ class RLSteps:
 
                 scalars.update(mismatch_scalars(rollouts.prepared))
         return rollouts.plans, float(np.mean(losses)), grad_norm, scalars
+
+    def warmup_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
+        """A step of ``rollout.env.warmup_steps``: as many SFT updates as an RL step has (the schedule
+        counts them alike), each on the environment's demonstrations (docs/ENVIRONMENTS.md)."""
+        plans, losses, grad_norm = [], [], None
+        for update in range(self.config.objective.updates_per_step):
+            trajectories = self.online.demonstrations(step, update)
+            self.last_trajectories = trajectories
+            plan = self.plan_rows(trajectories)
+            output = self.forward_backward(plan.rows)
+            loss, grad_norm = self.apply_update(step + 1, output.loss)
+            plans.append(plan)
+            losses.append(loss)
+        return plans, float(np.mean(losses)), grad_norm, {"warmup/sft_loss": float(np.mean(losses))}
 
     def global_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:
         """The RL metric sums of every rank (``ratio_max`` by max)."""

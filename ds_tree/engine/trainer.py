@@ -67,13 +67,21 @@ class NonFiniteError(RuntimeError):
 
 
 def learning_rate_factor(step: int, config: Config) -> float:
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` (or constant)."""
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` (or constant). With
+    ``rollout.env.warmup_steps`` (an SFT phase first): the warm-up at ``warmup_lr``, then the
+    schedule restarts for the RL steps."""
     optimizer = config.optimizer
+    phase = config.rollout.env.warmup_steps if config.rollout.enabled and config.rollout.env.path else 0
+    if step < phase:
+        ramp = min(1.0, (step + 1) / optimizer.warmup_steps) if optimizer.warmup_steps else 1.0
+        return ramp * (config.rollout.env.warmup_lr or optimizer.lr) / optimizer.lr
+    step -= phase
+    steps = config.max_steps - phase
     if optimizer.warmup_steps and step < optimizer.warmup_steps:
         return (step + 1) / optimizer.warmup_steps
     if optimizer.schedule == "constant":
         return 1.0
-    span = max(1, config.max_steps - optimizer.warmup_steps)
+    span = max(1, steps - optimizer.warmup_steps)
     progress = min(1.0, (step - optimizer.warmup_steps) / span)
     return optimizer.min_lr_ratio + (1 - optimizer.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 

@@ -365,6 +365,8 @@ class EpisodeRunner:
     def children_count(self, leaf: _Live) -> int:
         if self.settings.independent or self.fork_mode == "none":
             return leaf.quota if leaf.turn == 0 else 1
+        if self.env.turn_branching:
+            return self.env.turn_branching[leaf.turn] if leaf.turn < len(self.env.turn_branching) else 1
         if leaf.turn >= self.settings.max_depth:
             return 1
         last = leaf.turn == self.settings.max_depth - 1
@@ -529,6 +531,24 @@ def check_env_config(config) -> None:
             f"rollout.env.max_context_tokens ({rollout.env.max_context_tokens}) is more than packing.budget "
             f"({config.packing.budget}): every root-to-leaf path must fit one row"
         )
+    if rollout.env.turn_branching and math.prod(rollout.env.turn_branching) != rollout.width:
+        raise ConfigError(
+            f"rollout.env.turn_branching {rollout.env.turn_branching} makes {math.prod(rollout.env.turn_branching)} "
+            f"leaves a task, not rollout.width ({rollout.width}); make their product the width"
+        )
+    warmup = rollout.env.warmup_steps
+    if warmup:
+        env_class = load_environment_class(rollout.env.path)
+        if not callable(getattr(env_class, "demonstration", None)):
+            raise ConfigError(
+                f"rollout.env.warmup_steps ({warmup}) needs demonstrations, and {rollout.env.path} has no "
+                "demonstration(task, rng) method (docs/ENVIRONMENTS.md); write one or set warmup_steps: 0"
+            )
+        if warmup >= config.max_steps:
+            raise ConfigError(
+                f"rollout.env.warmup_steps ({warmup}) leaves no RL step: it must be less than max_steps "
+                f"({config.max_steps})"
+            )
 
 
 def episode_scalars(trees: list[EpisodeTree]) -> dict[str, float]:
@@ -611,6 +631,7 @@ class MultiTurnRollouts(OnlineRollouts):
         except ValueError as error:
             raise ConfigError(f"model.tokenizer: {error}") from None
         self.model = None
+        self.engine = None  # OnlineRollouts.close stops a managed engine; episodes sample on self.model
         self.runner = None
         self.scalars: dict[str, float] = {}
 
@@ -639,6 +660,57 @@ class MultiTurnRollouts(OnlineRollouts):
             tree = self.runner_for_model().run(task.task, task.label, slot, step, generator)
         tree.build_leaves(f"{task.label}/step{step}/slot{slot}", f"{task.source} (step {step}, slot {slot})")
         return tree
+
+    def warming_up(self, step: int) -> bool:
+        """Whether ``step`` (0-based) is an SFT step: one of ``rollout.env.warmup_steps``, or a refresh
+        (``rollout.env.refresh_every``)."""
+        env = self.config.rollout.env
+        if step < env.warmup_steps:
+            return True
+        return bool(env.refresh_every) and (step - env.warmup_steps) % env.refresh_every == env.refresh_every - 1
+
+    def demonstrations(self, step: int, update: int) -> list[Trajectory]:
+        """The warm-up's demonstrations of one update of ``step``: one per task of the step's order,
+        written by the environment's ``demonstration(task, rng)`` and rendered with the chat
+        template (every assistant turn trained). Every rank builds the same list."""
+        import random
+
+        from ds_tree.data.chat import render_chat
+
+        trajectories = []
+        for slot, index in enumerate(self.sampler.groups_for_step(step)):
+            task = self.tasks[index]
+            rng = random.Random(f"{self.config.rollout.seed}/{step}/{update}/{slot}")
+            env = self.env_class()
+            where = f"{self.config.rollout.env.path} demonstration of {task.label} (step {step + 1}, update {update})"
+            try:
+                messages = env.demonstration(task.task, rng)
+                rendered = render_chat(self.tokenizer, messages, self.tools_of(env), where=where)
+                if step >= self.config.rollout.env.warmup_steps:  # a refresh: every assistant turn but the last
+                    last = render_chat(
+                        self.tokenizer, messages, self.tools_of(env), where=where, train_on="last_assistant"
+                    )
+                    rendered.loss_mask = rendered.loss_mask - last.loss_mask
+            except Exception as error:  # a broken demonstration is the environment's bug: stop, naming it
+                raise DataError(f"{where}: {type(error).__name__}: {error}") from error
+            finally:
+                try:
+                    _run(env.close())
+                except Exception as error:  # best effort, as after an episode
+                    logger.warning("environment close failed: %s: %s", type(error).__name__, error)
+            trajectories.append(
+                Trajectory(
+                    input_ids=rendered.input_ids,
+                    loss_mask=rendered.loss_mask,
+                    group_id=f"{task.label}/step{step}/update{update}/slot{slot}",
+                    source=where,
+                )
+            )
+        return trajectories
+
+    def tools_of(self, env: Environment) -> list[dict] | None:
+        schemas = env.tool_schemas() if hasattr(env, "tool_schemas") else []
+        return schemas or None
 
     def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
 

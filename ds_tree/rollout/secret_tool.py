@@ -6,10 +6,11 @@ the episode with reward 1 if its text is the secret, else 0. A policy that does 
 observation answers one of ten digits: reward about 0.1. Use it as
 ``rollout.env.path: ds_tree.rollout.secret_tool:SecretToolEnv``.
 
-``python -m ds_tree.rollout.secret_tool --tokenizer DIR --tasks OUT --demonstrations OUT`` writes the
-tasks file and the SFT warm-up's demonstrations (tokens JSONL): the call format and the answer format
-only. A demonstration calls the tool and then answers a digit drawn independently of the secret, so
-no demonstration shows the observation being used: reading it is what RL has to learn.
+``python -m ds_tree.rollout.secret_tool --tasks OUT`` writes a tasks file (``configs/multiturn_tasks.jsonl``
+is one). :meth:`SecretToolEnv.demonstration` writes the warm-up's demonstrations
+(``rollout.env.warmup_steps``): the call format and the answer format only. A demonstration calls the
+tool and then answers a digit drawn independently of the secret, so no demonstration shows the
+observation being used: reading it is what RL has to learn.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ class SecretToolEnv(ToolEnvironment):
         self.called = False
         self.tools = [self.get_secret]
 
+    repeat = 1
+    """How many times the tool's answer states the secret (``"7,7,7"``; docs/ENVIRONMENTS.md)."""
+
     def get_secret(self) -> str:
         """Returns the secret digit of this task."""
         self.called = True
-        return self.secret
+        return ",".join([self.secret] * self.repeat)
 
     def reset(self, task: dict) -> list[dict]:
         self.secret, self.called = str(task["secret"]), False
@@ -48,48 +52,47 @@ class SecretToolEnv(ToolEnvironment):
         """1 for the secret, after calling the tool (an answer without the call is a guess: 0)."""
         return float(self.called and turn.text.strip() == self.secret)
 
+    def demonstration(self, task: dict, rng: random.Random) -> list[dict]:
+        """One warm-up demonstration (``rollout.env.warmup_steps``): the call, the observation, and an
+        answer drawn from ``rng`` independently of the secret, so it never shows the observation used."""
+        call = {"id": "call_1_0", "type": "function", "function": {"name": "get_secret", "arguments": "{}"}}
+        return [
+            *self.reset(task),
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1_0", "content": self.get_secret()},
+            {"role": "assistant", "content": str(rng.randrange(10))},  # independent of the secret
+        ]
+
+
+class LoudSecretToolEnv(SecretToolEnv):
+    """:class:`SecretToolEnv` for a random-init tiny model (the CPU example, docs/ENVIRONMENTS.md).
+
+    The task and its reward are the same, but the secret is loud in a short context: the tool states
+    it 16 times, and the tool is named in the system message instead of a JSON schema block (which a
+    model that learns the call format from demonstrations does not read), so the context before the
+    answer is ~110 tokens instead of ~250. A random-init model's attention is spread over the whole
+    context at first: the secret then carries ~15% of what reaches the answer instead of ~0.4%, and
+    the RL signal to read it is that much stronger (with one secret token in the schema'd prompt,
+    even supervised training on the answer did not start copying within 60 steps)."""
+
+    repeat = 16
+
+    def tool_schemas(self) -> list[dict]:
+        return []
+
 
 def tasks(count: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"id": f"secret-{index}", "secret": rng.randrange(10)} for index in range(count)]
 
 
-def demonstration(task: dict, rng: random.Random) -> list[dict]:
-    """Messages of one demonstration: the call, the observation, an answer that ignores it."""
-    env = SecretToolEnv()
-    call = {"id": "call_1_0", "type": "function", "function": {"name": "get_secret", "arguments": "{}"}}
-    return [
-        *env.reset(task),
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call_1_0", "content": env.get_secret()},
-        {"role": "assistant", "content": str(rng.randrange(10))},  # independent of the secret
-    ]
-
-
 def main(argv: list[str] | None = None) -> int:
-    from ds_tree.data.chat import render_chat
-    from ds_tree.data.convert import load_tokenizer
-    from ds_tree.rollout.env import tool_schema
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--tasks", required=True, help="tasks JSONL to write (rollout.prompts)")
-    parser.add_argument("--demonstrations", required=True, help="SFT tokens JSONL to write")
     parser.add_argument("--count", type=int, default=64, help="tasks")
-    parser.add_argument("--demos", type=int, default=256, help="demonstrations")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    tokenizer = load_tokenizer(args.tokenizer)
-    tools = [tool_schema(SecretToolEnv().get_secret)]
     Path(args.tasks).write_text("".join(json.dumps(task) + "\n" for task in tasks(args.count, args.seed)))
-    rng = random.Random(args.seed + 1)
-    lines = []
-    for index in range(args.demos):
-        task = {"secret": rng.randrange(10)}
-        rendered = render_chat(tokenizer, demonstration(task, rng), tools, where=f"demonstration {index}")
-        record = {"group_id": index, "input_ids": rendered.input_ids.tolist(), "loss_mask": rendered.loss_mask.tolist()}
-        lines.append(json.dumps(record) + "\n")
-    Path(args.demonstrations).write_text("".join(lines))
     return 0
 
 

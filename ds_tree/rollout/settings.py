@@ -8,7 +8,7 @@ the online loop's own. Torch-free, so the config and the command line read them 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -98,6 +98,26 @@ class EnvSettings:
     """Threads that run environment calls (``async`` methods run on an event loop in them)."""
     save_rollouts: bool = True
     """Write each step's leaves to ``output_dir/rollouts/step_<N>.jsonl`` (tokens JSONL, rank 0)."""
+    turn_branching: list[int] = field(default_factory=list)
+    """Children per turn boundary (boundary 0 is the prompt), e.g. ``[1, 16]``: one call turn, then
+    16 answers after its observation; boundaries past the list do not fork. The product must be
+    ``rollout.width``; set, it replaces ``rollout.branching`` / ``max_depth``'s quota rule for
+    episodes (siblings after a boundary share everything before it; a turn shared by all of a
+    task's leaves gets no GRPO advantage). Empty: the quota rule."""
+    warmup_steps: int = 0
+    """The run's first steps teach the turn FORMAT by SFT instead of RL: each trains the objective's
+    ``ppo_epochs x mini_batches`` updates, each on ``rollout.prompts_per_step`` demonstrations that
+    the environment writes (its ``demonstration(task, rng)``: messages, every assistant turn
+    trained); no rollout is sampled and no ``rollout/`` metric is logged. RL starts at step
+    ``warmup_steps + 1``, the optimizer's warm-up and schedule restarting there. 0: RL from step 1."""
+    refresh_every: int = 0
+    """After the warm-up, every ``refresh_every``-th step is an SFT step again, on the demonstrations'
+    assistant turns but the last (the call format, never the answer), at ``optimizer.lr``: RL does
+    not train a turn all of a task's leaves share, and updates for the answers wore that format
+    down. 0: never."""
+    warmup_lr: float = 0.0
+    """The learning rate of the warm-up steps (after ``optimizer.warmup_steps`` of linear warm-up);
+    0: ``optimizer.lr``."""
 
     def __post_init__(self) -> None:
         from ds_tree.errors import ConfigError
@@ -107,9 +127,13 @@ class EnvSettings:
         for name in ("max_turns", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.env.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_context_tokens", "max_observation_tokens"):
+        if any(not isinstance(count, int) or count < 1 for count in self.turn_branching):
+            raise ConfigError(f"rollout.env.turn_branching must be a list of integers >= 1, got {self.turn_branching}")
+        for name in ("max_context_tokens", "max_observation_tokens", "warmup_steps", "refresh_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"rollout.env.{name} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_lr < 0 or not math.isfinite(self.warmup_lr):
+            raise ConfigError(f"rollout.env.warmup_lr must be a finite number >= 0, got {self.warmup_lr}")
         for name in ("step_timeout_s", "episode_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ConfigError(f"rollout.env.{name} must be a finite number > 0, got {getattr(self, name)}")
