@@ -137,6 +137,16 @@ def reward_function(name: str) -> Callable[[RewardRequest], float]:
     return function
 
 
+def path_limit(config) -> tuple[int, str]:
+    """The most tokens a sampled root-to-leaf path may have, and the config fields that set it:
+    ``packing.budget``, or under sequence parallelism ``budget x S`` (a longer path's tree goes to
+    rows of up to that many tokens sharded over a group, as offline data's do)."""
+    budget, size = config.packing.budget, config.parallel.sequence_parallel_size
+    if size == 1:
+        return budget, f"packing.budget ({budget})"
+    return budget * size, f"packing.budget x parallel.sequence_parallel_size ({budget} x {size})"
+
+
 class OnlineRollouts:
     """The online loop on one rank: prompts, tokenizer, reward function and the generation model."""
 
@@ -153,9 +163,10 @@ class OnlineRollouts:
         except DataError as error:
             raise ConfigError(f"rollout.prompts: {error}") from None
         longest = max(self.prompts, key=lambda p: p.ids.size)
-        if longest.ids.size + rollout.max_new_tokens > config.packing.budget:
+        limit, what = path_limit(config)
+        if longest.ids.size + rollout.max_new_tokens > limit:
             raise ConfigError(
-                f"packing.budget ({config.packing.budget}) is below the longest prompt ({longest.ids.size} tokens, "
+                f"{what} is below the longest prompt ({longest.ids.size} tokens, "
                 f"{longest.source}) plus rollout.max_new_tokens ({rollout.max_new_tokens}); "
                 "every root-to-leaf path must fit one row"
             )

@@ -449,6 +449,8 @@ def start_engine(config, model_config, tokenizer, policy: torch.nn.Module) -> VL
             else:
                 from safetensors.torch import save_file
 
+                from ds_tree.rollout.online import path_limit
+
                 directory.mkdir(parents=True, exist_ok=True)
                 model_config.architectures = model_config.architectures or [type(policy).__name__]
                 model_config.save_pretrained(directory)
@@ -457,7 +459,7 @@ def start_engine(config, model_config, tokenizer, policy: torch.nn.Module) -> VL
                 server = VLLMServer(
                     directory, log_path=directory / "server.log", python=settings.python or None,
                     dtype=config.model.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
-                    max_model_len=settings.max_model_len or config.packing.budget,
+                    max_model_len=settings.max_model_len or path_limit(config)[0],
                     prefix_caching=settings.prefix_caching, startup_timeout_s=settings.startup_timeout_s,
                 )  # fmt: skip
                 client = VLLMClient(server.start(), timeout_s=settings.timeout_s, retries=settings.retries,
