@@ -57,10 +57,10 @@ from ds_tree.rollout.env import (
     load_environment_class,
     step_result,
 )
-from ds_tree.rollout.online import OnlineRollouts, path_limit, rank_slots, slot_generator
+from ds_tree.rollout.online import OnlineRollouts, rank_slots, slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_error_message
-from ds_tree.rollout.settings import EnvSettings, SamplerSettings
+from ds_tree.rollout.settings import EnvSettings, SamplerSettings, path_limit
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

@@ -46,6 +46,7 @@ from ds_tree.errors import DataError
 from ds_tree.rollout.engines import HFEngine, SamplingEngine
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import REWARDS, RewardRequest, describe_failure, score
+from ds_tree.rollout.settings import path_limit
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -135,16 +136,6 @@ def reward_function(name: str) -> Callable[[RewardRequest], float]:
     if not callable(function):
         raise ValueError(f"{name!r} is not a function")
     return function
-
-
-def path_limit(config) -> tuple[int, str]:
-    """The most tokens a sampled root-to-leaf path may have, and the config fields that set it:
-    ``packing.budget``, or under sequence parallelism ``budget x S`` (a longer path's tree goes to
-    rows of up to that many tokens sharded over a group, as offline data's do)."""
-    budget, size = config.packing.budget, config.parallel.sequence_parallel_size
-    if size == 1:
-        return budget, f"packing.budget ({budget})"
-    return budget * size, f"packing.budget x parallel.sequence_parallel_size ({budget} x {size})"
 
 
 class OnlineRollouts:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ds_tree.rollout.engines import Continuation, EngineSampling, PrefixRequest, sample_tree_by_segments
+from ds_tree.rollout.settings import path_limit
 
 logger = logging.getLogger(__name__)
 
@@ -448,8 +449,6 @@ def start_engine(config, model_config, tokenizer, policy: torch.nn.Module) -> VL
                 engine.load_state(state)
             else:
                 from safetensors.torch import save_file
-
-                from ds_tree.rollout.online import path_limit
 
                 directory.mkdir(parents=True, exist_ok=True)
                 model_config.architectures = model_config.architectures or [type(policy).__name__]
