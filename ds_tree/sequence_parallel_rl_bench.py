@@ -14,8 +14,9 @@ alternate which goes first each step. Times are the slowest rank's; activation m
 autograd saves for backward in one of a rank's items in the first measured update
 (:class:`~ds_tree.benchmark.SavedTensorMeter`, parameters left out), the largest over the ranks.
 
-Both modes start from the same weights, so the first step's losses must agree (``loss_rel_err``,
-float round-off); ``ds-tree verify --objective grpo --sequence-parallel S`` is the exactness check.
+Both modes start from the same weights, so the first step's losses must agree (``loss_abs_err``,
+``loss_rel_err``: float round-off); ``ds-tree verify --objective grpo --sequence-parallel S`` is the
+exactness check. ``--modes`` does not apply: both modes always run.
 """
 
 from __future__ import annotations
@@ -216,5 +217,7 @@ def _group_report(rank, size, plans, times, first_loss, activation) -> dict:
     return {
         "modes": modes,
         "first_step_loss": {"flat": flat, "tree": tree},
-        "loss_rel_err": abs(tree - flat) / max(abs(flat), 1e-300),
+        "loss_abs_err": abs(tree - flat),
+        # None where the flat loss is 0 (GRPO's first update, ratio 1, on trajectories of equal length)
+        "loss_rel_err": abs(tree - flat) / abs(flat) if flat else None,
     }
