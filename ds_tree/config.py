@@ -641,7 +641,10 @@ class Config:
         if partitioned and "dfs" in (self.packing.mode, self.packing.over_budget):
             raise ConfigError(
                 "objective.kl_coef with model.zero_init (a ZeRO-3 partitioned reference) does not combine with "
-                "packing.mode=dfs or packing.over_budget=dfs yet; set model.zero_init: false (a whole reference)"
+                "packing.mode=dfs or packing.over_budget=dfs yet (a walk's forward count differs between ranks, and "
+                "the reference's collective gathers are not padded for it); set model.zero_init: false (a whole "
+                "reference), or shard long paths instead (parallel.sequence_parallel_size > 1, "
+                "packing.over_budget: sequence_parallel)"
             )
         if self.checkpoint.merge and not self.model.lora.enabled:
             raise ConfigError("checkpoint.merge merges LoRA adapters: set model.lora.rank > 0, or merge: false")

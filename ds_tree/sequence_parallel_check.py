@@ -228,12 +228,14 @@ def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -
     Path(out).write_text(json_text(report))
 
 
-def sequence_parallel_bench(args, command: str) -> int:
-    """``bench --sequence-parallel S``: the report of :func:`sequence_parallel_report` in the bench's dtype,
-    printed and written to ``--json``; 2 on bad input."""
+def sequence_parallel_bench(args, command: str, rl_report=None) -> int:
+    """``bench --sequence-parallel S``: the report of :func:`sequence_parallel_report` (SFT) or of
+    ``rl_report`` (called as it is, :func:`~ds_tree.sequence_parallel_rl_bench.sequence_parallel_rl_bench`
+    with its objective bound), in the bench's dtype, printed and written to ``--json``; 2 on bad input."""
+    report_of = rl_report or sequence_parallel_report
     try:
         trajectories = load_trajectories(args.data)[: args.limit]
-        report = sequence_parallel_report(
+        report = report_of(
             trajectories,
             args.model,
             size=args.sequence_parallel,

@@ -26,7 +26,6 @@ from ds_tree.data.jsonl import json_text
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
 from ds_tree.models.loading import load_config as load_model_config
-from ds_tree.models.loading import load_model
 from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
@@ -35,9 +34,10 @@ from ds_tree.trees.trajectory import Trajectory, check_vocab
 from ds_tree.trees.trie import build_forest
 from ds_tree.verification import (
     TOLERANCES,
+    checked_advantages,
     gradient_errors,
     metric_errors,
-    perturb_parameters,
+    rl_policies,
     run_rl_mode,
     verification_dtype,
 )
@@ -63,17 +63,13 @@ def sequence_parallel_rl_report(
     threads: int = 1,
 ) -> dict:
     """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat."""
-    from ds_tree.losses.advantages import check_finite_statistics, estimate
-
     verification_dtype(trajectories, dtype)
     if size < 2:
         raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
     model_config = load_model_config(model_source)
     check_heads(model_config, size, str(model_source))
     check_vocab(trajectories, model_config.vocab_size)
-    # bad rewards fail here, before spawning
-    computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
-    check_finite_statistics(trajectories, computed.values)
+    checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)  # bad rewards fail before spawning
     options = dict(
         model_source=str(model_source),
         size=size,
@@ -93,25 +89,21 @@ def sequence_parallel_rl_report(
 
 
 def _policies(options: dict, torch_dtype: torch.dtype):
-    """The old policy (no gradients) and the trained one, moved off it (:func:`perturb_parameters`)."""
-    source, seed, attention = options["model_source"], options["seed"], options["attention"]
-    old = load_model(source, attention=attention, dtype=torch_dtype, seed=seed).requires_grad_(False)
-    model = load_model(source, attention=attention, dtype=torch_dtype, seed=seed)
-    perturb_parameters(model, options["perturbation"], seed + 1)
-    return old, model
+    """The old policy (no gradients) and the trained one, moved off it (:func:`rl_policies`)."""
+    return rl_policies(
+        options["model_source"], options["attention"], torch_dtype, options["seed"], options["perturbation"]
+    )
 
 
 def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, out: str) -> None:
-    from ds_tree.losses.advantages import estimate
-
     size, settings = options["size"], options["settings"]
     join_group(rank, options, port)
     torch_dtype = verification_dtype(trajectories, options["dtype"])
     old, model = _policies(options, torch_dtype)
     for policy in (old, model):
         enable_sequence_parallel(policy, size)
-    advantages = estimate(
-        trajectories, options["estimator"], options["normalise_advantages"], tempo_coef=options["tempo_coef"]
+    advantages = checked_advantages(
+        trajectories, options["estimator"], options["normalise_advantages"], options["tempo_coef"]
     ).by_trajectory()
     plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, options["budget"], options["block"])
     rows = plan.rank_rows(rank, size)
@@ -196,6 +188,7 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
         "dtype": options["dtype"],
         "attention": options["attention"],
         "estimator": options["estimator"],
+        **({"tempo_coef": options["tempo_coef"]} if options["estimator"] == "tempo" else {}),
         "aggregation": settings.aggregation,
         "loss_flat": flat.loss,
         "loss_sequence_parallel": loss,

@@ -269,6 +269,39 @@ def perturb_parameters(model: torch.nn.Module, scale: float, seed: int) -> None:
             parameter.add_(noise * (scale * (spread if spread > 0 else 1.0)))
 
 
+def rl_policies(
+    model_source: str,
+    attention: str,
+    dtype: torch.dtype,
+    seed: int,
+    perturbation: float,
+    *,
+    lora=None,
+    checkpoint_every: int = 0,
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The RL checks' two policies: the old one (the model at ``seed``, no gradients) and the trained one
+    (the same weights moved by ``perturbation`` times each parameter's spread; ``checkpoint_every`` as
+    :func:`~ds_tree.models.loading.load_model`). ``lora``: both carry the same random adapters, the trained
+    one's alone perturbed (:func:`load_checked_model`)."""
+    old = load_checked_model(model_source, attention=attention, dtype=dtype, seed=seed, lora=lora)
+    old.requires_grad_(False)
+    model = load_checked_model(
+        model_source, attention=attention, dtype=dtype, seed=seed, lora=lora, checkpoint_every=checkpoint_every
+    )
+    perturb_parameters(model, perturbation, seed + 1)
+    return old, model
+
+
+def checked_advantages(trajectories: list[Trajectory], estimator: str, normalise: bool, tempo_coef: float = 1.0):
+    """The estimator's advantages (:func:`~ds_tree.losses.advantages.estimate`), statistics that overflow
+    float64 (rewards) refused as a data error."""
+    from ds_tree.losses.advantages import check_finite_statistics, estimate
+
+    computed = estimate(trajectories, estimator, normalise, tempo_coef=tempo_coef)
+    check_finite_statistics(trajectories, computed.values)
+    return computed
+
+
 @dataclass
 class RLModeResult:
     loss: float
@@ -340,25 +373,19 @@ def compare_rl(
     disabled (the base model, as in training).
     """
     from ds_tree.engine.rl_step import RLSettings
-    from ds_tree.losses.advantages import check_finite_statistics, estimate
 
     settings = settings or RLSettings()
     torch_dtype = verification_dtype(trajectories, dtype)
-    old_model = load_checked_model(model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora)
-    check_vocab(trajectories, old_model.config.vocab_size)
-    model = load_checked_model(
-        model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora, checkpoint_every=checkpoint_every
+    old_model, model = rl_policies(
+        model_source, attention, torch_dtype, seed, perturbation, lora=lora, checkpoint_every=checkpoint_every
     )
-    perturb_parameters(model, perturbation, seed + 1)
-    for parameter in old_model.parameters():
-        parameter.requires_grad_(False)
+    check_vocab(trajectories, old_model.config.vocab_size)
     reference = old_model if settings.kl_coef else None
     if lora is not None and settings.kl_coef:
         from ds_tree.models.lora import AdaptersDisabled
 
         reference = AdaptersDisabled(model)
-    computed = estimate(trajectories, estimator, normalise_advantages, tempo_coef=tempo_coef)
-    check_finite_statistics(trajectories, computed.values)  # rewards overflowing float64: a data error
+    computed = checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)
     advantages = computed.by_trajectory()
 
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward

@@ -253,6 +253,38 @@ def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path,
     assert records[3]["rl/kl_ref"] > 0  # the policy moved
 
 
+@pytest.mark.distributed
+def test_online_rl_under_sequence_parallelism_trains_on_sampler_logprobs(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """2 ranks, one sequence-parallel group (S = 2), ``old_logprobs: data``: prompts of 10 tokens and
+    completions of up to 6 over a budget of 12, so sampled trees go to sharded rows (the online path
+    limit is budget x S). Each step takes one update on trajectories sampled from the current weights,
+    so the ratio of the trainer's log-probs (computed on the shards) to the sampler's recorded ones is
+    1 to float32 round-off: the sampler's log-probs reach every shard aligned with their tokens."""
+    prompts = tmp_path / "long_prompts.jsonl"
+    lines = [{"prompt_ids": list(range(300 + 10 * i, 310 + 10 * i)), "metadata": {"parity": "even"}} for i in range(4)]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = online_config(
+        tmp_path,
+        tokenizer_dir,
+        max_steps=2,
+        rollout={"prompts": str(prompts)},
+        objective={"kind": "grpo", "normalise_advantages": True, "old_logprobs": "data"},
+        packing={"budget": 12, "over_budget": "sequence_parallel"},
+        parallel={"sequence_parallel_size": 2},
+        optimizer={"lr": 2e-2, "schedule": "constant"},
+    )
+    out = tmp_path / "online_sp.json"
+    torchrun("tests/distributed/online_sp_check.py", "--config", str(config), "--out", str(out))
+    report = json.loads(out.read_text())
+    assert sorted(report["steps"]) == ["1", "2"]
+    for step in report["steps"].values():
+        assert step["with_logprobs"] and step["longest"] > 12 and step["shards"] >= 2, step
+    for record in report["metrics"]:
+        assert math.isfinite(record["loss/train"]) and record["optim/grad_norm"] > 0, record
+        assert abs(record["rl/ratio_max"] - 1) < 1e-5 and abs(record["rl/ratio_mean"] - 1) < 1e-5, record
+        assert record["rl/clip_frac_low"] == 0 and record["rl/clip_frac_high"] == 0, record
+
+
 # ------------------------------------------------------------------- plot
 def write_metrics(directory: Path, rewards: list[float], forward: int) -> Path:
     directory.mkdir(parents=True)

@@ -234,3 +234,47 @@ def test_shared_logprobs_checked_before_training():
     ):
         for tree in build_forest(disagreeing):
             rl_step.check_shared_logprobs(tree)
+
+
+def sampled_groups(mismatch: float) -> list[Trajectory]:
+    """Two trees drawn by the HF tree sampler (what the online loop trains on), with the sampler's own
+    per-token log-probs recorded, from the old policy's weights moved by ``mismatch`` times their spread
+    (a sampler that disagrees with the trainer, as a generation server's kernels or dtype do)."""
+    from ds_tree.rollout.sampler import SamplerSettings, sample_tree
+
+    sampler = load_model(MODEL, attention="torch", dtype=torch.float64, seed=0)
+    perturb_parameters(sampler, mismatch, 9)
+    settings = SamplerSettings(segment_length=4, branching=2, max_depth=2, width=4, max_new_tokens=12)
+    rng = np.random.default_rng(0)
+    trajectories = []
+    for group, prompt in enumerate([[1, 17, 300, 42, 9], [5, 6, 7]]):
+        generator = torch.Generator().manual_seed(group)
+        tree = sample_tree(sampler, prompt, settings, generator=generator, eos_token_ids=[])
+        for trajectory in tree.trajectories(f"s{group}"):
+            trajectory.reward = float(rng.normal())
+            trajectories.append(trajectory)
+    return trajectories
+
+
+def test_online_sampler_logprobs_as_old_logprobs_and_importance_weights():
+    """The online loop's trajectories carry the sampler's log-probs: ``old_logprobs: data`` takes them as
+    ``pi_old`` and truncated importance sampling weighs each token by ``min(pi_old / pi_sampler, C)`` with
+    them; tree equals flat and the per-trajectory oracle in both."""
+    trajectories = sampled_groups(mismatch=0.2)
+    advantages = ESTIMATORS["grpo"](trajectories).values
+    sampler = {id(t): np.nan_to_num(t.logprobs[1:]) for t in trajectories}  # NaN: prompt tokens, untrained
+    data = RLSettings(old_logprobs="data")
+    report = compare_rl(trajectories, MODEL, settings=data, budget=32)
+    assert report["passed"] and report["rows_tree"] > 2, report  # split under the budget
+    expected = oracle_loss(trajectories, advantages, data, logp_old=sampler)
+    assert abs(report["loss_tree"] - expected) <= 1e-10 * abs(expected), (report["loss_tree"], expected)
+    truncated = RLSettings(importance_truncation=1.1)
+    report = compare_rl(trajectories, MODEL, settings=truncated, budget=32)
+    assert report["passed"], report
+    old, _ = _policies()
+    logp_old = _flat_logprobs(old, trajectories)
+    weights = {id(t): np.minimum(np.exp(logp_old[id(t)] - sampler[id(t)]), 1.1) for t in trajectories}
+    trained = np.concatenate([w[t.loss_mask[1:] != 0] for t, w in zip(trajectories, weights.values(), strict=True)])
+    assert np.any(trained == 1.1) and np.any(trained < 0.9), trained  # the mismatch is corrected both ways
+    expected = oracle_loss(trajectories, advantages, truncated, importance=weights)
+    assert abs(report["loss_tree"] - expected) <= 1e-10 * abs(expected), (report["loss_tree"], expected)

@@ -189,3 +189,26 @@ def test_moe_router_loss_under_sequence_parallelism_equals_flat_in_float64(tmp_p
     # float64: measured ~1e-15 (loss, router loss, gradients)
     for error in ("loss_rel_err", "router_aux_rel_err", "max_rel_grad_err"):
         assert report[error] < 1e-10, (error, report)
+
+
+def test_bench_rl_under_sequence_parallelism_times_tree_against_flat(tmp_path: Path) -> None:
+    """``bench --objective grpo --sequence-parallel 2``: both modes sharded as the trainer shards them, one
+    measured step each from the same weights (their first losses agree to float32 round-off)."""
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    model = one_kv_head_model(tmp_path / "model.json")
+    command = [
+        sys.executable, str(ROOT / "tools/bench.py"), "--data", str(data), "--model", str(model), "--budget",
+        str(BUDGET), "--limit", "8", "--sequence-parallel", "2", "--objective", "grpo", "--steps", "1", "--warmup", "0",
+        "--json", str(tmp_path / "bench.json"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["objective"] == "grpo" and report["sequence_parallel_size"] == 2
+    assert report["longest_trajectory"] > BUDGET and report["flat_tokens"] > report["tree_tokens"], report
+    flat, tree = report["modes"]["flat"], report["modes"]["tree"]
+    assert flat["sharded_rows"] >= 1 and tree["sharded_rows"] >= 1, report
+    assert flat["packed_tokens"] > tree["packed_tokens"] and tree["activation_bytes_per_rank"] > 0, report
+    assert report["loss_rel_err"] < 1e-5, report
+    for name in ("speedup", "old_forward_speedup", "updates_speedup", "activation_ratio_tree_over_flat"):
+        assert report[name] > 0, (name, report)

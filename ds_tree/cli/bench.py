@@ -25,6 +25,13 @@ advantages for the given estimator): the old policy's no-grad forward, then --pp
 updates. modes.<mode> then also has old_forward_time_s, updates_time_s, old_forward_share and
 targets_per_step (tokens the LM head scores), and the report old_forward_speedup,
 updates_speedup and target_ratio (flat / tree).
+
+--sequence-parallel S spawns S ranks (one Ulysses group; docs/BENCHMARKS.md). SFT: the tree step at
+S = 1 and S, with each rank's activation memory. RL (--objective grpo / ppo): tree against flat,
+both planned as the trainer plans them under sequence parallelism (a path over --budget sharded over
+the S ranks), each a full RL step (old-policy pass, --ppo-epochs updates, gradients summed over the
+group, optimizer step) timed on the slowest rank, with speedup, old_forward_speedup,
+updates_speedup and activation_ratio_tree_over_flat (ds_tree/sequence_parallel_rl_bench.py).
 """
 
 from __future__ import annotations
@@ -65,7 +72,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--dfs-recompute", action="store_true", help="mode dfs: forward every chunk twice")
     parser.add_argument(
         "--sequence-parallel", type=int, default=1, metavar="S",
-        help="SFT only: spawn S ranks with Ulysses; report activation memory and time per rank at S = 1 and S",
+        help="spawn S ranks with Ulysses; SFT: activation memory and time per rank at S = 1 and S; "
+        "RL: tree against flat, both sharded over the S ranks",
     )
     add_objective_arguments(parser, epochs=True)
     return parser
@@ -83,12 +91,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         )
     objective = objective_config(parser, args)
     if args.sequence_parallel > 1:
-        if objective is not None:
-            parser.error("--sequence-parallel measures the sft objective only")
         command = " ".join([prog or "python tools/bench.py", *(argv if argv is not None else sys.argv[1:])])
         from ds_tree.sequence_parallel_check import sequence_parallel_bench
 
-        return sequence_parallel_bench(args, command)
+        rl_report = None
+        if objective is not None:
+            import functools
+
+            from ds_tree.sequence_parallel_rl_bench import sequence_parallel_rl_bench
+
+            rl_report = functools.partial(
+                sequence_parallel_rl_bench, objective=objective, steps=args.steps, warmup=args.warmup
+            )
+        return sequence_parallel_bench(args, command, rl_report)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

@@ -174,33 +174,20 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 lora=lora,
                 **common,
             )
-        elif args.sequence_parallel > 1:
-            report = {"objective": objective.kind}
-            report |= sequence_parallel_rl_report(
-                trajectories,
-                args.model,
-                size=args.sequence_parallel,
-                estimator=objective.estimator,
-                normalise_advantages=objective.normalise_advantages,
-                tempo_coef=objective.tempo_coef,
-                settings=objective.rl_settings(),
-                perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
-                **common,
-            )
         else:
-            report = {"objective": objective.kind}
-            report |= compare_rl(
-                trajectories,
-                args.model,
+            rl = dict(
                 estimator=objective.estimator,
                 normalise_advantages=objective.normalise_advantages,
                 tempo_coef=objective.tempo_coef,
                 settings=objective.rl_settings(),
                 perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
-                dfs=dfs,
-                lora=lora,
                 **common,
             )
+            report = {"objective": objective.kind}
+            if args.sequence_parallel > 1:
+                report |= sequence_parallel_rl_report(trajectories, args.model, size=args.sequence_parallel, **rl)
+            else:
+                report |= compare_rl(trajectories, args.model, dfs=dfs, lora=lora, **rl)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2, None

@@ -61,7 +61,7 @@ from ds_tree.rollout.env import (
 from ds_tree.rollout.online import OnlineRollouts, rank_slots, slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_error_message
-from ds_tree.rollout.settings import EnvSettings, SamplerSettings
+from ds_tree.rollout.settings import EnvSettings, SamplerSettings, path_limit
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -526,10 +526,11 @@ def check_env_config(config) -> None:
     for name in ("repetition_ngram", "logprob_floor"):
         if getattr(rollout, name):
             raise ConfigError(f"rollout.{name} is a single-turn sampler setting; set it to 0 with rollout.env.path")
-    if rollout.env.max_context_tokens > config.packing.budget:
+    limit, what = path_limit(config)
+    if rollout.env.max_context_tokens > limit:
         raise ConfigError(
-            f"rollout.env.max_context_tokens ({rollout.env.max_context_tokens}) is more than packing.budget "
-            f"({config.packing.budget}): every root-to-leaf path must fit one row"
+            f"rollout.env.max_context_tokens ({rollout.env.max_context_tokens}) is more than {what}: "
+            "every root-to-leaf path must fit one row"
         )
     if rollout.env.turn_branching and math.prod(rollout.env.turn_branching) != rollout.width:
         raise ConfigError(
@@ -646,7 +647,7 @@ class MultiTurnRollouts(OnlineRollouts):
                 else EngineTurnSampler(self.engine, self.settings, self.stop_ids),  # rollout.engine: vllm
                 self.settings,
                 env,
-                env.max_context_tokens or self.config.packing.budget,
+                env.max_context_tokens or path_limit(self.config)[0],
                 EnvironmentCalls(env.workers),
             )
         return self.runner

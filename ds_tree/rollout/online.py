@@ -47,6 +47,7 @@ from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, st
 from ds_tree.rollout.engines import EngineError, HFEngine, SamplingEngine
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import REWARDS, RewardRequest, describe_failure, score
+from ds_tree.rollout.settings import path_limit
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -169,9 +170,10 @@ class OnlineRollouts:
         except DataError as error:
             raise ConfigError(f"rollout.prompts: {error}") from None
         longest = max(self.prompts, key=lambda p: p.ids.size)
-        if longest.ids.size + rollout.max_new_tokens > config.packing.budget:
+        limit, what = path_limit(config)
+        if longest.ids.size + rollout.max_new_tokens > limit:
             raise ConfigError(
-                f"packing.budget ({config.packing.budget}) is below the longest prompt ({longest.ids.size} tokens, "
+                f"{what} is below the longest prompt ({longest.ids.size} tokens, "
                 f"{longest.source}) plus rollout.max_new_tokens ({rollout.max_new_tokens}); "
                 "every root-to-leaf path must fit one row"
             )

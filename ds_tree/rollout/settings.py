@@ -137,3 +137,13 @@ class EnvSettings:
         for name in ("step_timeout_s", "episode_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ConfigError(f"rollout.env.{name} must be a finite number > 0, got {getattr(self, name)}")
+
+
+def path_limit(config) -> tuple[int, str]:
+    """The most tokens a sampled root-to-leaf path may have, and the config fields that set it:
+    ``packing.budget``, or under sequence parallelism ``budget x S`` (a longer path's tree goes to
+    rows of up to that many tokens sharded over a group, as offline data's do)."""
+    budget, size = config.packing.budget, config.parallel.sequence_parallel_size
+    if size == 1:
+        return budget, f"packing.budget ({budget})"
+    return budget * size, f"packing.budget x parallel.sequence_parallel_size ({budget} x {size})"

@@ -45,6 +45,7 @@ from ds_tree.rollout.engines import (
     PrefixRequest,
     sample_tree_by_segments,
 )
+from ds_tree.rollout.settings import path_limit
 
 logger = logging.getLogger(__name__)
 
@@ -459,7 +460,7 @@ def start_engine(config, model_config, tokenizer, policy: torch.nn.Module) -> VL
                 server = VLLMServer(
                     directory, log_path=directory / "server.log", python=settings.python or None,
                     dtype=config.model.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
-                    max_model_len=settings.max_model_len or config.packing.budget,
+                    max_model_len=settings.max_model_len or path_limit(config)[0],
                     prefix_caching=settings.prefix_caching, startup_timeout_s=settings.startup_timeout_s,
                 )  # fmt: skip
                 client = VLLMClient(server.start(), timeout_s=settings.timeout_s, retries=settings.retries,

@@ -1,0 +1,49 @@
+"""Run with 2 ranks: online RL under sequence parallelism (one group of 2 ranks).
+
+Trains ``max_steps`` online steps and records, per step, the longest sampled trajectory and how many
+sequence-parallel shards the ranks computed (summed over the group); rank 0 writes them with the
+run's ``metrics.jsonl`` records to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_tree.packing.sequence_parallel import RowShard
+from tests.distributed.common import check_arguments, started_trainer
+
+
+def main() -> None:
+    args, config = check_arguments()
+    trainer = started_trainer(config)
+    steps: dict[int, dict] = {}
+    rollouts = trainer.rl_rollouts
+
+    def recording(step):
+        prepared = rollouts(step)
+        shards = torch.tensor([sum(isinstance(item.row, RowShard) for rows in prepared.prepared for item in rows)])
+        dist.all_reduce(shards)
+        steps[step + 1] = {
+            "longest": max(len(t) for t in prepared.trajectories),
+            "shards": int(shards.item()),
+            "with_logprobs": all(getattr(t, "logprobs", None) is not None for t in prepared.trajectories),
+        }
+        return prepared
+
+    trainer.rl_rollouts = recording
+    trainer.train()
+    trainer.metrics.close()
+    if trainer.rank == 0:
+        lines = (trainer.output_dir / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line]
+        Path(args.out).write_text(json.dumps({"steps": steps, "metrics": records}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
