@@ -102,9 +102,11 @@ def test_rl_under_sequence_parallelism_passes_the_dry_run_and_dfs_is_refused(tmp
     monkeypatch.setenv("WORLD_SIZE", "2")
     Trainer(load_config(config_path)).prepare()
     Trainer(load_config(config_path, ["objective.kl_coef=0.1", "objective.estimator=treepo"])).prepare()
-    refusal = "does not combine with packing.mode=dfs .* packing.over_budget=sequence_parallel"
+    refusal = "does not combine with packing.over_budget=dfs .* packing.over_budget=sequence_parallel"
     with pytest.raises(ConfigError, match=refusal):
         Trainer(load_config(config_path, ["packing.over_budget=dfs"])).prepare()
+    with pytest.raises(ConfigError, match="packing.mode=dfs with .* objective.kind=sft only, not grpo"):
+        Trainer(load_config(config_path, ["packing.mode=dfs"])).prepare()
     with pytest.raises(ConfigError, match="reference_offload .* needs objective.kl_coef > 0 and model.zero_init"):
         load_config(config_path, ["objective.kl_coef=0.1", "objective.reference_offload=true"])
     partitioned = ["objective.kl_coef=0.1", "model.zero_init=true", "parallel.sequence_parallel_size=1"]

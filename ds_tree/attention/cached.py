@@ -131,6 +131,9 @@ class PathCache:
 
 def cached_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention: ``query [B, Hq, n, D]``, ``key``/``value [B, Hkv, n, D]`` -> ``[B, n, Hq, D]``."""
+    shards = kwargs.pop("chunk_shards", None)
+    if shards is not None:  # this rank's shard of a chunk (ds_tree.engine.dfs_sequence_parallel): Ulysses around this
+        return shards.attention(cached_attention, module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     cache = kwargs.get("path_cache")
     if not isinstance(cache, PathCache):
         raise ValueError(

@@ -16,7 +16,9 @@ log-probs are computed on the shards too, and the report compares them and the m
 --dfs-chunk C also walks every tree in dfs mode (docs/DESIGN.md section 5) in chunks of at most C
 tokens (--dfs-recompute: each forwarded twice) and compares it with flat as well: the dfs_*
 fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the
-metrics).
+metrics). With --sequence-parallel S (SFT), the S processes walk every tree together, each
+forwarding one shard of every chunk (docs/DESIGN.md section 5); the report adds each rank's walk
+memory at S = 1 and S.
 
 --attention flex (PyTorch's FlexAttention, forward only on the CPU) compares loss and log-probs
 and reports "gradients_checked": false with the reason; "passed" then covers loss and log-probs
@@ -108,8 +110,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dfs_chunk < 0 or (args.dfs_recompute and not args.dfs_chunk):
         parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
-    if args.dfs_chunk and args.sequence_parallel > 1:
-        parser.error("--dfs-chunk and --sequence-parallel check different modes: give one")
+    if args.dfs_chunk and args.sequence_parallel > 1 and args.objective not in (None, "sft"):
+        parser.error("--dfs-chunk with --sequence-parallel (chunks sharded over the group) checks --objective sft only")
     if args.attention == "flex" and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
         parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
     if args.lora < 0 or (args.lora and args.sequence_parallel > 1):
@@ -153,7 +155,21 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 "--sequence-parallel would need each shard's recurrent state handed from the previous rank "
                 "(refused; docs/MODELS.md, \"Hybrid models\")"
             )
-        if objective is None and args.sequence_parallel > 1:
+        if objective is None and args.sequence_parallel > 1 and dfs is not None:
+            from ds_tree.dfs_sequence_parallel_check import dfs_sequence_parallel_report
+
+            report = dfs_sequence_parallel_report(
+                trajectories,
+                args.model,
+                dfs,
+                size=args.sequence_parallel,
+                dtype=args.dtype,
+                seed=args.seed,
+                attention=args.attention,
+                normalisation=args.normalisation or "token_mean",
+                policy=args.policy or "exact",
+            )
+        elif objective is None and args.sequence_parallel > 1:
             report = sequence_parallel_report(
                 trajectories,
                 args.model,

@@ -19,8 +19,9 @@ Memory: while a chunk runs, only its ancestors' graphs are alive (they wait for 
 pieces of one root-to-leaf path, so the activations follow one path plus one chunk, whatever the
 tree's size. With ``recompute`` a
 chunk is first forwarded without grad (only its keys and values kept for the children) and
-forwarded again with grad right before its backward: one more forward of every token, and the
-activations of a single chunk plus the path's keys and values.
+forwarded again with grad right before its backward: one more forward of every token that has a
+chunk below it (a chunk without one is forwarded once, with grad), and the activations of a single
+chunk plus the path's keys and values.
 
 Every chunk's backward goes through ``backward`` (the engine's): under DeepSpeed one call per
 chunk, the gradient-accumulation boundary on the step's last; whatever factor it applies (the
@@ -98,6 +99,8 @@ class ChunkInputs:
 
     @classmethod
     def of_chunk(cls, row: PackedRow, chunks: Chunks, index: int, cache: PathCache) -> ChunkInputs:
+        if hasattr(chunks, "chunk_inputs"):  # chunks sharded over a sequence-parallel group (dfs_sequence_parallel)
+            return chunks.chunk_inputs(row, index, cache)
         tokens = chunks.tokens(index)
         return cls(row.input_ids[tokens], row.position_ids[tokens], cache, chunks.local_kv_end(row, index))
 
@@ -144,7 +147,18 @@ _ONE_TARGET = (np.zeros(1, np.int64), np.zeros(1, np.int64))
 def walk_events(chunks: Chunks, recompute: bool) -> list[str]:
     """The kinds of the calls :func:`walk` makes on ``chunks``, in order."""
     enter, leave = (NO_GRAD, UPDATE) if recompute else (FORWARD, BACKWARD)
-    return [enter if entering else leave for _, entering in _dfs_order(chunks)]
+    skipped = _childless(chunks) if recompute else np.zeros(len(chunks), dtype=bool)
+    return [enter if entering else leave for index, entering in _dfs_order(chunks) if not (entering and skipped[index])]
+
+
+def _childless(chunks: Chunks) -> np.ndarray:
+    """Which chunks have no chunk below them. With recompute such a chunk is forwarded once, with grad,
+    right before its backward: no chunk needs its keys and values, so a first no-grad forward would be
+    wasted (every packed chunk is one; on a bushy tree most of the tokens are in them)."""
+    childless = np.ones(len(chunks), dtype=bool)
+    parents = np.asarray(chunks.parent)
+    childless[parents[parents >= 0]] = False
+    return childless
 
 
 def _dfs_order(chunks: Chunks) -> Iterator[tuple[int, bool]]:
@@ -254,7 +268,10 @@ def walk(
             probabilities = router.record(index, router_logits) if router is not None else None
         return ((loss, probabilities) if grad else None), cache.take_recorded()
 
+    skipped = _childless(chunks) if settings.recompute else np.zeros(len(chunks), dtype=bool)
     for index, entering in _dfs_order(chunks):
+        if entering and skipped[index]:  # its one forward is made on leaving it (:func:`_childless`)
+            continue
         if entering:
             loss, own = forward(index, grad=not settings.recompute)
             leaves = {
@@ -265,8 +282,9 @@ def walk(
             stats.peak_cache_bytes = max(stats.peak_cache_bytes, _cache_bytes(cache))
             yield
             continue
-        loss, own, leaves = held.pop(index)
-        cache.ancestors.pop()
+        loss, own, leaves = held.pop(index) if not skipped[index] else (None, None, {})
+        if not skipped[index]:
+            cache.ancestors.pop()
         if settings.recompute:
             loss, own = forward(index)
         loss, probabilities = loss
@@ -277,8 +295,8 @@ def walk(
         # compound once per level of the path. A zero-valued leaf added to the surrogate measures it.
         probe = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
         surrogate = loss + probe
-        for layer, (key, value) in own.items():
-            for tensor, leaf in zip((key, value), leaves[layer], strict=True):
+        for layer, layer_leaves in leaves.items():  # none for a chunk forwarded only here (no chunk below it)
+            for tensor, leaf in zip(own[layer], layer_leaves, strict=True):
                 if leaf.grad is not None:
                     surrogate = surrogate + (tensor * (leaf.grad / scale)).sum()
         with chunk_attention(model), cache.replaying():  # checkpointed layers recompute in the backward

@@ -59,13 +59,35 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
         return
     if world_size % size:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) does not divide the world size ({world_size})")
-    if config.packing.mode == "dfs" or config.packing.over_budget == "dfs":
+    if config.packing.mode == "tree" and config.packing.over_budget == "dfs":
         raise ConfigError(
-            f"parallel.sequence_parallel_size ({size}) > 1 shards packed rows; it does not combine with "
-            "packing.mode=dfs or packing.over_budget=dfs (not built yet): set packing.mode=tree and "
-            "packing.over_budget=sequence_parallel to shard long paths, or sequence_parallel_size=1 to walk them"
+            f"parallel.sequence_parallel_size ({size}) > 1 does not combine with packing.over_budget=dfs (not built): "
+            "set packing.over_budget=sequence_parallel to shard long paths, or packing.mode=dfs to walk every tree "
+            "with its chunks sharded over the group (SFT)"
         )
+    if config.packing.mode == "dfs":
+        check_dfs_sequence_parallel(config, model_config)
     check_heads(model_config, size, config.model.source)
+
+
+def check_dfs_sequence_parallel(config, model_config) -> None:
+    """``packing.mode: dfs`` with sequence parallelism (:mod:`ds_tree.engine.dfs_sequence_parallel`) is
+    built for the SFT objective of models without a router loss."""
+    size = config.parallel.sequence_parallel_size
+    if config.objective.is_rl:
+        raise ConfigError(
+            f"packing.mode=dfs with parallel.sequence_parallel_size ({size}) > 1 is built for objective.kind=sft "
+            f"only, not {config.objective.kind}: set packing.mode=tree with packing.over_budget=sequence_parallel "
+            "for RL on long paths"
+        )
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    if experts and config.model.router_aux_loss_coef != 0:
+        raise ConfigError(
+            f"packing.mode=dfs with parallel.sequence_parallel_size ({size}) > 1: the router load-balancing loss of "
+            f"model.source {config.model.source} (an MoE model) is not built for sharded walks: set "
+            "model.router_aux_loss_coef=0, or packing.mode=tree"
+        )
 
 
 def check_heads(model_config, size: int, source: str) -> None:

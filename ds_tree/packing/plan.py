@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ds_tree.packing.balance import part_cost, rows_per_rank
 from ds_tree.packing.dfs_rows import split_over_budget, with_walked_rows
+from ds_tree.packing.dfs_shards import plan_walked_shards
 from ds_tree.packing.parts import TreePart, check_fits, split_tree, whole_tree
 from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
@@ -47,6 +48,8 @@ class PlanSettings:
     cost_per_pair: float = 0.0
     sequence_parallel_size: int = 1
     pad_id: int = 0
+    dfs_chunk: int = 0
+    """The dfs walk's chunk (0: ``budget``): walked trees sharded over a sequence-parallel group follow its chunks."""
 
     @classmethod
     def of_config(cls, config, pad_id: int = 0) -> PlanSettings:
@@ -62,6 +65,7 @@ class PlanSettings:
             cost_per_pair=packing.cost_per_pair,
             sequence_parallel_size=config.parallel.sequence_parallel_size,
             pad_id=pad_id,
+            dfs_chunk=packing.dfs_chunk,
         )
 
 
@@ -151,6 +155,8 @@ def why(row: PackedRow, settings: PlanSettings) -> str:
             return "packing.mode dfs walks every tree"
         longest = max((p.tree.max_path_tokens for p in row.parts), default=0)
         return f"a path of {longest} tokens is over packing.budget {settings.budget} (over_budget: dfs)"
+    if row.kind == "walked_shard":
+        return f"packing.mode dfs walks every tree, its chunks sharded over {row.size} ranks"
     if row.kind == "shard":
         size = settings.sequence_parallel_size
         return f"its row's paths are over packing.budget {settings.budget}: one of {size} shards"
@@ -164,6 +170,13 @@ def plan_step(trajectories: Sequence[Trajectory], settings: PlanSettings, world_
     trees = build_forest(trajectories, merge=settings.merge)
     counts = token_counts(trees)
     layout = trees if settings.mode != "flat" else build_forest(trajectories, merge="none")
+    if settings.sequence_parallel_size > 1 and settings.mode == "dfs":  # every tree walked by a group
+        size, chunk = settings.sequence_parallel_size, settings.dfs_chunk or settings.budget
+        ranks = plan_walked_shards(
+            layout, world_size, size, chunk, settings.cost_per_token, settings.cost_per_pair, settings.pad_id
+        )
+        packed = sum(row.n_tokens for rows in ranks[::size] for row in rows)
+        return StepPlan(ranks, counts.flat_tokens, counts.tree_tokens, packed, settings)
     if settings.sequence_parallel_size > 1:
         rows = plan_sequence_parallel_rows(
             layout,

@@ -3,7 +3,8 @@ the single-process flat step.
 
 The data's groups are named ``<case>/<n>``; each case is one optimizer update of the trainer (its own
 planning, sequence-parallel rows sharded over the two ranks, DeepSpeed's accumulation, the step).
-Before each update every rank gathers the full parameters; after the backward, the full gradients
+Mode dfs walks every tree with its chunks sharded over the two ranks (``packing.dfs_chunk``, in
+ZeRO-3's lockstep). Before each update every rank gathers the full parameters; after the backward, the full gradients
 and DeepSpeed's gradient norm. Rank 0 computes the reference from the same parameters in one
 process, float64, reference attention, flat layout (every trajectory its own sequence), and records
 the relative errors of the loss, every gradient and the norm. The cases run once per DeepSpeed JSON
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from ds_tree.models.loading import load_model
 from ds_tree.models.ulysses import enable_sequence_parallel
+from ds_tree.packing.dfs_shards import DfsRowShard
 from ds_tree.packing.sequence_parallel import RowShard
 from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
@@ -47,7 +49,7 @@ def run_case(trainer, step: int, trajectories, mode: str) -> dict:
     config.packing.mode = mode
     parameters = full_parameters(trainer.engine)
     plan = trainer.plan_rows(trajectories)
-    shards = [row for row in plan.rows if isinstance(row, RowShard)]
+    shards = [row for row in plan.rows if isinstance(row, (RowShard, DfsRowShard))]
     counts = torch.tensor([len(plan.rows), sum(row.n_real > 0 for row in shards), len(plan.rows) - len(shards)])
     dist.all_reduce(counts, op=dist.ReduceOp.MIN)
     output = trainer.forward_backward(plan.rows)
@@ -81,7 +83,7 @@ def main() -> None:
             rebuild_engine(trainer, ds_path, weights, lambda model: enable_sequence_parallel(model, size))
         stage = trainer.engine.zero_optimization_stage()
         for name, trajectories in cases.items():
-            for mode in ("tree", "flat") if len(trajectories) > 1 else ("tree",):
+            for mode in ("tree", "flat", "dfs") if len(trajectories) > 1 else ("tree", "dfs"):
                 step += 1
                 result = run_case(trainer, step, trajectories, mode)
                 report["runs"].append({"stage": stage, "case": name, "mode": mode, **result})

@@ -1,0 +1,188 @@
+"""dfs with sequence parallelism checked from the command line (``ds-tree verify --dfs-chunk C --sequence-parallel S``).
+
+:func:`dfs_sequence_parallel_report` spawns ``size`` processes (one sequence-parallel group, gloo,
+:func:`~ds_tree.sequence_parallel_check.spawn_group`). Each builds the model from the same seed with
+Ulysses registered (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`, which makes the group)
+and computes the step plan as the trainer does (``packing.mode: dfs``: every tree walked by the group,
+each rank one shard of every chunk, :mod:`ds_tree.engine.dfs_sequence_parallel`); the gradients are
+summed over the ranks with plain ``all_reduce`` (no DeepSpeed engine; the trainer's ZeRO-3 lockstep is
+pinned by the 2-rank training test). Process 0 compares loss and gradients with the single-process
+flat result, and walks the same trees alone (S = 1) for the memory figure.
+
+Memory: the most the walk holds at once (:class:`~ds_tree.peak_memory.PeakSavedMeter`, parameters left
+out) plus its cached keys and values with their gradients, per rank at S = ``size`` (the largest over
+the ranks) and at S = 1.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ds_tree.data.jsonl import json_text
+from ds_tree.engine.dfs import DfsSettings, WalkStats
+from ds_tree.engine.step import run_rows
+from ds_tree.losses.sft import Normalisers, check_objective
+from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.loading import load_model
+from ds_tree.models.moe import RouterAuxLoss
+from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.packing.modes import pack_trajectories
+from ds_tree.packing.plan import PlanSettings, plan_step
+from ds_tree.peak_memory import PeakSavedMeter
+from ds_tree.sequence_parallel_check import join_group, spawn_group
+from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype
+
+
+def dfs_sequence_parallel_report(
+    trajectories: list[Trajectory],
+    model_source: str,
+    dfs: DfsSettings,
+    *,
+    size: int = 2,
+    dtype: str = "float64",
+    seed: int = 0,
+    attention: str = "torch",
+    normalisation: str = "token_mean",
+    policy: str = "exact",
+    threads: int = 1,
+) -> dict:
+    """Loss and gradient errors of the sharded walk against the flat baseline; walk memory at S = 1 and S = ``size``."""
+    check_objective(normalisation, policy)
+    verification_dtype(trajectories, dtype)
+    if size < 2:
+        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
+    model_config = load_model_config(model_source)
+    check_heads(model_config, size, str(model_source))
+    check_vocab(trajectories, model_config.vocab_size)
+    settings = dict(
+        model_source=str(model_source),
+        size=size,
+        dtype=dtype,
+        seed=seed,
+        chunk=dfs.chunk,
+        recompute=dfs.recompute,
+        attention=attention,
+        normalisation=normalisation,
+        policy=policy,
+        threads=threads,
+    )
+    settings["reference"] = _reference(trajectories, settings)  # before the group: its walk is one process's
+    return spawn_group(_rank, trajectories, settings)
+
+
+def _load(settings: dict, trajectories: list[Trajectory]):
+    torch_dtype = verification_dtype(trajectories, settings["dtype"])
+    model = load_model(
+        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
+    )
+    if RouterAuxLoss.of_model(model, None, 1) is not None:
+        raise ValueError("an MoE model's router loss is not built for dfs with sequence parallelism")
+    return model
+
+
+def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+    size = settings["size"]
+    join_group(rank, settings, port)
+    model = _load(settings, trajectories)
+    enable_sequence_parallel(model, size)
+    dfs = DfsSettings(settings["chunk"], settings["recompute"])
+    plan = PlanSettings(mode="dfs", budget=dfs.chunk, sequence_parallel_size=size, dfs_chunk=dfs.chunk)
+    rows = plan_step(trajectories, plan, size).for_rank(rank).rows
+    values = Normalisers.from_rows(rows).as_tensor()
+    dist.all_reduce(values)
+    walked = _walk(model, rows, Normalisers.from_tensor(values), settings, dfs)
+    totals = torch.tensor([walked["loss"]], dtype=torch.float64)
+    dist.all_reduce(totals)
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    figures = torch.tensor([walked["activation_bytes"], walked["time_s"]], dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        gradients = {name: p.grad for name, p in model.named_parameters()}
+        _write_report(out, trajectories, settings, float(totals[0]), gradients, figures.tolist(), walked["calls"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _walk(model, rows, normalisers: Normalisers, settings: dict, dfs: DfsSettings) -> dict:
+    """Forward and backward of ``rows`` walked with ``dfs``: loss, seconds, most bytes held, chunks."""
+    excluded = [p for p in model.parameters()]
+    meter, stats = PeakSavedMeter(exclude=excluded), WalkStats()
+    started = time.perf_counter()
+    with meter.context():
+        output = run_rows(
+            model,
+            rows,
+            normalisers,
+            settings["normalisation"],
+            settings["policy"],
+            backward=torch.Tensor.backward,
+            dfs=dfs,
+            stats=stats,
+        )
+    return {
+        "loss": output.loss,
+        "time_s": time.perf_counter() - started,
+        "activation_bytes": meter.peak + stats.peak_cache_bytes,
+        "calls": stats.chunks,
+    }
+
+
+def _reference(trajectories, settings) -> dict:
+    """The flat baseline's loss and gradients and the S = 1 walk's figures, from the same seed, in this process."""
+    single = _load(settings, trajectories)
+    longest = max(len(t) for t in trajectories)
+    flat_rows = pack_trajectories(trajectories, "flat", longest)
+    flat_loss = run_rows(
+        single,
+        flat_rows,
+        Normalisers.from_rows(flat_rows),
+        settings["normalisation"],
+        settings["policy"],
+        backward=torch.Tensor.backward,
+    ).loss
+    flat_gradients = {name: p.grad.detach().clone() for name, p in single.named_parameters()}
+    single.zero_grad(set_to_none=True)
+    dfs = DfsSettings(settings["chunk"], settings["recompute"])
+    tree_rows = pack_trajectories(trajectories, "dfs", dfs.chunk)
+    alone = _walk(single, tree_rows, Normalisers.from_rows(tree_rows), settings, dfs)
+    return {"loss": flat_loss, "gradients": flat_gradients, "alone": alone, "walked_trees": len(tree_rows)}
+
+
+def _write_report(out, trajectories, settings, loss, gradients, figures, calls) -> None:
+    """Process 0: the report against :func:`_reference`."""
+    reference = settings["reference"]
+    flat_loss, flat_gradients, alone = reference["loss"], reference["gradients"], reference["alone"]
+    longest = max(len(t) for t in trajectories)
+    errors = gradient_errors(flat_gradients, gradients)
+    tolerance = TOLERANCES[verification_dtype(trajectories, settings["dtype"])]
+    loss_rel_err = abs(loss - flat_loss) / max(abs(flat_loss), 1e-300)
+    max_rel_grad_err = max(errors.values(), default=0.0)
+    size = settings["size"]
+    report = {
+        "sequence_parallel_size": size,
+        "dfs_chunk": settings["chunk"],
+        "dfs_recompute": settings["recompute"],
+        "n_trajectories": len(trajectories),
+        "longest_trajectory": longest,
+        "walked_trees": reference["walked_trees"],
+        "chunks_per_rank": calls,
+        "dtype": settings["dtype"],
+        "attention": settings["attention"],
+        "loss_flat": flat_loss,
+        "loss_dfs_sequence_parallel": loss,
+        "loss_rel_err": loss_rel_err,
+        "max_rel_grad_err": max_rel_grad_err,
+        "worst_parameter": max(errors, key=errors.get) if errors else None,
+        "walk_memory_bytes_per_rank": {"1": alone["activation_bytes"], str(size): int(figures[0])},
+        "walk_memory_ratio": figures[0] / max(alone["activation_bytes"], 1),
+        "step_time_s_per_rank": {"1": alone["time_s"], str(size): figures[1]},
+        "tolerance": tolerance,
+        "passed": bool(settings["policy"] == "exact" and max_rel_grad_err <= tolerance and loss_rel_err <= tolerance),
+    }
+    Path(out).write_text(json_text(report))
