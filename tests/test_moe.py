@@ -174,6 +174,9 @@ def test_two_rank_training_logs_the_flat_router_aux_loss(tmp_path):
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output[-4000:]
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    # the first step's self-check ran its gradients with ZeRO-3's leaf-module (MoE block) hooks taken off
+    assert "self-check step 1: tree vs flat" in output and "max gradient rel err" in output, output[-4000:]
+    assert record["selfcheck/max_grad_rel_err"] < 1e-5
 
     trainer = prepare(config, f"output_dir={tmp_path / 'plan'}")
     trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]

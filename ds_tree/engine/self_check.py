@@ -33,10 +33,11 @@ LoRA; the whole model's for full fine-tuning, gathered on every rank under ZeRO-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -369,6 +370,27 @@ def _tree_logprobs(model, sample, budget, dfs, sequence_parallel, device, head_c
         {},
     )
     return _sum_over_group(side, sequence_parallel).logprobs if sequence_parallel is not None else side.logprobs
+
+
+@contextlib.contextmanager
+def zero3_leaf_hooks_suspended(optimizer) -> Iterator[None]:
+    """ZeRO-3's backward hooks on its leaf modules (MoE blocks: ``set_z3_leaf_modules``) taken off the
+    modules while the check runs, then put back under the same ids.
+
+    They are module backward hooks, so unlike the parameters' gradient-accumulation hooks they also fire
+    in the check's ``torch.autograd.grad``: they would reduce the check's gradients into training's
+    partitions, and DeepSpeed's hook-counting in them fails inside ``autograd.grad`` ("A leaf node was
+    passed to _will_engine_execute_node"). Any other optimizer (ZeRO-0..2, no MoE): nothing to do."""
+    taken = []
+    for handle in getattr(optimizer, "_leaf_module_hooks", ()):
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            taken.append((hooks, handle.id, hooks.pop(handle.id)))
+    try:
+        yield
+    finally:
+        for hooks, key, hook in taken:
+            hooks[key] = hook
 
 
 def check_sample(

@@ -468,17 +468,18 @@ class Trainer(RLSteps):
         sample = rl.sample if rl is not None else self_check.sample_groups(self.last_trajectories, budget)
         if not sample:
             return {}
-        result = self_check.check_sample(
-            self.engine.module,  # the bare module: the engine's backward hooks stay out of the check
-            sample,
-            budget=budget,
-            normalisation=config.objective.normalisation,
-            dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
-            device=self.engine.device,
-            rl=rl,
-            sequence_parallel=self.self_check_group(),
-            head_chunk=config.model.head_chunk,
-        )
+        with self_check.zero3_leaf_hooks_suspended(self.engine.optimizer):
+            result = self_check.check_sample(
+                self.engine.module,  # the bare module: the engine's backward hooks stay out of the check
+                sample,
+                budget=budget,
+                normalisation=config.objective.normalisation,
+                dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
+                device=self.engine.device,
+                rl=rl,
+                sequence_parallel=self.self_check_group(),
+                head_chunk=config.model.head_chunk,
+            )
         self.release_partition_cache()
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32
         self_check.verdict(result, step + 1, dtype)
