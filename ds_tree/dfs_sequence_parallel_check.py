@@ -26,15 +26,14 @@ from ds_tree.data.jsonl import json_text
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
-from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
-from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.peak_memory import PeakSavedMeter
-from ds_tree.sequence_parallel_check import join_group, spawn_group
-from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
+from ds_tree.trees.trajectory import Trajectory
 from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype
 
 
@@ -54,11 +53,7 @@ def dfs_sequence_parallel_report(
     """Loss and gradient errors of the sharded walk against the flat baseline; walk memory at S = 1 and S = ``size``."""
     check_objective(normalisation, policy)
     verification_dtype(trajectories, dtype)
-    if size < 2:
-        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
-    model_config = load_model_config(model_source)
-    check_heads(model_config, size, str(model_source))
-    check_vocab(trajectories, model_config.vocab_size)
+    check_group(trajectories, model_source, size)
     settings = dict(
         model_source=str(model_source),
         size=size,

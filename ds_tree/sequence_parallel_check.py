@@ -66,11 +66,7 @@ def sequence_parallel_report(
     weighted by ``router_aux_loss_coef`` (None: the model config's), its value compared as well."""
     check_objective(normalisation, policy)
     verification_dtype(trajectories, dtype)
-    if size < 2:
-        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
-    model_config = load_model_config(model_source)
-    check_heads(model_config, size, str(model_source))
-    check_vocab(trajectories, model_config.vocab_size)
+    check_group(trajectories, model_source, size)
     settings = dict(
         model_source=str(model_source),
         size=size,
@@ -85,6 +81,15 @@ def sequence_parallel_report(
         router_aux_loss_coef=router_aux_loss_coef,
     )
     return spawn_group(_rank, trajectories, settings)
+
+
+def check_group(trajectories: list[Trajectory], model_source: str, size: int) -> None:
+    """Before any rank is spawned: at least 2 ranks, heads that split over them, tokens inside the vocabulary."""
+    if size < 2:
+        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
+    model_config = load_model_config(model_source)
+    check_heads(model_config, size, str(model_source))
+    check_vocab(trajectories, model_config.vocab_size)
 
 
 def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict) -> dict:

@@ -31,13 +31,12 @@ from ds_tree.benchmark import SavedTensorMeter
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.runners import StepOutput
-from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model, parse_dtype
-from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import join_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
 from ds_tree.trees.stats import token_counts
-from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verification import checked_advantages
 
@@ -61,13 +60,9 @@ def sequence_parallel_rl_bench(
     threads: int = 1,
 ) -> dict:
     """The report (module docstring) of ``objective`` (an RL :class:`~ds_tree.config.ObjectiveConfig`)."""
-    if size < 2:
-        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
     if not trajectories:
         raise ValueError("no trajectories to bench")
-    model_config = load_model_config(model_source)
-    check_heads(model_config, size, str(model_source))
-    check_vocab(trajectories, model_config.vocab_size)
+    check_group(trajectories, model_source, size)
     checked_advantages(trajectories, objective.estimator, objective.normalise_advantages, objective.tempo_coef)
     options = dict(
         model_source=str(model_source),

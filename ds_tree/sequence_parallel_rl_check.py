@@ -25,12 +25,11 @@ import torch.distributed as dist
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
-from ds_tree.models.loading import load_config as load_model_config
-from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import join_group, spawn_group
-from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
+from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verification import (
     TOLERANCES,
@@ -64,11 +63,7 @@ def sequence_parallel_rl_report(
 ) -> dict:
     """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat."""
     verification_dtype(trajectories, dtype)
-    if size < 2:
-        raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
-    model_config = load_model_config(model_source)
-    check_heads(model_config, size, str(model_source))
-    check_vocab(trajectories, model_config.vocab_size)
+    check_group(trajectories, model_source, size)
     checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)  # bad rewards fail before spawning
     options = dict(
         model_source=str(model_source),
