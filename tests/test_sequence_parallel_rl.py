@@ -94,7 +94,7 @@ def test_verify_rl_under_sequence_parallelism_equals_flat_in_float64(tmp_path: P
     assert metrics["kl_ref"] > 0 and metrics["clip_dual"] > 0 and metrics["entropy"] > 0, metrics
 
 
-def test_rl_under_sequence_parallelism_passes_the_dry_run_and_dfs_is_refused(tmp_path: Path, monkeypatch) -> None:
+def test_rl_under_sequence_parallelism_passes_the_dry_run_with_dfs_too(tmp_path: Path, monkeypatch) -> None:
     data = write_rl_cases(tmp_path / "rl.jsonl")
     config_path = write_config(
         tmp_path, data, packing={"budget": BUDGET}, parallel={"sequence_parallel_size": 2}, objective={"kind": "grpo"}
@@ -105,13 +105,15 @@ def test_rl_under_sequence_parallelism_passes_the_dry_run_and_dfs_is_refused(tmp
     refusal = "does not combine with packing.over_budget=dfs .* packing.over_budget=sequence_parallel"
     with pytest.raises(ConfigError, match=refusal):
         Trainer(load_config(config_path, ["packing.over_budget=dfs"])).prepare()
-    with pytest.raises(ConfigError, match="packing.mode=dfs with .* objective.kind=sft only, not grpo"):
-        Trainer(load_config(config_path, ["packing.mode=dfs"])).prepare()
+    # every tree walked by the group, its chunks sharded (ds-tree verify --dfs-chunk C --sequence-parallel 2)
+    Trainer(load_config(config_path, ["packing.mode=dfs", "objective.kl_coef=0.1"])).prepare()
     with pytest.raises(ConfigError, match="reference_offload .* needs objective.kl_coef > 0 and model.zero_init"):
         load_config(config_path, ["objective.kl_coef=0.1", "objective.reference_offload=true"])
-    partitioned = ["objective.kl_coef=0.1", "model.zero_init=true", "parallel.sequence_parallel_size=1"]
-    with pytest.raises(ConfigError, match="partitioned reference.* does not combine with packing.mode=dfs"):
-        load_config(config_path, [*partitioned, "packing.over_budget=dfs"])
+    # a partitioned reference walks in lockstep like the policy (tests/distributed/dfs_rl_check.py)
+    partitioned = ["objective.kl_coef=0.1", "model.zero_init=true"]
+    walked = [*partitioned, "parallel.sequence_parallel_size=1", "packing.over_budget=dfs"]
+    Trainer(load_config(config_path, walked)).prepare()
+    Trainer(load_config(config_path, [*partitioned, "packing.mode=dfs"])).prepare()
 
 
 @pytest.mark.distributed
