@@ -121,8 +121,9 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     """configs/examples/long_tree_rl.yaml at tiny scale on 2 CPU ranks (one sequence-parallel group):
     ZeRO-3 built partitioned, the KL reference a ZeRO-3 engine, paths over the budget sharded. The
     first mini-batch's gradient (2 accumulated rows per rank at least) and its metrics, KL included,
-    equal the single-process flat ones from the same weights with a whole reference; then the update
-    and an ordinary step (2 mini-batches) run."""
+    equal the single-process flat ones from the same weights with a whole reference; then the update,
+    the same in ``packing.mode: dfs`` (every tree walked by the group, its chunks sharded: old policy,
+    reference and loss walks), and an ordinary step of it (2 mini-batches, its self-check)."""
     data = write_rl_cases(tmp_path / "rl.jsonl")
     model = one_kv_head_model(tmp_path / "model.json")
     out = tmp_path / "report.json"
@@ -135,7 +136,7 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     ]  # fmt: skip
     example = ROOT / "configs/examples/long_tree_rl.yaml"
     torchrun("tests/distributed/rl_grad_check.py", "--config", str(example), "--out", str(out), "--train-step",
-             *overrides)  # fmt: skip
+             "--dfs-chunk", str(BUDGET), *overrides)  # fmt: skip
     report = json.loads(out.read_text())
     assert report["zero_stage"] == 3 and report["world_size"] == 2 and report["reference"] == "DeepSpeedEngine"
     assert report["min_micro_batches_per_rank"] >= 2 and report["mini_batches"] == 2
@@ -145,6 +146,10 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0 and metrics["kl_ref"] > 0, metrics
     # float32 round-off (the SFT sequence-parallel check measures ~9e-7).
     assert report["max_rel_grad_err"] < 1e-5 and report["max_rel_metric_err"] < 1e-5, report
+    walked = report["dfs"]  # after an update: the reference is no longer the policy
+    assert walked["mode"] == "dfs" and walked["min_sharded_rows_per_rank"] >= 1, walked
+    assert walked["reference_max_abs_diff"] > 0 and walked["metrics"]["kl_ref"] > 0, walked
+    assert walked["max_rel_grad_err"] < 1e-5 and walked["max_rel_metric_err"] < 1e-5, walked
     step = report["train_step"]
     assert np.isfinite(step["loss/train"]) and step["rl/kl_ref"] > 0, step
     # its RL self-check: SP-sharded tree rows, the partitioned reference, gradients summed over the group
