@@ -1,4 +1,4 @@
-"""Run under ``torchrun --nproc_per_node 2``: the RL update's gradient vs the single-process flat one.
+"""Run under ``torchrun --nproc_per_node 2`` (or 4): the RL update's gradient vs the single-process flat one.
 
 Every rank prepares the trainer's first RL step (advantages, mini-batches, old log-probs from a
 no-grad forward through the DeepSpeed engine), then moves the engine's weights off the old policy
@@ -28,6 +28,7 @@ import torch.distributed as dist
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.models.loading import load_model
 from ds_tree.packing.dfs_shards import DfsRowShard
 from ds_tree.packing.modes import pack_trajectories
@@ -73,6 +74,9 @@ def rl_case(trainer) -> tuple[dict | None, float]:
     shards = sum(isinstance(row, (RowShard, DfsRowShard)) and row.n_real > 0 for row in rows)
     micro_batches = torch.tensor([len(rollouts.prepared[0]), shards])
     dist.all_reduce(micro_batches, op=dist.ReduceOp.MIN)
+    run = RunContext(dfs=trainer.dfs_settings)  # each rank's forwards of one no-grad pass, before any padding
+    forwards = [None] * dist.get_world_size()
+    dist.all_gather_object(forwards, sum(runner_of(row).forwards(row, run) for row in rows))
     if dist.get_rank() != 0:
         return None, output.loss
     settings = config.objective.rl_settings()
@@ -93,6 +97,7 @@ def rl_case(trainer) -> tuple[dict | None, float]:
         "min_micro_batches_per_rank": int(micro_batches[0]),
         "min_sharded_rows_per_rank": int(micro_batches[1]),
         "mini_batches": len(rollouts.prepared),
+        "forwards_per_rank": forwards,
         "max_rel_grad_err": max(
             relative(gradients[name], p.grad.detach().double().numpy()) for name, p in new.named_parameters()
         ),
