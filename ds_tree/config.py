@@ -175,7 +175,9 @@ class DataConfig:
 class PackingConfig:
     mode: PackingMode = "tree"
     """``tree`` (tree packing, the default), ``flat`` (the baseline: every trajectory alone) or ``dfs``
-    (each tree walked depth-first, one root-to-leaf path in memory; no budget applies, see ``dfs_chunk``)."""
+    (each tree walked depth-first, one root-to-leaf path in memory; no budget applies, see ``dfs_chunk``;
+    with ``parallel.sequence_parallel_size`` S > 1 each tree is walked by a group of S ranks, every chunk
+    sharded over it, for SFT and RL alike)."""
     budget: int = 2048
     """Tokens of one packed row (one micro-batch). Larger trees are split into parts."""
     block: int = 1
@@ -242,7 +244,8 @@ class ObjectiveConfig:
     reference: str = ""
     """Reference policy for the KL term: a model config JSON or HF directory ("": ``model.source`` at
     ``model.seed``, the initial policy). Kept frozen: whole on every rank, or with ``model.zero_init``
-    a ZeRO-3 engine partitioned over the ranks (``ds_tree.engine.reference``)."""
+    a ZeRO-3 engine partitioned over the ranks (``ds_tree.engine.reference``), in every layout (packed
+    rows, sequence-parallel shards, dfs walks: its forwards padded to the busiest rank's count)."""
     reference_offload: bool = False
     """With ``model.zero_init``: keep the partitioned reference's parameters in CPU memory (ZeRO-3
     ``offload_param``), gathered to the accelerator module by module in its forwards."""
@@ -590,7 +593,9 @@ class ParallelConfig:
     is over ``packing.budget`` goes to sequence-parallel rows of up to S x ``packing.budget`` tokens,
     each cut into S contiguous shards, one per rank of a group. The world size and the model's
     attention heads must be multiples of S, and its key/value heads must divide S or be a multiple
-    of it (checked at start-up). Any objective (SFT and RL, docs/RL.md "Long trees"); dfs is refused."""
+    of it (checked at start-up). Any objective (SFT and RL, docs/RL.md "Long trees"). With
+    ``packing.mode: dfs`` every tree is walked by a group instead, each chunk sharded over its S ranks
+    (``packing.over_budget: dfs`` is refused: use ``sequence_parallel`` or ``mode: dfs``)."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel_size < 1:
@@ -637,14 +642,6 @@ class Config:
             raise ConfigError(
                 "objective.reference_offload offloads the partitioned reference model: it needs objective.kl_coef > 0 "
                 "and model.zero_init: true"
-            )
-        if partitioned and "dfs" in (self.packing.mode, self.packing.over_budget):
-            raise ConfigError(
-                "objective.kl_coef with model.zero_init (a ZeRO-3 partitioned reference) does not combine with "
-                "packing.mode=dfs or packing.over_budget=dfs yet (a walk's forward count differs between ranks, and "
-                "the reference's collective gathers are not padded for it); set model.zero_init: false (a whole "
-                "reference), or shard long paths instead (parallel.sequence_parallel_size > 1, "
-                "packing.over_budget: sequence_parallel)"
             )
         if self.checkpoint.merge and not self.model.lora.enabled:
             raise ConfigError("checkpoint.merge merges LoRA adapters: set model.lora.rank > 0, or merge: false")

@@ -303,6 +303,7 @@ def dfs_activation_bytes(
     head_chunk: int = 0,
     entropy: bool = False,
     packed_below: bool = False,
+    sequence_parallel: int = 1,
 ) -> DfsActivationBytes:
     """Activation memory of walking a root-to-leaf path of ``path_tokens`` tokens in chunks of ``chunk``
     (the path cut into full chunks, the remainder last), every token a target.
@@ -312,11 +313,34 @@ def dfs_activation_bytes(
     ``path_tokens - 1`` tokens held as chain chunks (a chain's remainder is then held too).
 
     A path whose nodes are shorter than ``chunk`` has more chunks than that: without ``recompute`` each
-    holds its own copy of its context's keys and values (``P + n`` per layer), so short nodes cost more."""
-    if path_tokens < 1 or chunk < 1:
-        raise ValueError(f"dfs plan: path_tokens and chunk must be >= 1, got {path_tokens} and {chunk}")
+    holds its own copy of its context's keys and values (``P + n`` per layer), so short nodes cost more.
+
+    ``sequence_parallel`` = S > 1: one rank of a group that walks the path together, each chunk of ``n``
+    tokens padded to ``S x L`` and sharded (:mod:`ds_tree.engine.dfs_sequence_parallel`): what a rank
+    keeps per token (projections, norms, MLP, the head's targets) is its shard's ``L``; its attention
+    runs on the whole padded chunk for ``Hq / S`` query and ``Hkv / S`` key/value heads (one replicated
+    head when ``Hkv < S``), so its cached and attended keys and values (and SDPA's gradients of them)
+    are those heads' only; the chunk's ``S L x (P + S L)`` attention mask is whole on every rank."""
+    if path_tokens < 1 or chunk < 1 or sequence_parallel < 1:
+        raise ValueError(
+            f"dfs plan: path_tokens, chunk and sequence_parallel must be >= 1, got {path_tokens}, {chunk} and "
+            f"{sequence_parallel}"
+        )
     width = DTYPE_BYTES[dtype]
+    size = sequence_parallel
     kv = 2 * width * shape.kv_heads * shape.head_dim  # a token's key and value in one layer
+    # the keys and values of a token one rank attends to and caches: its share of the key/value heads
+    kv_heads_here = shape.kv_heads // size if shape.kv_heads % size == 0 else 1
+    kv_here = 2 * width * kv_heads_here * shape.head_dim
+    heads_here = shape.heads // size if shape.heads % size == 0 else shape.heads
+
+    def shard(n: int) -> int:
+        """Tokens of a rank's shard of an ``n``-token chunk (padded to a multiple of S)."""
+        return -(-n // size)
+
+    def padded(n: int) -> int:
+        return size * shard(n)
+
     per_layer = layer_bytes_per_token(shape, dtype)
     checkpointed = [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
     final_norm = 12 * shape.hidden + 4
@@ -328,21 +352,25 @@ def dfs_activation_bytes(
 
     def layer(n: int, context: int) -> int:
         """What a decoder layer that is not checkpointed keeps for the chunk's backward."""
-        return (per_layer - kv) * n + kv * (context + n)
+        return (per_layer - kv) * shard(n) + kv_here * (context + padded(n))
+
+    def mask(n: int, context: int) -> int:
+        """The chunk's attention mask (made once, shared by its layers; whole on every rank of a group)."""
+        return width * padded(n) * (context + padded(n))
 
     def body(n: int, context: int) -> int:
         """What the decoder layers keep for the chunk's backward, and its attention mask (made once)."""
-        kept = [width * shape.hidden * n if again else layer(n, context) for again in checkpointed]
-        return sum(kept) + (width * n * (context + n) if not all(checkpointed) else 0)
+        kept = [width * shape.hidden * shard(n) if again else layer(n, context) for again in checkpointed]
+        return sum(kept) + (mask(n, context) if not all(checkpointed) else 0)
 
     def graph(n: int, context: int) -> int:
         """A held chunk's graph: a chunked head keeps the targets' hidden states, else their log-softmax
         (and with the entropy their probabilities)."""
         saved = width * shape.hidden if head_chunk else 4 * shape.vocab * (2 if entropy else 1)
-        return body(n, context) + (final_norm + saved) * n
+        return body(n, context) + (final_norm + saved) * shard(n)
 
     def head(n: int) -> int:
-        """The head's tensors at the worst moment of its backward, the saved ones included."""
+        """The head's tensors at the worst moment of its backward, the saved ones included (``n``: its targets)."""
         if head_chunk and n > head_chunk:  # as a packed row's chunked head (docs/MEMORY.md)
             return width * shape.hidden * n + row * head_chunk + head_weight + 2 * width * n * shape.hidden
         # the saved log-softmax, its gradient and the logits' (measured: a single head chunk peaks alike),
@@ -350,15 +378,16 @@ def dfs_activation_bytes(
         return max(row * n, 4 * shape.vocab * n + head_weight)
 
     def backward(n: int, context: int) -> int:
-        moments = [body(n, context) + final_norm * n + head(n)]
+        moments = [body(n, context) + final_norm * shard(n) + head(shard(n))]
         below = body(n, context)  # the head's backward is done
         # SDPA's gradients of the keys and values it attended to, per query head before the sum over a group
-        working = gradient_working_set_per_token(shape, dtype) * n + kv * (context + n) * shape.heads // shape.kv_heads
+        attended = kv_here * (context + padded(n)) * heads_here // kv_heads_here
+        working = gradient_working_set_per_token(shape, dtype) * shard(n) + attended
         for index in reversed(range(shape.layers)):  # each layer's backward, top first
             if checkpointed[index]:  # recomputed: its activations (and the mask, if none is held) again
-                again = layer(n, context) + (width * n * (context + n) if all(checkpointed) else 0)
+                again = layer(n, context) + (mask(n, context) if all(checkpointed) else 0)
                 moments.append(below + again + working)
-                below -= width * shape.hidden * n
+                below -= width * shape.hidden * shard(n)
             else:
                 moments.append(below + working)
                 below -= layer(n, context)
@@ -371,19 +400,19 @@ def dfs_activation_bytes(
         # a held full chunk's graph grows linearly with its context: the sum over k of graph(chunk, k x chunk)
         first, step = graph(chunk, 0), graph(chunk, chunk) - graph(chunk, 0)
         held = ancestors * first + step * ancestors * (ancestors - 1) // 2
-        plans = [DfsActivationBytes(held, layers * kv * (path_tokens + context), backward(n, context))]
+        plans = [DfsActivationBytes(held, layers * kv_here * (path_tokens + context), backward(n, context))]
         if packed_below and path_tokens > 1:
             context = path_tokens - 1
             ancestors, rest = divmod(context, chunk)
             held = ancestors * first + step * ancestors * (ancestors - 1) // 2
             held += graph(rest, ancestors * chunk) if rest else 0
-            plans.append(DfsActivationBytes(held, layers * kv * (2 * context + chunk), backward(chunk, context)))
+            plans.append(DfsActivationBytes(held, layers * kv_here * (2 * context + chunk), backward(chunk, context)))
         return max(plans, key=lambda plan: plan.peak)
     # Every term grows with a chunk's size and context, so the peak is at the deepest full chunk or at
     # the shorter last one (the first of them on a tie, as in path order).
     deepest = [(chunk, (full - 1) * chunk)] if full else []
     candidates = deepest + ([last] if rest else []) + ([(chunk, path_tokens - 1)] if packed_below else [])
-    plans = [DfsActivationBytes(0, layers * kv * (2 * p + 2 * n), backward(n, p)) for n, p in candidates]
+    plans = [DfsActivationBytes(0, layers * kv_here * (2 * p + 2 * n), backward(n, p)) for n, p in candidates]
     return max(plans, key=lambda plan: plan.peak)
 
 
@@ -398,9 +427,11 @@ def largest_dfs_path(
     head_chunk: int = 0,
     entropy: bool = False,
     packed_below: bool = False,
+    sequence_parallel: int = 1,
 ) -> int:
     """The longest path length ``L`` such that the dfs walk trains every root-to-leaf path of at most ``L``
-    tokens in chunks of ``chunk`` within ``free_bytes`` (0 if not even one token fits).
+    tokens in chunks of ``chunk`` within ``free_bytes`` (0 if not even one token fits; ``sequence_parallel``:
+    walked by a group of that many ranks, :func:`dfs_activation_bytes`).
 
     The peak grows with whole chunks (without ``recompute`` quadratically: every held chunk keeps its
     context's keys and values), and within the last chunk with its length, but a path one token past a
@@ -411,7 +442,7 @@ def largest_dfs_path(
         if tokens == 0:
             return True
         options = {"recompute": recompute, "checkpoint_every": checkpoint_every, "head_chunk": head_chunk}
-        options["packed_below"] = packed_below
+        options.update(packed_below=packed_below, sequence_parallel=sequence_parallel)
         return dfs_activation_bytes(shape, dtype, tokens, chunk, entropy=entropy, **options).peak <= free_bytes
 
     def last_true(low: int, high: int, test) -> int:  # test(low) holds, test is monotone on [low, high]
@@ -429,14 +460,62 @@ def largest_dfs_path(
 
 def profiled_peak_bytes(run) -> int:
     """Measured counterpart of :attr:`ActivationBytes.peak`: the most bytes torch held at once during
-    ``run()`` beyond what it held before (``torch.profiler`` memory events, allocations minus frees in
-    order). Run it on a step whose parameter gradients already exist, so it counts activations only."""
-    import numpy as np
+    ``run()`` beyond what it held before (``torch.profiler`` memory events in order). Run it on a step
+    whose parameter gradients already exist, so it counts activations only.
+
+    The profiler records the allocations and frees of the thread that runs ``run`` only, but a
+    collective's worker thread (gloo) may drop the last reference to a buffer this thread allocated
+    (an all-to-all's input), freeing it unseen at a time that varies from run to run. While c10's
+    ``caffe2_report_cpu_memory_usage`` flag is set, its CPU allocator counts every thread's allocations
+    and frees, and each recorded event carries that running total: the peak is the largest total over
+    the events, less the total before the first (:func:`_every_thread_allocations`; the profiler's own
+    per-event sizes in order where the flag cannot be reached, which agree on a single thread)."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        run()
+    flag = _every_thread_allocations()
+    previous = flag.value if flag is not None else False
+    if flag is not None:
+        flag.value = True
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+            run()
+    finally:
+        if flag is not None:
+            flag.value = previous
+    if flag is None:
+        import numpy as np
+
+        events = sorted(
+            (e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+        )
+        return int(max(0, np.cumsum([n for _, n in events]).max(initial=0)))
+
+    def nodes(events):
+        for event in events:
+            yield event
+            yield from nodes(event.children)
+
     events = sorted(
-        (e.start_ns(), e.nbytes()) for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+        (event.start_time_ns, event.extra_fields.alloc_size, event.extra_fields.total_allocated)
+        for event in nodes(profiler.profiler.kineto_results.experimental_event_tree())
+        if event.tag == _EventType.Allocation
     )
-    return int(max(0, np.cumsum([n for _, n in events]).max(initial=0)))
+    if not events:
+        return 0
+    _, size, total = events[0]
+    return int(max(0, max(total for _, _, total in events) - (total - size)))
+
+
+def _every_thread_allocations():
+    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` (a ``ctypes`` bool), or None where it cannot be found."""
+    import ctypes
+    import os
+
+    import torch
+
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    try:
+        return ctypes.c_bool.in_dll(ctypes.CDLL(library), "FLAGS_caffe2_report_cpu_memory_usage")
+    except (OSError, ValueError):
+        return None

@@ -12,6 +12,12 @@ targets each shard predicts) and :func:`~ds_tree.engine.rl_step.run_rl_rows` (ea
 backpropagating its own shard's terms). Loss, gradients and metric sums are then summed over the
 ranks, and the old log-probs of every trained token gathered. Process 0 compares them with the
 single-process flat result (:func:`~ds_tree.verification.run_rl_mode` in the flat layout).
+
+With ``dfs`` (``--dfs-chunk C``) the plan is ``packing.mode: dfs``'s instead: every tree walked by the
+group in chunks of ``C`` tokens, each rank forwarding one shard of every chunk
+(:mod:`ds_tree.engine.dfs_sequence_parallel`), in both passes (the old and reference policies'
+no-grad walks, then the loss walk). The two passes and the sums are the same code; only the plan
+and the walk settings differ.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.data.jsonl import json_text
+from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
 from ds_tree.trees.trajectory import Trajectory
@@ -60,8 +68,10 @@ def sequence_parallel_rl_report(
     attention: str = "torch",
     perturbation: float = 0.5,
     threads: int = 1,
+    dfs: DfsSettings | None = None,
 ) -> dict:
-    """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat."""
+    """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat
+    (``dfs``: every tree walked by the group, its chunks sharded)."""
     verification_dtype(trajectories, dtype)
     check_group(trajectories, model_source, size)
     checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)  # bad rewards fail before spawning
@@ -79,6 +89,7 @@ def sequence_parallel_rl_report(
         attention=attention,
         perturbation=perturbation,
         threads=threads,
+        dfs=dfs,
     )
     return spawn_group(_rank, trajectories, options)
 
@@ -100,22 +111,33 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, o
     advantages = checked_advantages(
         trajectories, options["estimator"], options["normalise_advantages"], options["tempo_coef"]
     ).by_trajectory()
-    plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, options["budget"], options["block"])
-    rows = plan.rank_rows(rank, size)
+    rows, sharded = _plan(trajectories, options, rank)
     reference = old if settings.kl_coef else None
     normalisers = StepNormalisers.of(trajectories)
-    prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=reference)
-    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
+    dfs = options["dfs"]
+    prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)
+    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, dfs=dfs)
     loss, metrics = _group_sums(output)
     for parameter in model.parameters():
         dist.all_reduce(parameter.grad)
     old_logprobs = _gathered_old_logprobs(trajectories, prepared)
     if rank == 0:
         gradients = {name: p.grad for name, p in model.named_parameters()}
-        sharded = [row for rows in plan.sharded for row in rows if row.n_real]
         _write_report(out, trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _plan(trajectories: list[Trajectory], options: dict, rank: int) -> tuple[list, list]:
+    """This rank's items, and the whole rows the group shares (sharded rows, or walked trees), as the trainer
+    plans them: ``packing.over_budget: sequence_parallel``, or with ``dfs`` ``packing.mode: dfs``."""
+    size, dfs = options["size"], options["dfs"]
+    if dfs is not None:
+        settings = PlanSettings(mode="dfs", budget=dfs.chunk, sequence_parallel_size=size, dfs_chunk=dfs.chunk)
+        rows = plan_step(trajectories, settings, size).for_rank(rank).rows
+        return rows, rows
+    plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, options["budget"], options["block"])
+    return plan.rank_rows(rank, size), [row for rows in plan.sharded for row in rows if row.n_real]
 
 
 def _group_sums(output: StepOutput) -> tuple[float, dict[str, float]]:
@@ -158,9 +180,11 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
     torch_dtype = verification_dtype(trajectories, options["dtype"])
     old, model = _policies(options, torch_dtype)
     reference = old if settings.kl_coef else None
-    flat = run_rl_mode(model, old, reference, trajectories, "flat", size * budget, block, advantages, settings)
+    longest = max(len(t) for t in trajectories)
+    flat_budget = max(size * budget, longest)  # a walked tree's paths may be longer than S x budget
+    flat = run_rl_mode(model, old, reference, trajectories, "flat", flat_budget, block, advantages, settings)
     with torch.no_grad():
-        rows = pack_trajectories(trajectories, "flat", size * budget, block)
+        rows = pack_trajectories(trajectories, "flat", flat_budget, block)
         flat_old = run_rows(old, rows, Normalisers(1.0, 1.0, 1.0), collect_logprobs=True).trajectory_logprobs
     values, counts = old_logprobs
     expected = np.concatenate([np.concatenate([[np.nan], flat_old[id(t)]]) for t in trajectories])
@@ -176,10 +200,8 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
     report = {
         "sequence_parallel_size": size,
         "n_trajectories": len(trajectories),
-        "longest_trajectory": max(len(t) for t in trajectories),
-        "budget": budget,
-        "sharded_rows": len(sharded),
-        "longest_sharded_row": max((row.n_tokens for row in sharded), default=0),
+        "longest_trajectory": longest,
+        **_layout(options, sharded),
         "dtype": options["dtype"],
         "attention": options["attention"],
         "estimator": options["estimator"],
@@ -206,3 +228,20 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
         ),
     }
     Path(out).write_text(json_text(report))
+
+
+def _layout(options: dict, sharded: list) -> dict:
+    """The report's fields on how the group shared the work: its sharded rows, or its walked trees."""
+    dfs = options["dfs"]
+    if dfs is None:
+        return {
+            "budget": options["budget"],
+            "sharded_rows": len(sharded),
+            "longest_sharded_row": max((row.n_tokens for row in sharded), default=0),
+        }
+    return {
+        "dfs_chunk": dfs.chunk,
+        "dfs_recompute": dfs.recompute,
+        "walked_trees": len(sharded),
+        "largest_walked_tree": max((row.n_real for row in sharded), default=0),
+    }

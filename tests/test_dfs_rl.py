@@ -134,7 +134,8 @@ def write_rewarded_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
 def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path, checkpointing: bool) -> None:
     """SFT (walks without recompute: held forwards) and GRPO (with recompute), every tree walked,
     ZeRO-2 then ZeRO-3, 2 ranks; with activation checkpointing, the backward calls recompute the
-    layers (on the cached keys and values, under ZeRO-3 gathering in lockstep)."""
+    layers (on the cached keys and values, under ZeRO-3 gathering in lockstep). Layers kept, also
+    GRPO with a KL term against a ZeRO-3 partitioned reference (``kl_coef`` with ``model.zero_init``)."""
     data = write_rewarded_forest(tmp_path / "forest.jsonl")
     stages = [str(write_accumulating_ds_config(tmp_path / f"ds{s}.json", s)) for s in (2, 3)]
     config = write_config(
@@ -146,7 +147,11 @@ def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path,
         distributed={"timeout_s": 60},  # a schedule that lost step would hang in a collective
     )
     out = tmp_path / "report.json"
-    torchrun("tests/distributed/dfs_rl_check.py", "--config", str(config), "--out", str(out), "--deepspeed", *stages)
+    partitioned = [] if checkpointing else ["--partitioned-reference"]
+    torchrun(
+        "tests/distributed/dfs_rl_check.py", "--config", str(config), "--out", str(out), "--deepspeed", *stages,
+        *partitioned,
+    )  # fmt: skip
     report = json.loads(out.read_text())
     runs = {(run["stage"], run["objective"]): run for run in report["runs"]}
     assert set(runs) == {(2, "sft"), (2, "grpo"), (3, "sft"), (3, "grpo")}
@@ -157,6 +162,13 @@ def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path,
         assert run["loss_rel_err"] < 1e-5 and run["max_rel_grad_err"] < 1e-5, (key, run)
     assert runs[(3, "sft")]["walked"] > 0
     assert np.isfinite(report["train_step"]["loss"]) and report["train_step"]["grad_norm"] > 0
+    if not checkpointing:
+        run = report["partitioned_reference"]
+        assert run["reference"] == "DeepSpeedEngine" and run["kl_ref"] > 0, run
+        # each rank's walks gather the reference's parameters a different number of times: padded on its engine
+        forwards = run["forwards_per_rank"]
+        assert forwards[0] != forwards[1], run
+        assert run["loss_rel_err"] < 1e-5 and run["max_rel_grad_err"] < 1e-5, run
 
 
 def test_bench_times_rl_in_dfs_mode(tmp_path: Path) -> None:

@@ -1,7 +1,13 @@
 """dfs with sequence parallelism: the plan's walked shards and each rank's view of the chunks
-(single process; the sharded walk itself: ``tests/test_sequence_parallel.py``, the 2-rank run and verify)."""
+(single process), and ``verify --dfs-chunk C --sequence-parallel 2`` (SFT and RL; the trainer's 2-rank
+runs: ``tests/test_sequence_parallel.py`` and ``tests/test_sequence_parallel_rl.py``)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +18,9 @@ from ds_tree.packing.dfs_chunks import row_chunks
 from ds_tree.packing.dfs_shards import DfsRowShard, chunk_shard_of
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
-from tests.test_sequence_parallel import random_trees
+from tests.test_engine import ROOT, environment
+from tests.test_sequence_parallel import one_kv_head_model, random_trees
+from tests.test_sequence_parallel_rl import TREEPO, write_rl_cases
 
 
 @pytest.mark.parametrize("chunk", [7, 48, 10**6])
@@ -57,3 +65,40 @@ def test_walked_shards_hold_each_term_once_and_follow_the_walks_chunks(chunk: in
             kv_end = inputs[0].shards.kv_end
             if kv_end is not None:  # padding sees only itself
                 np.testing.assert_array_equal(kv_end[0, n:].numpy(), np.arange(n + 1, joined.size + 1))
+
+
+@pytest.mark.slow
+def test_verify_walks_sharded_over_two_ranks_for_sft_and_rl(tmp_path: Path) -> None:
+    """``tools/verify.py --dfs-chunk 48 --sequence-parallel 2`` itself, twice (2 spawned ranks each, ~10 s):
+    SFT in float32 with recompute, GRPO in float64 with the treepo estimator, KL, entropy and dual clip
+    (the old and reference policies' no-grad walks and the loss walk, all sharded). stdout is the JSON
+    report alone and the exit code says it passed."""
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    model = one_kv_head_model(tmp_path / "model.json")
+    common = ["--data", str(data), "--model", str(model), "--dfs-chunk", "48", "--sequence-parallel", "2"]
+    sft = run_verify([*common, "--dtype", "float32", "--dfs-recompute"])
+    assert sft["passed"] and sft["tolerance"] == 1e-5 and sft["walked_trees"] == 6, sft
+    # float32: measured ~5e-7 (gradients); the walk's memory per rank below a single rank's walk
+    assert sft["loss_rel_err"] < 1e-5 and sft["max_rel_grad_err"] < 1e-5, sft
+    assert 0 < sft["walk_memory_bytes_per_rank"]["2"] < sft["walk_memory_bytes_per_rank"]["1"], sft
+    rl = run_verify([*common, "--objective", "grpo", *TREEPO])
+    assert rl["passed"] and rl["estimator"] == "treepo" and rl["tolerance"] == 1e-10 and rl["walked_trees"] == 6, rl
+    # float64: measured ~3e-15 (gradients), ~2e-15 (loss, old log-probs)
+    for error in ("loss_rel_err", "max_rel_grad_err", "max_abs_old_logprob_err", "max_rel_metric_err"):
+        assert rl[error] <= 1e-10, (error, rl[error])
+    assert rl["old_logprobs_scored"] == rl["trained_tokens"] > 0  # each scored on one shard of one walk
+    metrics = rl["metrics_flat"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0 and metrics["clip_dual"] > 0, metrics
+    assert metrics["kl_ref"] > 0 and metrics["entropy"] > 0, metrics
+
+
+def run_verify(argv: list[str]) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools/verify.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=environment(),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads(result.stdout)  # the report alone: the ranks' logs and warnings go to stderr

@@ -94,7 +94,7 @@ def test_verify_rl_under_sequence_parallelism_equals_flat_in_float64(tmp_path: P
     assert metrics["kl_ref"] > 0 and metrics["clip_dual"] > 0 and metrics["entropy"] > 0, metrics
 
 
-def test_rl_under_sequence_parallelism_passes_the_dry_run_and_dfs_is_refused(tmp_path: Path, monkeypatch) -> None:
+def test_rl_under_sequence_parallelism_passes_the_dry_run_with_dfs_too(tmp_path: Path, monkeypatch) -> None:
     data = write_rl_cases(tmp_path / "rl.jsonl")
     config_path = write_config(
         tmp_path, data, packing={"budget": BUDGET}, parallel={"sequence_parallel_size": 2}, objective={"kind": "grpo"}
@@ -105,22 +105,27 @@ def test_rl_under_sequence_parallelism_passes_the_dry_run_and_dfs_is_refused(tmp
     refusal = "does not combine with packing.over_budget=dfs .* packing.over_budget=sequence_parallel"
     with pytest.raises(ConfigError, match=refusal):
         Trainer(load_config(config_path, ["packing.over_budget=dfs"])).prepare()
-    with pytest.raises(ConfigError, match="packing.mode=dfs with .* objective.kind=sft only, not grpo"):
-        Trainer(load_config(config_path, ["packing.mode=dfs"])).prepare()
+    # every tree walked by the group, its chunks sharded (ds-tree verify --dfs-chunk C --sequence-parallel 2)
+    Trainer(load_config(config_path, ["packing.mode=dfs", "objective.kl_coef=0.1"])).prepare()
     with pytest.raises(ConfigError, match="reference_offload .* needs objective.kl_coef > 0 and model.zero_init"):
         load_config(config_path, ["objective.kl_coef=0.1", "objective.reference_offload=true"])
-    partitioned = ["objective.kl_coef=0.1", "model.zero_init=true", "parallel.sequence_parallel_size=1"]
-    with pytest.raises(ConfigError, match="partitioned reference.* does not combine with packing.mode=dfs"):
-        load_config(config_path, [*partitioned, "packing.over_budget=dfs"])
+    # a partitioned reference walks in lockstep like the policy (tests/distributed/dfs_rl_check.py)
+    partitioned = ["objective.kl_coef=0.1", "model.zero_init=true"]
+    walked = [*partitioned, "parallel.sequence_parallel_size=1", "packing.over_budget=dfs"]
+    Trainer(load_config(config_path, walked)).prepare()
+    Trainer(load_config(config_path, [*partitioned, "packing.mode=dfs"])).prepare()
 
 
 @pytest.mark.distributed
-def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_reference(tmp_path: Path) -> None:
-    """configs/examples/long_tree_rl.yaml at tiny scale on 2 CPU ranks (one sequence-parallel group):
-    ZeRO-3 built partitioned, the KL reference a ZeRO-3 engine, paths over the budget sharded. The
-    first mini-batch's gradient (2 accumulated rows per rank at least) and its metrics, KL included,
-    equal the single-process flat ones from the same weights with a whole reference; then the update
-    and an ordinary step (2 mini-batches) run."""
+@pytest.mark.slow
+def test_long_tree_rl_example_trains_four_ranks_dp2_sp2_zero3_with_a_partitioned_reference(tmp_path: Path) -> None:
+    """configs/examples/long_tree_rl.yaml at tiny scale on 4 CPU ranks (2 data-parallel x 2 sequence-parallel;
+    ~60 s on 2 cores): ZeRO-3 built partitioned, the KL reference a ZeRO-3 engine, paths over the budget
+    sharded. The first mini-batch's gradient (2 accumulated rows per rank at least) and its metrics, KL
+    included, equal the single-process flat ones from the same weights with a whole reference; then the
+    update, the same in ``packing.mode: dfs`` (every tree walked by its group, its chunks sharded: old
+    policy, reference and loss walks; the two groups walk different trees, so their forwards follow one
+    ZeRO-3 lockstep schedule, with dummy calls), and an ordinary step of it (2 mini-batches, its self-check)."""
     data = write_rl_cases(tmp_path / "rl.jsonl")
     model = one_kv_head_model(tmp_path / "model.json")
     out = tmp_path / "report.json"
@@ -133,9 +138,9 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     ]  # fmt: skip
     example = ROOT / "configs/examples/long_tree_rl.yaml"
     torchrun("tests/distributed/rl_grad_check.py", "--config", str(example), "--out", str(out), "--train-step",
-             *overrides)  # fmt: skip
+             "--dfs-chunk", str(BUDGET), *overrides, ranks=4)  # fmt: skip
     report = json.loads(out.read_text())
-    assert report["zero_stage"] == 3 and report["world_size"] == 2 and report["reference"] == "DeepSpeedEngine"
+    assert report["zero_stage"] == 3 and report["world_size"] == 4 and report["reference"] == "DeepSpeedEngine"
     assert report["min_micro_batches_per_rank"] >= 2 and report["mini_batches"] == 2
     assert report["min_sharded_rows_per_rank"] >= 1  # the first mini-batch has a path over the budget
     assert report["reference_max_abs_diff"] == 0.0  # the partitioned reference is the initial policy
@@ -143,6 +148,12 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0 and metrics["kl_ref"] > 0, metrics
     # float32 round-off (the SFT sequence-parallel check measures ~9e-7).
     assert report["max_rel_grad_err"] < 1e-5 and report["max_rel_metric_err"] < 1e-5, report
+    walked = report["dfs"]  # after an update: the reference is no longer the policy
+    assert walked["mode"] == "dfs" and walked["min_sharded_rows_per_rank"] >= 1, walked
+    forwards = walked["forwards_per_rank"]  # a group's ranks walk alike; the groups differ (measured 2 and 5)
+    assert forwards[0] == forwards[1] and forwards[2] == forwards[3] and forwards[0] != forwards[2], forwards
+    assert walked["reference_max_abs_diff"] > 0 and walked["metrics"]["kl_ref"] > 0, walked
+    assert walked["max_rel_grad_err"] < 1e-5 and walked["max_rel_metric_err"] < 1e-5, walked
     step = report["train_step"]
     assert np.isfinite(step["loss/train"]) and step["rl/kl_ref"] > 0, step
     # its RL self-check: SP-sharded tree rows, the partitioned reference, gradients summed over the group

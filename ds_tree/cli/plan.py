@@ -10,7 +10,9 @@ as if every token were a target (the head's worst case).
 A config that walks trees (packing.mode: dfs, or over_budget: dfs) also gets the dfs walk's peak
 on a root-to-leaf path of --path-tokens tokens (default: 4 x packing.budget) in chunks of
 packing.dfs_chunk, with and without packing.dfs_recompute, and the longest path each trains
-within the memory. The arithmetic and its measured error are in docs/MEMORY.md.
+within the memory; with parallel.sequence_parallel_size S > 1 (packing.mode: dfs) one rank's share
+of the walk its group of S ranks makes, every chunk sharded. The arithmetic and its measured error
+are in docs/MEMORY.md.
 
 --explain [STEP] also prints the step plan of step STEP (default 0) of data.path: every rank's work
 items, each with its execution kind (packed row, walked tree, sequence-parallel shard), tokens,
@@ -183,13 +185,21 @@ def dfs_plan(config, shape: ModelShape, free: int, path_tokens: int, entropy: bo
     from ds_tree.engine.dfs import settings_of
 
     settings = settings_of(config.packing)
+    # packing.mode dfs with sequence parallelism: each tree walked by a group, every chunk sharded over it
+    size = config.parallel.sequence_parallel_size if config.packing.mode == "dfs" else 1
     options = {
         "checkpoint_every": config.model.checkpointed_every,
         "head_chunk": config.model.head_chunk,
         "entropy": entropy,
         "packed_below": True,  # the worst tree: a packed chunk below the path (ds_tree/packing/dfs_chunks.py)
+        "sequence_parallel": size,
     }
-    plan = {"chunk": settings.chunk, "recompute": settings.recompute, "path_tokens": path_tokens}
+    plan = {
+        "chunk": settings.chunk,
+        "recompute": settings.recompute,
+        "path_tokens": path_tokens,
+        "sequence_parallel_size": size,
+    }
     for name, recompute in (("without_recompute", False), ("with_recompute", True)):
         walk = dfs_activation_bytes(
             shape, config.model.dtype, path_tokens, settings.chunk, recompute=recompute, **options
@@ -255,9 +265,12 @@ def format_plan(plan: dict) -> str:
         f"without checkpointing, {budgets['with_checkpointing']} with"
     )
     if dfs is not None:
+        sharded = dfs["sequence_parallel_size"]
         header += (
             f"dfs walk: a root-to-leaf path of {dfs['path_tokens']} tokens in chunks of {dfs['chunk']}, "
-            f"packing.dfs_recompute {str(dfs['recompute']).lower()}\n"
+            f"packing.dfs_recompute {str(dfs['recompute']).lower()}"
+            + (f", each chunk sharded over {sharded} ranks (one rank's share)" if sharded > 1 else "")
+            + "\n"
         )
         footer += (
             f"\nlongest root-to-leaf path the dfs walk trains within {plan['memory_gib']:g} GiB: "

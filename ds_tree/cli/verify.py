@@ -16,9 +16,10 @@ log-probs are computed on the shards too, and the report compares them and the m
 --dfs-chunk C also walks every tree in dfs mode (docs/DESIGN.md section 5) in chunks of at most C
 tokens (--dfs-recompute: each forwarded twice) and compares it with flat as well: the dfs_*
 fields (loss, gradients, log-probs: for RL the old policy's, computed by a no-grad walk, and the
-metrics). With --sequence-parallel S (SFT), the S processes walk every tree together, each
-forwarding one shard of every chunk (docs/DESIGN.md section 5); the report adds each rank's walk
-memory at S = 1 and S.
+metrics). With --sequence-parallel S, the S processes walk every tree together, each forwarding
+one shard of every chunk (docs/DESIGN.md section 5), and the report compares that walk alone with
+flat: SFT adds each rank's walk memory at S = 1 and S; RL (--objective grpo / ppo) walks the old
+(and reference) policy without gradients and the trained one with them, all sharded.
 
 --attention flex (PyTorch's FlexAttention, forward only on the CPU) compares loss and log-probs
 and reports "gradients_checked": false with the reason; "passed" then covers loss and log-probs
@@ -110,8 +111,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dfs_chunk < 0 or (args.dfs_recompute and not args.dfs_chunk):
         parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
-    if args.dfs_chunk and args.sequence_parallel > 1 and args.objective not in (None, "sft"):
-        parser.error("--dfs-chunk with --sequence-parallel (chunks sharded over the group) checks --objective sft only")
     if args.attention == "flex" and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
         parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
     if args.lora < 0 or (args.lora and args.sequence_parallel > 1):
@@ -201,7 +200,9 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
             )
             report = {"objective": objective.kind}
             if args.sequence_parallel > 1:
-                report |= sequence_parallel_rl_report(trajectories, args.model, size=args.sequence_parallel, **rl)
+                report |= sequence_parallel_rl_report(
+                    trajectories, args.model, size=args.sequence_parallel, dfs=dfs, **rl
+                )
             else:
                 report |= compare_rl(trajectories, args.model, dfs=dfs, lora=lora, **rl)
     except (DataError, FileNotFoundError, ValueError) as error:

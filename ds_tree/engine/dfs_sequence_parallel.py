@@ -174,7 +174,11 @@ class ShardedChunks:
 
 
 class WalkedShardRunner(WalkedRunner):
-    """A tree its sequence-parallel group walks together (:class:`~ds_tree.packing.dfs_shards.DfsRowShard`)."""
+    """A tree its sequence-parallel group walks together (:class:`~ds_tree.packing.dfs_shards.DfsRowShard`):
+    the walk with gradients, and the no-grad walk of the RL objective's old and reference policies
+    (:meth:`WalkedRunner.logprobs`), each rank scoring the targets predicted from its shards (a shard's
+    ``owned`` holds only those, so they are the ones :func:`~ds_tree.engine.rl_step.prepare_rl_rows`
+    asks for). Every rank of the group makes the same forwards, so the all-to-alls pair up."""
 
     @staticmethod
     def chunks(row: DfsRowShard, run: RunContext) -> ShardedChunks:
@@ -191,12 +195,6 @@ class WalkedShardRunner(WalkedRunner):
                 f"{dist.get_world_size(group)}"
             )
         return ShardedChunks(row_chunks(row, row.chunk), row.size, row.position, group)
-
-    def logprobs(self, model, row, targets, run) -> np.ndarray:
-        raise NotImplementedError(
-            "log-probs of a walked tree sharded over a sequence-parallel group (RL objectives with packing.mode=dfs "
-            "and parallel.sequence_parallel_size > 1) are not built"
-        )
 
 
 register_runner(DfsRowShard.kind, WalkedShardRunner())

@@ -7,9 +7,10 @@ Built from ``objective.reference`` (default ``model.source`` at ``model.seed``, 
   parameters partitioned over all ranks as they are created (the policy's DeepSpeed settings:
   dtype, bucket sizes), so an 8B reference costs ``16 GB / world size`` per rank in bf16 instead of
   16 GB; with ``objective.reference_offload`` the partition lives in CPU memory (``offload_param``).
-  Its forward gathers parameters collectively, so every rank must make as many reference forwards:
-  one per item, and every rank runs as many packed items (the dfs walk's varying chunk counts are
-  not padded for it: that combination is refused in the config).
+  Its forward gathers parameters collectively, so every rank must make as many reference forwards,
+  in the same order relative to the policy's: one per packed item (every rank runs as many), one
+  per chunk of a walked tree (dfs), the reference's pass padded to the busiest rank's count after
+  the old policy's pass (:func:`~ds_tree.engine.rl_step.prepare_rl_rows`).
 
 Under sequence parallelism the reference scores the same shards as the policy, through the same
 Ulysses attention (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`).

@@ -206,22 +206,21 @@ def prepare_rl_rows(
     ``advantages`` maps ``id(trajectory)`` to its per-token advantages. ``model`` is the policy
     before this step's updates (its log-probs are ``logp_old`` unless ``old_logprobs`` is ``data``).
     ``head_chunk``: see :mod:`ds_tree.models.logprobs`. ``dfs``: how walked rows (:class:`DfsRow`)
-    are walked; with ``dfs.lockstep`` (ZeRO-3) every rank makes as many forwards of ``model`` as the
-    busiest (the reference model is not sharded). ``old_logprobs`` (``id(trajectory) -> log p`` per
-    token, equal on shared tokens): the old policy's log-probs given, not computed (the self-check's,
-    :mod:`ds_tree.engine.self_check`).
+    are walked. ``old_logprobs`` (``id(trajectory) -> log p`` per token, equal on shared tokens): the
+    old policy's log-probs given, not computed (the self-check's, :mod:`ds_tree.engine.self_check`).
+
+    Two passes over the rows: every row's old-policy forwards, then every row's reference forwards.
+    A walked row makes one forward per chunk, so ranks make different numbers of forwards; with
+    ``dfs.lockstep`` (ZeRO-3) each pass is first padded to the busiest rank's count on its own model
+    (:func:`_even_out_forwards`) when that model's forwards gather parameters collectively
+    (:func:`gathers_collectively`: the policy engine, a partitioned reference engine, the policy with
+    its adapters off), so every rank's gathers of one model meet those of the same model in order.
     """
     run = RunContext(device, head_chunk, dfs)
-    # walks of the policy engine: the old log-probs' and a reference's that runs on it (LoRA: adapters off)
+    lockstep = dfs is not None and dfs.lockstep and in_process_group()
     recompute = settings.old_logprobs != "data" and old_logprobs is None
-    passes = recompute + bool(getattr(reference, "collective", False))
-    if dfs is not None and dfs.lockstep and passes and in_process_group():
-        count = torch.tensor([passes * sum(runner_of(row).forwards(row, run) for row in rows)])
-        most = count.clone()
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-        dummy = dummy_call(model, None, device)
-        for _ in range(int(most - count)):
-            dummy(NO_GRAD)
+    if lockstep and recompute:
+        _even_out_forwards(model, rows, run)
     prepared = []
     for row in rows:
         copies = trajectory_copies(row)
@@ -237,9 +236,32 @@ def prepare_rl_rows(
             by_token = np.full(row.n_tokens, np.nan)
             by_token[targets] = logp_old
             sums = row_sums(row, copies, advantages, settings, normalisers, logp_old=by_token)
-        logp_ref = runner_of(row).logprobs(reference, row, targets, run) if reference is not None else None
-        prepared.append(RLRow(row, targets, sums.take(targets), logp_old, logp_ref))
+        prepared.append(RLRow(row, targets, sums.take(targets), logp_old, None))
+    if reference is not None:
+        if lockstep and gathers_collectively(reference):
+            _even_out_forwards(reference, rows, run)
+        for item in prepared:
+            item.logp_ref = runner_of(item.row).logprobs(reference, item.row, item.targets, run)
     return prepared
+
+
+def gathers_collectively(model) -> bool:
+    """Whether ``model``'s forwards gather its parameters collectively, so that every rank must make them
+    alike: a ZeRO-3 engine's (the policy, a partitioned reference), or a view of one (LoRA's reference,
+    the policy engine with its adapters off, :class:`~ds_tree.models.lora.AdaptersDisabled`)."""
+    stage = getattr(model, "zero_optimization_stage", None)
+    return stage is not None and stage() == 3
+
+
+def _even_out_forwards(model, rows: Sequence[PackedRow], run: RunContext) -> None:
+    """No-grad dummy forwards of ``model`` (:func:`~ds_tree.engine.dfs.dummy_call`) until this rank has made
+    as many as the busiest will for ``rows`` (one per packed row, one per chunk of a walked tree)."""
+    count = torch.tensor([sum(runner_of(row).forwards(row, run) for row in rows)])
+    most = count.clone()
+    torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    dummy = dummy_call(model, None, run.device)
+    for _ in range(int(most - count)):
+        dummy(NO_GRAD)
 
 
 def _given_logprobs(n_tokens: int, copies, given: dict[int, np.ndarray]) -> np.ndarray:

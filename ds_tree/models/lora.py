@@ -98,11 +98,9 @@ class AdaptersDisabled:
     Calls go to the same module (a DeepSpeed engine or a PEFT model) inside PEFT's
     ``disable_adapter`` (LoRA layers return their base layer's output; ``modules_to_save`` use the
     original module), so under ZeRO-3 they are the policy's own collective forwards: every rank
-    makes them in the same number (``collective``). Attribute reads go to the wrapped module.
+    makes them in the same number (:func:`~ds_tree.engine.rl_step.gathers_collectively` reads the
+    engine's ZeRO stage through this wrapper). Attribute reads go to the wrapped module.
     """
-
-    collective = True
-    """The reference's forwards are the policy engine's (under ZeRO-3, collectives)."""
 
     def __init__(self, model) -> None:
         if peft_model_of(model) is None:

@@ -63,7 +63,7 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
         raise ConfigError(
             f"parallel.sequence_parallel_size ({size}) > 1 does not combine with packing.over_budget=dfs (not built): "
             "set packing.over_budget=sequence_parallel to shard long paths, or packing.mode=dfs to walk every tree "
-            "with its chunks sharded over the group (SFT)"
+            "with its chunks sharded over the group"
         )
     if config.packing.mode == "dfs":
         check_dfs_sequence_parallel(config, model_config)
@@ -72,14 +72,8 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
 
 def check_dfs_sequence_parallel(config, model_config) -> None:
     """``packing.mode: dfs`` with sequence parallelism (:mod:`ds_tree.engine.dfs_sequence_parallel`) is
-    built for the SFT objective of models without a router loss."""
+    built for every objective (SFT, RL), for models without a router loss."""
     size = config.parallel.sequence_parallel_size
-    if config.objective.is_rl:
-        raise ConfigError(
-            f"packing.mode=dfs with parallel.sequence_parallel_size ({size}) > 1 is built for objective.kind=sft "
-            f"only, not {config.objective.kind}: set packing.mode=tree with packing.over_budget=sequence_parallel "
-            "for RL on long paths"
-        )
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
     if experts and config.model.router_aux_loss_coef != 0:

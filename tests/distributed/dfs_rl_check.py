@@ -13,19 +13,31 @@ on the same weights each time):
 Every rank gathers the full gradients, then the optimizer steps (ZeRO-3 keeps gradients until a
 step); rank 0 computes the same objective in one process, float64, flat layout, from the parameters
 the case started from, and records the relative errors and each rank's call kinds.
+
+With ``--partitioned-reference``, under the last engine (ZeRO-3), the RL case once more with a KL term
+against a partitioned reference (``objective.kl_coef`` with ``model.zero_init``: a second ZeRO-3
+engine, :func:`~ds_tree.engine.reference.build_reference`): the ranks' walks make different numbers
+of reference forwards, each gathering the reference's parameters collectively, so the no-grad pass
+pads the old policy's walks and then the reference's, each on its own engine. The flat baseline's
+reference holds the partitioned one's gathered weights.
+
 Then one whole RL ``train_step`` under the last engine. Results go to ``--out`` as JSON.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
+import deepspeed
 import torch
 import torch.distributed as dist
 
 from ds_tree.engine.dfs import row_chunks, settings_of, walk_events
+from ds_tree.engine.reference import build_reference
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.models.loading import load_model
 from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.modes import pack_trajectories
@@ -73,6 +85,11 @@ def sft_case(trainer, step: int) -> dict:
 def rl_case(trainer, step: int) -> dict:
     config = trainer.config
     parameters = full_parameters(trainer.engine)
+    reference = None
+    if trainer.reference is not None:  # the partitioned reference's weights, gathered (a collective)
+        module = trainer.reference.module
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            reference = {name: p.detach().clone() for name, p in module.named_parameters()}
     rollouts = trainer.rl_rollouts(0)
     (rows,) = rollouts.prepared
     output = trainer.rl_backward(rows)
@@ -81,14 +98,21 @@ def rl_case(trainer, step: int) -> dict:
     loss = torch.tensor([output.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     result = {"kinds": call_kinds(trainer, [item.row for item in rows])}
+    if reference is not None:  # the no-grad forwards of each model a rank's rows need, before padding
+        run = RunContext(dfs=trainer.dfs_settings)
+        result["forwards"] = sum(runner_of(item.row).forwards(item.row, run) for item in rows)
+        result["kl_ref"] = trainer.global_metrics(output.metrics)["kl_ref"]
     if dist.get_rank() == 0:
         model = flat_model(config, parameters)
         trajectories = rollouts.trajectories
         advantages = {id(t): a for t, a in zip(trajectories, rollouts.advantages, strict=True)}
         settings = config.objective.rl_settings()
         flat_rows = pack_trajectories(trajectories, "flat", max(len(t) for t in trajectories))
+        flat_reference = flat_model(config, reference).requires_grad_(False) if reference is not None else None
         with torch.no_grad():
-            prepared = prepare_rl_rows(model, flat_rows, advantages, settings, StepNormalisers.of(trajectories))
+            prepared = prepare_rl_rows(
+                model, flat_rows, advantages, settings, StepNormalisers.of(trajectories), reference=flat_reference
+            )
         flat = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
         result.update(
             loss_rel_err=abs(float(loss.item()) - flat.loss) / abs(flat.loss),
@@ -97,8 +121,16 @@ def rl_case(trainer, step: int) -> dict:
     return result
 
 
+def partitioned_reference(trainer):
+    """The KL reference that ``objective.kl_coef`` with ``model.zero_init`` builds: a ZeRO-3 engine, partitioned."""
+    config = replace(trainer.config, model=replace(trainer.config.model, zero_init=True))
+    return build_reference(config, trainer.ds_config, torch.float32, trainer.engine.device)
+
+
 def main() -> None:
-    args, config = check_arguments((("--deepspeed",), {"nargs": "+", "required": True}))
+    args, config = check_arguments(
+        (("--deepspeed",), {"nargs": "+", "required": True}), (("--partitioned-reference",), {"action": "store_true"})
+    )
     config.deepspeed = args.deepspeed[0]
     trainer = started_trainer(config)
     weights = full_parameters(trainer.engine)
@@ -116,6 +148,21 @@ def main() -> None:
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, result.pop("kinds"))
             report["runs"].append({"stage": stage, "objective": objective, "kinds_per_rank": every, **result})
+    if args.partitioned_reference:  # under the last engine (ZeRO-3)
+        trainer.config.objective.kl_coef = 0.05
+        chunk, trainer.config.packing.dfs_chunk = trainer.config.packing.dfs_chunk, 16  # 49 and 45 chunks (64: 18, 18)
+        trainer.reference = partitioned_reference(trainer)
+        step += 1
+        result = rl_case(trainer, step)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (result.pop("kinds"), result.pop("forwards")))
+        report["partitioned_reference"] = {
+            "reference": type(trainer.reference).__name__,
+            "kinds_per_rank": [kinds for kinds, _ in every],
+            "forwards_per_rank": [forwards for _, forwards in every],
+            **result,
+        }
+        trainer.config.packing.dfs_chunk = chunk
     scalars = trainer.train_step(0)  # a whole RL step (objective.kind is grpo again)
     report["train_step"] = {"loss": scalars["loss/train"], "grad_norm": scalars["optim/grad_norm"]}
     if dist.get_rank() == 0:

@@ -1,15 +1,20 @@
-"""Run under ``torchrun --nproc_per_node 2``: the RL update's gradient vs the single-process flat one.
+"""Run under ``torchrun --nproc_per_node 2`` (or 4): the RL update's gradient vs the single-process flat one.
 
 Every rank prepares the trainer's first RL step (advantages, mini-batches, old log-probs from a
 no-grad forward through the DeepSpeed engine), then moves the engine's weights off the old policy
 (the same seeded perturbation on every rank, gathered under ZeRO-3), so ratios leave the clip
 range on both sides, and runs the first mini-batch's forward and backward with gradient
 accumulation. Rank 0 computes the reference in one process, flat layout, plain PyTorch, from the
-same old and perturbed weights (the engine's own initial weights, gathered: under
-``model.zero_init`` they are not those of a model built outside ``zero.Init``), and writes the
-largest relative gradient error, the metrics and their largest relative error to ``--out`` as
-JSON. Under sequence parallelism the flat rows hold up to ``S x budget`` tokens. With
-``--train-step`` the update is applied and one ordinary ``train_step`` follows (its scalars reported).
+same old and perturbed weights (the engine's own weights, gathered: under ``model.zero_init`` they
+are not those of a model built outside ``zero.Init``) and the KL reference's (gathered when it is
+partitioned), and writes the largest relative gradient error, the metrics and their largest
+relative error to ``--out`` as JSON. Under sequence parallelism the flat rows hold up to
+``S x budget`` tokens.
+
+With ``--dfs-chunk C`` the update is applied and the same case runs again with ``packing.mode: dfs``
+in chunks of ``C`` tokens (under sequence parallelism every tree walked by the group, its chunks
+sharded over it; the report's ``dfs`` entry). With ``--train-step`` the update is applied and one
+ordinary ``train_step`` follows (its scalars reported), in the layout of the last case.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import torch.distributed as dist
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.models.loading import load_model
+from ds_tree.packing.dfs_shards import DfsRowShard
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.sequence_parallel import RowShard
 from ds_tree.verification import metric_errors, perturb_parameters
@@ -35,62 +42,102 @@ PERTURBATION = 0.5
 SEED = 7
 
 
-def main() -> None:
-    args, config = check_arguments((("--train-step",), {"action": "store_true"}))
-    trainer = started_trainer(config)
+def gathered_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` whole (under ZeRO-3 gathered: a collective)."""
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {name: parameter.detach().float().clone() for name, parameter in module.named_parameters()}
+
+
+def flat_policy(config, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
+    model.load_state_dict(weights)
+    return model
+
+
+def rl_case(trainer) -> tuple[dict | None, float]:
+    """The first mini-batch's gradient and metrics against flat (module docstring): rank 0's report, and
+    this rank's loss (for the update that consumes the gradients)."""
+    config = trainer.config
     initial = full_parameters(trainer.engine)
+    reference = None
+    if trainer.reference is not None:  # a partitioned reference is built as the initial policy was
+        reference = gathered_weights(getattr(trainer.reference, "module", trainer.reference))
     rollouts = trainer.rl_rollouts(0)
+    trainer.release_partition_cache()  # the walks' prefetched parameters, before they are gathered here
     module = trainer.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
         perturb_parameters(module, PERTURBATION, SEED)
     output = trainer.rl_backward(rollouts.prepared[0])
     gradients = gather_full_gradients(trainer.engine)
     metrics = trainer.global_metrics(output.metrics)
-    shards = sum(isinstance(row, RowShard) and row.n_real > 0 for row in rollouts.plans[0].rows)
+    rows = rollouts.plans[0].rows
+    shards = sum(isinstance(row, (RowShard, DfsRowShard)) and row.n_real > 0 for row in rows)
     micro_batches = torch.tensor([len(rollouts.prepared[0]), shards])
     dist.all_reduce(micro_batches, op=dist.ReduceOp.MIN)
-    reference_difference = 0.0
-    if trainer.reference is not None:  # a partitioned reference is built as the initial policy was
-        reference = getattr(trainer.reference, "module", trainer.reference)
-        with deepspeed.zero.GatheredParameters(list(reference.parameters())):
-            for name, parameter in reference.named_parameters():
-                difference = (parameter.detach().float() - initial[name].float()).abs().max().item()
-                reference_difference = max(reference_difference, difference)
-    unset_hf_deepspeed_config()  # model.zero_init: rank 0's own models below must not be built partitioned
-    if dist.get_rank() == 0:
-        settings = config.objective.rl_settings()
-        old = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
-        new = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
-        old.load_state_dict(initial)
-        new.load_state_dict(initial)
-        perturb_parameters(new, PERTURBATION, SEED)
-        old.requires_grad_(False)
-        batch = rollouts.batches[0]
-        advantages = {id(t): a for t, a in zip(rollouts.trajectories, rollouts.advantages, strict=True)}
-        rows = pack_trajectories(batch, "flat", config.packing.budget * config.parallel.sequence_parallel_size)
-        reference = old if settings.kl_coef else None
-        prepared = prepare_rl_rows(old, rows, advantages, settings, StepNormalisers.of(batch), reference=reference)
-        flat = run_rl_rows(new, prepared, settings, backward=torch.Tensor.backward)
-        report = {
-            "world_size": dist.get_world_size(),
-            "zero_stage": trainer.engine.zero_optimization_stage(),
-            "min_micro_batches_per_rank": int(micro_batches[0]),
-            "min_sharded_rows_per_rank": int(micro_batches[1]),
-            "reference_max_abs_diff": reference_difference,
-            "mini_batches": len(rollouts.prepared),
-            "max_rel_grad_err": max(
-                relative(gradients[name], p.grad.detach().double().numpy()) for name, p in new.named_parameters()
-            ),
-            "metrics": metrics,
-            "max_rel_metric_err": max(metric_errors(flat.metrics, metrics).values()),
-            "reference": type(trainer.reference).__name__,
-        }
+    run = RunContext(dfs=trainer.dfs_settings)  # each rank's forwards of one no-grad pass, before any padding
+    forwards = [None] * dist.get_world_size()
+    dist.all_gather_object(forwards, sum(runner_of(row).forwards(row, run) for row in rows))
+    if dist.get_rank() != 0:
+        return None, output.loss
+    settings = config.objective.rl_settings()
+    old, new = flat_policy(config, initial), flat_policy(config, initial)
+    perturb_parameters(new, PERTURBATION, SEED)
+    old.requires_grad_(False)
+    batch = rollouts.batches[0]
+    advantages = {id(t): a for t, a in zip(rollouts.trajectories, rollouts.advantages, strict=True)}
+    budget = max(config.packing.budget * config.parallel.sequence_parallel_size, max(len(t) for t in batch))
+    rows = pack_trajectories(batch, "flat", budget)  # (a walked tree's paths may be over S x budget)
+    flat_reference = None
+    if settings.kl_coef:
+        flat_reference = flat_policy(config, reference).requires_grad_(False) if reference is not None else old
+    prepared = prepare_rl_rows(old, rows, advantages, settings, StepNormalisers.of(batch), reference=flat_reference)
+    flat = run_rl_rows(new, prepared, settings, backward=torch.Tensor.backward)
+    report = {
+        "mode": config.packing.mode,
+        "min_micro_batches_per_rank": int(micro_batches[0]),
+        "min_sharded_rows_per_rank": int(micro_batches[1]),
+        "mini_batches": len(rollouts.prepared),
+        "forwards_per_rank": forwards,
+        "max_rel_grad_err": max(
+            relative(gradients[name], p.grad.detach().double().numpy()) for name, p in new.named_parameters()
+        ),
+        "metrics": metrics,
+        "max_rel_metric_err": max(metric_errors(flat.metrics, metrics).values()),
+    }
+    if reference is not None:
+        report["reference_max_abs_diff"] = max(
+            (reference[name] - initial[name].float()).abs().max().item() for name in reference
+        )
+    return report, output.loss
+
+
+def main() -> None:
+    args, config = check_arguments(
+        (("--train-step",), {"action": "store_true"}), (("--dfs-chunk",), {"type": int, "default": 0})
+    )
+    trainer = started_trainer(config)
+    unset_hf_deepspeed_config()  # model.zero_init: rank 0's own models must not be built partitioned
+    report, loss = rl_case(trainer)
+    step = 1
+    if args.dfs_chunk:
+        trainer.apply_update(step, loss)
+        step += 1
+        config.packing.mode, config.packing.dfs_chunk = "dfs", args.dfs_chunk
+        dfs, loss = rl_case(trainer)
+        if report is not None:
+            report["dfs"] = dfs
+    if report is not None:
+        report.update(
+            world_size=dist.get_world_size(),
+            zero_stage=trainer.engine.zero_optimization_stage(),
+            reference=type(trainer.reference).__name__,
+        )
     if args.train_step:
-        trainer.apply_update(1, output.loss)
-        scalars = trainer.train_step(1)
-        if dist.get_rank() == 0:
+        trainer.apply_update(step, loss)
+        scalars = trainer.train_step(step)
+        if report is not None:
             report["train_step"] = scalars
-    if dist.get_rank() == 0:
+    if report is not None:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
     trainer.close()
