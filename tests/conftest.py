@@ -46,6 +46,15 @@ def _seed_random_generators(request):
     torch.manual_seed(random.randrange(2**63))
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+    """Launchers and ranks a test started (``tests/processes.py``) do not outlive it."""
+    yield
+    from tests.processes import kill_leftovers
+
+    kill_leftovers()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     from ds_tree.data.tokenizer import save_tokenizer

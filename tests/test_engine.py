@@ -22,6 +22,7 @@ from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
+from tests.processes import run_group, start_group
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -93,7 +94,7 @@ def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> Non
         str(ROOT / script),
         *args,
     ]
-    result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=timeout)
+    result = run_group(command, timeout, env=environment())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
 
@@ -153,10 +154,8 @@ def launch_training(config: Path, *overrides: str, port: int | None = None) -> s
         str(config),
         *overrides,
     ]
-    return subprocess.Popen(
-        command, env=environment(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    return start_group(command, env=environment(), cwd=ROOT, **output)
 
 
 def losses(output_dir: Path) -> dict[int, float]:

@@ -24,6 +24,7 @@ import pytest
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.preemption import EXIT_PREEMPTED, REPEAT_WINDOW_S
+from tests.processes import start_group
 from tests.test_engine import ROOT, environment, free_port, write_config, write_forest
 
 TRAIN_SH = ROOT / "launch" / "train.sh"
@@ -97,15 +98,8 @@ def train_sh(config: Path, port: int) -> subprocess.Popen:
     env = environment()
     env["MASTER_PORT"] = str(port)
     env.pop("NGPU", None)
-    return subprocess.Popen(
-        ["bash", str(TRAIN_SH), str(config)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    return start_group(["bash", str(TRAIN_SH), str(config)], cwd=ROOT, env=env, **output)
 
 
 def wait_for_steps(process: subprocess.Popen, metrics: Path, steps: int) -> None:
