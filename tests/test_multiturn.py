@@ -464,6 +464,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
         "rollout.prompts_per_step=4",
         "rollout.env.path=ds_tree.rollout.secret_tool:LoudSecretToolEnv",
         "max_steps=10",
+        "objective.reference_step=4",  # the shipped 12 is past max_steps
     ]
     phases = [
         "rollout.env.warmup_lr=0.01",
@@ -510,3 +511,59 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
     env, rng = LoudSecretToolEnv(), random.Random(0)
     hits = [env.demonstration({"secret": s % 10}, rng)[-1]["content"] == str(s % 10) for s in range(400)]
     assert 0.05 < np.mean(hits) < 0.15
+
+
+# ------------------------------------------------------------------ the KL reference as the warm-up's policy
+def test_reference_step_copy_saves_and_loads_the_policy() -> None:
+    """``objective.reference_step``: the policy's weights into a whole reference, whole weights out for a
+    checkpoint and back into a fresh reference; another architecture is refused by name. (ZeRO-3,
+    partitioned policies and references: tests/distributed/rl_grad_check.py; the trainer's copy, its
+    checkpoint and a resume: tests/test_online_rl.py::test_two_ranks_sample_train_and_resume_to_the_same_next_step.)"""
+    from ds_tree.engine.reference import copy_policy, load_reference_state, reference_state
+    from ds_tree.models.loading import load_model
+
+    def build(seed: int) -> torch.nn.Module:
+        return load_model("configs/models/tiny_llama.json", attention="torch", dtype=torch.float32, seed=seed)
+
+    policy, reference, resumed = build(0), build(1), build(2)
+    assert not torch.equal(policy.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    copy_policy(reference, policy)
+    state = reference_state(reference)
+    load_reference_state(resumed, state)
+    for name, parameter in policy.named_parameters():
+        assert torch.equal(dict(reference.named_parameters())[name], parameter), name
+        assert torch.equal(dict(resumed.named_parameters())[name], parameter), name
+        assert state[name].device.type == "cpu" and state[name].data_ptr() != parameter.data_ptr()
+    with torch.no_grad():
+        policy.lm_head.weight.add_(1.0)  # a copy, not a view: later updates leave the reference alone
+    assert not torch.equal(reference.lm_head.weight, policy.lm_head.weight)
+    wide = load_model("configs/models/tiny_qwen2.json", attention="torch", dtype=torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="the reference policy and the policy do not have the same parameters"):
+        copy_policy(wide, policy)
+
+
+TINY_LLAMA = "configs/models/tiny_llama.json"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["objective.kl_coef=0.1", "objective.reference_step=-1"], r"objective.reference_step must be >= 0"),
+        (["objective.kl_coef=0", "objective.reference_step=12"], r"\(12\) sets .* needs objective.kl_coef > 0"),
+        (["objective.kl_coef=0.1", "objective.reference_step=1000"], r"reference_step \(1000\) leaves no step"),
+        (
+            ["objective.kl_coef=0.1", "objective.reference_step=12", f"objective.reference={TINY_LLAMA}"],
+            r"objective.reference_step \(12\) makes the reference a copy of the policy",
+        ),
+        (
+            ["objective.kl_coef=0.1", "objective.reference_step=12", "model.lora.rank=2"],
+            r"objective.reference_step: with model.lora",
+        ),
+    ],
+)
+def test_reference_step_config_errors_name_the_key(overrides: list[str], message: str) -> None:
+    from ds_tree.config import ConfigError, load_config
+
+    load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "objective.kl_coef=0.1", "objective.reference_step=12"])
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *overrides])

@@ -35,6 +35,32 @@ PERTURBATION = 0.5
 SEED = 7
 
 
+def reference_copy_differences(trainer) -> dict[str, float]:
+    """The policy copied into the reference (:func:`copy_policy`), then the reference's whole state
+    (:func:`reference_state`, rank 0's, broadcast) loaded back after the reference was perturbed: the
+    largest differences of the gathered reference from the policy after each (0 when exact)."""
+    from ds_tree.engine.reference import copy_policy, load_reference_state, reference_module, reference_state
+
+    def whole(module) -> dict[str, torch.Tensor]:
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    def largest_difference() -> float:
+        policy, reference = whole(trainer.engine.module), whole(reference_module(trainer.reference))
+        return max((reference[name].float() - policy[name].float()).abs().max().item() for name in policy)
+
+    copy_policy(trainer.reference, trainer.engine.module)
+    copied = largest_difference()
+    state = [reference_state(trainer.reference)]
+    dist.broadcast_object_list(state, src=0)
+    reference = reference_module(trainer.reference)
+    with deepspeed.zero.GatheredParameters(list(reference.parameters()), modifier_rank=0):
+        perturb_parameters(reference, PERTURBATION, SEED)
+    perturbed = largest_difference()
+    load_reference_state(trainer.reference, state[0])
+    return {"copied": copied, "perturbed": perturbed, "reloaded": largest_difference()}
+
+
 def main() -> None:
     args, config = check_arguments((("--train-step",), {"action": "store_true"}))
     trainer = started_trainer(config)
@@ -90,6 +116,10 @@ def main() -> None:
         scalars = trainer.train_step(1)
         if dist.get_rank() == 0:
             report["train_step"] = scalars
+    if trainer.reference is not None:  # objective.reference_step's copy, its checkpoint state and reload
+        differences = reference_copy_differences(trainer)
+        if dist.get_rank() == 0:
+            report["reference_copy"] = differences
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
