@@ -567,3 +567,46 @@ def test_reference_step_config_errors_name_the_key(overrides: list[str], message
     load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "objective.kl_coef=0.1", "objective.reference_step=12"])
     with pytest.raises(ConfigError, match=message):
         load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *overrides])
+
+
+# ------------------------------------------------------------------ keys/values carried across turns
+class Chatty(ToolEnvironment):
+    """Answers every turn with a user message and never ends: episodes stop at ``max_turns``."""
+
+    def reset(self, task):
+        return [{"role": "user", "content": "talk"}]
+
+    def step(self, turn):
+        return StepResult(messages=[{"role": "user", "content": "more"}])
+
+
+def test_keys_values_carried_across_turns_equal_a_full_prefill_in_float64(tokenizer) -> None:
+    """HFTurnSampler keeps each sampled turn's keys/values, so a leaf's next turn (after its observation)
+    feeds only the stop token and the observation. In float64 the episode tree is the one a full prefill
+    of every turn's path gives: the same tokens, log-probs equal to 1e-12; fewer tokens fed."""
+    from ds_tree.models.loading import load_model
+
+    model = load_model("configs/models/tiny_llama.json", attention="torch", dtype=torch.float64, seed=0)
+    with torch.no_grad():  # random weights, made to end turns: <|im_end|> (4) about every third token
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[4] = 0.0
+        model.lm_head.weight[4, 0] = 0.8
+    trees = {}
+    for carry in (True, False):
+        sampler = HFTurnSampler(model, SamplerSettings(), STOPS, carry=carry)
+        trees[carry] = run(runner(tokenizer, Chatty, sampler=sampler, max_turns=3))
+        assert sampler.carried == []  # dropped at the end of the episode
+    carried, prefilled = trees[True], trees[False]
+    assert [n.token_ids for n in carried.nodes] == [n.token_ids for n in prefilled.nodes]
+    assert [n.parent for n in carried.nodes] == [n.parent for n in prefilled.nodes]
+    for a, b in zip(carried.nodes, prefilled.nodes, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-12)  # NaN (observations) alike
+    assert max(leaf.turns for leaf in carried.leaves) == 3 and len(carried.leaves) == 4  # 3 turns, forks at 2
+    # saved: for each leaf sampled again, its path up to its turn's stop token (the rest is fed)
+    children = carried.children()
+    saved = 0
+    for index, node in enumerate(carried.nodes):
+        if node.parent >= 0 and children[index]:
+            path = sum(len(carried.nodes[n].token_ids) for n in carried.path(index))
+            saved += path - (len(node.token_ids) - sum(node.trainable)) - 1
+    assert saved > 0 and carried.forward_tokens == prefilled.forward_tokens - saved
