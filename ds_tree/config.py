@@ -251,11 +251,10 @@ class ObjectiveConfig:
     """The KL reference becomes the policy as it is after this many training steps (its weights
     copied at the end of step ``reference_step``; the steps before penalise against the initial
     policy as usual; 0: never). Set it to ``rollout.env.warmup_steps`` to hold RL near the warm-up's
-    policy (the call format it taught) instead of the random initial one (docs/ENVIRONMENTS.md).
-    Checkpoints saved after that step
-    carry the copy (``reference_policy.pt``), so a resumed run penalises against the same policy.
-    Needs ``kl_coef > 0``; not with ``reference`` (the initial policy is the one replaced) nor with
-    ``model.lora`` (there the reference is the adapters switched off)."""
+    policy instead of the random initial one (docs/ENVIRONMENTS.md). Checkpoints saved from that
+    step on carry the copy (``reference_policy.pt``), so a resumed run penalises against the same
+    policy. Needs ``kl_coef > 0``; not with ``reference`` (the initial policy is the one replaced)
+    nor with ``model.lora`` (there the reference is the adapters switched off)."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus."""
     old_logprobs: OldLogprobs = "recompute"

@@ -151,7 +151,7 @@ def test_long_tree_rl_example_trains_two_ranks_zero3_sp2_with_a_partitioned_refe
     # objective.reference_step: the policy copied into the partitioned reference, its whole state saved
     # and loaded back (after a perturbation) exactly
     assert report["reference_copy"]["copied"] == 0 and report["reference_copy"]["reloaded"] == 0, report
-    assert report["reference_copy"]["perturbed"] > 0.1, report
+    assert report["reference_copy"]["perturbed"] > 0.5, report
 
 
 def test_plan_counts_the_reference_whole_partitioned_or_offloaded() -> None:

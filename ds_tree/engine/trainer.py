@@ -657,14 +657,16 @@ class Trainer(RLSteps):
     def load_reference_copy(self, path: Path) -> None:
         """The reference copy that checkpoint ``path`` holds back into the reference (every rank)."""
         file = path / REFERENCE_FILE
+        at = self.config.objective.reference_step
         if not file.is_file():
             raise checkpoint.CheckpointError(
-                f"{path} holds no {REFERENCE_FILE}, yet objective.reference_step "
-                f"({self.config.objective.reference_step}) makes the KL reference a copy of the policy at a step "
-                f"before it ({self.start_step}): the checkpoint was saved without it (reference_step set since?). "
-                "Resume from a checkpoint of an earlier step, or set objective.reference_step: 0"
+                f"{path} holds no {REFERENCE_FILE}: objective.reference_step ({at}) makes the KL reference the "
+                f"policy of step {at}, and this checkpoint of step {self.start_step} was saved without it (by a run "
+                f"without reference_step?). Resume from a checkpoint before step {at}, or set "
+                "objective.reference_step: 0"
             )
-        load_reference_state(self.reference, torch.load(file, map_location="cpu", weights_only=True))
+        # memory-mapped: the ranks of a node share the pages instead of each reading the whole file
+        load_reference_state(self.reference, torch.load(file, map_location="cpu", weights_only=True, mmap=True))
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""

@@ -458,8 +458,8 @@ def sample_tree(
 
     ``prefix_key_values``: the keys/values of the prompt's first tokens (fewer than all of them),
     from an earlier call's ``leaf_key_values`` (``keep_key_values``): only the rest of the prompt is
-    fed (a multi-turn episode's next turn, :class:`~ds_tree.rollout.multiturn.HFTurnSampler`). Not for
-    models with recurrent layers (their state is continued only token by token here).
+    fed (a multi-turn episode's next turn, :class:`~ds_tree.rollout.multiturn.HFTurnSampler`). Refused
+    for models with recurrent layers (continuing their state by a multi-token forward is not checked).
     """
     prompt_ids = [int(token) for token in prompt_ids]
     if not prompt_ids:

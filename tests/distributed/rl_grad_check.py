@@ -37,7 +37,7 @@ SEED = 7
 
 def reference_copy_differences(trainer) -> dict[str, float]:
     """The policy copied into the reference (:func:`copy_policy`), then the reference's whole state
-    (:func:`reference_state`, rank 0's, broadcast) loaded back after the reference was perturbed: the
+    (:func:`reference_state`, rank 0's, broadcast) loaded back after the reference was moved by 1: the
     largest differences of the gathered reference from the policy after each (0 when exact)."""
     from ds_tree.engine.reference import copy_policy, load_reference_state, reference_module, reference_state
 
@@ -54,8 +54,9 @@ def reference_copy_differences(trainer) -> dict[str, float]:
     state = [reference_state(trainer.reference)]
     dist.broadcast_object_list(state, src=0)
     reference = reference_module(trainer.reference)
-    with deepspeed.zero.GatheredParameters(list(reference.parameters()), modifier_rank=0):
-        perturb_parameters(reference, PERTURBATION, SEED)
+    with deepspeed.zero.GatheredParameters(list(reference.parameters()), modifier_rank=0), torch.no_grad():
+        for parameter in reference.parameters():  # frozen: perturb_parameters moves trainable ones only
+            parameter.add_(1.0)
     perturbed = largest_difference()
     load_reference_state(trainer.reference, state[0])
     return {"copied": copied, "perturbed": perturbed, "reloaded": largest_difference()}
