@@ -59,6 +59,7 @@ RL_ONLY_FIELDS = (
     "kl_estimator",
     "reference",
     "reference_offload",
+    "reference_step",
     "entropy_coef",
     "old_logprobs",
     "importance_truncation",
@@ -249,6 +250,14 @@ class ObjectiveConfig:
     reference_offload: bool = False
     """With ``model.zero_init``: keep the partitioned reference's parameters in CPU memory (ZeRO-3
     ``offload_param``), gathered to the accelerator module by module in its forwards."""
+    reference_step: int = 0
+    """The KL reference becomes the policy as it is after this many training steps (its weights
+    copied at the end of step ``reference_step``; the steps before penalise against the initial
+    policy as usual; 0: never). Set it to ``rollout.env.warmup_steps`` to hold RL near the warm-up's
+    policy instead of the random initial one (docs/ENVIRONMENTS.md). Checkpoints saved from that
+    step on carry the copy (``reference_policy.pt``), so a resumed run penalises against the same
+    policy. Needs ``kl_coef > 0``; not with ``reference`` (the initial policy is the one replaced)
+    nor with ``model.lora`` (there the reference is the adapters switched off)."""
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus."""
     old_logprobs: OldLogprobs = "recompute"
@@ -298,6 +307,18 @@ class ObjectiveConfig:
             raise ConfigError("objective.aggregation token_sum_norm needs objective.aggregation_constant > 0")
         if self.kl_coef < 0 or self.entropy_coef < 0 or self.importance_truncation < 0:
             raise ConfigError("objective.kl_coef, entropy_coef and importance_truncation must be >= 0")
+        if self.reference_step < 0:
+            raise ConfigError(f"objective.reference_step must be >= 0 (0: never), got {self.reference_step}")
+        if self.reference_step and not self.kl_coef:
+            raise ConfigError(
+                f"objective.reference_step ({self.reference_step}) sets the reference of the KL term: "
+                "it needs objective.kl_coef > 0"
+            )
+        if self.reference_step and self.reference:
+            raise ConfigError(
+                f"objective.reference_step ({self.reference_step}) makes the reference a copy of the policy (of the "
+                f"same model); leave objective.reference empty (it is {self.reference!r}), or set reference_step: 0"
+            )
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ConfigError("objective.ppo_epochs and objective.mini_batches must be >= 1")
         if self.tempo_coef != 1.0 and self.estimator != "tempo":
@@ -645,6 +666,16 @@ class Config:
             )
         if self.checkpoint.merge and not self.model.lora.enabled:
             raise ConfigError("checkpoint.merge merges LoRA adapters: set model.lora.rank > 0, or merge: false")
+        if self.objective.reference_step and self.objective.reference_step >= self.max_steps:
+            raise ConfigError(
+                f"objective.reference_step ({self.objective.reference_step}) leaves no step to penalise against "
+                f"the copied policy: it must be less than max_steps ({self.max_steps})"
+            )
+        if self.objective.reference_step and self.model.lora.enabled:
+            raise ConfigError(
+                "objective.reference_step: with model.lora the KL reference is the model with its adapters "
+                "disabled, not a copy; set objective.reference_step: 0"
+            )
         if self.model.lora.enabled and self.objective.reference:
             raise ConfigError(
                 "objective.reference: with model.lora the KL reference is the model with its adapters disabled; "

@@ -464,6 +464,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
         "rollout.prompts_per_step=4",
         "rollout.env.path=ds_tree.rollout.secret_tool:LoudSecretToolEnv",
         "max_steps=10",
+        "objective.reference_step=4",  # the shipped 12 is past max_steps
     ]
     phases = [
         "rollout.env.warmup_lr=0.01",
@@ -510,3 +511,102 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
     env, rng = LoudSecretToolEnv(), random.Random(0)
     hits = [env.demonstration({"secret": s % 10}, rng)[-1]["content"] == str(s % 10) for s in range(400)]
     assert 0.05 < np.mean(hits) < 0.15
+
+
+# ------------------------------------------------------------------ the KL reference as the warm-up's policy
+def test_reference_step_copy_saves_and_loads_the_policy() -> None:
+    """``objective.reference_step``: the policy's weights into a whole reference, whole weights out for a
+    checkpoint and back into a fresh reference; another architecture is refused by name. (ZeRO-3,
+    partitioned policies and references: tests/distributed/rl_grad_check.py; the trainer's copy, its
+    checkpoint and a resume: tests/test_online_rl.py::test_two_ranks_sample_train_and_resume_to_the_same_next_step.)"""
+    from ds_tree.engine.reference import copy_policy, load_reference_state, reference_state
+    from ds_tree.models.loading import load_model
+
+    def build(seed: int) -> torch.nn.Module:
+        return load_model("configs/models/tiny_llama.json", attention="torch", dtype=torch.float32, seed=seed)
+
+    policy, reference, resumed = build(0), build(1), build(2)
+    assert not torch.equal(policy.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    copy_policy(reference, policy)
+    state = reference_state(reference)
+    load_reference_state(resumed, state)
+    for name, parameter in policy.named_parameters():
+        assert torch.equal(dict(reference.named_parameters())[name], parameter), name
+        assert torch.equal(dict(resumed.named_parameters())[name], parameter), name
+        assert state[name].device.type == "cpu" and state[name].data_ptr() != parameter.data_ptr()
+    with torch.no_grad():
+        policy.lm_head.weight.add_(1.0)  # a copy, not a view: later updates leave the reference alone
+    assert not torch.equal(reference.lm_head.weight, policy.lm_head.weight)
+    wide = load_model("configs/models/tiny_qwen2.json", attention="torch", dtype=torch.float32, seed=0)
+    with pytest.raises(RuntimeError, match="the reference policy and the policy do not have the same parameters"):
+        copy_policy(wide, policy)
+
+
+TINY_LLAMA = "configs/models/tiny_llama.json"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["objective.kl_coef=0.1", "objective.reference_step=-1"], r"objective.reference_step must be >= 0"),
+        (["objective.kl_coef=0", "objective.reference_step=12"], r"\(12\) sets .* needs objective.kl_coef > 0"),
+        (["objective.kl_coef=0.1", "objective.reference_step=1000"], r"reference_step \(1000\) leaves no step"),
+        (
+            ["objective.kl_coef=0.1", "objective.reference_step=12", f"objective.reference={TINY_LLAMA}"],
+            r"objective.reference_step \(12\) makes the reference a copy of the policy",
+        ),
+        (
+            ["objective.kl_coef=0.1", "objective.reference_step=12", "model.lora.rank=2"],
+            r"objective.reference_step: with model.lora",
+        ),
+    ],
+)
+def test_reference_step_config_errors_name_the_key(overrides: list[str], message: str) -> None:
+    from ds_tree.config import ConfigError, load_config
+
+    load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "objective.kl_coef=0.1", "objective.reference_step=12"])
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *overrides])
+
+
+# ------------------------------------------------------------------ keys/values carried across turns
+class Chatty(ToolEnvironment):
+    """Answers every turn with a user message and never ends: episodes stop at ``max_turns``."""
+
+    def reset(self, task):
+        return [{"role": "user", "content": "talk"}]
+
+    def step(self, turn):
+        return StepResult(messages=[{"role": "user", "content": "more"}])
+
+
+def test_keys_values_carried_across_turns_equal_a_full_prefill_in_float64(tokenizer) -> None:
+    """HFTurnSampler keeps each sampled turn's keys/values, so a leaf's next turn (after its observation)
+    feeds only the stop token and the observation. In float64 the episode tree is the one a full prefill
+    of every turn's path gives: the same tokens, log-probs equal to 1e-12; fewer tokens fed."""
+    from ds_tree.models.loading import load_model
+
+    model = load_model("configs/models/tiny_llama.json", attention="torch", dtype=torch.float64, seed=0)
+    with torch.no_grad():  # random weights, made to end turns: <|im_end|> (4) about every third token
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[4] = 0.0
+        model.lm_head.weight[4, 0] = 0.8
+    trees = {}
+    for carry in (True, False):
+        sampler = HFTurnSampler(model, SamplerSettings(), STOPS, carry=carry)
+        trees[carry] = run(runner(tokenizer, Chatty, sampler=sampler, max_turns=3))
+        assert sampler.carried == []  # dropped at the end of the episode
+    carried, prefilled = trees[True], trees[False]
+    assert [n.token_ids for n in carried.nodes] == [n.token_ids for n in prefilled.nodes]
+    assert [n.parent for n in carried.nodes] == [n.parent for n in prefilled.nodes]
+    for a, b in zip(carried.nodes, prefilled.nodes, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-12)  # NaN (observations) alike
+    assert max(leaf.turns for leaf in carried.leaves) == 3 and len(carried.leaves) == 4  # 3 turns, forks at 2
+    # saved: for each leaf sampled again, its path up to its turn's stop token (the rest is fed)
+    children = carried.children()
+    saved = 0
+    for index, node in enumerate(carried.nodes):
+        if node.parent >= 0 and children[index]:
+            path = sum(len(carried.nodes[n].token_ids) for n in carried.path(index))
+            saved += path - (len(node.token_ids) - sum(node.trainable)) - 1
+    assert saved > 0 and carried.forward_tokens == prefilled.forward_tokens - saved

@@ -224,7 +224,10 @@ def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path,
         tmp_path,
         tokenizer_dir,
         max_steps=3,
-        objective={"kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "kl_coef": 0.01},
+        # the KL reference is the policy after step 1 (objective.reference_step): copied, checkpointed, resumed
+        objective={
+            "kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "kl_coef": 0.01, "reference_step": 1
+        },  # fmt: skip
         optimizer={"lr": 2e-2, "schedule": "constant"},
         checkpoint={"every": 2, "keep_last": 3, "export_hf": False},
     )
@@ -251,6 +254,12 @@ def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path,
         assert record["rollout/reward_mean"] == record["rl/reward_mean"]
         assert record["optim/grad_norm"] > 0  # trained
     assert records[3]["rl/kl_ref"] > 0  # the policy moved
+    # the reference: the initial policy, then the policy after step 1 (copied as step 2 starts), then kept:
+    # the resumed run loaded it from the checkpoint (reference_policy.pt), so steps 3 match (above)
+    gaps = first["reference_gaps"]
+    assert gaps["1"] == 0 and gaps["2"] == 0 and gaps["3"] > 1e-3, gaps
+    assert resumed["reference_gaps"] == {"3": gaps["3"]}
+    assert (tmp_path / "run/checkpoints/step_0000002/reference_policy.pt").is_file()
 
 
 @pytest.mark.distributed

@@ -159,6 +159,10 @@ def test_long_tree_rl_example_trains_four_ranks_dp2_sp2_zero3_with_a_partitioned
     # its RL self-check: SP-sharded tree rows, the partitioned reference, gradients summed over the group
     assert step["selfcheck/tokens"] > 0 and step["selfcheck/max_grad_rel_err"] < 1e-5, step
     assert step["selfcheck/loss_rel_err"] < 1e-5 and step["selfcheck/max_abs_logprob_err"] < 1e-5, step
+    # objective.reference_step: the policy copied into the partitioned reference, its whole state saved
+    # and loaded back (after a perturbation) exactly
+    assert report["reference_copy"]["copied"] == 0 and report["reference_copy"]["reloaded"] == 0, report
+    assert report["reference_copy"]["perturbed"] > 0.5, report
 
 
 def test_plan_counts_the_reference_whole_partitioned_or_offloaded() -> None:

@@ -1,6 +1,7 @@
 """Tokens the multi-turn sampler draws and runs through the model for episode trees against independent
-episodes of the same width (docs/ENVIRONMENTS.md, *Measured*). Both modes sample the same tasks with the
-same settings and seeds; prints a Markdown table.
+episodes of the same width, and for trees whose every turn prefills its whole path again (keys/values
+not carried across turns) (docs/ENVIRONMENTS.md, *Measured*). Every mode samples the same tasks with
+the same settings and seeds; prints a Markdown table.
 
 python tools/multiturn_reuse.py --model runs/multiturn/rl/hf --tokenizer runs/multiturn/tokenizer \
     --tasks configs/multiturn_tasks.jsonl --config configs/multiturn_cpu.yaml [--count 16]
@@ -39,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     tasks = read_tasks(args.tasks)[: args.count]
     print("| sampling | leaves | reward | sampled tokens | forward tokens | tree tokens | flat tokens |")
     print("|---|---|---|---|---|---|---|")
-    for independent in (False, True):
+    modes = {"tree": (False, True), "tree, every turn prefilled": (False, False), "independent": (True, True)}
+    for name, (independent, carry) in modes.items():
         settings = dataclasses.replace(config.rollout.sampler_settings(), independent=independent)
         runner = EpisodeRunner(
             load_environment_class(env.path),
             Renderer(tokenizer, stops, env.max_observation_tokens),
-            HFTurnSampler(model, settings, stops),
+            HFTurnSampler(model, settings, stops, carry=carry),
             settings,
             env,
             env.max_context_tokens or config.packing.budget,
@@ -61,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
             forward += tree.forward_tokens
             tree_tokens += sum(len(node.token_ids) for node in tree.nodes)
             flat += sum(len(leaf.trajectory) for leaf in tree.leaves)
-        name = "independent" if independent else "tree"
         mean = rewards / max(leaves, 1)
         print(f"| {name} | {leaves} | {mean:.3f} | {sampled} | {forward} | {tree_tokens} | {flat} |")
     return 0

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     left.set(
         xlabel="training step", ylabel="rollout/reward_mean", ylim=(-0.02, 1.02), title="secret tool: learning curve"
     )
-    left.legend(fontsize=8, loc="upper left")
+    left.legend(fontsize=8, loc="lower right")
     right.plot(steps, independent, color="tab:red", label="sampled: independent episodes")
     right.plot(steps, sampled, color="tab:blue", label="sampled: episode trees")
     twin = right.twinx()

@@ -220,10 +220,19 @@ def resume_tag(directory: Path, policy: str) -> str | None:
 
 
 def save(
-    engine, directory: Path, step: int, client_state: dict, record: dict, keep_last: int, exclude_frozen: bool = False
+    engine,
+    directory: Path,
+    step: int,
+    client_state: dict,
+    record: dict,
+    keep_last: int,
+    exclude_frozen: bool = False,
+    extra: Callable[[Path], None] | None = None,
 ) -> str:
     """Save ``step`` from every rank; it becomes complete and ``latest`` once every rank is done.
-    ``exclude_frozen``: the frozen parameters are left out (LoRA: adapters and their optimizer state only)."""
+    ``exclude_frozen``: the frozen parameters are left out (LoRA: adapters and their optimizer state only).
+    ``extra(path)``: called on every rank after DeepSpeed's files are written, to add files of its own
+    under ``path`` (listed in the record and verified on resume like DeepSpeed's)."""
     tag = tag_for(step)
     partial = directory / f"{PARTIAL}{tag}"
     rank = dist.get_rank()
@@ -240,6 +249,8 @@ def save(
             save_latest=False,
             exclude_frozen_parameters=exclude_frozen,
         )
+        if extra is not None:
+            extra(partial)
     except (OSError, RuntimeError) as error:
         raise CheckpointError(write_failure(directory, tag, error)) from error
     dist.barrier()

@@ -14,11 +14,19 @@ Built from ``objective.reference`` (default ``model.source`` at ``model.seed``, 
 
 Under sequence parallelism the reference scores the same shards as the policy, through the same
 Ulysses attention (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`).
+
+With ``objective.reference_step`` the reference's weights are replaced by the policy's at the end of
+that step (:func:`copy_policy`); checkpoints saved after it hold them in :data:`REFERENCE_FILE`
+(:func:`reference_state`), which a resumed run loads back (:func:`load_reference_state`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
 import torch
+import torch.distributed as dist
 
 from ds_tree.models.loading import load_model
 from ds_tree.models.ulysses import enable_sequence_parallel
@@ -79,3 +87,74 @@ def build_reference(config, ds_config: dict, dtype: torch.dtype, device, policy_
     engine, _, _, _ = deepspeed.initialize(model=model, config=engine_config)
     engine.eval()
     return engine
+
+
+REFERENCE_FILE = "reference_policy.pt"
+"""The reference's weights in a checkpoint saved after ``objective.reference_step`` (whole tensors)."""
+
+
+def reference_module(reference) -> torch.nn.Module:
+    """The reference's model: the module of its DeepSpeed engine (``model.zero_init``), else itself."""
+    return getattr(reference, "module", reference)
+
+
+def _partitioned(parameter: torch.nn.Parameter) -> bool:
+    return hasattr(parameter, "ds_id")
+
+
+@contextmanager
+def _gathered(parameters: list[torch.nn.Parameter], modified: bool = False) -> Iterator[None]:
+    """The ZeRO-3 partitioned ones among ``parameters`` whole on every rank (a collective); with
+    ``modified``, what rank 0 holds at the end is partitioned back (every rank writes the same)."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    partitioned = [p for p in parameters if _partitioned(p)]
+    with GatheredParameters(partitioned, modifier_rank=0 if modified else None, enabled=bool(partitioned)):
+        yield
+
+
+def _pairs(reference, named: dict[str, torch.Tensor], what: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """The reference's parameters by name, checked to be the same set, shapes included, as ``named``."""
+    target = dict(reference_module(reference).named_parameters())
+    if sorted(target) != sorted(named):
+        missing = sorted(set(named) ^ set(target))[:3]
+        raise RuntimeError(f"the reference policy and {what} do not have the same parameters ({missing} differ)")
+    for name, parameter in target.items():
+        shape = tuple(getattr(parameter, "ds_shape", parameter.shape))
+        other = named[name]
+        if shape != tuple(getattr(other, "ds_shape", other.shape)):
+            raise RuntimeError(f"{name}: the reference policy's shape {shape} is not that of {what}")
+    return list(target.items())
+
+
+@torch.no_grad()
+def copy_policy(reference, policy: torch.nn.Module) -> None:
+    """The policy's current weights into the reference (``objective.reference_step``). A collective
+    under ZeRO-3 (each parameter gathered in turn: one at a time whole in memory): every rank calls it."""
+    source = dict(policy.named_parameters())
+    for name, target in _pairs(reference, source, "the policy"):
+        with ExitStack() as stack:
+            stack.enter_context(_gathered([source[name]]))
+            stack.enter_context(_gathered([target], modified=True))
+            target.copy_(source[name])
+
+
+@torch.no_grad()
+def reference_state(reference) -> dict[str, torch.Tensor]:
+    """The reference's weights, whole, on the CPU: on rank 0 (every rank calls it: a collective under
+    ZeRO-3); an empty dict on the other ranks."""
+    state = {}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for name, parameter in reference_module(reference).named_parameters():
+        with _gathered([parameter]):
+            if rank == 0:
+                state[name] = parameter.detach().to("cpu", copy=True)
+    return state
+
+
+@torch.no_grad()
+def load_reference_state(reference, state: dict[str, torch.Tensor]) -> None:
+    """:func:`reference_state`'s weights back into the reference (every rank, the same ``state``)."""
+    for name, target in _pairs(reference, state, "the saved reference"):
+        with _gathered([target], modified=True):
+            target.copy_(state[name])

@@ -39,7 +39,7 @@ from ds_tree.engine.console import progress_bar
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.metrics import MetricsLogger, console_line
 from ds_tree.engine.op_builds import announce_op_builds
-from ds_tree.engine.reference import build_reference
+from ds_tree.engine.reference import REFERENCE_FILE, build_reference, copy_policy, load_reference_state, reference_state
 from ds_tree.engine.rl_trainer import RLSteps
 from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, run_rows
@@ -317,6 +317,8 @@ class Trainer(RLSteps):
             self.start_step = int(client_state["step"])
             self.skipped_steps = int(client_state.get("skipped_steps", 0))
             self.untrained_steps = int(client_state.get("untrained_steps", 0))
+            if self.reference_copied(self.start_step):
+                self.load_reference_copy(self.checkpoint_dir / self.resume_from)
             logger.info("resumed from %s at step %d", self.checkpoint_dir / self.resume_from, self.start_step)
         self.metrics = MetricsLogger(
             self.output_dir, self.rank == 0, self.config.logging.tensorboard, resume_step=self.start_step
@@ -600,6 +602,9 @@ class Trainer(RLSteps):
         for step in range(self.start_step, config.max_steps):
             scalars = self.train_step(step)
             done = step + 1
+            if self.reference is not None and done == config.objective.reference_step:  # a collective
+                copy_policy(self.reference, self.engine.module)
+                logger.info("step %d: the KL reference is now the policy of this step (objective.reference_step)", done)
             if self.rank == 0:
                 if done % config.logging.every == 0 or done == config.max_steps:
                     self.metrics.log(done, scalars)
@@ -635,7 +640,33 @@ class Trainer(RLSteps):
             record,
             self.config.checkpoint.keep_last,
             exclude_frozen=self.config.model.lora.enabled,
+            extra=self.save_reference_copy if self.reference_copied(step) else None,
         )
+
+    def reference_copied(self, step: int) -> bool:
+        """Whether the KL reference is the policy's copy after ``step`` steps (``objective.reference_step``)."""
+        at = self.config.objective.reference_step
+        return self.reference is not None and bool(at) and step >= at
+
+    def save_reference_copy(self, path: Path) -> None:
+        """The copied reference's weights into checkpoint directory ``path`` (every rank: a collective)."""
+        state = reference_state(self.reference)
+        if self.rank == 0:
+            torch.save(state, path / REFERENCE_FILE)
+
+    def load_reference_copy(self, path: Path) -> None:
+        """The reference copy that checkpoint ``path`` holds back into the reference (every rank)."""
+        file = path / REFERENCE_FILE
+        at = self.config.objective.reference_step
+        if not file.is_file():
+            raise checkpoint.CheckpointError(
+                f"{path} holds no {REFERENCE_FILE}: objective.reference_step ({at}) makes the KL reference the "
+                f"policy of step {at}, and this checkpoint of step {self.start_step} was saved without it (by a run "
+                f"without reference_step?). Resume from a checkpoint before step {at}, or set "
+                "objective.reference_step: 0"
+            )
+        # memory-mapped: the ranks of a node share the pages instead of each reading the whole file
+        load_reference_state(self.reference, torch.load(file, map_location="cpu", weights_only=True, mmap=True))
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""

@@ -86,14 +86,40 @@ class HFTurnSampler:
     """``n`` assistant turns after one exact token prefix, on a Hugging Face model with the project's
     tree sampler (the prefix prefilled once, its keys/values shared by the ``n`` continuations).
 
+    Keys/values are carried across turns: each sampled turn's (its prefix and tokens, all but the stop
+    token, which was never fed) are kept until a later call's prefix extends them, the next turn of
+    that leaf after its observation was bridged on; that call feeds only the stop token and the
+    observation instead of prefilling the whole path again (``forward_tokens`` counts what is fed).
+    The result is the full prefill's to round-off (float64: equal to 1e-12, the same tokens;
+    tests/test_multiturn.py). :meth:`end_episode` drops what is kept; models with recurrent layers
+    prefill every turn (``carry`` off).
+
     The boundary another engine (vLLM) implements: ``sample(prefix_ids, n, max_new_tokens, generator)``.
     """
 
-    def __init__(self, model, settings: SamplerSettings, stop_ids: Sequence[int]) -> None:
+    def __init__(self, model, settings: SamplerSettings, stop_ids: Sequence[int], carry: bool = True) -> None:
+        from ds_tree.rollout.state_cache import has_recurrent_layers
+
         self.model = model
         self.settings = settings
         self.stop_ids = list(stop_ids)
         self.forward_tokens = 0
+        self.carry = carry and not has_recurrent_layers(model.config)
+        self.carried: list[tuple[list[int], list]] = []
+        """(token ids fed, their keys/values) of the turns sampled since :meth:`end_episode`."""
+
+    def take_carried(self, prefix_ids: list[int]):
+        """The kept keys/values of the longest fed ids that ``prefix_ids`` extends (removed: a leaf's
+        next turn is sampled once), or None."""
+        best = None
+        for index, (ids, _) in enumerate(self.carried):
+            if len(ids) < len(prefix_ids) and prefix_ids[: len(ids)] == ids:
+                if best is None or len(ids) > len(self.carried[best][0]):
+                    best = index
+        return None if best is None else self.carried.pop(best)[1]
+
+    def end_episode(self) -> None:
+        self.carried.clear()
 
     def sample(
         self, prefix_ids: Sequence[int], n: int, max_new_tokens: int, generator: torch.Generator
@@ -108,13 +134,24 @@ class HFTurnSampler:
             segment_length=max_new_tokens,
             refill=False,
         )
-        tree = sample_tree(self.model, prefix_ids, settings, generator=generator, eos_token_ids=self.stop_ids)
+        prefix_ids = [int(token) for token in prefix_ids]
+        tree = sample_tree(
+            self.model,
+            prefix_ids,
+            settings,
+            generator=generator,
+            eos_token_ids=self.stop_ids,
+            prefix_key_values=self.take_carried(prefix_ids) if self.carry else None,
+            keep_key_values=self.carry,
+        )
         self.forward_tokens += tree.forward_tokens
         turns = []
         for leaf in tree.leaf_nodes():
             ids, logprobs = tree.completion(leaf)
             reason = "eos" if tree.nodes[leaf].finish_reason == "eos" else "length"
             turns.append(SampledTurn(ids, logprobs, reason))
+            if self.carry and reason == "eos":  # a cut turn ends its leaf: nothing continues it
+                self.carried.append((prefix_ids + ids[:-1], tree.leaf_key_values[leaf]))
         return turns
 
 
@@ -330,11 +367,14 @@ class EpisodeRunner:
             return tree
         tree.nodes.append(TurnNode(-1, list(ids), [0] * len(ids), [math.nan] * len(ids)))
         live = [_Live(0, env, list(opening), list(ids), 0, self.settings.width, [])]
-        while live:
-            going = []
-            for leaf in live:
-                going += self.expand(tree, leaf, task, opening, tools, version, generator, started)
-            live = going
+        try:
+            while live:
+                going = []
+                for leaf in live:
+                    going += self.expand(tree, leaf, task, opening, tools, version, generator, started)
+                live = going
+        finally:
+            getattr(self.sampler, "end_episode", lambda: None)()  # keys/values carried across its turns
         tree.forward_tokens = self.sampler.forward_tokens - forward_before
         tree.sampled_tokens = sum(sum(node.trainable) for node in tree.nodes)
         return tree

@@ -58,6 +58,11 @@ GENERATION_ATTENTION = "sdpa"
 """Attention used while sampling: a plain causal kernel with a KV cache (the tree kernels take packed rows)."""
 
 
+KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, the keys and values ``[1, kv_heads, tokens, head_dim]`` of every token fed on a branch's path
+(a hybrid's recurrent layer: its conv and recurrent state after that path, :mod:`ds_tree.rollout.state_cache`)."""
+
+
 @dataclass
 class SampledNode:
     """One segment of one branch: a run of sampled tokens hanging below ``parent`` (-1: the prompt)."""
@@ -80,6 +85,9 @@ class SampledTree:
     """Tokens the sampler ran through the model: the prompt once, one per decode step, one per re-branch."""
     forward_passes: int = 0
     """Model calls: live branches with equally long paths decode as one batch."""
+    leaf_key_values: dict[int, KeyValues] = field(default_factory=dict, repr=False)
+    """With ``sample_tree(..., keep_key_values=True)``: per leaf node, the keys/values of the prompt and
+    its completion but the last token (what was fed), so a caller can continue that path later."""
 
     def children(self) -> list[list[int]]:
         """Child node indices per node."""
@@ -181,11 +189,6 @@ class SampledTree:
         return trajectories
 
 
-KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per layer, the keys and values ``[1, kv_heads, tokens, head_dim]`` of every token fed on a branch's path
-(a hybrid's recurrent layer: its conv and recurrent state after that path, :mod:`ds_tree.rollout.state_cache`)."""
-
-
 @dataclass
 class _Branch:
     """A live branch: its keys/values (everything but the last sampled token), next-token logits and completion.
@@ -248,14 +251,28 @@ def cache_keyword(model: PreTrainedModel) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+def fed_tokens(key_values: KeyValues) -> int:
+    """How many tokens an attention model's ``key_values`` hold."""
+    return next(keys.shape[2] for keys, _ in key_values if keys is not None)
+
+
 def cache_row(cache: DynamicCache, row: int) -> KeyValues:
     """Row ``row`` of a batched cache, as views."""
     return [layer_row(layer, row) for layer in cache.layers]
 
 
 class _TreeSampler:
-    def __init__(self, model, settings: SamplerSettings, generator: torch.Generator, eos_token_ids: Sequence[int]):
+    def __init__(
+        self,
+        model,
+        settings: SamplerSettings,
+        generator: torch.Generator,
+        eos_token_ids: Sequence[int],
+        keep_key_values: bool = False,
+    ):
         self.model = model
+        self.keep_key_values = keep_key_values
+        self.leaf_key_values: dict[int, KeyValues] = {}
         self.settings = settings
         self.generator = generator
         self.eos = {int(token) for token in eos_token_ids}
@@ -380,9 +397,9 @@ class _TreeSampler:
             child.node = self.new_node(parent)
         return children
 
-    def run(self, prompt_ids: list[int]) -> SampledTree:
+    def run(self, prompt_ids: list[int], prefix_key_values: KeyValues | None = None) -> SampledTree:
         self.prompt_ids = prompt_ids
-        logits, key_values = self.encode_prompt(prompt_ids)
+        logits, key_values = self.encode_prompt(prompt_ids, prefix_key_values)
         live = self.fork(_Branch(key_values, logits, [], -1, 0, self.settings.width))
         while live:
             groups: dict[int, list[_Branch]] = {}
@@ -393,6 +410,8 @@ class _TreeSampler:
                 done, going = self.decode_segment(group)
                 stopped += done
                 survivors += going
+            if self.keep_key_values:
+                self.leaf_key_values.update((branch.node, branch.key_values) for branch in stopped)
             at_fork = [b for b in survivors if b.boundary < self.settings.branch_levels]
             respawned = []
             for branch in stopped:
@@ -405,9 +424,17 @@ class _TreeSampler:
                 else:
                     respawned.append(self.rebranch(branch, freed))
             live = [child for branch in survivors + respawned for child in self.fork(branch)]
-        return SampledTree(list(prompt_ids), self.nodes, self.forward_tokens, self.forward_passes)
+        return SampledTree(
+            list(prompt_ids), self.nodes, self.forward_tokens, self.forward_passes, self.leaf_key_values
+        )
 
-    def encode_prompt(self, prompt_ids: list[int]) -> tuple[torch.Tensor, KeyValues]:
+    def encode_prompt(
+        self, prompt_ids: list[int], prefix_key_values: KeyValues | None = None
+    ) -> tuple[torch.Tensor, KeyValues]:
+        if prefix_key_values is not None:  # the first tokens' keys/values are given: feed the rest after them
+            fed = fed_tokens(prefix_key_values)
+            logits, cache = self.forward([prompt_ids[fed:]], [prefix_key_values])
+            return logits[0], cache_row(cache, 0)
         cache = DynamicCache(config=self.model.config)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         logits = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True).logits[0, -1]
@@ -424,11 +451,27 @@ def sample_tree(
     *,
     generator: torch.Generator,
     eos_token_ids: Sequence[int],
+    prefix_key_values: KeyValues | None = None,
+    keep_key_values: bool = False,
 ) -> SampledTree:
-    """Sample one prompt's group as a tree (module docstring); ``model`` is left as it was given."""
+    """Sample one prompt's group as a tree (module docstring); ``model`` is left as it was given.
+
+    ``prefix_key_values``: the keys/values of the prompt's first tokens (fewer than all of them),
+    from an earlier call's ``leaf_key_values`` (``keep_key_values``): only the rest of the prompt is
+    fed (a multi-turn episode's next turn, :class:`~ds_tree.rollout.multiturn.HFTurnSampler`). Refused
+    for models with recurrent layers (continuing their state by a multi-token forward is not checked).
+    """
     prompt_ids = [int(token) for token in prompt_ids]
     if not prompt_ids:
         raise ValueError("sample_tree needs a non-empty prompt (the first token is never sampled)")
     check_cache_layers(model)
+    if prefix_key_values is not None:
+        if has_recurrent_layers(model.config):
+            raise ValueError("sample_tree: prefix_key_values is for attention-only models (a recurrent state here)")
+        fed = fed_tokens(prefix_key_values)
+        if not 0 < fed < len(prompt_ids):
+            raise ValueError(f"prefix_key_values hold {fed} tokens: give fewer than the prompt's {len(prompt_ids)}")
     with generation_mode(model):
-        return _TreeSampler(model, settings, generator, eos_token_ids).run(prompt_ids)
+        return _TreeSampler(model, settings, generator, eos_token_ids, keep_key_values).run(
+            prompt_ids, prefix_key_values
+        )

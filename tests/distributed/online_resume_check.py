@@ -3,7 +3,8 @@
 Trainer A samples, scores and trains ``max_steps`` steps from scratch (the config saves a checkpoint
 at ``--resume-step``). Trainer B starts in its own output directory that holds a copy of that
 checkpoint, resumes from it and trains the remaining steps. Every step's sampled trajectories (token
-ids, rewards) of both are recorded, with each run's ``metrics.jsonl``; rank 0 writes them to
+ids, rewards) of both are recorded, with each run's ``metrics.jsonl`` and, with a KL reference, the
+largest difference between its weights and the policy's as each step starts; rank 0 writes them to
 ``--out`` as JSON for the test to compare.
 """
 
@@ -14,18 +15,30 @@ import json
 import shutil
 from pathlib import Path
 
+import deepspeed
+import torch
 import torch.distributed as dist
 
 from ds_tree.engine import checkpoint
+from ds_tree.engine.reference import reference_module
 from tests.distributed.common import check_arguments, started_trainer
+
+
+def whole(module) -> dict[str, torch.Tensor]:
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
 def recorded_run(config, samples: dict[int, list]) -> dict:
     """Train ``config``; every sampled step's (token ids, reward) pairs go to ``samples``; its records back."""
     trainer = started_trainer(config)
     sample = trainer.online.step_trajectories
+    reference_gaps = {}
 
     def recording(step, policy):
+        if trainer.reference is not None:  # a collective: every rank
+            weights, reference = whole(policy), whole(reference_module(trainer.reference))
+            reference_gaps[step + 1] = max((reference[n] - weights[n]).abs().max().item() for n in weights)
         trajectories = sample(step, policy)
         samples[step + 1] = [[t.input_ids.tolist(), t.reward] for t in trajectories]
         return trajectories
@@ -34,7 +47,8 @@ def recorded_run(config, samples: dict[int, list]) -> dict:
     trainer.train()
     trainer.metrics.close()
     lines = (trainer.output_dir / "metrics.jsonl").read_text().splitlines() if trainer.rank == 0 else []
-    return {"start_step": trainer.start_step, "metrics": [json.loads(line) for line in lines if line]}
+    metrics = [json.loads(line) for line in lines if line]
+    return {"start_step": trainer.start_step, "metrics": metrics, "reference_gaps": reference_gaps}
 
 
 def main() -> None:

@@ -14,7 +14,9 @@ relative error to ``--out`` as JSON. Under sequence parallelism the flat rows ho
 With ``--dfs-chunk C`` the update is applied and the same case runs again with ``packing.mode: dfs``
 in chunks of ``C`` tokens (under sequence parallelism every tree walked by the group, its chunks
 sharded over it; the report's ``dfs`` entry). With ``--train-step`` the update is applied and one
-ordinary ``train_step`` follows (its scalars reported), in the layout of the last case.
+ordinary ``train_step`` follows (its scalars reported), in the layout of the last case. With a reference
+model, last, the policy is copied into it (``objective.reference_step``) and its saved state loaded back
+(the report's ``reference_copy``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,33 @@ from tests.distributed.sp_grad_check import full_parameters
 
 PERTURBATION = 0.5
 SEED = 7
+
+
+def reference_copy_differences(trainer) -> dict[str, float]:
+    """The policy copied into the reference (:func:`copy_policy`), then the reference's whole state
+    (:func:`reference_state`, rank 0's, broadcast) loaded back after the reference was moved by 1: the
+    largest differences of the gathered reference from the policy after each (0 when exact)."""
+    from ds_tree.engine.reference import copy_policy, load_reference_state, reference_module, reference_state
+
+    def whole(module) -> dict[str, torch.Tensor]:
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    def largest_difference() -> float:
+        policy, reference = whole(trainer.engine.module), whole(reference_module(trainer.reference))
+        return max((reference[name].float() - policy[name].float()).abs().max().item() for name in policy)
+
+    copy_policy(trainer.reference, trainer.engine.module)
+    copied = largest_difference()
+    state = [reference_state(trainer.reference)]
+    dist.broadcast_object_list(state, src=0)
+    reference = reference_module(trainer.reference)
+    with deepspeed.zero.GatheredParameters(list(reference.parameters()), modifier_rank=0), torch.no_grad():
+        for parameter in reference.parameters():  # frozen: perturb_parameters moves trainable ones only
+            parameter.add_(1.0)
+    perturbed = largest_difference()
+    load_reference_state(trainer.reference, state[0])
+    return {"copied": copied, "perturbed": perturbed, "reloaded": largest_difference()}
 
 
 def gathered_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -137,6 +166,10 @@ def main() -> None:
         scalars = trainer.train_step(step)
         if report is not None:
             report["train_step"] = scalars
+    if trainer.reference is not None:  # objective.reference_step's copy, its checkpoint state and reload
+        differences = reference_copy_differences(trainer)
+        if report is not None:
+            report["reference_copy"] = differences
     if report is not None:
         Path(args.out).write_text(json.dumps(report, indent=2))
     dist.barrier()
