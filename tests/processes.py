@@ -32,7 +32,7 @@ def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.Comple
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_group(process)
-        stdout, stderr = process.communicate()
+        stdout, stderr = process.communicate(timeout=10)  # the pipes close with the group's last process
         raise AssertionError(
             f"{' '.join(map(str, command[:3]))} ... ran past {timeout} s and was killed with its processes:\n"
             + (stdout or "")[-3000:]

@@ -10,29 +10,39 @@ import pytest
 from tests.processes import kill_leftovers, run_group, start_group
 
 
-def children_of(pid_file) -> psutil.Process:
-    for _ in range(200):
+def child_pid(pid_file) -> int:
+    for _ in range(500):
         if pid_file.exists() and pid_file.read_text().strip():
-            return psutil.Process(int(pid_file.read_text()))
+            return int(pid_file.read_text())
         time.sleep(0.01)
     raise AssertionError("the child never started")
 
 
+def assert_gone(pid: int) -> None:
+    """``pid`` ends within 5 s (a zombie awaiting its reaper counts as ended)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs: its group was not killed")
+
+
 def test_a_timed_out_group_is_killed_with_its_children(tmp_path) -> None:
     pid_file = tmp_path / "child.pid"
-    script = f"sleep 60 & echo $! > {pid_file}; echo started; wait"
+    script = f"sleep 600 & echo $! > {pid_file}; echo started; wait"
     with pytest.raises(AssertionError, match=r"(?s)ran past 1 s and was killed.*started"):
         run_group(["bash", "-c", script], timeout=1)
-    child = children_of(pid_file)
-    child.wait(timeout=5)  # gone with its launcher (psutil.TimeoutExpired if it still ran)
-    assert not child.is_running()
+    assert_gone(child_pid(pid_file))
 
 
 def test_leftover_groups_are_killed_after_the_test(tmp_path) -> None:
     pid_file = tmp_path / "child.pid"
-    launcher = start_group(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"])
-    child = children_of(pid_file)
+    launcher = start_group(["bash", "-c", f"sleep 600 & echo $! > {pid_file}; wait"])
+    child = child_pid(pid_file)
     kill_leftovers()  # what the autouse fixture in conftest.py does after every test
     assert launcher.poll() is not None
-    child.wait(timeout=5)
-    assert not child.is_running()
+    assert_gone(child)
