@@ -257,10 +257,16 @@ def largest_budget(
         )
         return plan.peak <= free_bytes
 
-    low, high = 0, max(free_bytes, 0) // layer_bytes_per_token(shape, dtype) + 1
-    while low < high:  # the largest ``tokens`` with fits(tokens); fits(0) holds for free_bytes >= 0
+    high = max(free_bytes, 0) // layer_bytes_per_token(shape, dtype) + 1
+    return _last_true(0, high, fits)  # the largest ``tokens`` with fits(tokens); fits(0) holds for free_bytes >= 0
+
+
+def _last_true(low: int, high: int, test) -> int:
+    """The largest ``x`` in ``[low, high]`` with ``test(x)``, by halving bisection: ``test(low)`` holds
+    and ``test`` is monotone on ``[low, high]`` (true, then false)."""
+    while low < high:
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        low, high = (middle, high) if test(middle) else (low, middle - 1)
     return low
 
 
@@ -445,17 +451,11 @@ def largest_dfs_path(
         options.update(packed_below=packed_below, sequence_parallel=sequence_parallel)
         return dfs_activation_bytes(shape, dtype, tokens, chunk, entropy=entropy, **options).peak <= free_bytes
 
-    def last_true(low: int, high: int, test) -> int:  # test(low) holds, test is monotone on [low, high]
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if test(middle) else (low, middle - 1)
-        return low
-
     high = 1
     while fits(high * chunk):  # the peak grows at least linearly with whole chunks, so doubling ends
         high *= 2
-    chunks = last_true(0, high - 1, lambda k: fits(k * chunk))
-    return chunks * chunk + last_true(0, chunk - 1, lambda r: fits(chunks * chunk + r))
+    chunks = _last_true(0, high - 1, lambda k: fits(k * chunk))
+    return chunks * chunk + _last_true(0, chunk - 1, lambda r: fits(chunks * chunk + r))
 
 
 def profiled_peak_bytes(run) -> int:
