@@ -163,6 +163,12 @@ def reference_bytes(shape: ModelShape, dtype: str, world_size: int, *, partition
     return StateBytes(0, 0, 0, 0, share) if offload else StateBytes(share, 0, 0, 0, 0)
 
 
+def checkpointed_layers(shape: ModelShape, checkpoint_every: int) -> list[bool]:
+    """Per decoder layer, whether it is checkpointed: layers ``0, k, 2k, ...`` for ``checkpoint_every = k > 0``
+    (transformers' choice), none for 0."""
+    return [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
+
+
 def layer_bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """Bytes one decoder layer keeps for the backward per token (module docstring)."""
     width = DTYPE_BYTES[dtype]
@@ -224,7 +230,7 @@ def activation_bytes(
     targets = tokens if targets is None else targets
     width = DTYPE_BYTES[dtype]
     per_layer = layer_bytes_per_token(shape, dtype)
-    checkpointed = [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
+    checkpointed = checkpointed_layers(shape, checkpoint_every)
     kept = [width * shape.hidden if again else per_layer for again in checkpointed]
     recompute = 0
     if any(checkpointed):
@@ -348,7 +354,7 @@ def dfs_activation_bytes(
         return size * shard(n)
 
     per_layer = layer_bytes_per_token(shape, dtype)
-    checkpointed = [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
+    checkpointed = checkpointed_layers(shape, checkpoint_every)
     final_norm = 12 * shape.hidden + 4
     head_weight = width * shape.vocab * shape.hidden  # its new gradient, before it is added to the stored one
     row = head_bytes_per_target(shape, entropy)  # a target's float32 head tensors at the backward's start
