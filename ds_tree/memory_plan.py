@@ -172,12 +172,17 @@ def checkpointed_layers(shape: ModelShape, checkpoint_every: int) -> list[bool]:
 def layer_bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """Bytes one decoder layer keeps for the backward per token (module docstring)."""
     width = DTYPE_BYTES[dtype]
-    norms = 2 * (12 * shape.hidden + 4)
+    norms = 2 * norm_bytes_per_token(shape)
     if shape.qk_norm:  # RMSNorm over each query and key head; RoPE, next, keeps only cos and sin
         norms += (8 * shape.head_dim + 4) * (shape.heads + shape.kv_heads)
     attention = width * (3 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + 4 * shape.heads
     mlp = 4 * width * shape.intermediate
     return norms + attention + mlp
+
+
+def norm_bytes_per_token(shape: ModelShape) -> int:
+    """What one RMSNorm over the hidden state keeps per token (module docstring): ``12 h + 4``, in any dtype."""
+    return 12 * shape.hidden + 4
 
 
 def gradient_working_set_per_token(shape: ModelShape, dtype: str) -> int:
@@ -237,7 +242,7 @@ def activation_bytes(
         top = max(index for index, again in enumerate(checkpointed) if again)
         recompute = sum(kept[: top + 1]) + per_layer + gradient_working_set_per_token(shape, dtype)
     held = min(targets, head_chunk) if head_chunk else targets
-    final_norm = 12 * shape.hidden + 4
+    final_norm = norm_bytes_per_token(shape)
     head = final_norm * tokens + head_bytes_per_target(shape, entropy) * held + width * shape.vocab * shape.hidden
     if head_chunk and targets > head_chunk:  # each chunk's gradient arrives as a whole-length one, summed in a buffer
         head += 2 * width * targets * shape.hidden
@@ -355,7 +360,7 @@ def dfs_activation_bytes(
 
     per_layer = layer_bytes_per_token(shape, dtype)
     checkpointed = checkpointed_layers(shape, checkpoint_every)
-    final_norm = 12 * shape.hidden + 4
+    final_norm = norm_bytes_per_token(shape)
     head_weight = width * shape.vocab * shape.hidden  # its new gradient, before it is added to the stored one
     row = head_bytes_per_target(shape, entropy)  # a target's float32 head tensors at the backward's start
     # The path's chunks: ``full`` of ``chunk`` tokens (the k-th on a context of k x chunk), then the rest.
