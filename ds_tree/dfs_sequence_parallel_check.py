@@ -34,7 +34,7 @@ from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.peak_memory import PeakSavedMeter
 from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype
+from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
 
 
 def dfs_sequence_parallel_report(
@@ -156,7 +156,7 @@ def _write_report(out, trajectories, settings, loss, gradients, figures, calls) 
     longest = max(len(t) for t in trajectories)
     errors = gradient_errors(flat_gradients, gradients)
     tolerance = TOLERANCES[verification_dtype(trajectories, settings["dtype"])]
-    loss_rel_err = abs(loss - flat_loss) / max(abs(flat_loss), 1e-300)
+    loss_rel_err = relative_error(loss, flat_loss)
     max_rel_grad_err = max(errors.values(), default=0.0)
     size = settings["size"]
     report = {

@@ -42,7 +42,7 @@ from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype
+from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
 
 
 def sequence_parallel_report(
@@ -197,8 +197,8 @@ def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -
     errors = gradient_errors(flat_gradients, gradients)
     tolerance = TOLERANCES[torch_dtype]
     loss, aux = losses
-    loss_rel_err = abs(loss - flat["loss"]) / max(abs(flat["loss"]), 1e-300)
-    aux_rel_err = abs(aux - flat["router_aux"]) / max(abs(flat["router_aux"]), 1e-300) if aux is not None else 0.0
+    loss_rel_err = relative_error(loss, flat["loss"])
+    aux_rel_err = relative_error(aux, flat["router_aux"]) if aux is not None else 0.0
     max_rel_grad_err = max(errors.values(), default=0.0)
     sharded = [row for rows in plan.sharded for row in rows if row.n_real]
     report = {

@@ -44,6 +44,7 @@ from ds_tree.verification import (
     checked_advantages,
     gradient_errors,
     metric_errors,
+    relative_error,
     rl_policies,
     run_rl_mode,
     verification_dtype,
@@ -193,7 +194,7 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
     errors = gradient_errors(flat.gradients, gradients)
     errors_of_metrics = metric_errors(flat.metrics, metrics)
     tolerance = TOLERANCES[torch_dtype]
-    loss_rel_err = abs(loss - flat.loss) / max(abs(flat.loss), 1e-300)
+    loss_rel_err = relative_error(loss, flat.loss)
     max_rel_grad_err = max(errors.values(), default=0.0)
     max_metric_err = max(errors_of_metrics.values(), default=0.0)
     trained = sum(int((t.loss_mask[1:] != 0).sum()) for t in trajectories)
