@@ -92,9 +92,10 @@ def check_group(trajectories: list[Trajectory], model_source: str, size: int) ->
     check_vocab(trajectories, model_config.vocab_size)
 
 
-def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict) -> dict:
-    """Run ``rank_function(rank, trajectories, settings, port, out)`` in ``settings["size"]`` forked
-    processes (one sequence-parallel group); the JSON report process 0 writes to ``out``."""
+def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict):
+    """Run ``rank_function(rank, trajectories, settings)`` in ``settings["size"]`` forked processes that
+    form one sequence-parallel group (:func:`join_group`, left once every rank has returned); what
+    process 0's call returns, through JSON (its report)."""
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "report.json"
         with socket.socket() as probe:
@@ -103,9 +104,23 @@ def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict) -
         # fork: the entry point may be a script without a ``__main__`` guard (tools/verify.py), which
         # spawned processes would import and run again.
         torch.multiprocessing.start_processes(
-            rank_function, args=(trajectories, settings, port, str(out)), nprocs=settings["size"], start_method="fork"
+            _group_member,
+            args=(rank_function, trajectories, settings, port, str(out)),
+            nprocs=settings["size"],
+            start_method="fork",
         )
         return json.loads(out.read_text())
+
+
+def _group_member(rank: int, rank_function, trajectories: list[Trajectory], settings: dict, port: int, out: str):
+    """One spawned process of :func:`spawn_group`: joins the group, runs ``rank_function``, process 0
+    writes what it returned to ``out``, and leaves the group with the others."""
+    join_group(rank, settings, port)
+    result = rank_function(rank, trajectories, settings)
+    if rank == 0:
+        Path(out).write_text(json_text(result))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def join_group(rank: int, settings: dict, port: int) -> None:
@@ -120,9 +135,8 @@ def join_group(rank: int, settings: dict, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
-def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | None:
     size = settings["size"]
-    join_group(rank, settings, port)
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
     source = settings["model_source"]
     model = load_model(source, attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"])
@@ -140,12 +154,11 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, 
         dist.all_reduce(parameter.grad)
     peaks = torch.tensor([parallel["activation_bytes"], parallel["time_s"]], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        gradients = {name: p.grad for name, p in model.named_parameters()}
-        aux = float(loss[1]) if router_aux is not None else None
-        _write_report(out, trajectories, settings, plan, (float(loss[0]), aux), gradients, peaks.tolist())
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    gradients = {name: p.grad for name, p in model.named_parameters()}
+    aux = float(loss[1]) if router_aux is not None else None
+    return _report(trajectories, settings, plan, (float(loss[0]), aux), gradients, peaks.tolist())
 
 
 def _router_aux(model, trajectories: list[Trajectory], settings: dict) -> RouterAuxLoss | None:
@@ -180,7 +193,7 @@ def _measured_step(
     return {"loss": loss, "router_aux": aux, "time_s": time.perf_counter() - started, "activation_bytes": largest}
 
 
-def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -> None:
+def _report(trajectories, settings, plan, losses, gradients, peaks) -> dict:
     """Process 0: the flat baseline and the S = 1 tree step from the same seed, in this process."""
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
     single = load_model(
@@ -201,7 +214,7 @@ def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -
     aux_rel_err = relative_error(aux, flat["router_aux"]) if aux is not None else 0.0
     max_rel_grad_err = max(errors.values(), default=0.0)
     sharded = [row for rows in plan.sharded for row in rows if row.n_real]
-    report = {
+    return {
         "sequence_parallel_size": size,
         "n_trajectories": len(trajectories),
         "longest_trajectory": max(len(t) for t in trajectories),
@@ -230,7 +243,6 @@ def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -
             and aux_rel_err <= tolerance
         ),
     }
-    Path(out).write_text(json_text(report))
 
 
 def sequence_parallel_bench(args, command: str, rl_report=None) -> int:

@@ -28,13 +28,12 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.benchmark import SavedTensorMeter
-from ds_tree.data.jsonl import json_text
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.runners import StepOutput
 from ds_tree.models.loading import load_model, parse_dtype
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, spawn_group
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -107,9 +106,8 @@ def sequence_parallel_rl_bench(
     }
 
 
-def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, out: str) -> None:
+def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict:
     size, objective = options["size"], options["objective"]
-    join_group(rank, options, port)
     torch_dtype = parse_dtype(options["dtype"])
     source, attention, seed = options["model_source"], options["attention"], options["seed"]
     models, optimizers, references, plans = {}, {}, {}, {}
@@ -161,12 +159,7 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, o
                 activation[mode] = saved
             if step >= options["warmup"]:
                 times[mode].append([done - started, old_done - started, done - old_done])
-    report = _group_report(rank, size, plans, times, first_loss, activation)
-    if rank == 0:
-        with open(out, "w") as file:
-            file.write(json_text(report))
-    dist.barrier()
-    dist.destroy_process_group()
+    return _group_report(rank, size, plans, times, first_loss, activation)
 
 
 def _measured_update(model, prepared, settings, measure: bool):

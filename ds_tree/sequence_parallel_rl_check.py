@@ -22,13 +22,10 @@ and the walk settings differ.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_tree.data.jsonl import json_text
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
@@ -36,7 +33,7 @@ from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, spawn_group
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verification import (
@@ -102,9 +99,8 @@ def _policies(options: dict, torch_dtype: torch.dtype):
     )
 
 
-def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, out: str) -> None:
+def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | None:
     size, settings = options["size"], options["settings"]
-    join_group(rank, options, port)
     torch_dtype = verification_dtype(trajectories, options["dtype"])
     old, model = _policies(options, torch_dtype)
     for policy in (old, model):
@@ -122,11 +118,10 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, o
     for parameter in model.parameters():
         dist.all_reduce(parameter.grad)
     old_logprobs = _gathered_old_logprobs(trajectories, prepared)
-    if rank == 0:
-        gradients = {name: p.grad for name, p in model.named_parameters()}
-        _write_report(out, trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    gradients = {name: p.grad for name, p in model.named_parameters()}
+    return _report(trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
 
 
 def _plan(trajectories: list[Trajectory], options: dict, rank: int) -> tuple[list, list]:
@@ -172,7 +167,7 @@ def _gathered_old_logprobs(trajectories: list[Trajectory], prepared) -> tuple[np
     return gathered[0].numpy(), gathered[1].numpy()
 
 
-def _write_report(out, trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded) -> None:
+def _report(trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded) -> dict:
     """Process 0: the flat baseline from the same weights, in this process, and the errors."""
     from ds_tree.engine.step import run_rows
     from ds_tree.losses.sft import Normalisers
@@ -198,7 +193,7 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
     max_rel_grad_err = max(errors.values(), default=0.0)
     max_metric_err = max(errors_of_metrics.values(), default=0.0)
     trained = sum(int((t.loss_mask[1:] != 0).sum()) for t in trajectories)
-    report = {
+    return {
         "sequence_parallel_size": size,
         "n_trajectories": len(trajectories),
         "longest_trajectory": longest,
@@ -228,7 +223,6 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
             and counts.max(initial=0.0) <= 1
         ),
     }
-    Path(out).write_text(json_text(report))
 
 
 def _layout(options: dict, sharded: list) -> dict:
