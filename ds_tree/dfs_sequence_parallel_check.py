@@ -30,7 +30,7 @@ from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.peak_memory import PeakSavedMeter
-from ds_tree.sequence_parallel_check import check_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, group_gradients, spawn_group
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
 
@@ -90,13 +90,11 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | N
     walked = _walk(model, rows, Normalisers.from_tensor(values), settings, dfs)
     totals = torch.tensor([walked["loss"]], dtype=torch.float64)
     dist.all_reduce(totals)
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
+    gradients = group_gradients(model)
     figures = torch.tensor([walked["activation_bytes"], walked["time_s"]], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
-    gradients = {name: p.grad for name, p in model.named_parameters()}
     return _report(trajectories, settings, float(totals[0]), gradients, figures.tolist(), walked["calls"])
 
 

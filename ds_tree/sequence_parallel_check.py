@@ -135,6 +135,14 @@ def join_group(rank: int, settings: dict, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
+def group_gradients(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient summed over the group (in place, each rank having backpropagated its
+    own terms), by parameter name."""
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    return {name: parameter.grad for name, parameter in model.named_parameters()}
+
+
 def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | None:
     size = settings["size"]
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
@@ -150,13 +158,11 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | N
     parallel = _measured_step(model, rows, Normalisers.from_tensor(values), settings, router_aux)
     loss = torch.tensor([parallel["loss"], parallel["router_aux"] or 0.0], dtype=torch.float64)
     dist.all_reduce(loss)
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
+    gradients = group_gradients(model)
     peaks = torch.tensor([parallel["activation_bytes"], parallel["time_s"]], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
-    gradients = {name: p.grad for name, p in model.named_parameters()}
     aux = float(loss[1]) if router_aux is not None else None
     return _report(trajectories, settings, plan, (float(loss[0]), aux), gradients, peaks.tolist())
 

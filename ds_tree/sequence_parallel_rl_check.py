@@ -33,7 +33,7 @@ from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import check_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, group_gradients, spawn_group
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verification import (
@@ -115,12 +115,10 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | No
     prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)
     output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, dfs=dfs)
     loss, metrics = _group_sums(output)
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
+    gradients = group_gradients(model)
     old_logprobs = _gathered_old_logprobs(trajectories, prepared)
     if rank != 0:
         return None
-    gradients = {name: p.grad for name, p in model.named_parameters()}
     return _report(trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
 
 
