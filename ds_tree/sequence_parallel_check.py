@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.benchmark import SavedTensorMeter
-from ds_tree.data import load_trajectories
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.step import run_rows
-from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
@@ -249,31 +246,3 @@ def _report(trajectories, settings, plan, losses, gradients, peaks) -> dict:
             and aux_rel_err <= tolerance
         ),
     }
-
-
-def sequence_parallel_bench(args, command: str, rl_report=None) -> int:
-    """``bench --sequence-parallel S``: the report of :func:`sequence_parallel_report` (SFT) or of
-    ``rl_report`` (called as it is, :func:`~ds_tree.sequence_parallel_rl_bench.sequence_parallel_rl_bench`
-    with its objective bound), in the bench's dtype, printed and written to ``--json``; 2 on bad input."""
-    report_of = rl_report or sequence_parallel_report
-    try:
-        trajectories = load_trajectories(args.data)[: args.limit]
-        report = report_of(
-            trajectories,
-            args.model,
-            size=args.sequence_parallel,
-            dtype=args.dtype,
-            budget=args.budget,
-            attention=args.attention,
-            threads=args.threads or 1,
-        )
-    except (DataError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    report.update(command=command, data=str(args.data), model=str(args.model))
-    text = json_text(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0
