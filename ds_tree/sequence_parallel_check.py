@@ -174,11 +174,11 @@ def _measured_step(
 ) -> dict:
     """Forward and backward of ``rows``, one at a time: loss, router loss (or None), seconds, the largest
     row's saved bytes."""
-    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameters = list(model.parameters())
     loss, largest, started = 0.0, 0, time.perf_counter()
     aux = None if router_aux is None else 0.0
     for row in rows:
-        meter = SavedTensorMeter()
+        meter = SavedTensorMeter(exclude=parameters)
         with meter.context():
             output = run_rows(
                 model,
@@ -192,7 +192,7 @@ def _measured_step(
         loss += output.loss
         if aux is not None:
             aux += output.router_aux
-        largest = max(largest, sum(n for key, n in meter.storages.items() if key not in excluded))
+        largest = max(largest, meter.total)
     return {"loss": loss, "router_aux": aux, "time_s": time.perf_counter() - started, "activation_bytes": largest}
 
 

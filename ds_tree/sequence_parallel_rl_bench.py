@@ -27,9 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_tree.benchmark import SavedTensorMeter
+from ds_tree.benchmark import run_measuring
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.engine.runners import StepOutput
 from ds_tree.models.loading import load_model, parse_dtype
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows
@@ -142,8 +141,7 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict:
             saved, loss = 0, 0.0
             for epoch in range(objective.ppo_epochs):
                 if epoch == 0:
-                    output, saved = _measured_update(model, prepared, settings, measure)
-                    loss = output.loss
+                    loss, saved = _measured_update(model, prepared, settings, measure)
                 else:
                     run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
                 for parameter in model.parameters():  # the group's sum, as the trainer's engine reduces it
@@ -162,19 +160,16 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict:
     return _group_report(rank, size, plans, times, first_loss, activation)
 
 
-def _measured_update(model, prepared, settings, measure: bool):
-    """One update's forward and backward; with ``measure`` one item at a time under a
-    :class:`SavedTensorMeter`, returning the most one item saved (parameters left out), else 0."""
-    if not measure:
-        return run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward), 0
-    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    loss, saved = 0.0, 0
-    for item in prepared:
-        meter = SavedTensorMeter()
-        with meter.context():
-            loss += run_rl_rows(model, [item], settings, backward=torch.Tensor.backward).loss
-        saved = max(saved, sum(n for key, n in meter.storages.items() if key not in excluded))
-    return StepOutput(loss), saved
+def _measured_update(model, prepared, settings, measure: bool) -> tuple[float, int]:
+    """One update's forward and backward: its loss, and with ``measure`` the most one item saved
+    (:func:`~ds_tree.benchmark.run_measuring`, one item at a time, parameters left out), else 0."""
+    losses = []
+
+    def run(items):
+        losses.append(run_rl_rows(model, items, settings, backward=torch.Tensor.backward).loss)
+
+    saved = run_measuring(run, prepared, measure, exclude=model.parameters())
+    return sum(losses), saved
 
 
 def _group_report(rank, size, plans, times, first_loss, activation) -> dict:
