@@ -27,9 +27,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_tree.benchmark import run_measuring
+from ds_tree.benchmark import BenchModels, run_measuring
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.models.loading import load_model, parse_dtype
+from ds_tree.models.loading import parse_dtype
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows
 from ds_tree.sequence_parallel_check import check_group, spawn_group
@@ -109,16 +109,13 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict:
     size, objective = options["size"], options["objective"]
     torch_dtype = parse_dtype(options["dtype"])
     source, attention, seed = options["model_source"], options["attention"], options["seed"]
-    models, optimizers, references, plans = {}, {}, {}, {}
+    # with a KL term, a frozen copy of the initial policy per mode, as the trainer's default
+    bench = BenchModels.build(MODES, source, attention, torch_dtype, seed, 0, "cpu", kl=bool(objective.kl_coef))
+    models, optimizers, references, plans = bench.models, bench.optimizers, bench.references, {}
     for mode, merge in MODES.items():
-        models[mode] = load_model(source, attention=attention, dtype=torch_dtype, seed=seed)
-        enable_sequence_parallel(models[mode], size)
-        optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
-        references[mode] = None
-        if objective.kl_coef:  # a frozen copy of the initial policy, as the trainer's default
-            references[mode] = load_model(source, attention=attention, dtype=torch_dtype, seed=seed)
-            references[mode].requires_grad_(False)
-            enable_sequence_parallel(references[mode], size)
+        for policy in (models[mode], references[mode]):
+            if policy is not None:
+                enable_sequence_parallel(policy, size)
         forest = build_forest(trajectories, merge=merge)
         plans[mode] = plan_sequence_parallel_rows(forest, size, size, options["budget"], options["block"])
     advantages = checked_advantages(
