@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.engine.dfs import DfsSettings, WalkStats
-from ds_tree.engine.step import run_rows
+from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
@@ -85,9 +85,7 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | N
     dfs = DfsSettings(settings["chunk"], settings["recompute"])
     plan = PlanSettings(mode="dfs", budget=dfs.chunk, sequence_parallel_size=size, dfs_chunk=dfs.chunk)
     rows = plan_step(trajectories, plan, size).for_rank(rank).rows
-    values = Normalisers.from_rows(rows).as_tensor()
-    dist.all_reduce(values)
-    walked = _walk(model, rows, Normalisers.from_tensor(values), settings, dfs)
+    walked = _walk(model, rows, global_normalisers(rows), settings, dfs)
     totals = torch.tensor([walked["loss"]], dtype=torch.float64)
     dist.all_reduce(totals)
     gradients = group_gradients(model)

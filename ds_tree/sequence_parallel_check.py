@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ds_tree.benchmark import SavedTensorMeter
 from ds_tree.data.jsonl import json_text
-from ds_tree.engine.step import run_rows
+from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
@@ -149,10 +149,9 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | N
     budget, block = settings["budget"], settings["block"]
     plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, budget, block)
     rows = plan.rank_rows(rank, size)
-    values = Normalisers.from_rows(rows).as_tensor()
-    dist.all_reduce(values)
+    normalisers = global_normalisers(rows)
     router_aux = _router_aux(model, trajectories, settings)
-    parallel = _measured_step(model, rows, Normalisers.from_tensor(values), settings, router_aux)
+    parallel = _measured_step(model, rows, normalisers, settings, router_aux)
     loss = torch.tensor([parallel["loss"], parallel["router_aux"] or 0.0], dtype=torch.float64)
     dist.all_reduce(loss)
     gradients = group_gradients(model)

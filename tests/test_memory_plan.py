@@ -207,7 +207,7 @@ def _sharded_walk_peaks(rank: int, trajectories, settings: dict) -> list[float]:
     ``(chunk, recompute)`` measured after a warm-up; the largest peak over the ranks (process 0's is reported)."""
     import torch.distributed as dist
 
-    from ds_tree.engine.step import run_rows
+    from ds_tree.engine.step import global_normalisers, run_rows
     from ds_tree.models.ulysses import enable_sequence_parallel
     from ds_tree.packing.plan import PlanSettings, plan_step
 
@@ -217,9 +217,7 @@ def _sharded_walk_peaks(rank: int, trajectories, settings: dict) -> list[float]:
     for chunk, recompute in settings["cases"]:
         plan = PlanSettings(mode="dfs", budget=chunk, sequence_parallel_size=2, dfs_chunk=chunk)
         rows = plan_step(trajectories[chunk], plan, 2).for_rank(rank).rows
-        values = Normalisers.from_rows(rows).as_tensor()
-        dist.all_reduce(values)
-        normalisers, walk = Normalisers.from_tensor(values), DfsSettings(chunk, recompute)
+        normalisers, walk = global_normalisers(rows), DfsSettings(chunk, recompute)
 
         def step(rows=rows, normalisers=normalisers, walk=walk):
             run_rows(model, rows, normalisers, "token_mean", "exact", backward=torch.Tensor.backward, dfs=walk)
