@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
+from ds_tree.losses.rl import SUMMED_METRICS
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
@@ -46,8 +47,6 @@ from ds_tree.verification import (
     run_rl_mode,
     verification_dtype,
 )
-
-SUMMED_METRICS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy")
 
 
 def sequence_parallel_rl_report(
