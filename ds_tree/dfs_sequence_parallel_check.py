@@ -24,13 +24,12 @@ import torch.distributed as dist
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
-from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.peak_memory import PeakSavedMeter
-from ds_tree.sequence_parallel_check import check_group, group_gradients, spawn_group
+from ds_tree.sequence_parallel_check import check_group, group_gradients, settings_model, spawn_group
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
 
@@ -69,10 +68,7 @@ def dfs_sequence_parallel_report(
 
 
 def _load(settings: dict, trajectories: list[Trajectory]):
-    torch_dtype = verification_dtype(trajectories, settings["dtype"])
-    model = load_model(
-        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
-    )
+    model = settings_model(settings, verification_dtype(trajectories, settings["dtype"]))
     if RouterAuxLoss.of_model(model, None, 1) is not None:
         raise ValueError("an MoE model's router loss is not built for dfs with sequence parallelism")
     return model

@@ -132,6 +132,14 @@ def join_group(rank: int, settings: dict, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
+def settings_model(settings: dict, torch_dtype: torch.dtype):
+    """The model of ``settings`` (``model_source``, ``attention``, ``seed``) in ``torch_dtype``: the same
+    weights in every process of the group and in process 0's single-process references."""
+    return load_model(
+        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
+    )
+
+
 def group_gradients(model) -> dict[str, torch.Tensor]:
     """Every parameter's gradient summed over the group (in place, each rank having backpropagated its
     own terms), by parameter name."""
@@ -142,9 +150,7 @@ def group_gradients(model) -> dict[str, torch.Tensor]:
 
 def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | None:
     size = settings["size"]
-    torch_dtype = verification_dtype(trajectories, settings["dtype"])
-    source = settings["model_source"]
-    model = load_model(source, attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"])
+    model = settings_model(settings, verification_dtype(trajectories, settings["dtype"]))
     enable_sequence_parallel(model, size)
     budget, block = settings["budget"], settings["block"]
     plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, budget, block)
@@ -198,9 +204,7 @@ def _measured_step(
 def _report(trajectories, settings, plan, losses, gradients, peaks) -> dict:
     """Process 0: the flat baseline and the S = 1 tree step from the same seed, in this process."""
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
-    single = load_model(
-        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
-    )
+    single = settings_model(settings, torch_dtype)
     size, budget, block = settings["size"], settings["budget"], settings["block"]
     flat_rows = pack_trajectories(trajectories, "flat", size * budget, block)
     router_aux = _router_aux(single, trajectories, settings)
