@@ -73,14 +73,19 @@ class ModeTimes:
 
 
 class SavedTensorMeter:
-    """Bytes of distinct tensors autograd saves for backward: the activation memory of a step."""
+    """Bytes of distinct tensors autograd saves for backward: the activation memory of a step.
 
-    def __init__(self) -> None:
+    Storages of ``exclude`` (e.g. the parameters, which linear layers save for their backward) are
+    not counted."""
+
+    def __init__(self, exclude=()) -> None:
+        self.excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
         self.storages: dict[int, int] = {}
 
     def pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        self.storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in self.excluded:
+            self.storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     @staticmethod
@@ -95,15 +100,17 @@ class SavedTensorMeter:
         return sum(self.storages.values())
 
 
-def run_measuring(run, items: list, measure_memory: bool) -> int:
+def run_measuring(run, items: list, measure_memory: bool, exclude=()) -> int:
     """``run(items)``; when measuring, one item at a time (rows run one after another, so the peak
-    is the largest row's) under a :class:`SavedTensorMeter`. Returns the largest saved bytes (0 if not measured)."""
+    is the largest row's) under a :class:`SavedTensorMeter` (not counting ``exclude``'s storages). Returns
+    the largest saved bytes (0 if not measured)."""
     if not measure_memory:
         run(items)
         return 0
+    exclude = list(exclude)
     saved = 0
     for item in items:
-        meter = SavedTensorMeter()
+        meter = SavedTensorMeter(exclude)
         with meter.context():
             run([item])
         saved = max(saved, meter.total)

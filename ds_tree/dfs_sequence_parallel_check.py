@@ -17,24 +17,21 @@ the ranks) and at S = 1.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ds_tree.data.jsonl import json_text
 from ds_tree.engine.dfs import DfsSettings, WalkStats
-from ds_tree.engine.step import run_rows
+from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
-from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.peak_memory import PeakSavedMeter
-from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, group_gradients, settings_model, spawn_group
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype
+from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
 
 
 def dfs_sequence_parallel_report(
@@ -71,37 +68,28 @@ def dfs_sequence_parallel_report(
 
 
 def _load(settings: dict, trajectories: list[Trajectory]):
-    torch_dtype = verification_dtype(trajectories, settings["dtype"])
-    model = load_model(
-        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
-    )
+    model = settings_model(settings, verification_dtype(trajectories, settings["dtype"]))
     if RouterAuxLoss.of_model(model, None, 1) is not None:
         raise ValueError("an MoE model's router loss is not built for dfs with sequence parallelism")
     return model
 
 
-def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | None:
     size = settings["size"]
-    join_group(rank, settings, port)
     model = _load(settings, trajectories)
     enable_sequence_parallel(model, size)
     dfs = DfsSettings(settings["chunk"], settings["recompute"])
     plan = PlanSettings(mode="dfs", budget=dfs.chunk, sequence_parallel_size=size, dfs_chunk=dfs.chunk)
     rows = plan_step(trajectories, plan, size).for_rank(rank).rows
-    values = Normalisers.from_rows(rows).as_tensor()
-    dist.all_reduce(values)
-    walked = _walk(model, rows, Normalisers.from_tensor(values), settings, dfs)
+    walked = _walk(model, rows, global_normalisers(rows), settings, dfs)
     totals = torch.tensor([walked["loss"]], dtype=torch.float64)
     dist.all_reduce(totals)
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
+    gradients = group_gradients(model)
     figures = torch.tensor([walked["activation_bytes"], walked["time_s"]], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        gradients = {name: p.grad for name, p in model.named_parameters()}
-        _write_report(out, trajectories, settings, float(totals[0]), gradients, figures.tolist(), walked["calls"])
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return _report(trajectories, settings, float(totals[0]), gradients, figures.tolist(), walked["calls"])
 
 
 def _walk(model, rows, normalisers: Normalisers, settings: dict, dfs: DfsSettings) -> dict:
@@ -149,17 +137,17 @@ def _reference(trajectories, settings) -> dict:
     return {"loss": flat_loss, "gradients": flat_gradients, "alone": alone, "walked_trees": len(tree_rows)}
 
 
-def _write_report(out, trajectories, settings, loss, gradients, figures, calls) -> None:
+def _report(trajectories, settings, loss, gradients, figures, calls) -> dict:
     """Process 0: the report against :func:`_reference`."""
     reference = settings["reference"]
     flat_loss, flat_gradients, alone = reference["loss"], reference["gradients"], reference["alone"]
     longest = max(len(t) for t in trajectories)
     errors = gradient_errors(flat_gradients, gradients)
     tolerance = TOLERANCES[verification_dtype(trajectories, settings["dtype"])]
-    loss_rel_err = abs(loss - flat_loss) / max(abs(flat_loss), 1e-300)
+    loss_rel_err = relative_error(loss, flat_loss)
     max_rel_grad_err = max(errors.values(), default=0.0)
     size = settings["size"]
-    report = {
+    return {
         "sequence_parallel_size": size,
         "dfs_chunk": settings["chunk"],
         "dfs_recompute": settings["recompute"],
@@ -180,4 +168,3 @@ def _write_report(out, trajectories, settings, loss, gradients, figures, calls) 
         "tolerance": tolerance,
         "passed": bool(settings["policy"] == "exact" and max_rel_grad_err <= tolerance and loss_rel_err <= tolerance),
     }
-    Path(out).write_text(json_text(report))

@@ -163,15 +163,26 @@ def reference_bytes(shape: ModelShape, dtype: str, world_size: int, *, partition
     return StateBytes(0, 0, 0, 0, share) if offload else StateBytes(share, 0, 0, 0, 0)
 
 
+def checkpointed_layers(shape: ModelShape, checkpoint_every: int) -> list[bool]:
+    """Per decoder layer, whether it is checkpointed: layers ``0, k, 2k, ...`` for ``checkpoint_every = k > 0``
+    (transformers' choice), none for 0."""
+    return [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
+
+
 def layer_bytes_per_token(shape: ModelShape, dtype: str) -> int:
     """Bytes one decoder layer keeps for the backward per token (module docstring)."""
     width = DTYPE_BYTES[dtype]
-    norms = 2 * (12 * shape.hidden + 4)
+    norms = 2 * norm_bytes_per_token(shape)
     if shape.qk_norm:  # RMSNorm over each query and key head; RoPE, next, keeps only cos and sin
         norms += (8 * shape.head_dim + 4) * (shape.heads + shape.kv_heads)
     attention = width * (3 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + 4 * shape.heads
     mlp = 4 * width * shape.intermediate
     return norms + attention + mlp
+
+
+def norm_bytes_per_token(shape: ModelShape) -> int:
+    """What one RMSNorm over the hidden state keeps per token (module docstring): ``12 h + 4``, in any dtype."""
+    return 12 * shape.hidden + 4
 
 
 def gradient_working_set_per_token(shape: ModelShape, dtype: str) -> int:
@@ -224,14 +235,14 @@ def activation_bytes(
     targets = tokens if targets is None else targets
     width = DTYPE_BYTES[dtype]
     per_layer = layer_bytes_per_token(shape, dtype)
-    checkpointed = [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
+    checkpointed = checkpointed_layers(shape, checkpoint_every)
     kept = [width * shape.hidden if again else per_layer for again in checkpointed]
     recompute = 0
     if any(checkpointed):
         top = max(index for index, again in enumerate(checkpointed) if again)
         recompute = sum(kept[: top + 1]) + per_layer + gradient_working_set_per_token(shape, dtype)
     held = min(targets, head_chunk) if head_chunk else targets
-    final_norm = 12 * shape.hidden + 4
+    final_norm = norm_bytes_per_token(shape)
     head = final_norm * tokens + head_bytes_per_target(shape, entropy) * held + width * shape.vocab * shape.hidden
     if head_chunk and targets > head_chunk:  # each chunk's gradient arrives as a whole-length one, summed in a buffer
         head += 2 * width * targets * shape.hidden
@@ -257,10 +268,16 @@ def largest_budget(
         )
         return plan.peak <= free_bytes
 
-    low, high = 0, max(free_bytes, 0) // layer_bytes_per_token(shape, dtype) + 1
-    while low < high:  # the largest ``tokens`` with fits(tokens); fits(0) holds for free_bytes >= 0
+    high = max(free_bytes, 0) // layer_bytes_per_token(shape, dtype) + 1
+    return _last_true(0, high, fits)  # the largest ``tokens`` with fits(tokens); fits(0) holds for free_bytes >= 0
+
+
+def _last_true(low: int, high: int, test) -> int:
+    """The largest ``x`` in ``[low, high]`` with ``test(x)``, by halving bisection: ``test(low)`` holds
+    and ``test`` is monotone on ``[low, high]`` (true, then false)."""
+    while low < high:
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        low, high = (middle, high) if test(middle) else (low, middle - 1)
     return low
 
 
@@ -342,8 +359,8 @@ def dfs_activation_bytes(
         return size * shard(n)
 
     per_layer = layer_bytes_per_token(shape, dtype)
-    checkpointed = [index % checkpoint_every == 0 if checkpoint_every else False for index in range(shape.layers)]
-    final_norm = 12 * shape.hidden + 4
+    checkpointed = checkpointed_layers(shape, checkpoint_every)
+    final_norm = norm_bytes_per_token(shape)
     head_weight = width * shape.vocab * shape.hidden  # its new gradient, before it is added to the stored one
     row = head_bytes_per_target(shape, entropy)  # a target's float32 head tensors at the backward's start
     # The path's chunks: ``full`` of ``chunk`` tokens (the k-th on a context of k x chunk), then the rest.
@@ -445,17 +462,11 @@ def largest_dfs_path(
         options.update(packed_below=packed_below, sequence_parallel=sequence_parallel)
         return dfs_activation_bytes(shape, dtype, tokens, chunk, entropy=entropy, **options).peak <= free_bytes
 
-    def last_true(low: int, high: int, test) -> int:  # test(low) holds, test is monotone on [low, high]
-        while low < high:
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if test(middle) else (low, middle - 1)
-        return low
-
     high = 1
     while fits(high * chunk):  # the peak grows at least linearly with whole chunks, so doubling ends
         high *= 2
-    chunks = last_true(0, high - 1, lambda k: fits(k * chunk))
-    return chunks * chunk + last_true(0, chunk - 1, lambda r: fits(chunks * chunk + r))
+    chunks = _last_true(0, high - 1, lambda k: fits(k * chunk))
+    return chunks * chunk + _last_true(0, chunk - 1, lambda r: fits(chunks * chunk + r))
 
 
 def profiled_peak_bytes(run) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,10 +27,8 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.benchmark import SavedTensorMeter
-from ds_tree.data import load_trajectories
 from ds_tree.data.jsonl import json_text
-from ds_tree.engine.step import run_rows
-from ds_tree.errors import DataError
+from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
@@ -42,7 +39,7 @@ from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import TOLERANCES, gradient_errors, verification_dtype
+from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
 
 
 def sequence_parallel_report(
@@ -92,9 +89,10 @@ def check_group(trajectories: list[Trajectory], model_source: str, size: int) ->
     check_vocab(trajectories, model_config.vocab_size)
 
 
-def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict) -> dict:
-    """Run ``rank_function(rank, trajectories, settings, port, out)`` in ``settings["size"]`` forked
-    processes (one sequence-parallel group); the JSON report process 0 writes to ``out``."""
+def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict):
+    """Run ``rank_function(rank, trajectories, settings)`` in ``settings["size"]`` forked processes that
+    form one sequence-parallel group (:func:`join_group`, left once every rank has returned); what
+    process 0's call returns, through JSON (its report)."""
     with tempfile.TemporaryDirectory() as directory:
         out = Path(directory) / "report.json"
         with socket.socket() as probe:
@@ -103,9 +101,23 @@ def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict) -
         # fork: the entry point may be a script without a ``__main__`` guard (tools/verify.py), which
         # spawned processes would import and run again.
         torch.multiprocessing.start_processes(
-            rank_function, args=(trajectories, settings, port, str(out)), nprocs=settings["size"], start_method="fork"
+            _group_member,
+            args=(rank_function, trajectories, settings, port, str(out)),
+            nprocs=settings["size"],
+            start_method="fork",
         )
         return json.loads(out.read_text())
+
+
+def _group_member(rank: int, rank_function, trajectories: list[Trajectory], settings: dict, port: int, out: str):
+    """One spawned process of :func:`spawn_group`: joins the group, runs ``rank_function``, process 0
+    writes what it returned to ``out``, and leaves the group with the others."""
+    join_group(rank, settings, port)
+    result = rank_function(rank, trajectories, settings)
+    if rank == 0:
+        Path(out).write_text(json_text(result))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def join_group(rank: int, settings: dict, port: int) -> None:
@@ -120,32 +132,41 @@ def join_group(rank: int, settings: dict, port: int) -> None:
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
 
 
-def _rank(rank: int, trajectories: list[Trajectory], settings: dict, port: int, out: str) -> None:
+def settings_model(settings: dict, torch_dtype: torch.dtype):
+    """The model of ``settings`` (``model_source``, ``attention``, ``seed``) in ``torch_dtype``: the same
+    weights in every process of the group and in process 0's single-process references."""
+    return load_model(
+        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
+    )
+
+
+def group_gradients(model) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient summed over the group (in place, each rank having backpropagated its
+    own terms), by parameter name."""
+    for parameter in model.parameters():
+        dist.all_reduce(parameter.grad)
+    return {name: parameter.grad for name, parameter in model.named_parameters()}
+
+
+def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | None:
     size = settings["size"]
-    join_group(rank, settings, port)
-    torch_dtype = verification_dtype(trajectories, settings["dtype"])
-    source = settings["model_source"]
-    model = load_model(source, attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"])
+    model = settings_model(settings, verification_dtype(trajectories, settings["dtype"]))
     enable_sequence_parallel(model, size)
     budget, block = settings["budget"], settings["block"]
     plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, budget, block)
     rows = plan.rank_rows(rank, size)
-    values = Normalisers.from_rows(rows).as_tensor()
-    dist.all_reduce(values)
+    normalisers = global_normalisers(rows)
     router_aux = _router_aux(model, trajectories, settings)
-    parallel = _measured_step(model, rows, Normalisers.from_tensor(values), settings, router_aux)
+    parallel = _measured_step(model, rows, normalisers, settings, router_aux)
     loss = torch.tensor([parallel["loss"], parallel["router_aux"] or 0.0], dtype=torch.float64)
     dist.all_reduce(loss)
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
+    gradients = group_gradients(model)
     peaks = torch.tensor([parallel["activation_bytes"], parallel["time_s"]], dtype=torch.float64)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        gradients = {name: p.grad for name, p in model.named_parameters()}
-        aux = float(loss[1]) if router_aux is not None else None
-        _write_report(out, trajectories, settings, plan, (float(loss[0]), aux), gradients, peaks.tolist())
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    aux = float(loss[1]) if router_aux is not None else None
+    return _report(trajectories, settings, plan, (float(loss[0]), aux), gradients, peaks.tolist())
 
 
 def _router_aux(model, trajectories: list[Trajectory], settings: dict) -> RouterAuxLoss | None:
@@ -158,11 +179,11 @@ def _measured_step(
 ) -> dict:
     """Forward and backward of ``rows``, one at a time: loss, router loss (or None), seconds, the largest
     row's saved bytes."""
-    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameters = list(model.parameters())
     loss, largest, started = 0.0, 0, time.perf_counter()
     aux = None if router_aux is None else 0.0
     for row in rows:
-        meter = SavedTensorMeter()
+        meter = SavedTensorMeter(exclude=parameters)
         with meter.context():
             output = run_rows(
                 model,
@@ -176,16 +197,14 @@ def _measured_step(
         loss += output.loss
         if aux is not None:
             aux += output.router_aux
-        largest = max(largest, sum(n for key, n in meter.storages.items() if key not in excluded))
+        largest = max(largest, meter.total)
     return {"loss": loss, "router_aux": aux, "time_s": time.perf_counter() - started, "activation_bytes": largest}
 
 
-def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -> None:
+def _report(trajectories, settings, plan, losses, gradients, peaks) -> dict:
     """Process 0: the flat baseline and the S = 1 tree step from the same seed, in this process."""
     torch_dtype = verification_dtype(trajectories, settings["dtype"])
-    single = load_model(
-        settings["model_source"], attention=settings["attention"], dtype=torch_dtype, seed=settings["seed"]
-    )
+    single = settings_model(settings, torch_dtype)
     size, budget, block = settings["size"], settings["budget"], settings["block"]
     flat_rows = pack_trajectories(trajectories, "flat", size * budget, block)
     router_aux = _router_aux(single, trajectories, settings)
@@ -197,11 +216,11 @@ def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -
     errors = gradient_errors(flat_gradients, gradients)
     tolerance = TOLERANCES[torch_dtype]
     loss, aux = losses
-    loss_rel_err = abs(loss - flat["loss"]) / max(abs(flat["loss"]), 1e-300)
-    aux_rel_err = abs(aux - flat["router_aux"]) / max(abs(flat["router_aux"]), 1e-300) if aux is not None else 0.0
+    loss_rel_err = relative_error(loss, flat["loss"])
+    aux_rel_err = relative_error(aux, flat["router_aux"]) if aux is not None else 0.0
     max_rel_grad_err = max(errors.values(), default=0.0)
     sharded = [row for rows in plan.sharded for row in rows if row.n_real]
-    report = {
+    return {
         "sequence_parallel_size": size,
         "n_trajectories": len(trajectories),
         "longest_trajectory": max(len(t) for t in trajectories),
@@ -230,32 +249,3 @@ def _write_report(out, trajectories, settings, plan, losses, gradients, peaks) -
             and aux_rel_err <= tolerance
         ),
     }
-    Path(out).write_text(json_text(report))
-
-
-def sequence_parallel_bench(args, command: str, rl_report=None) -> int:
-    """``bench --sequence-parallel S``: the report of :func:`sequence_parallel_report` (SFT) or of
-    ``rl_report`` (called as it is, :func:`~ds_tree.sequence_parallel_rl_bench.sequence_parallel_rl_bench`
-    with its objective bound), in the bench's dtype, printed and written to ``--json``; 2 on bad input."""
-    report_of = rl_report or sequence_parallel_report
-    try:
-        trajectories = load_trajectories(args.data)[: args.limit]
-        report = report_of(
-            trajectories,
-            args.model,
-            size=args.sequence_parallel,
-            dtype=args.dtype,
-            budget=args.budget,
-            attention=args.attention,
-            threads=args.threads or 1,
-        )
-    except (DataError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    report.update(command=command, data=str(args.data), model=str(args.model))
-    text = json_text(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0

@@ -27,14 +27,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_tree.benchmark import SavedTensorMeter
-from ds_tree.data.jsonl import json_text
+from ds_tree.benchmark import BenchModels, run_measuring
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.engine.runners import StepOutput
-from ds_tree.models.loading import load_model, parse_dtype
+from ds_tree.models.loading import parse_dtype
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, spawn_group
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -107,21 +105,17 @@ def sequence_parallel_rl_bench(
     }
 
 
-def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, out: str) -> None:
+def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict:
     size, objective = options["size"], options["objective"]
-    join_group(rank, options, port)
     torch_dtype = parse_dtype(options["dtype"])
     source, attention, seed = options["model_source"], options["attention"], options["seed"]
-    models, optimizers, references, plans = {}, {}, {}, {}
+    # with a KL term, a frozen copy of the initial policy per mode, as the trainer's default
+    bench = BenchModels.build(MODES, source, attention, torch_dtype, seed, 0, "cpu", kl=bool(objective.kl_coef))
+    models, optimizers, references, plans = bench.models, bench.optimizers, bench.references, {}
     for mode, merge in MODES.items():
-        models[mode] = load_model(source, attention=attention, dtype=torch_dtype, seed=seed)
-        enable_sequence_parallel(models[mode], size)
-        optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
-        references[mode] = None
-        if objective.kl_coef:  # a frozen copy of the initial policy, as the trainer's default
-            references[mode] = load_model(source, attention=attention, dtype=torch_dtype, seed=seed)
-            references[mode].requires_grad_(False)
-            enable_sequence_parallel(references[mode], size)
+        for policy in (models[mode], references[mode]):
+            if policy is not None:
+                enable_sequence_parallel(policy, size)
         forest = build_forest(trajectories, merge=merge)
         plans[mode] = plan_sequence_parallel_rows(forest, size, size, options["budget"], options["block"])
     advantages = checked_advantages(
@@ -144,8 +138,7 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, o
             saved, loss = 0, 0.0
             for epoch in range(objective.ppo_epochs):
                 if epoch == 0:
-                    output, saved = _measured_update(model, prepared, settings, measure)
-                    loss = output.loss
+                    loss, saved = _measured_update(model, prepared, settings, measure)
                 else:
                     run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward)
                 for parameter in model.parameters():  # the group's sum, as the trainer's engine reduces it
@@ -161,27 +154,19 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, o
                 activation[mode] = saved
             if step >= options["warmup"]:
                 times[mode].append([done - started, old_done - started, done - old_done])
-    report = _group_report(rank, size, plans, times, first_loss, activation)
-    if rank == 0:
-        with open(out, "w") as file:
-            file.write(json_text(report))
-    dist.barrier()
-    dist.destroy_process_group()
+    return _group_report(rank, size, plans, times, first_loss, activation)
 
 
-def _measured_update(model, prepared, settings, measure: bool):
-    """One update's forward and backward; with ``measure`` one item at a time under a
-    :class:`SavedTensorMeter`, returning the most one item saved (parameters left out), else 0."""
-    if not measure:
-        return run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward), 0
-    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    loss, saved = 0.0, 0
-    for item in prepared:
-        meter = SavedTensorMeter()
-        with meter.context():
-            loss += run_rl_rows(model, [item], settings, backward=torch.Tensor.backward).loss
-        saved = max(saved, sum(n for key, n in meter.storages.items() if key not in excluded))
-    return StepOutput(loss), saved
+def _measured_update(model, prepared, settings, measure: bool) -> tuple[float, int]:
+    """One update's forward and backward: its loss, and with ``measure`` the most one item saved
+    (:func:`~ds_tree.benchmark.run_measuring`, one item at a time, parameters left out), else 0."""
+    losses = []
+
+    def run(items):
+        losses.append(run_rl_rows(model, items, settings, backward=torch.Tensor.backward).loss)
+
+    saved = run_measuring(run, prepared, measure, exclude=model.parameters())
+    return sum(losses), saved
 
 
 def _group_report(rank, size, plans, times, first_loss, activation) -> dict:

@@ -22,21 +22,19 @@ and the walk settings differ.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_tree.data.jsonl import json_text
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
+from ds_tree.losses.rl import SUMMED_METRICS
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import check_group, join_group, spawn_group
+from ds_tree.sequence_parallel_check import check_group, group_gradients, spawn_group
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verification import (
@@ -44,12 +42,11 @@ from ds_tree.verification import (
     checked_advantages,
     gradient_errors,
     metric_errors,
+    relative_error,
     rl_policies,
     run_rl_mode,
     verification_dtype,
 )
-
-SUMMED_METRICS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy")
 
 
 def sequence_parallel_rl_report(
@@ -101,9 +98,8 @@ def _policies(options: dict, torch_dtype: torch.dtype):
     )
 
 
-def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, out: str) -> None:
+def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | None:
     size, settings = options["size"], options["settings"]
-    join_group(rank, options, port)
     torch_dtype = verification_dtype(trajectories, options["dtype"])
     old, model = _policies(options, torch_dtype)
     for policy in (old, model):
@@ -118,14 +114,11 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict, port: int, o
     prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)
     output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, dfs=dfs)
     loss, metrics = _group_sums(output)
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad)
+    gradients = group_gradients(model)
     old_logprobs = _gathered_old_logprobs(trajectories, prepared)
-    if rank == 0:
-        gradients = {name: p.grad for name, p in model.named_parameters()}
-        _write_report(out, trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return _report(trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
 
 
 def _plan(trajectories: list[Trajectory], options: dict, rank: int) -> tuple[list, list]:
@@ -171,7 +164,7 @@ def _gathered_old_logprobs(trajectories: list[Trajectory], prepared) -> tuple[np
     return gathered[0].numpy(), gathered[1].numpy()
 
 
-def _write_report(out, trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded) -> None:
+def _report(trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded) -> dict:
     """Process 0: the flat baseline from the same weights, in this process, and the errors."""
     from ds_tree.engine.step import run_rows
     from ds_tree.losses.sft import Normalisers
@@ -193,11 +186,11 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
     errors = gradient_errors(flat.gradients, gradients)
     errors_of_metrics = metric_errors(flat.metrics, metrics)
     tolerance = TOLERANCES[torch_dtype]
-    loss_rel_err = abs(loss - flat.loss) / max(abs(flat.loss), 1e-300)
+    loss_rel_err = relative_error(loss, flat.loss)
     max_rel_grad_err = max(errors.values(), default=0.0)
     max_metric_err = max(errors_of_metrics.values(), default=0.0)
     trained = sum(int((t.loss_mask[1:] != 0).sum()) for t in trajectories)
-    report = {
+    return {
         "sequence_parallel_size": size,
         "n_trajectories": len(trajectories),
         "longest_trajectory": longest,
@@ -227,7 +220,6 @@ def _write_report(out, trajectories, options, advantages, loss, gradients, metri
             and counts.max(initial=0.0) <= 1
         ),
     }
-    Path(out).write_text(json_text(report))
 
 
 def _layout(options: dict, sharded: list) -> dict:

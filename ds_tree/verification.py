@@ -120,6 +120,11 @@ def verification_dtype(trajectories: list[Trajectory], dtype: str) -> torch.dtyp
     return torch_dtype
 
 
+def relative_error(value: float, reference: float) -> float:
+    """``|value - reference| / |reference|``, the reference floored at 1e-300 (a loss of 0 stays finite)."""
+    return abs(value - reference) / max(abs(reference), 1e-300)
+
+
 def gradient_errors(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
     """Per parameter ``||g_other - g_ref|| / max(||g_ref||, GRADIENT_FLOOR * ||g_ref, all||)``.
 
@@ -187,10 +192,8 @@ def compare(
     tolerance = TOLERANCES[torch_dtype]
     max_rel_grad_err = max(grad_errors.values(), default=0.0) if gradients_checked else None
     max_abs_logprob_err = float(max(logprob_errors, default=0.0))
-    loss_rel_err = abs(tree.loss - flat.loss) / max(abs(flat.loss), 1e-300)
-    router_aux_rel_err = (
-        abs(tree.router_aux - flat.router_aux) / max(abs(flat.router_aux), 1e-300) if router_aux else 0.0
-    )
+    loss_rel_err = relative_error(tree.loss, flat.loss)
+    router_aux_rel_err = relative_error(tree.router_aux, flat.router_aux) if router_aux else 0.0
     return {
         "n_trajectories": len(trajectories),
         "n_groups": len({t.group_id for t in trajectories}),
@@ -246,7 +249,7 @@ def dfs_errors(flat, walked, dfs: DfsSettings, flat_logprobs=None, walked_logpro
         "dfs_chunk": dfs.chunk,
         "dfs_recompute": dfs.recompute,
         "loss_dfs": walked.loss,
-        "dfs_loss_rel_err": abs(walked.loss - flat.loss) / max(abs(flat.loss), 1e-300),
+        "dfs_loss_rel_err": relative_error(walked.loss, flat.loss),
         "dfs_max_rel_grad_err": max(errors.values(), default=0.0),
         "dfs_max_abs_logprob_err": float(
             max((np.abs(walked_logprobs[k] - flat_logprobs[k]).max(initial=0.0) for k in flat_logprobs), default=0.0)
@@ -417,7 +420,7 @@ def compare_rl(
     errors_of_metrics = metric_errors(flat.metrics, tree.metrics)
     counts = token_counts(trajectories)
     tolerance = TOLERANCES[torch_dtype]
-    loss_rel_err = abs(tree.loss - flat.loss) / max(abs(flat.loss), 1e-300)
+    loss_rel_err = relative_error(tree.loss, flat.loss)
     max_rel_grad_err = max(grad_errors.values(), default=0.0)
     max_metric_err = max(errors_of_metrics.values(), default=0.0)
     return {
@@ -457,6 +460,5 @@ def compare_rl(
 def metric_errors(flat: dict[str, float], other: dict[str, float]) -> dict[str, float]:
     """Relative error of each RL metric sum (absolute where the flat value is 0)."""
     return {
-        name: abs(other.get(name, 0.0) - value) / max(abs(value), 1e-300) if value else abs(other[name])
-        for name, value in flat.items()
+        name: relative_error(other.get(name, 0.0), value) if value else abs(other[name]) for name, value in flat.items()
     }

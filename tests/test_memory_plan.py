@@ -201,27 +201,23 @@ def test_dfs_prediction_with_a_packed_chunk_below_the_path(recompute):
     assert abs(planned.peak / measured - 1) <= DOCUMENTED_ERROR, (planned, measured)
 
 
-def _sharded_walk_peaks(rank: int, trajectories, settings: dict, port: int, out: str) -> None:
+def _sharded_walk_peaks(rank: int, trajectories, settings: dict) -> list[float]:
     """One rank of a 2-rank group (:func:`~ds_tree.sequence_parallel_check.spawn_group`): the walk of
     ``trajectories`` as ``packing.mode: dfs`` plans it under sequence parallelism, each case
-    ``(chunk, recompute)`` measured after a warm-up; process 0 writes the largest peak over the ranks."""
+    ``(chunk, recompute)`` measured after a warm-up; the largest peak over the ranks (process 0's is reported)."""
     import torch.distributed as dist
 
-    from ds_tree.engine.step import run_rows
+    from ds_tree.engine.step import global_normalisers, run_rows
     from ds_tree.models.ulysses import enable_sequence_parallel
     from ds_tree.packing.plan import PlanSettings, plan_step
-    from ds_tree.sequence_parallel_check import join_group
 
-    join_group(rank, settings, port)
     model = load_model(BENCH)
     enable_sequence_parallel(model, 2)
     peaks = []
     for chunk, recompute in settings["cases"]:
         plan = PlanSettings(mode="dfs", budget=chunk, sequence_parallel_size=2, dfs_chunk=chunk)
         rows = plan_step(trajectories[chunk], plan, 2).for_rank(rank).rows
-        values = Normalisers.from_rows(rows).as_tensor()
-        dist.all_reduce(values)
-        normalisers, walk = Normalisers.from_tensor(values), DfsSettings(chunk, recompute)
+        normalisers, walk = global_normalisers(rows), DfsSettings(chunk, recompute)
 
         def step(rows=rows, normalisers=normalisers, walk=walk):
             run_rows(model, rows, normalisers, "token_mean", "exact", backward=torch.Tensor.backward, dfs=walk)
@@ -230,11 +226,7 @@ def _sharded_walk_peaks(rank: int, trajectories, settings: dict, port: int, out:
         peak = torch.tensor([float(profiled_peak_bytes(step))])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peaks.append(peak.item())
-    if rank == 0:
-        with open(out, "w") as file:
-            json.dump(peaks, file)
-    dist.barrier()
-    dist.destroy_process_group()
+    return peaks
 
 
 @pytest.mark.slow

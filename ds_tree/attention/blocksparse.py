@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ds_tree.attention.reference import check_window, soft_cap
+from ds_tree.attention.reference import check_window, gqa_group, soft_cap
 
 DEFAULT_BLOCK = 128
 HUB_MIN_KEYS = 64
@@ -349,9 +349,8 @@ def blocksparse_tree_attention(
 ) -> torch.Tensor:
     """Tree attention, ``[B, Hq, N, D]`` x ``[B, Hkv, N, D]`` -> ``[B, N, Hq, D]``; ``positions``,
     ``window`` and ``softcap`` as in the reference."""
-    batch, heads_q, n, head_dim = query.shape
-    if heads_q % key.shape[1]:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({key.shape[1]})")
+    batch, _, _, head_dim = query.shape
+    gqa_group(query, key)  # Hq a multiple of Hkv
     if window is not None:
         check_window(positions, window, kv_end.shape)
     if scale is None:

@@ -34,7 +34,7 @@ from collections import OrderedDict
 
 import torch
 
-from ds_tree.attention.reference import check_window
+from ds_tree.attention.reference import check_window, gqa_group
 
 MIN_BUCKET = 128
 """Shortest padded length on the compiled path (FlexAttention's default block size)."""
@@ -176,10 +176,8 @@ def flex_tree_attention(
     ``compiled`` / ``bucketed`` (None: on CUDA only) force the compiled kernel and the padding to
     :func:`length_bucket` either way (tests run the bucket padding eagerly on the CPU).
     """
-    batch, heads_q, n, _ = query.shape
-    heads_kv = key.shape[1]
-    if heads_q % heads_kv:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    _, _, n, _ = query.shape
+    group = gqa_group(query, key)
     if window is not None:
         check_window(positions, window, kv_end.shape)
     if query.device.type == "cpu" and torch.is_grad_enabled() and any(x.requires_grad for x in (query, key, value)):
@@ -206,6 +204,6 @@ def flex_tree_attention(
             score_mod=None if softcap is None else softcap_score_mod(softcap, query.dtype, device),
             block_mask=block_mask,
             scale=scale,
-            enable_gqa=heads_q != heads_kv,
+            enable_gqa=group != 1,
         )
     return output[:, :, :n].transpose(1, 2).contiguous()

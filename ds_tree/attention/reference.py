@@ -41,6 +41,15 @@ def check_window(positions: torch.Tensor | None, window: int, shape: torch.Size)
         raise ValueError(f"a sliding window needs the token depths (position_ids) shaped {tuple(shape)}, got {got}")
 
 
+def gqa_group(query: torch.Tensor, key: torch.Tensor) -> int:
+    """Query heads per key/value head (GQA) of query ``[B, Hq, N, D]`` and key ``[B, Hkv, N, D]``; a
+    ValueError unless ``Hq`` is a multiple of ``Hkv``."""
+    heads_q, heads_kv = query.shape[1], key.shape[1]
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    return heads_q // heads_kv
+
+
 def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     """``cap * tanh(scores / cap)``, Gemma2's attention-logit soft-capping; identity for None."""
     if softcap is None:
@@ -66,13 +75,10 @@ def tree_attention_reference(
     limits each query to keys less than ``window`` deeper-up its path; ``softcap`` caps the
     scaled scores. Returns ``[B, N, Hq, D]`` in the input dtype.
     """
-    batch, heads_q, n, head_dim = query.shape
-    heads_kv = key.shape[1]
-    if heads_q % heads_kv:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({heads_kv})")
+    _, _, _, head_dim = query.shape
+    group = gqa_group(query, key)
     if scale is None:
         scale = head_dim**-0.5
-    group = heads_q // heads_kv
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
     scores = soft_cap(torch.matmul(query, key.transpose(-1, -2)) * scale, softcap)

@@ -91,19 +91,61 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         )
     objective = objective_config(parser, args)
     if args.sequence_parallel > 1:
-        command = " ".join([prog or "python tools/bench.py", *(argv if argv is not None else sys.argv[1:])])
-        from ds_tree.sequence_parallel_check import sequence_parallel_bench
+        measure = sequence_parallel_measure(args, objective)
+    else:
+        measure = benchmark_measure(parser, args, objective)
+    from ds_tree.data import load_trajectories
 
-        rl_report = None
-        if objective is not None:
-            import functools
+    try:
+        report = measure(load_trajectories(args.data)[: args.limit])
+    except (DataError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    invoked = prog or "python tools/bench.py"  # what ran: the ds-tree subcommand or the tools/ shim
+    report["command"] = " ".join([invoked, *(argv if argv is not None else sys.argv[1:])])
+    report["data"] = str(args.data)
+    report["model"] = str(args.model)
+    text = json_text(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    return 0
 
-            from ds_tree.sequence_parallel_rl_bench import sequence_parallel_rl_bench
 
-            rl_report = functools.partial(
-                sequence_parallel_rl_bench, objective=objective, steps=args.steps, warmup=args.warmup
-            )
-        return sequence_parallel_bench(args, command, rl_report)
+def sequence_parallel_measure(args: argparse.Namespace, objective):
+    """``--sequence-parallel S``: trajectories -> the spawned group's report, SFT's
+    (:func:`~ds_tree.sequence_parallel_check.sequence_parallel_report`) or the RL objective's
+    (:func:`~ds_tree.sequence_parallel_rl_bench.sequence_parallel_rl_bench`)."""
+    from ds_tree.sequence_parallel_check import sequence_parallel_report
+
+    report_of = sequence_parallel_report
+    if objective is not None:
+        import functools
+
+        from ds_tree.sequence_parallel_rl_bench import sequence_parallel_rl_bench
+
+        report_of = functools.partial(
+            sequence_parallel_rl_bench, objective=objective, steps=args.steps, warmup=args.warmup
+        )
+
+    def measure(trajectories):
+        return report_of(
+            trajectories,
+            args.model,
+            size=args.sequence_parallel,
+            dtype=args.dtype,
+            budget=args.budget,
+            attention=args.attention,
+            threads=args.threads or 1,
+        )
+
+    return measure
+
+
+def benchmark_measure(parser: argparse.ArgumentParser, args: argparse.Namespace, objective):
+    """One process: trajectories -> :func:`~ds_tree.benchmark.run_benchmark`'s report over ``--modes``
+    (a usage error on bad modes), with a progress bar on stderr."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -116,14 +158,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from tqdm import tqdm
 
     from ds_tree.benchmark import run_benchmark
-    from ds_tree.data import load_trajectories
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        trajectories = load_trajectories(args.data)[: args.limit]
+
+    def measure(trajectories):
         with tqdm(total=args.warmup + args.steps, desc="bench", unit="step", file=sys.stderr) as bar:
-            report = run_benchmark(
+            return run_benchmark(
                 trajectories,
                 args.model,
                 modes,
@@ -142,16 +183,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                 dfs_recompute=args.dfs_recompute,
                 device=args.device,
             )
-    except (DataError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    invoked = prog or "python tools/bench.py"  # what ran: the ds-tree subcommand or the tools/ shim
-    report["command"] = " ".join([invoked, *(argv if argv is not None else sys.argv[1:])])
-    report["data"] = str(args.data)
-    report["model"] = str(args.model)
-    text = json_text(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    return 0
+
+    return measure

@@ -27,6 +27,13 @@ def output_file_problem(path: Path) -> str | None:
     return None
 
 
+def check_output_file(parser: argparse.ArgumentParser, path: Path) -> None:
+    """A usage error (exit 2) on ``--output`` where no file can be written at ``path`` (:func:`output_file_problem`)."""
+    problem = output_file_problem(path)
+    if problem:
+        parser.error(f"--output {problem}")
+
+
 def output_plot_problem(path: Path) -> str | None:
     """Why a figure cannot be saved at ``path`` (an existing directory), or ``None``; a missing
     folder is created when the figure is saved."""

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from ds_tree.cli.choices import SYNTHETIC_MAX_TOKENS, SYNTHETIC_SEED, TOKENIZER_VOCAB_SIZE
-from ds_tree.cli.common import command_parser, output_file_problem
+from ds_tree.cli.common import check_output_file, command_parser
 from ds_tree.data.jsonl import json_text
 
 
@@ -35,9 +35,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    problem = output_file_problem(args.output)
-    if problem:
-        parser.error(f"--output {problem}")
+    check_output_file(parser, args.output)
     from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
 
     try:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ds_tree.cli.choices import MODEL_DTYPES
-from ds_tree.cli.common import command_parser, output_file_problem
+from ds_tree.cli.common import check_output_file, command_parser
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 from ds_tree.rollout.rewards import REWARDS
@@ -102,9 +102,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    problem = output_file_problem(args.output)
-    if problem:
-        parser.error(f"--output {problem}")
+    check_output_file(parser, args.output)
     import torch
 
     from ds_tree.data.convert import load_tokenizer

@@ -26,6 +26,7 @@ from ds_tree.engine.rl_step import (
 from ds_tree.engine.runners import add_metrics
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import check_finite_statistics, estimate, non_finite_statistics
+from ds_tree.losses.rl import SUMMED_METRICS
 from ds_tree.packing.plan import RankPlan
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.trees.trie import build_forest
@@ -172,10 +173,9 @@ class RLSteps:
 
     def global_metrics(self, metrics: dict[str, float] | None) -> dict[str, float]:
         """The RL metric sums of every rank (``ratio_max`` by max)."""
-        names = ["tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy"]
         metrics = metrics or {}
-        sums = torch.tensor([metrics.get(name, 0.0) for name in names], dtype=torch.float64)
+        sums = torch.tensor([metrics.get(name, 0.0) for name in SUMMED_METRICS], dtype=torch.float64)
         dist.all_reduce(sums)
         top = torch.tensor([metrics.get("ratio_max", 0.0)], dtype=torch.float64)
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
-        return {**dict(zip(names, sums.tolist(), strict=True)), "ratio_max": float(top.item())}
+        return {**dict(zip(SUMMED_METRICS, sums.tolist(), strict=True)), "ratio_max": float(top.item())}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from ds_tree.engine import dfs_sequence_parallel  # noqa: F401  (registers the runner of walked shards)
@@ -21,7 +22,16 @@ from ds_tree.models.logprobs import predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.rows import PackedRow
 
-__all__ = ["StepOutput", "run_rows", "run_step"]
+__all__ = ["StepOutput", "global_normalisers", "run_rows", "run_step"]
+
+
+def global_normalisers(rows: Sequence[PackedRow]) -> Normalisers:
+    """This rank's :meth:`~ds_tree.losses.sft.Normalisers.from_rows` summed over all ranks (one all-reduce of
+    three float64 scalars, before the step's first forward): every row's loss is then a term of the global
+    objective."""
+    values = Normalisers.from_rows(rows).as_tensor()
+    dist.all_reduce(values)
+    return Normalisers.from_tensor(values)
 
 
 def run_rows(

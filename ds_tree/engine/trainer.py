@@ -42,7 +42,7 @@ from ds_tree.engine.op_builds import announce_op_builds
 from ds_tree.engine.reference import REFERENCE_FILE, build_reference, copy_policy, load_reference_state, reference_state
 from ds_tree.engine.rl_trainer import RLSteps
 from ds_tree.engine.shm import release_allreduce_buffers
-from ds_tree.engine.step import StepOutput, run_rows
+from ds_tree.engine.step import StepOutput, global_normalisers, run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.hybrid_settings import check_hybrid_settings
@@ -347,11 +347,6 @@ class Trainer(RLSteps):
         rank = self.rank if rank is None else rank
         return plan_step(trajectories, self.plan_settings, self.world_size).for_rank(rank)
 
-    def global_normalisers(self, rows: list[PackedRow]) -> Normalisers:
-        values = Normalisers.from_rows(rows).as_tensor()
-        dist.all_reduce(values)
-        return Normalisers.from_tensor(values)
-
     def backward_function(self, n_rows: int):
         """``backward(loss)`` for each of ``n_rows`` micro-batches of one optimizer update.
 
@@ -385,7 +380,7 @@ class Trainer(RLSteps):
     ) -> StepOutput:
         """The SFT objective's forward and backward of this rank's items, each with its kind's runner."""
         if normalisers is None:
-            normalisers = self.global_normalisers(rows)
+            normalisers = global_normalisers(rows)
         return run_rows(
             self.engine,
             rows,
@@ -410,7 +405,7 @@ class Trainer(RLSteps):
             plans, loss, grad_norm, rl_scalars = self.rl_step(step)
         else:
             plan = self.plan_step(step)
-            normalisers = self.global_normalisers(plan.rows)
+            normalisers = global_normalisers(plan.rows)
             if normalisers.target_tokens == 0:
                 self.count_untrained(step + 1)
             router_aux = RouterAuxLoss.of_model(self.engine, self.config.model.router_aux_loss_coef, plan.flat_tokens)

@@ -35,6 +35,9 @@ import torch
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+SUMMED_METRICS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy")
+"""The metrics of :func:`ppo_tree_loss` that add up over micro-batches and ranks (the other, ``ratio_max``,
+by max)."""
 
 
 def trajectory_coefficients(

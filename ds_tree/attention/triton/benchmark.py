@@ -28,15 +28,21 @@ BACKWARD_FLOPS_FACTOR = 2.5  # FlashAttention-2 convention: backward = 2.5x the 
 QUANTILES = (0.5, 0.2, 0.8)
 
 
-def tree_kernel_step(kv_end: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype, device):
-    """Forward + backward of the Triton kernel on one row, and the leaves whose grads it fills."""
+def _row_inputs(kv_end: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype, device, requires_grad: bool):
+    """One row's random query, key and value leaves ``[1, H, N, D]``, a random output gradient
+    ``[1, N, Hq, D]``, and ``kv_end`` as ``[1, N]``, on ``device``."""
     n = kv_end.shape[-1]
     leaves = [
-        torch.randn(1, count, n, head_dim, dtype=dtype, device=device, requires_grad=True)
+        torch.randn(1, count, n, head_dim, dtype=dtype, device=device, requires_grad=requires_grad)
         for count in (heads, kv_heads, kv_heads)
     ]
     grad = torch.randn(1, n, heads, head_dim, dtype=dtype, device=device)
-    kv_end = kv_end[None].to(device)
+    return leaves, grad, kv_end[None].to(device)
+
+
+def tree_kernel_step(kv_end: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dtype, device):
+    """Forward + backward of the Triton kernel on one row, and the leaves whose grads it fills."""
+    leaves, grad, kv_end = _row_inputs(kv_end, heads, kv_heads, head_dim, dtype, device, requires_grad=True)
     return (lambda: triton_tree_attention(*leaves, kv_end).backward(grad)), leaves
 
 
@@ -45,13 +51,7 @@ def flex_step(kv_end: torch.Tensor, heads: int, kv_heads: int, head_dim: int, dt
     forward alone (under no_grad) where FlexAttention has no backward (the CPU)."""
     from ds_tree.attention.flex import flex_tree_attention
 
-    n = kv_end.shape[-1]
-    leaves = [
-        torch.randn(1, count, n, head_dim, dtype=dtype, device=device, requires_grad=backward)
-        for count in (heads, kv_heads, kv_heads)
-    ]
-    grad = torch.randn(1, n, heads, head_dim, dtype=dtype, device=device)
-    kv_end = kv_end[None].to(device)
+    leaves, grad, kv_end = _row_inputs(kv_end, heads, kv_heads, head_dim, dtype, device, requires_grad=backward)
     if backward:
         return (lambda: flex_tree_attention(*leaves, kv_end).backward(grad)), leaves
 

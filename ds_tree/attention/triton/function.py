@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds_tree.attention.reference import check_window
+from ds_tree.attention.reference import check_window, gqa_group
 from ds_tree.attention.triton import kernels
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -78,12 +78,11 @@ def triton_tree_attention(
             "triton_tree_attention needs CUDA tensors on a GPU, or TRITON_INTERPRET=1 set before "
             "triton is first imported (CPU interpreter, for tests); use the torch backend otherwise"
         )
-    batch, heads_q, n, head_dim = query.shape
+    batch, _, n, head_dim = query.shape
     if key.shape != value.shape or key.shape[0] != batch or key.shape[2:] != (n, head_dim):
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [B, Hkv, N, D] "
                          f"matching query {tuple(query.shape)}")
-    if heads_q % key.shape[1]:
-        raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads ({key.shape[1]})")
+    gqa_group(query, key)  # Hq a multiple of Hkv
     if kv_end.shape != (batch, n):
         raise ValueError(f"kv_end must be [B, N] = {(batch, n)}, got {tuple(kv_end.shape)}")
     if query.dtype not in DTYPES:
