@@ -342,8 +342,8 @@ class ObjectiveConfig:
         return self.ppo_epochs * self.mini_batches if self.is_rl else 1
 
     def rl_settings(self):
-        """The RL loss parameters (:class:`ds_tree.engine.rl_step.RLSettings`)."""
-        from ds_tree.engine.rl_step import RLSettings
+        """The RL loss parameters (:class:`ds_tree.losses.rl.RLSettings`)."""
+        from ds_tree.losses.rl import RLSettings
 
         return RLSettings(
             aggregation=self.aggregation,

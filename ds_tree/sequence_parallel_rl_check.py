@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
-from ds_tree.losses.rl import SUMMED_METRICS
+from ds_tree.losses.rl import SUMMED_METRICS, RLSettings
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step

@@ -375,7 +375,7 @@ def compare_rl(
     one's adapters alone are perturbed, and the KL reference is the trained policy with its adapters
     disabled (the base model, as in training).
     """
-    from ds_tree.engine.rl_step import RLSettings
+    from ds_tree.losses.rl import RLSettings
 
     settings = settings or RLSettings()
     torch_dtype = verification_dtype(trajectories, dtype)

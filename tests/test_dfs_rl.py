@@ -21,8 +21,9 @@ import torch
 
 from ds_tree.engine.calls import BACKWARD, FORWARD, KINDS, NO_GRAD, UPDATE, merge_schedules
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_walk
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_walk
 from ds_tree.losses.advantages import ESTIMATORS
+from ds_tree.losses.rl import RLSettings
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.parts import split_tree

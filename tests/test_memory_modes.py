@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ds_tree.config import ConfigError, ModelConfig
-from ds_tree.engine.rl_step import RLSettings
+from ds_tree.losses.rl import RLSettings
 from ds_tree.models import logprobs as logprobs_module
 from ds_tree.models.loading import load_model
 from ds_tree.models.logprobs import logprobs_and_entropy_at, predicted_tokens

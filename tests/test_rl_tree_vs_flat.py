@@ -18,11 +18,10 @@ import torch
 
 from ds_tree import config as config_module
 from ds_tree.engine import rl_step
-from ds_tree.engine.rl_step import RLSettings
 from ds_tree.engine.step import run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import ESTIMATORS
-from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, trajectory_coefficients
+from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, RLSettings, trajectory_coefficients
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories

@@ -95,8 +95,8 @@ def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path):
     log-probs recorded before an update, the check after it (ratios off 1, both clips active)."""
     from ds_tree.config import LoraSettings
     from ds_tree.data.jsonl import write_jsonl
-    from ds_tree.engine.rl_step import RLSettings
     from ds_tree.losses.advantages import estimate
+    from ds_tree.losses.rl import RLSettings
     from ds_tree.models.lora import AdaptersDisabled, apply_lora
     from tests.test_verify_rl import records
 

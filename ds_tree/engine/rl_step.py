@@ -28,7 +28,7 @@ from ds_tree.engine.calls import NO_GRAD, in_process_group
 from ds_tree.engine.dfs import DfsSettings, WalkStats, dummy_call
 from ds_tree.engine.runners import RunContext, StepOutput, run_items, runner_of
 from ds_tree.errors import DataError
-from ds_tree.losses.rl import TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
+from ds_tree.losses.rl import RLSettings, TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory
@@ -39,22 +39,6 @@ OLD_LOGPROBS = ("recompute", "data")
 SHARED_LOGPROB_TOLERANCE = 1e-6
 """Largest difference between the sampler log-probs that trajectories through one tree token may
 carry when ``old_logprobs: data`` (the tree shares one ratio per token, so they must agree)."""
-
-
-@dataclass(frozen=True)
-class RLSettings:
-    """The RL objective's parameters (``objective`` section of the config; docs/RL.md)."""
-
-    aggregation: str = "token_mean"
-    aggregation_constant: float | None = None
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
-    old_logprobs: str = "recompute"
-    importance_truncation: float | None = None
 
 
 @dataclass

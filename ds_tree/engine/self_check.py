@@ -45,8 +45,9 @@ import torch
 
 from ds_tree.config import self_check_every
 from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
-from ds_tree.engine.rl_step import RLSettings, StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.step import run_rows
+from ds_tree.losses.rl import RLSettings
 from ds_tree.losses.sft import Normalisers
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.rows import PackedRow

@@ -30,13 +30,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_tree.cli.plan import check_memory
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine import checkpoint, dfs, run_dir, run_lock, self_check
 from ds_tree.engine.console import progress_bar
 from ds_tree.engine.ds_config import resolve_deepspeed_config
+from ds_tree.engine.memory import check_memory
 from ds_tree.engine.metrics import MetricsLogger, console_line
 from ds_tree.engine.op_builds import announce_op_builds
 from ds_tree.engine.reference import REFERENCE_FILE, build_reference, copy_policy, load_reference_state, reference_state

@@ -40,6 +40,22 @@ SUMMED_METRICS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "
 by max)."""
 
 
+@dataclass(frozen=True)
+class RLSettings:
+    """The RL objective's parameters (``objective`` section of the config; docs/RL.md)."""
+
+    aggregation: str = "token_mean"
+    aggregation_constant: float | None = None
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    old_logprobs: str = "recompute"
+    importance_truncation: float | None = None
+
+
 def trajectory_coefficients(
     loss_mask: np.ndarray,
     aggregation: str,
