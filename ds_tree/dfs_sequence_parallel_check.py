@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
@@ -31,7 +32,7 @@ from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.peak_memory import PeakSavedMeter
 from ds_tree.sequence_parallel_check import check_group, group_gradients, settings_model, spawn_group
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
+from ds_tree.verification import verification_dtype
 
 
 def dfs_sequence_parallel_report(

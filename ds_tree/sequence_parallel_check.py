@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.benchmark import SavedTensorMeter
+from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
@@ -39,7 +40,7 @@ from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import TOLERANCES, gradient_errors, relative_error, verification_dtype
+from ds_tree.verification import verification_dtype
 
 
 def sequence_parallel_report(

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
@@ -37,16 +38,7 @@ from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.sequence_parallel_check import check_group, group_gradients, spawn_group
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import (
-    TOLERANCES,
-    checked_advantages,
-    gradient_errors,
-    metric_errors,
-    relative_error,
-    rl_policies,
-    run_rl_mode,
-    verification_dtype,
-)
+from ds_tree.verification import checked_advantages, metric_errors, rl_policies, run_rl_mode, verification_dtype
 
 
 def sequence_parallel_rl_report(

@@ -8,13 +8,13 @@ gradient must agree to round-off of the dtype.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ds_tree.attention.registry import has_backward
+from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
@@ -24,12 +24,8 @@ from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 
-# Relative gradient error / absolute log-prob error allowed per dtype. Measured on the project's
-# synthetic and shared data: float64 errors stay below ~1e-13, float32 below ~1e-6.
-TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5}
 VERIFY_DTYPES = tuple(name for name, dtype in DTYPES.items() if dtype in TOLERANCES)
 """Names of the dtypes verification runs in."""
-GRADIENT_FLOOR = 1e-2
 NO_BACKWARD = (
     "attention {attention!r} has no backward on the CPU (torch's FlexAttention): loss and log-probs were "
     "checked, gradients were NOT; check them on a GPU"
@@ -118,29 +114,6 @@ def verification_dtype(trajectories: list[Trajectory], dtype: str) -> torch.dtyp
     if torch_dtype not in TOLERANCES:
         raise ValueError(f"verification runs in float64 or float32, not {dtype}")
     return torch_dtype
-
-
-def relative_error(value: float, reference: float) -> float:
-    """``|value - reference| / |reference|``, the reference floored at 1e-300 (a loss of 0 stays finite)."""
-    return abs(value - reference) / max(abs(reference), 1e-300)
-
-
-def gradient_errors(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter ``||g_other - g_ref|| / max(||g_ref||, GRADIENT_FLOOR * ||g_ref, all||)``.
-
-    A parameter whose exact gradient vanishes (the q/k projections when every query sees a single
-    key, say) holds only round-off in both modes, and round-off over round-off is order 1; such a
-    parameter is measured against a small fraction of the whole gradient instead.
-    """
-    if set(other) != set(reference):
-        raise AssertionError(f"parameters with gradients differ: {sorted(set(other) ^ set(reference))}")
-    total = math.sqrt(sum(g.double().norm().item() ** 2 for g in reference.values()))
-    errors = {}
-    for name, g_ref in reference.items():
-        diff = (other[name].double() - g_ref.double()).norm().item()
-        floor = max(g_ref.double().norm().item(), GRADIENT_FLOOR * total)
-        errors[name] = diff / floor if floor > 0 else diff
-    return errors
 
 
 def compare(

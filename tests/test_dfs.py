@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.dfs import DfsSettings, WalkStats, row_chunks
 from ds_tree.engine.step import run_rows, run_step
@@ -32,7 +33,6 @@ from ds_tree.peak_memory import PeakSavedMeter
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import gradient_errors
 from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
 
 EXACT = 1e-10

@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.random_trees import TreeShape
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.verification import gradient_errors
 from tests.test_dfs import EXACT, _flat, _masked, _model, _walked, forest
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from ds_tree.attention.cached import PathCache
+from ds_tree.comparison import gradient_errors
 from ds_tree.engine.dfs import DfsSettings, chunk_attention
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.random_trees import TreeShape
-from ds_tree.verification import gradient_errors
 from tests.test_dfs import EXACT, _flat, _masked, _walked, comb, forest
 from tests.test_model_matrix import BASE, MODELS, WINDOW
 

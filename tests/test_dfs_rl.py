@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.engine.calls import BACKWARD, FORWARD, KINDS, NO_GRAD, UPDATE, merge_schedules
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_walk
@@ -28,7 +29,7 @@ from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.parts import split_tree
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import compare, compare_rl, gradient_errors, metric_errors, run_rl_mode
+from ds_tree.verification import compare, compare_rl, metric_errors, run_rl_mode
 from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
 from tests.test_rl_tree_vs_flat import MODEL, _flat_logprobs, _policies, forest
 

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from ds_tree.attention import implementation_name, register_tree_attention
 from ds_tree.cli.verify import main as verify_main
+from ds_tree.comparison import gradient_errors
 from ds_tree.data.jsonl import write_jsonl
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models import hybrid
@@ -39,7 +40,7 @@ from ds_tree.rollout.settings import SamplerSettings
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import gradient_errors, run_mode
+from ds_tree.verification import run_mode
 from tests.test_engine import write_config, write_forest
 from tests.test_reliability import dry_run
 

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 import torch
 
+from ds_tree.comparison import TOLERANCES, gradient_errors
 from ds_tree.config import ConfigError, ModelConfig
 from ds_tree.losses.rl import RLSettings
 from ds_tree.models import logprobs as logprobs_module
 from ds_tree.models.loading import load_model
 from ds_tree.models.logprobs import logprobs_and_entropy_at, predicted_tokens
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.verification import TOLERANCES, compare_rl, gradient_errors, run_mode
+from ds_tree.verification import compare_rl, run_mode
 from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
 from tests.test_rl_tree_vs_flat import forest
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss, router_modules
 from ds_tree.trees.random_trees import TreeShape, random_forest
-from ds_tree.verification import gradient_errors, run_mode
+from ds_tree.verification import run_mode
 from tests.test_engine import launch_training, prepare, write_config, write_forest
 
 EXACT = 1e-10

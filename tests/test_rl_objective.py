@@ -22,12 +22,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.packing.parts import split_tree, whole_tree
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import gradient_errors
 from tests.strategies import flat_coefficients, forests, longest
 
 RTOL = 1e-12

@@ -20,6 +20,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.models.loading import keep_norms_in_float64, load_model
 from ds_tree.models.logprobs import target_logprobs
 from ds_tree.packing.parts import whole_tree
@@ -27,7 +28,7 @@ from ds_tree.packing.rows import assemble_row
 from ds_tree.trees import trie
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_trees
-from ds_tree.verification import compare, gradient_errors, run_mode
+from ds_tree.verification import compare, run_mode
 from tests.strategies import flat_coefficients, forests, longest, prefix_key
 
 MODELS = {name: f"configs/models/tiny_{name}.json" for name in ("llama", "qwen2", "qwen3")}

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ds_tree import comparison
 from ds_tree.config import self_check_every
 from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_TOKENS = 256
 """Flat tokens of the sample (whole groups; part of the smallest group when none fits)."""
 
-TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 5e-2}
+TOLERANCES = {**comparison.TOLERANCES, torch.bfloat16: 5e-2}
 """Largest loss and gradient relative error and log-prob absolute error per dtype. float64 and
 float32 are ``ds-tree verify``'s. bf16 (8 significant bits, unit round-off 2^-8 = 3.9e-3): the tree
 and the flat forward round their matmuls, attention sums and gradient accumulations in different
@@ -67,10 +68,6 @@ orders, so each log-prob and gradient entry carries independent bf16 errors of r
 (measured on the tiny Llama, docs/LORA.md: log-probs ~2e-3 absolute, gradients ~5e-3 relative);
 5e-2 leaves room for sharper trained distributions, while a broken restoration weight or mask moves
 the loss and the gradients by far more (a shared token's weight off by one: tens of percent)."""
-
-GRADIENT_FLOOR = 1e-2
-"""As ``ds-tree verify``: a parameter's gradient error is relative to ``max(|g|, GRADIENT_FLOOR x |g_all|)``,
-so a parameter whose exact gradient vanishes is not measured as round-off over round-off."""
 
 
 class SelfCheckError(RuntimeError):
@@ -215,18 +212,14 @@ class GradientCollector:
 
 
 def gradient_errors(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter ``||g_other - g_ref|| / max(||g_ref||, GRADIENT_FLOOR x ||g_ref, all||)`` in float64
-    (``ds-tree verify``'s measure); a parameter with a gradient on one side only counts zero on the other."""
-    total = math.sqrt(sum(g.double().norm().item() ** 2 for g in reference.values()))
-    errors = {}
-    for name in sorted(set(reference) | set(other)):
-        ref, oth = reference.get(name), other.get(name)
-        ref = ref.double() if ref is not None else torch.zeros_like(oth, dtype=torch.float64)
-        oth = oth.double() if oth is not None else torch.zeros_like(ref)
-        floor = max(ref.norm().item(), GRADIENT_FLOOR * total)
-        diff = (oth - ref).norm().item()
-        errors[name] = diff / floor if floor > 0 else diff
-    return errors
+    """``ds-tree verify``'s measure per parameter (:func:`ds_tree.comparison.gradient_errors`), in name order;
+    a parameter with a gradient on one side only counts zero on the other."""
+    names = sorted(set(reference) | set(other))
+
+    def filled(side: dict[str, torch.Tensor], twin: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: side[name] if name in side else torch.zeros_like(twin[name]) for name in names}
+
+    return comparison.gradient_errors(filled(reference, other), filled(other, reference))
 
 
 # ----------------------------------------------------------------------------------- the two sides
@@ -454,7 +447,7 @@ def check_sample(
     return SelfCheckResult(
         loss_tree=tree.loss,
         loss_flat=flat.loss,
-        loss_rel_err=abs(tree.loss - flat.loss) / max(abs(flat.loss), 1e-300),
+        loss_rel_err=comparison.relative_error(tree.loss, flat.loss),
         max_abs_logprob_err=worst,
         worst_trajectory=worst_name,
         trajectories=len(sample),

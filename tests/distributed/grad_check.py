@@ -16,9 +16,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.engine.trainer import learning_rate_factor
 from ds_tree.models.loading import load_model
-from ds_tree.verification import gradient_errors
 from tests.distributed.common import check_arguments, flat_sft, started_trainer
 
 
