@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ds_tree.engine import checkpoint
+from ds_tree.train import exit_now
 
 
 def outcome(function) -> dict:
@@ -50,3 +51,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as the trainer leaves: past the finalisers that abort a rank now and then (ds_tree/train.py)

@@ -27,6 +27,7 @@ import deepspeed
 import torch
 
 from ds_tree.models.loading import load_model
+from ds_tree.train import exit_now
 
 
 def main() -> None:
@@ -63,3 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as the trainer leaves: past the finalisers that abort a rank now and then (ds_tree/train.py)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ds_tree.comparison import gradient_errors
 from ds_tree.engine.trainer import learning_rate_factor
 from ds_tree.models.loading import load_model
+from ds_tree.train import exit_now
 from tests.distributed.common import check_arguments, flat_sft, started_trainer
 
 
@@ -108,3 +109,4 @@ def _initial_weights(config) -> dict[str, np.ndarray]:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as the trainer leaves: past the finalisers that abort a rank now and then (ds_tree/train.py)
