@@ -92,9 +92,11 @@ def test_check_passes_on_every_model_family_of_the_matrix(matrix_sources, name):
     assert result.parameters >= 10 and result.trajectories == len(forest)
 
 
-def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path):
+@pytest.mark.parametrize("dfs", [None, DfsSettings(16)])
+def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path, dfs):
     """GRPO with clipping, KL (reference: adapters disabled) and entropy on LoRA adapters: the old
-    log-probs recorded before an update, the check after it (ratios off 1, both clips active)."""
+    log-probs recorded before an update, the check after it (ratios off 1, both clips active); packed
+    rows, and walked trees (old, reference and loss walks in chunks of 16 tokens)."""
     from ds_tree.config import LoraSettings
     from ds_tree.data.jsonl import write_jsonl
     from ds_tree.losses.advantages import estimate
@@ -107,21 +109,22 @@ def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path):
     policy = apply_lora(load_model(MODEL, seed=3), LoraSettings(rank=4), init_lora_weights=False)
     settings = RLSettings(eps_low=0.02, eps_high=0.02, kl_coef=0.1, entropy_coef=0.01)
     advantages = estimate(data, "grpo", False).by_trajectory()
-    plan = PlanSettings(budget=400)
-    inputs = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=AdaptersDisabled(policy))
+    plan = PlanSettings(mode="dfs", budget=400, dfs_chunk=16) if dfs else PlanSettings(budget=400)
+    reference = AdaptersDisabled(policy)
+    inputs = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=reference, dfs=dfs)
     assert len({t.group_id for t in inputs.sample}) == 1 and len(inputs.sample) > 1  # a whole group
     with torch.no_grad():  # the step's update
         for parameter in policy.parameters():
             if parameter.requires_grad:
                 parameter.add_(0.05 * torch.randn_like(parameter))
-    result = self_check.check_sample(policy, None, plan=plan, rl=inputs)
+    result = self_check.check_sample(policy, None, plan=plan, rl=inputs, dfs=dfs)
     self_check.verdict(result, 1, torch.float32)
     assert result.max_grad_rel_err < 1e-5 and "lora_" in result.worst_parameter
+    assert result.items == {"walked" if dfs else "packed": 1}
     assert all(p.grad is None for p in policy.parameters())
     # the objective is the clipped one: the same sample without the update has ratio 1, another loss
-    reference = AdaptersDisabled(policy)
-    exact_ratio = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=reference)
-    unclipped = self_check.check_sample(policy, None, plan=plan, rl=exact_ratio)
+    exact_ratio = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=reference, dfs=dfs)
+    unclipped = self_check.check_sample(policy, None, plan=plan, rl=exact_ratio, dfs=dfs)
     assert abs(unclipped.loss_flat - result.loss_flat) > 1e-4
 
 
@@ -140,3 +143,34 @@ def test_a_broken_restoration_weight_stops_with_a_clear_error(trajectories, monk
     with pytest.raises(self_check.SelfCheckError, match=message):
         self_check.verdict(result, 7, torch.float32)
     assert result.max_grad_rel_err > 1e-2  # far over float32's and bf16's tolerances
+
+
+def test_trees_the_run_walks_are_walked_by_the_check_and_a_fault_of_the_walk_stops_it(trajectories, monkeypatch):
+    """``packing.over_budget: dfs``: the sample's tree with a path over the budget is walked, as the run
+    walks it, the other packed in parts (the check once sampled only trees a row holds, and packed them); a fault
+    in the walk alone (the chunks below a root chunk placed one token deeper) then stops the check."""
+    from ds_tree.engine.dfs import ChunkInputs
+
+    model = load_model(MODEL, seed=3)
+    sample = self_check.sample_groups(trajectories, cap=1000)
+    longest = sorted(max(len(t) for t in group) for group in self_check.group_trajectories(sample))
+    assert len(longest) == 2 and longest[0] < longest[1]
+    plan = PlanSettings(budget=longest[0], over_budget="dfs")  # one group's tree packed, the other's walked
+    dfs = DfsSettings(32)
+    result = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
+    self_check.verdict(result, 1, torch.float32)
+    assert result.items["walked"] == 1 and result.items["packed"] >= 1 and result.max_grad_rel_err < 1e-5
+    exact = ChunkInputs.of_chunk.__func__
+
+    def deeper(cls, row, chunks, index, cache):  # fault injection: a walked chunk's positions off by one
+        inputs = exact(cls, row, chunks, index, cache)
+        if chunks.parent[index] >= 0:
+            inputs.position_ids = inputs.position_ids + 1
+        return inputs
+
+    monkeypatch.setattr(ChunkInputs, "of_chunk", classmethod(deeper))
+    broken = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
+    message = r"step 3: the tree result differs .* gradient relative error .* \(parameter model.*; log-prob absolute"
+    with pytest.raises(self_check.SelfCheckError, match=message):
+        self_check.verdict(broken, 3, torch.float32)
+    assert broken.max_grad_rel_err > 1e-2 and all(p.grad is None for p in model.parameters())
