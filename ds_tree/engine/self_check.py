@@ -129,10 +129,11 @@ class RLInputs:
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """The sequence-parallel group the tree side's rows are sharded over."""
+    """This rank's sequence-parallel group, over which the tree side plans the sample (:func:`tree_items`)."""
 
     size: int
     position: int
+    """This rank's position in the group: whose items of the group's plan it runs."""
     group: object | None = None
     """The process group (DeepSpeed's sequence-parallel group); None: the default group."""
 
