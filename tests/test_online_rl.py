@@ -288,6 +288,9 @@ def test_online_rl_under_sequence_parallelism_trains_on_sampler_logprobs(tmp_pat
     assert sorted(report["steps"]) == ["1", "2"]
     for step in report["steps"].values():
         assert step["with_logprobs"] and step["longest"] > 12 and step["shards"] >= 2, step
+    first = report["metrics"][0]  # its self-check: the sampled trees sharded over the group, as the step shards them
+    assert first["selfcheck/shard_items"] >= 1 and first["selfcheck/max_grad_rel_err"] < 1e-5, first
+    assert first["selfcheck/loss_rel_err"] < 1e-5 and first["selfcheck/max_abs_logprob_err"] < 1e-5, first
     for record in report["metrics"]:
         assert math.isfinite(record["loss/train"]) and record["optim/grad_norm"] > 0, record
         assert abs(record["rl/ratio_max"] - 1) < 1e-5 and abs(record["rl/ratio_mean"] - 1) < 1e-5, record

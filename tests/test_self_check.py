@@ -18,6 +18,7 @@ from ds_tree.data import load_trajectories
 from ds_tree.engine import self_check, step
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models.loading import load_model
+from ds_tree.packing.plan import PlanSettings
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from tests.test_engine import write_forest
 
@@ -37,13 +38,12 @@ def test_due_steps():
 
 
 def test_sample_is_whole_groups_under_the_cap(trajectories):
-    sample = self_check.sample_groups(trajectories, budget=400, cap=1000)
+    sample = self_check.sample_groups(trajectories, cap=1000)
     groups = {t.group_id for t in sample}
     assert len(groups) >= 2 and all(sum(t.group_id == g for t in sample) == 4 for g in groups)  # whole groups of 4
     assert sum(len(t) for t in sample) <= 1000
-    assert len(self_check.sample_groups(trajectories, budget=10)) == 0  # no group fits the rows
     smallest = min(self_check.group_trajectories(trajectories), key=lambda g: sum(len(t) for t in g))
-    assert self_check.sample_groups(trajectories, budget=400, cap=10) == smallest[:2]  # no group fits the cap
+    assert self_check.sample_groups(trajectories, cap=10) == smallest[:2]  # no group fits the cap
 
 
 @pytest.mark.parametrize(
@@ -52,12 +52,14 @@ def test_sample_is_whole_groups_under_the_cap(trajectories):
 )
 def test_check_passes_within_the_dtype_tolerance(trajectories, dtype, dfs):
     model = load_model(MODEL, dtype=dtype, seed=3)
-    sample = self_check.sample_groups(trajectories, budget=400)
+    sample = self_check.sample_groups(trajectories)
+    plan = PlanSettings(mode="dfs", budget=400, dfs_chunk=24) if dfs else PlanSettings(budget=400)
     rng = torch.random.get_rng_state()
-    result = self_check.check_sample(model, sample, budget=400, dfs=dfs)
+    result = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
     self_check.verdict(result, 1, dtype)
     tolerance = self_check.TOLERANCES[dtype]
     assert 0 < result.tokens and result.max_abs_logprob_err < tolerance and result.max_grad_rel_err < tolerance
+    assert result.items == {"walked" if dfs else "packed": 1}  # the run's kind, by its runner
     # every weight's gradient compared, nothing left behind: no .grad, the RNG where it was
     assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
     assert all(p.grad is None for p in model.parameters())
@@ -85,14 +87,16 @@ def test_check_passes_on_every_model_family_of_the_matrix(matrix_sources, name):
     shape = TreeShape(trees=2, depth=3, children=(2, 3), node_tokens=(2, 6), alphabet=(3, BASE["vocab_size"] - 1))
     forest = random_forest(random.Random(1), shape)
     model = load_model(matrix_sources[name], attention="torch", dtype=torch.float32, seed=7)
-    result = self_check.check_sample(model, forest, budget=4096)
+    result = self_check.check_sample(model, forest, plan=PlanSettings(budget=4096))
     self_check.verdict(result, 1, torch.float32)
     assert result.parameters >= 10 and result.trajectories == len(forest)
 
 
-def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path):
+@pytest.mark.parametrize("dfs", [None, DfsSettings(16)])
+def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path, dfs):
     """GRPO with clipping, KL (reference: adapters disabled) and entropy on LoRA adapters: the old
-    log-probs recorded before an update, the check after it (ratios off 1, both clips active)."""
+    log-probs recorded before an update, the check after it (ratios off 1, both clips active); packed
+    rows, and walked trees (old, reference and loss walks in chunks of 16 tokens)."""
     from ds_tree.config import LoraSettings
     from ds_tree.data.jsonl import write_jsonl
     from ds_tree.losses.advantages import estimate
@@ -105,26 +109,28 @@ def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path):
     policy = apply_lora(load_model(MODEL, seed=3), LoraSettings(rank=4), init_lora_weights=False)
     settings = RLSettings(eps_low=0.02, eps_high=0.02, kl_coef=0.1, entropy_coef=0.01)
     advantages = estimate(data, "grpo", False).by_trajectory()
-    inputs = self_check.rl_inputs(policy, data, advantages, settings, budget=400, reference=AdaptersDisabled(policy))
+    plan = PlanSettings(mode="dfs", budget=400, dfs_chunk=16) if dfs else PlanSettings(budget=400)
+    reference = AdaptersDisabled(policy)
+    inputs = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=reference, dfs=dfs)
     assert len({t.group_id for t in inputs.sample}) == 1 and len(inputs.sample) > 1  # a whole group
     with torch.no_grad():  # the step's update
         for parameter in policy.parameters():
             if parameter.requires_grad:
                 parameter.add_(0.05 * torch.randn_like(parameter))
-    result = self_check.check_sample(policy, None, budget=400, rl=inputs)
+    result = self_check.check_sample(policy, None, plan=plan, rl=inputs, dfs=dfs)
     self_check.verdict(result, 1, torch.float32)
     assert result.max_grad_rel_err < 1e-5 and "lora_" in result.worst_parameter
+    assert result.items == {"walked" if dfs else "packed": 1}
     assert all(p.grad is None for p in policy.parameters())
     # the objective is the clipped one: the same sample without the update has ratio 1, another loss
-    reference = AdaptersDisabled(policy)
-    exact_ratio = self_check.rl_inputs(policy, data, advantages, settings, budget=400, reference=reference)
-    unclipped = self_check.check_sample(policy, None, budget=400, rl=exact_ratio)
+    exact_ratio = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=reference, dfs=dfs)
+    unclipped = self_check.check_sample(policy, None, plan=plan, rl=exact_ratio, dfs=dfs)
     assert abs(unclipped.loss_flat - result.loss_flat) > 1e-4
 
 
 def test_a_broken_restoration_weight_stops_with_a_clear_error(trajectories, monkeypatch):
     model = load_model(MODEL, seed=3)
-    sample = self_check.sample_groups(trajectories, budget=400, cap=1000)  # whole groups: shared trained tokens
+    sample = self_check.sample_groups(trajectories, cap=1000)  # whole groups: shared trained tokens
     exact = step.restoration_weights
 
     def broken(row, *args):  # fault injection: a shared token counted once, not once per trajectory
@@ -132,8 +138,39 @@ def test_a_broken_restoration_weight_stops_with_a_clear_error(trajectories, monk
         return np.where(row.mask_sum > row.mask_max, weights * row.mask_max / np.maximum(row.mask_sum, 1), weights)
 
     monkeypatch.setattr(step, "restoration_weights", broken)
-    result = self_check.check_sample(model, sample, budget=400)
+    result = self_check.check_sample(model, sample, plan=PlanSettings(budget=400))
     message = r"step 7: the tree result differs .* loss relative error .*; gradient relative error .* \(parameter model"
     with pytest.raises(self_check.SelfCheckError, match=message):
         self_check.verdict(result, 7, torch.float32)
     assert result.max_grad_rel_err > 1e-2  # far over float32's and bf16's tolerances
+
+
+def test_trees_the_run_walks_are_walked_by_the_check_and_a_fault_of_the_walk_stops_it(trajectories, monkeypatch):
+    """``packing.over_budget: dfs``: the sample's tree with a path over the budget is walked, as the run
+    walks it, the other packed in parts (the check once sampled only trees a row holds, and packed them); a fault
+    in the walk alone (the chunks below a root chunk placed one token deeper) then stops the check."""
+    from ds_tree.engine.dfs import ChunkInputs
+
+    model = load_model(MODEL, seed=3)
+    sample = self_check.sample_groups(trajectories, cap=1000)
+    longest = sorted(max(len(t) for t in group) for group in self_check.group_trajectories(sample))
+    assert len(longest) == 2 and longest[0] < longest[1]
+    plan = PlanSettings(budget=longest[0], over_budget="dfs")  # one group's tree packed, the other's walked
+    dfs = DfsSettings(32)
+    result = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
+    self_check.verdict(result, 1, torch.float32)
+    assert result.items["walked"] == 1 and result.items["packed"] >= 1 and result.max_grad_rel_err < 1e-5
+    exact = ChunkInputs.of_chunk.__func__
+
+    def deeper(cls, row, chunks, index, cache):  # fault injection: a walked chunk's positions off by one
+        inputs = exact(cls, row, chunks, index, cache)
+        if chunks.parent[index] >= 0:
+            inputs.position_ids = inputs.position_ids + 1
+        return inputs
+
+    monkeypatch.setattr(ChunkInputs, "of_chunk", classmethod(deeper))
+    broken = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
+    message = r"step 3: the tree result differs .* gradient relative error .* \(parameter model.*; log-prob absolute"
+    with pytest.raises(self_check.SelfCheckError, match=message):
+        self_check.verdict(broken, 3, torch.float32)
+    assert broken.max_grad_rel_err > 1e-2 and all(p.grad is None for p in model.parameters())

@@ -173,8 +173,10 @@ def test_two_ranks_sequence_parallel_match_single_process_flat(tmp_path: Path) -
         assert run["max_rel_grad_err"] < 1e-5, run
         assert run["grad_norm_rel_err"] < 1e-5, run
     assert np.isfinite(report["train_step_loss"])
-    # the self-check of that step: its tree rows sharded over the group, gradients summed over it
+    # the self-check of that step: its sample planned as the step is, over the group (its trees fit a row:
+    # packed, each on one rank of the group, as the run packs them), losses and gradients summed over it
     check = report["train_step_selfcheck"]
+    assert check["selfcheck/packed_items"] >= 1 and "selfcheck/shard_items" not in check, check
     assert check["selfcheck/tokens"] > 0 and check["selfcheck/max_grad_rel_err"] < 1e-5, check
     assert check["selfcheck/loss_rel_err"] < 1e-5 and check["selfcheck/max_abs_logprob_err"] < 1e-5, check
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -156,9 +157,16 @@ def test_long_tree_rl_example_trains_four_ranks_dp2_sp2_zero3_with_a_partitioned
     assert walked["max_rel_grad_err"] < 1e-5 and walked["max_rel_metric_err"] < 1e-5, walked
     step = report["train_step"]
     assert np.isfinite(step["loss/train"]) and step["rl/kl_ref"] > 0, step
-    # its RL self-check: SP-sharded tree rows, the partitioned reference, gradients summed over the group
-    assert step["selfcheck/tokens"] > 0 and step["selfcheck/max_grad_rel_err"] < 1e-5, step
+    # its RL self-check: the sample walked by the group as the step is (walked shards, by their runner),
+    # the partitioned reference, gradients summed over the group
+    assert step["selfcheck/tokens"] > 0 and step["selfcheck/walked_shard_items"] >= 1, step
+    assert not any(key in step for key in ("selfcheck/packed_items", "selfcheck/shard_items")), step
+    assert step["selfcheck/max_grad_rel_err"] < 1e-5, step
     assert step["selfcheck/loss_rel_err"] < 1e-5 and step["selfcheck/max_abs_logprob_err"] < 1e-5, step
+    # a fault only the sharded walk has (the depths of a chunk's second shard off by one) stops the check
+    fault = report["selfcheck_fault"]
+    assert fault["items"]["walked_shard"] >= 1 and fault["max_grad_rel_err"] > 1e-3, fault
+    assert re.search(r"gradient relative error .* \(parameter model", fault["message"]), fault
     # objective.reference_step: the policy copied into the partitioned reference, its whole state saved
     # and loaded back (after a perturbation) exactly
     assert report["reference_copy"]["copied"] == 0 and report["reference_copy"]["reloaded"] == 0, report

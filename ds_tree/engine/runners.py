@@ -1,7 +1,7 @@
 """One runner per execution kind, one entry point for every objective (docs/DESIGN.md, "Architecture").
 
 The step plan (:mod:`ds_tree.packing.plan`) gives each rank a list of work items whose class names
-their kind (``packed``, ``walked``, ``shard``). :func:`run_items` runs them as one gradient
+their kind (``packed``, ``walked``, ``shard``, ``walked_shard``). :func:`run_items` runs them as one gradient
 accumulation: each item's :class:`Runner`, looked up in :data:`RUNNERS` by kind, turns it and its
 share of the objective (:class:`~ds_tree.losses.terms.RowTerms`) into a task of model calls
 (:mod:`ds_tree.engine.calls`). The objective never sees the kind, and a runner never sees the
@@ -12,8 +12,11 @@ objective: a new kind is one runner and one :func:`register_runner` call.
   of the row, the log-probs of all its targets, one backward.
 - :class:`WalkedRunner` (``walked``): the dfs walk (:mod:`ds_tree.engine.dfs`), one forward and
   backward per chunk, each chunk scoring the targets it predicts.
+- ``walked_shard`` (:mod:`ds_tree.engine.dfs_sequence_parallel`): the walk of a tree by its
+  sequence-parallel group, each rank forwarding one shard of every chunk.
 
-Both also give no-grad log-probs of chosen targets (the RL objective's old and reference policies).
+Every runner also gives no-grad log-probs of chosen targets (the RL objective's old and reference
+policies), and with :attr:`RunContext.collect_logprobs` the log-probs its forwards computed.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class StepOutput:
     metrics: dict[str, float] | None = None
     """Sums of the objective's metrics over targets (``ratio_max`` by max); None when it has none."""
     trajectory_logprobs: dict[int, np.ndarray] = field(default_factory=dict)
-    """``id(trajectory) -> log p`` of its tokens 1.. (packed items, when asked for)."""
+    """``id(trajectory) -> log p`` of its tokens 1.. where an item scored them, NaN elsewhere
+    (:attr:`RunContext.collect_logprobs`)."""
 
     def add_metrics(self, new: dict[str, float] | None) -> None:
         if new is not None:
@@ -81,7 +85,8 @@ class RunContext:
     router_aux: RouterAuxLoss | None = None
     """An MoE model's load-balancing loss, added to each item's loss."""
     collect_logprobs: bool = False
-    """Record every trajectory's log-probs of packed items in :attr:`StepOutput.trajectory_logprobs`."""
+    """Record every trajectory's log-probs at the items' targets in :attr:`StepOutput.trajectory_logprobs`
+    (:func:`record_logprobs`), from the forwards with gradients: no extra forward, whatever the kind."""
     stats: WalkStats | None = None
 
 
@@ -94,6 +99,17 @@ class Runner(Protocol):
 
     def forwards(self, row: PackedRow, run: RunContext) -> int:
         """The model forwards :meth:`logprobs` makes."""
+
+
+def record_logprobs(output: StepOutput, row: PackedRow, by_token: np.ndarray) -> None:
+    """Every trajectory laid out in ``row`` gets ``by_token`` at its tokens 1.. in
+    :attr:`StepOutput.trajectory_logprobs` (NaN where this item scored none: a shard's targets predicted
+    from other shards). The row's layout parts, so every shard of a row reports its own targets."""
+    offset = 0
+    for part in row.layout_parts:
+        for trajectory_id, path in zip(part.trajectory_ids, part.paths, strict=True):
+            output.trajectory_logprobs[id(part.tree.trajectories[trajectory_id])] = by_token[path[1:] + offset]
+        offset += part.n_tokens
 
 
 def _zero_loss(model, row, inputs, start: int, device, head_chunk: int = 0) -> torch.Tensor:
@@ -137,8 +153,7 @@ class PackedRunner:
                 by_token = np.full(row.n_tokens, np.nan)
                 if logp is not None:
                     by_token[targets] = logp.detach().double().cpu().numpy()
-                for part, trajectory_id, path in row.trajectory_paths():
-                    output.trajectory_logprobs[id(part.tree.trajectories[trajectory_id])] = by_token[path[1:]]
+                record_logprobs(output, row, by_token)
 
         def calls() -> Generator[None, None, None]:
             call()
@@ -172,6 +187,7 @@ class WalkedRunner:
     def task(self, model, row, terms, run, backward, output) -> Task:
         chunks = self.chunks(row, run)
         target_chunk = chunks.of_tokens(row.pred_pos[terms.targets])
+        by_token = np.full(row.n_tokens, np.nan) if run.collect_logprobs else None
 
         def chunk_loss(index: int, inputs: ChunkInputs) -> torch.Tensor:
             mine = np.flatnonzero(target_chunk == index)
@@ -189,6 +205,8 @@ class WalkedRunner:
             )
             loss, metrics = terms.loss(logp, entropy, mine)
             output.add_metrics(metrics)
+            if by_token is not None:  # each target is scored in the one chunk (and shard) predicting it
+                by_token[targets] = logp.detach().double().cpu().numpy()
             return loss
 
         router = WalkedRouterLoss(run.router_aux, row, chunks) if run.router_aux is not None else None
@@ -199,6 +217,8 @@ class WalkedRunner:
             )
             if router is not None:
                 output.router_aux += router.total
+            if by_token is not None:
+                record_logprobs(output, row, by_token)
 
         return Task(walk_events(chunks, run.dfs.recompute), calls())
 

@@ -5,30 +5,38 @@ step's order, up to :data:`SAMPLE_TOKENS` flat tokens; when none fits, the first
 smallest group, two at least: :func:`sample_groups`) and computes,
 with the model as it is (the same weights for both sides), the run's own objective twice:
 
-- the tree: the sample laid out as the run lays out its rows (packed tree rows; the dfs walk with
-  ``packing.mode: dfs``; rows sharded over the sequence-parallel group with
-  ``parallel.sequence_parallel_size > 1``), with its restoration weights and normalisers;
+- the tree: the sample laid out as the run lays out a step, by the step plan itself
+  (:func:`~ds_tree.packing.plan.plan_step` with the run's plan settings, over this rank's
+  sequence-parallel group: :func:`tree_items`), each work item run by the runner registered for its
+  kind (:mod:`ds_tree.engine.runners`: packed rows, dfs walks, sequence-parallel shards, walks sharded
+  over the group), with its restoration weights and normalisers; whatever kind the run gives the
+  sample's trees is the kind checked;
 - the flat baseline: every trajectory its own sequence, its own loss terms (whole rows, on every rank).
 
-Each side gives the loss, every trajectory's log-probs and the gradient of every trainable parameter.
-SFT runs compare the restoration-weighted SFT loss; RL runs compare the clipped objective with its KL
-and entropy terms (:mod:`ds_tree.engine.rl_step`), with the step's advantages and the step's old
-log-probs (recorded before the step's updates, :func:`rl_inputs`) and reference log-probs. The check
-stops the run (:class:`SelfCheckError`) when the loss's or a gradient's relative error, or a log-prob's
-absolute error, exceeds the tolerance of the model's dtype (:data:`TOLERANCES`).
+Each side gives the loss, every trajectory's log-probs (from its forwards with gradients,
+:attr:`~ds_tree.engine.runners.RunContext.collect_logprobs`) and the gradient of every trainable
+parameter. SFT runs compare the restoration-weighted SFT loss; RL runs compare the clipped objective
+with its KL and entropy terms (:mod:`ds_tree.engine.rl_step`), with the step's advantages and the
+step's old log-probs (recorded before the step's updates by the tree side's no-grad forwards,
+:func:`rl_inputs`) and reference log-probs. The check stops the run (:class:`SelfCheckError`) when the
+loss's or a gradient's relative error, or a log-prob's absolute error, exceeds the tolerance of the
+model's dtype (:data:`TOLERANCES`).
 
 Gradients are taken with ``torch.autograd.grad`` on the trainable parameters of the bare module (not
-the DeepSpeed engine): nothing is written to ``param.grad``, no DeepSpeed gradient hook or reduction
-runs, the optimizer is not touched. Under ZeRO-3 the module's own hooks gather each layer's
-parameters for its forward and backward as in training, so each rank holds the whole gradient of the
-sample (every rank checks the same sample: exact, no reduction needed); under sequence parallelism
-each rank of a group computes its shard of every tree row and the group's gradients, losses and
-log-probs are summed. The RNG state is restored afterwards.
+the DeepSpeed engine): the runners hand every loss (a dfs chunk's surrogate included) to a
+``backward`` function, here a :class:`GradientCollector`, so nothing is written to ``param.grad``, no
+DeepSpeed gradient hook or reduction runs, the optimizer is not touched (a walk's cached keys and
+values, not parameters, get their ``.grad`` as the walk needs). Under ZeRO-3 the module's own hooks
+gather each layer's parameters for its forward and backward as in training, so each rank holds the
+whole gradient of the sample (every data-parallel group checks the same sample: exact, no reduction
+needed); under sequence parallelism each rank of a group computes its items of the group's plan (its
+shard of every sharded row or walk, its own rows) and the group's gradients, losses and log-probs are
+summed. The RNG state is restored afterwards.
 
 Cost per checked step: the forwards and backwards of at most :data:`SAMPLE_TOKENS` tokens twice (tree
-and flat), plus no-grad forwards for the log-probs of a walk and, in RL, of the old and reference
-policies; memory: one copy of the trainable parameters' gradient per side (the adapters only under
-LoRA; the whole model's for full fine-tuning, gathered on every rank under ZeRO-3).
+and flat), plus, in RL, the no-grad forwards of the old and reference policies; memory: one copy of
+the trainable parameters' gradient per side (the adapters only under LoRA; the whole model's for full
+fine-tuning, gathered on every rank under ZeRO-3).
 """
 
 from __future__ import annotations
@@ -37,22 +45,24 @@ import contextlib
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ds_tree import comparison
 from ds_tree.config import self_check_every
-from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.dfs import DfsSettings
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
+from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.rl import RLSettings
 from ds_tree.losses.sft import Normalisers
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.rows import PackedRow
-from ds_tree.packing.sequence_parallel import shard_row
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 
 logger = logging.getLogger(__name__)
@@ -89,6 +99,8 @@ class SelfCheckResult:
     worst_parameter: str = ""
     parameters: int = 0
     """Trainable parameters whose gradients were compared."""
+    items: dict[str, int] = field(default_factory=dict)
+    """This rank's tree-side work items (with tokens) per execution kind: the runners the check ran."""
 
     def scalars(self) -> dict[str, float]:
         return {
@@ -97,6 +109,7 @@ class SelfCheckResult:
             "selfcheck/max_grad_rel_err": self.max_grad_rel_err,
             "selfcheck/tokens": float(self.tokens),
             "selfcheck/time_s": self.seconds,
+            **{f"selfcheck/{kind}_items": float(count) for kind, count in sorted(self.items.items())},
         }
 
 
@@ -116,10 +129,11 @@ class RLInputs:
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """The sequence-parallel group the tree side's rows are sharded over."""
+    """This rank's sequence-parallel group, over which the tree side plans the sample (:func:`tree_items`)."""
 
     size: int
     position: int
+    """This rank's position in the group: whose items of the group's plan it runs."""
     group: object | None = None
     """The process group (DeepSpeed's sequence-parallel group); None: the default group."""
 
@@ -130,13 +144,13 @@ def is_due(setting: str, step: int, first_step: int) -> bool:
     return step == first_step if every == -1 else every > 0 and step % every == 0
 
 
-def sample_groups(trajectories: Sequence[Trajectory], budget: int, cap: int = SAMPLE_TOKENS) -> list[Trajectory]:
+def sample_groups(trajectories: Sequence[Trajectory], cap: int = SAMPLE_TOKENS) -> list[Trajectory]:
     """Whole groups from the start of ``trajectories`` up to ``cap`` flat tokens; when no group fits
     the cap, the first trajectories of the smallest group up to the cap, two at least (they share the
     group's prompt: the tree still has a shared prefix), so that the flat side stays small however
-    large the groups are. Groups with a path longer than ``budget`` are skipped (those are walked or
-    sharded, not packed)."""
-    groups = [g for g in group_trajectories(trajectories) if max(len(t) for t in g) <= budget]
+    large the groups are. Any group may be taken: the step plan places it as it places the step's
+    (packed, walked or sharded, :func:`tree_items`)."""
+    groups = group_trajectories(trajectories)
     sample: list[Trajectory] = []
     tokens = 0
     for group in groups:
@@ -226,26 +240,54 @@ def gradient_errors(reference: dict[str, torch.Tensor], other: dict[str, torch.T
 @dataclass
 class _Side:
     loss: float
-    logprobs: dict[int, np.ndarray]
+    logprobs: list[np.ndarray]
+    """Per trajectory of the sample, in order: ``log p`` of its tokens 1.. (NaN where this rank scored none)."""
     gradients: dict[str, torch.Tensor]
 
 
-def _tree_items(rows: list[PackedRow], sequence_parallel: SequenceParallel | None) -> list[PackedRow]:
-    """The tree rows as this rank computes them: whole, or its shard of each (every shard listing the
-    row's parts, so that each rank reports the log-probs of the targets predicted in its shard)."""
-    if sequence_parallel is None:
-        return rows
-    shards = []
-    for row in rows:
-        shard = shard_row(row, sequence_parallel.size, sequence_parallel.position)
-        shard.parts = row.parts
-        shards.append(shard)
-    return shards
+def tree_items(
+    sample: Sequence[Trajectory], plan: PlanSettings, sequence_parallel: SequenceParallel | None
+) -> tuple[list[PackedRow], list[PackedRow]]:
+    """The sample planned as the run plans a step (:func:`~ds_tree.packing.plan.plan_step` with the run's
+    own ``plan`` settings) over this rank's sequence-parallel group alone: ``(this rank's work items,
+    every item of the group)``. Every rank of a group computes the same plan, each taking its own items
+    (a walked tree's shards: the same chunks, the same collective calls), and every data-parallel group
+    the same one."""
+    size, position = (sequence_parallel.size, sequence_parallel.position) if sequence_parallel else (1, 0)
+    if plan.sequence_parallel_size != size:
+        raise ValueError(
+            f"the self-check's plan settings have sequence_parallel_size {plan.sequence_parallel_size}, "
+            f"its sequence-parallel group has {size} ranks"
+        )
+    ranks = plan_step(sample, plan, world_size=size).ranks
+    return ranks[position], [row for rows in ranks for row in rows]
+
+
+def _by_trajectory(sample: Sequence[Trajectory], logprobs: dict[int, np.ndarray]) -> list[np.ndarray]:
+    """``id(trajectory) -> log p`` as a list in sample order (all NaN for a trajectory not reported)."""
+    return [logprobs.get(id(t), np.full(len(t) - 1, np.nan)) for t in sample]
+
+
+def _merge_over_group(values: list[np.ndarray], group) -> list[np.ndarray]:
+    """Each entry where a rank of ``group`` knows it (each is known by one rank: the one predicting it),
+    NaN where none does."""
+    import torch.distributed as dist
+
+    if not values:
+        return values
+    flat = np.concatenate(values)
+    known = torch.as_tensor(~np.isnan(flat), dtype=torch.float64)
+    summed = torch.as_tensor(np.nan_to_num(flat, nan=0.0), dtype=torch.float64)
+    dist.all_reduce(known, group=group)
+    dist.all_reduce(summed, group=group)
+    merged = np.where(known.numpy() > 0, summed.numpy(), np.nan)
+    offsets = np.cumsum([0] + [v.size for v in values])
+    return [merged[offsets[i] : offsets[i + 1]] for i in range(len(values))]
 
 
 def _sum_over_group(side: _Side, sequence_parallel: SequenceParallel) -> _Side:
-    """The group's sums: each shard holds its own targets' loss terms and a share of every gradient;
-    a log-prob is reported by the one shard that predicts it (NaN elsewhere)."""
+    """The group's sums: each rank holds its items' loss terms and a share of every gradient; a log-prob
+    is reported by the one rank that predicts it (NaN elsewhere)."""
     import torch.distributed as dist
 
     group = sequence_parallel.group
@@ -253,23 +295,14 @@ def _sum_over_group(side: _Side, sequence_parallel: SequenceParallel) -> _Side:
     dist.all_reduce(loss, group=group)
     for name in sorted(side.gradients):  # every trainable parameter's (:meth:`GradientCollector.all_gradients`)
         dist.all_reduce(side.gradients[name], group=group)
-    keys = list(side.logprobs)
-    if keys:
-        values = np.concatenate([side.logprobs[k] for k in keys])
-        known = torch.as_tensor(~np.isnan(values), dtype=torch.float64)
-        summed = torch.as_tensor(np.nan_to_num(values, nan=0.0), dtype=torch.float64)
-        dist.all_reduce(known, group=group)
-        dist.all_reduce(summed, group=group)
-        merged = np.where(known.numpy() > 0, summed.numpy(), np.nan)
-        offsets = np.cumsum([0] + [side.logprobs[k].size for k in keys])
-        side.logprobs = {k: merged[offsets[i] : offsets[i + 1]] for i, k in enumerate(keys)}
-    return _Side(float(loss.item()), side.logprobs, side.gradients)
+    return _Side(float(loss.item()), _merge_over_group(side.logprobs, group), side.gradients)
 
 
 def _run_side(
     model,
-    rows: list[PackedRow],
+    sample: Sequence[Trajectory],
     items: list[PackedRow],
+    normalisers: Normalisers,
     *,
     normalisation: str,
     rl: RLInputs | None,
@@ -278,13 +311,14 @@ def _run_side(
     head_chunk: int,
     every_parameter: bool = False,
 ) -> _Side:
-    """One side's loss, log-probs and gradients of the sample (``items``: ``rows`` as this rank runs them)."""
+    """One side's loss, log-probs and gradients of the sample: ``items`` run with their kinds' runners
+    (:mod:`ds_tree.engine.runners`), gradients taken by a :class:`GradientCollector`."""
     collector = GradientCollector(model)
     if rl is None:
         output = run_rows(
             model,
             items,
-            Normalisers.from_rows(rows),
+            normalisers,
             normalisation,
             backward=collector,
             dfs=dfs,
@@ -316,7 +350,7 @@ def _run_side(
             collect_logprobs=True,
         )
     gradients = collector.all_gradients() if every_parameter else collector.gradients
-    return _Side(output.loss, output.trajectory_logprobs, gradients)
+    return _Side(output.loss, _by_trajectory(sample, output.trajectory_logprobs), gradients)
 
 
 def rl_inputs(
@@ -325,7 +359,7 @@ def rl_inputs(
     advantages: dict[int, np.ndarray],
     settings: RLSettings,
     *,
-    budget: int,
+    plan: PlanSettings,
     reference=None,
     dfs: DfsSettings | None = None,
     sequence_parallel: SequenceParallel | None = None,
@@ -333,37 +367,35 @@ def rl_inputs(
     head_chunk: int = 0,
 ) -> RLInputs:
     """Before the step's updates: the sample, its advantages, and its old log-probs from the model as
-    the step's rollouts saw it (the tree side's no-grad forward, shared by both sides so that both
-    compute the same objective; with ``old_logprobs: data`` the sampler's, read later)."""
-    sample = sample_groups(trajectories, budget)
+    the step's rollouts saw it (the tree side's no-grad forwards, its items run by their kinds' runners,
+    shared by both sides so that both compute the same objective; with ``old_logprobs: data`` the
+    sampler's, read later)."""
+    sample = sample_groups(trajectories)
     old = None
     if settings.old_logprobs != "data" and sample:
-        with torch.no_grad():
-            old = _tree_logprobs(model, sample, budget, dfs, sequence_parallel, device, head_chunk)
-        old = {key: np.concatenate([[np.nan], values]) for key, values in old.items()}
+        items, _ = tree_items(sample, plan, sequence_parallel)
+        values = _tree_logprobs(model, sample, items, RunContext(device, head_chunk, dfs))
+        if sequence_parallel is not None:
+            values = _merge_over_group(values, sequence_parallel.group)
+        old = {id(t): v for t, v in zip(sample, values, strict=True)}
     return RLInputs(sample, settings, {id(t): advantages[id(t)] for t in sample}, old, reference)
 
 
-def _tree_logprobs(model, sample, budget, dfs, sequence_parallel, device, head_chunk) -> dict[int, np.ndarray]:
-    """Every trajectory's log-probs (tokens 1..) from the tree layout, no gradients."""
-    if dfs is not None:
-        rows = pack_trajectories(sample, "dfs", budget)
-        return trajectory_logprobs(model, rows, dfs.chunk, device=device, head_chunk=head_chunk)
-    block = sequence_parallel.size if sequence_parallel is not None else 1
-    rows = pack_trajectories(sample, "tree", budget, block)
-    side = _Side(
-        0.0,
-        run_rows(
-            model,
-            _tree_items(rows, sequence_parallel),
-            Normalisers.from_rows(rows),
-            collect_logprobs=True,
-            device=device,
-            head_chunk=head_chunk,
-        ).trajectory_logprobs,
-        {},
-    )
-    return _sum_over_group(side, sequence_parallel).logprobs if sequence_parallel is not None else side.logprobs
+@torch.no_grad()
+def _tree_logprobs(model, sample: Sequence[Trajectory], items: list[PackedRow], run: RunContext) -> list[np.ndarray]:
+    """Per trajectory of the sample, ``log p`` of its tokens (index 0 unused, NaN) where this rank's items
+    predict them: each item's runner scores the tokens the item owns (a shard: those predicted from it)."""
+    index = {id(t): i for i, t in enumerate(sample)}
+    values = [np.full(len(t), np.nan) for t in sample]
+    for row in items:
+        targets = np.flatnonzero(row.owned & (row.pred_pos >= 0))
+        by_token = np.full(row.n_tokens + 1, np.nan)  # the last entry: tokens absent from the row
+        by_token[targets] = runner_of(row).logprobs(model, row, targets, run)
+        for trajectory, path in trajectory_copies(row):
+            found = by_token[path]  # -1 (absent) reads the NaN entry
+            known = ~np.isnan(found)
+            values[index[id(trajectory)]][known] = found[known]
+    return values
 
 
 @contextlib.contextmanager
@@ -391,7 +423,7 @@ def check_sample(
     model,
     sample: Sequence[Trajectory],
     *,
-    budget: int,
+    plan: PlanSettings,
     normalisation: str = "token_mean",
     dfs: DfsSettings | None = None,
     device: torch.device | str = "cpu",
@@ -402,40 +434,36 @@ def check_sample(
     """Tree against flat on ``sample`` (module docstring): loss, log-probs and the trainable parameters'
     gradients, with the SFT objective or, given ``rl``, the RL objective (``rl.sample`` is the sample).
     ``model``: the bare module (not a DeepSpeed engine, whose backward hooks would count the check's
-    backwards as training's). With ``dfs`` the tree side is the dfs walk (its log-probs from a no-grad
-    walk); with ``sequence_parallel`` the tree rows are sharded over the group."""
+    backwards as training's). The tree side is the sample planned with the run's ``plan`` settings over
+    ``sequence_parallel`` (this rank's group; None without sequence parallelism, :func:`tree_items`),
+    its items run by their kinds' runners, walked ones as ``dfs`` says."""
     started = time.perf_counter()
     sample = list(rl.sample if rl is not None else sample)
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        flat_rows = pack_trajectories(sample, "flat", budget)
-        block = sequence_parallel.size if sequence_parallel is not None else 1
-        tree_rows = pack_trajectories(sample, "dfs" if dfs is not None else "tree", budget, block)
+        longest = max((len(t) for t in sample), default=1)
+        flat_rows = pack_trajectories(sample, "flat", max(plan.budget, longest))  # whole rows, on every rank
+        items, group_items = tree_items(sample, plan, sequence_parallel)
         common = dict(normalisation=normalisation, rl=rl, device=device, head_chunk=head_chunk)
-        flat = _run_side(model, flat_rows, flat_rows, dfs=None, **common)
-        items = _tree_items(tree_rows, sequence_parallel)
-        tree = _run_side(model, tree_rows, items, dfs=dfs, every_parameter=sequence_parallel is not None, **common)
+        flat = _run_side(model, sample, flat_rows, Normalisers.from_rows(flat_rows), dfs=None, **common)
+        normalisers = Normalisers.from_rows(group_items)  # the group's sums (as global_normalisers' over ranks)
+        tree = _run_side(
+            model, sample, items, normalisers, dfs=dfs, every_parameter=sequence_parallel is not None, **common
+        )
         if sequence_parallel is not None:
             tree = _sum_over_group(tree, sequence_parallel)
-        if dfs is not None:  # walked rows report no log-probs with their backward: a no-grad walk does
-            with torch.no_grad():
-                tree.logprobs = trajectory_logprobs(model, tree_rows, dfs.chunk, device=device, head_chunk=head_chunk)
     finally:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     worst, worst_name = 0.0, ""
-    for trajectory in sample:
-        key = id(trajectory)
-        a, b = tree.logprobs.get(key), flat.logprobs.get(key)
-        if a is None or b is None:
-            continue
+    for trajectory, a, b in zip(sample, tree.logprobs, flat.logprobs, strict=True):
         if rl is not None:  # the RL objective scores its targets only: compare where both sides did
             both = ~np.isnan(a) & ~np.isnan(b)
             a, b = a[both], b[both]
         error = float(np.abs(a - b).max(initial=0.0))
-        if not error <= worst:  # NaN counts as the worst
+        if not error <= worst:  # NaN (a log-prob one side did not give) counts as the worst
             worst, worst_name = error, _name(trajectory)
     worst_parameter, grad_err = "", 0.0
     errors = gradient_errors(flat.gradients, tree.gradients)
@@ -456,6 +484,7 @@ def check_sample(
         max_grad_rel_err=grad_err,
         worst_parameter=worst_parameter,
         parameters=len(errors),
+        items=dict(Counter(row.kind for row in items if row.n_real)),
     )
 
 
@@ -464,11 +493,12 @@ def verdict(result: SelfCheckResult, step: int, dtype: torch.dtype) -> None:
     worst trajectory or parameter, and the tolerance when an error exceeds ``dtype``'s (NaN included)."""
     tolerance = TOLERANCES[dtype]
     logger.info(
-        "self-check step %d: tree vs flat on %d trajectories (%d tokens): loss rel err %.2e, max log-prob err "
-        "%.2e, max gradient rel err %.2e over %d parameters (%s) (tolerance %.0e), %.2f s",
+        "self-check step %d: tree vs flat on %d trajectories (%d tokens; tree items %s): loss rel err %.2e, max "
+        "log-prob err %.2e, max gradient rel err %.2e over %d parameters (%s) (tolerance %.0e), %.2f s",
         step,
         result.trajectories,
         result.tokens,
+        ", ".join(f"{count} {kind}" for kind, count in sorted(result.items.items())) or "-",
         result.loss_rel_err,
         result.max_abs_logprob_err,
         result.max_grad_rel_err,

@@ -461,17 +461,16 @@ class Trainer(RLSteps):
         rl, self._self_check_rl = getattr(self, "_self_check_rl", None), None
         if config.objective.is_rl and rl is None:  # RL: its inputs are recorded before the updates
             return {}
-        budget = config.packing.budget
-        sample = rl.sample if rl is not None else self_check.sample_groups(self.last_trajectories, budget)
+        sample = rl.sample if rl is not None else self_check.sample_groups(self.last_trajectories)
         if not sample:
             return {}
         with self_check.zero3_leaf_hooks_suspended(self.engine.optimizer):
             result = self_check.check_sample(
                 self.engine.module,  # the bare module: the engine's backward hooks stay out of the check
                 sample,
-                budget=budget,
+                plan=self.plan_settings,  # the sample's items: the kinds this run's plan gives them
                 normalisation=config.objective.normalisation,
-                dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
+                dfs=self.dfs_settings,
                 device=self.engine.device,
                 rl=rl,
                 sequence_parallel=self.self_check_group(),
@@ -495,9 +494,9 @@ class Trainer(RLSteps):
             trajectories,
             {id(t): a for t, a in zip(trajectories, advantages, strict=True)},
             config.objective.rl_settings(),
-            budget=config.packing.budget,
+            plan=self.plan_settings,
             reference=self.reference,
-            dfs=self.dfs_settings if config.packing.mode == "dfs" else None,
+            dfs=self.dfs_settings,
             sequence_parallel=self.self_check_group(),
             device=self.engine.device,
             head_chunk=config.model.head_chunk,
@@ -505,7 +504,7 @@ class Trainer(RLSteps):
         self.release_partition_cache()
 
     def self_check_group(self) -> self_check.SequenceParallel | None:
-        """The sequence-parallel group the self-check shards its tree rows over (None without SP)."""
+        """This rank's sequence-parallel group, over which the self-check plans its sample (None without SP)."""
         if self.config.parallel.sequence_parallel_size == 1:
             return None
         from deepspeed.runtime.sequence_parallel import parallel_state_sp

@@ -14,7 +14,9 @@ relative error to ``--out`` as JSON. Under sequence parallelism the flat rows ho
 With ``--dfs-chunk C`` the update is applied and the same case runs again with ``packing.mode: dfs``
 in chunks of ``C`` tokens (under sequence parallelism every tree walked by the group, its chunks
 sharded over it; the report's ``dfs`` entry). With ``--train-step`` the update is applied and one
-ordinary ``train_step`` follows (its scalars reported), in the layout of the last case. With a reference
+ordinary ``train_step`` follows (its scalars reported), in the layout of the last case; when that is a
+walk sharded over a sequence-parallel group, the self-check runs once more on the step's sample with a
+fault only such a walk has (the report's ``selfcheck_fault``, :func:`walked_shard_fault`). With a reference
 model, last, the policy is copied into it (``objective.reference_step``) and its saved state loaded back
 (the report's ``reference_copy``).
 """
@@ -141,6 +143,44 @@ def rl_case(trainer) -> tuple[dict | None, float]:
     return report, output.loss
 
 
+def walked_shard_fault(trainer) -> dict:
+    """The SFT self-check of the last step's sample with a fault in the walk sharded over the group alone:
+    the tokens of every shard but a chunk's first placed one position deeper (an off-by-one where the
+    chunk is cut into shards). Its items and verdict ('' when it passed)."""
+    from ds_tree.engine import self_check
+    from ds_tree.engine.dfs_sequence_parallel import ShardedChunks
+
+    exact = ShardedChunks.chunk_inputs
+
+    def shifted(chunks, row, index, cache):
+        inputs = exact(chunks, row, index, cache)
+        if chunks.position > 0:  # fault injection: the shard's own depths off by one
+            inputs.position_ids = inputs.position_ids + 1
+        return inputs
+
+    ShardedChunks.chunk_inputs = shifted
+    try:
+        with self_check.zero3_leaf_hooks_suspended(trainer.engine.optimizer):
+            result = self_check.check_sample(
+                trainer.engine.module,
+                self_check.sample_groups(trainer.last_trajectories),
+                plan=trainer.plan_settings,
+                dfs=trainer.dfs_settings,
+                device=trainer.engine.device,
+                sequence_parallel=trainer.self_check_group(),
+                head_chunk=trainer.config.model.head_chunk,
+            )
+    finally:
+        ShardedChunks.chunk_inputs = exact
+    trainer.release_partition_cache()
+    try:
+        self_check.verdict(result, 0, torch.float32)
+        message = ""
+    except self_check.SelfCheckError as error:
+        message = str(error)
+    return {"items": result.items, "max_grad_rel_err": result.max_grad_rel_err, "message": message}
+
+
 def main() -> None:
     args, config = check_arguments(
         (("--train-step",), {"action": "store_true"}), (("--dfs-chunk",), {"type": int, "default": 0})
@@ -167,6 +207,10 @@ def main() -> None:
         scalars = trainer.train_step(step)
         if report is not None:
             report["train_step"] = scalars
+        if config.packing.mode == "dfs" and config.parallel.sequence_parallel_size > 1:
+            fault = walked_shard_fault(trainer)
+            if report is not None:
+                report["selfcheck_fault"] = fault
     if trainer.reference is not None:  # objective.reference_step's copy, its checkpoint state and reload
         differences = reference_copy_differences(trainer)
         if report is not None:
