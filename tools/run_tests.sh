@@ -14,7 +14,8 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false
 # Two pytest workers (pytest-xdist), each running one test file at a time. With OMP_NUM_THREADS=1 a
 # single-process test keeps one core busy, so one worker left the other core idle for much of the
-# suite: measured on 2 cores, 28 min in one process, 15 min on two workers. A test file stays on one
-# worker, so its module-scoped fixtures (the vLLM server, the SLURM cluster) are started once.
+# suite: measured on 2 cores, 28 min in one process (a busy machine), 10-11 min on two workers (fresh
+# clones). A test file stays on one worker, so its module-scoped fixtures (the vLLM server, the SLURM
+# cluster) are started once.
 # PYTEST_WORKERS=0 runs everything in one process.
 exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
