@@ -43,7 +43,7 @@ Estimator = Literal["grpo", "rloo", "treepo", "tempo", "given"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
-PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.engine.preemption.SIGNALS
+PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
 
 
 RL_ONLY_FIELDS = (
@@ -573,7 +573,7 @@ class RolloutConfig(SamplerSettings):
 
     def check_with(self, config: Config) -> None:
         """What an enabled rollout section needs from itself and from the rest of the config."""
-        from ds_tree.rollout.online import reward_function
+        from ds_tree.rollout.rewards import reward_function
 
         if not self.prompts:
             raise ConfigError("rollout.prompts is required with rollout.enabled (a prompts JSONL)")

@@ -10,7 +10,7 @@ rank before exiting, so the one that failed first is named even when the others 
 waiting for it; 75 stopped by a preemption signal (``checkpoint.preempt_signals``, SIGTERM and
 SIGUSR1 by default) after saving the checkpoint of the step it was in: the same command resumes;
 128 + the signal's number: a second signal, or ``checkpoint.preempt_grace_s`` passed, before that
-checkpoint was complete (:mod:`ds_tree.engine.preemption`).
+checkpoint was complete (:mod:`ds_tree.run.preemption`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import warnings
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.jsonl import json_text
-from ds_tree.engine import checkpoint
-from ds_tree.engine.checkpoint import CheckpointError
-from ds_tree.engine.console import setup_console
-from ds_tree.engine.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
 from ds_tree.engine.trainer import NonFiniteError, SelfCheckError, Trainer
 from ds_tree.models.token_mixing import UnsupportedModelError
+from ds_tree.run import checkpoint
+from ds_tree.run.checkpoint import CheckpointError
+from ds_tree.run.console import setup_console
+from ds_tree.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
 
 logger = logging.getLogger("ds_tree.train")
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ds_tree.benchmark import fit_token_pair_cost
+from ds_tree.bench.steps import fit_token_pair_cost
 from ds_tree.cli.bench import main as bench_main
 from ds_tree.cli.bench_attention import main as attention_main
 from ds_tree.data.jsonl import write_jsonl

@@ -19,9 +19,9 @@ import yaml
 
 from ds_tree.atomic import replace_directory, write_text_atomically
 from ds_tree.config import ConfigError, config_to_dict, load_config
-from ds_tree.engine import checkpoint, run_dir
-from ds_tree.engine.checkpoint import CheckpointError
-from ds_tree.engine.metrics import MetricsLogger
+from ds_tree.run import checkpoint, run_dir
+from ds_tree.run.checkpoint import CheckpointError
+from ds_tree.run.metrics import MetricsLogger
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -353,7 +353,7 @@ def test_output_dirs_that_another_run_deletes_are_refused(tmp_path: Path) -> Non
     run_dir.check_not_nested(tmp_path / "checkpoints" / "run")  # no run in tmp_path
     run_dir.check_not_nested(outer / "logs" / "run")
     # A run that started inside another's checkpoints earlier: the outer one is refused in turn.
-    from ds_tree.engine import run_lock
+    from ds_tree.run import run_lock
 
     nested = outer / "checkpoints" / "step_0000005" / "old_run"
     nested.mkdir()

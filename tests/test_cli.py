@@ -106,7 +106,7 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.attention import blocksparse
     from ds_tree.attention.registry import ENGINES
     from ds_tree.attention.triton.function import DTYPES as KERNEL_DTYPES
-    from ds_tree.benchmark import BENCH_DTYPES
+    from ds_tree.bench.steps import BENCH_DTYPES
     from ds_tree.cli import choices
     from ds_tree.cli.sample import SAMPLER_OPTIONS
     from ds_tree.data import convert
@@ -117,8 +117,8 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.losses.sft import NORMALISATIONS, POLICIES
     from ds_tree.models.loading import DTYPES
     from ds_tree.packing.modes import MODES
-    from ds_tree.rollout.sampler import SamplerSettings
-    from ds_tree.verification import VERIFY_DTYPES
+    from ds_tree.rollout.engines.hf import SamplerSettings
+    from ds_tree.verify.tree_vs_flat import VERIFY_DTYPES
 
     assert choices.ENGINES == tuple(ENGINES) and choices.MODES == tuple(MODES)
     assert (choices.NORMALISATIONS, choices.POLICIES) == (tuple(NORMALISATIONS), tuple(POLICIES))
@@ -146,3 +146,145 @@ def test_the_help_choices_are_the_library_values():
         kind, default, _ = SAMPLER_OPTIONS[field.name]
         assert default == getattr(sampler, field.name), field.name
         assert kind.__name__ in str(field.type), (field.name, field.type)
+
+
+# ------------------------------------------------------------------- bench-engines, multiturn-reuse, plot-multiturn
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def usage_error(capsys, command: str, argv: list[str]) -> str:
+    """The stderr of ``ds-tree COMMAND argv`` that must stop with a usage error (exit 2)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: ds-tree {command} ") and "error: " in err and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "command, argv, expected",
+    [
+        ("bench-engines", ["--tokenizer", "no_tokenizer", "--groups", "0"], "--groups must be >= 1"),
+        ("bench-engines", ["--tokenizer", "no_tokenizer", "--prompt-tokens", "-3"], "--prompt-tokens must be >= 1"),
+        (
+            "multiturn-reuse",
+            ["--model", "m", "--tokenizer", "t", "--tasks", "x", "--config", "c", "--count", "0"],
+            "--count must be >= 1",
+        ),
+        ("plot-multiturn", ["run", "--output", "o.png", "--window", "0"], "--window must be >= 1"),
+    ],
+)
+def test_counts_below_one_are_usage_errors(command, argv, expected, capsys):
+    """Found before anything is loaded: the paths named do not exist."""
+    assert expected in usage_error(capsys, command, argv)
+
+
+def test_a_missing_tokenizer_or_config_exits_2_with_one_error_line(tmp_path, capsys):
+    """No vLLM server or model is started: the tokenizer (bench-engines) and the config
+    (multiturn-reuse) are checked first."""
+    assert main(["bench-engines", "--tokenizer", str(tmp_path / "none")]) == 2
+    captured = capsys.readouterr()
+    assert (
+        captured.out == ""
+        and captured.err == f"ds-tree bench-engines: error: {tmp_path / 'none'}: no such tokenizer directory\n"
+    )
+    argv = ["--model", str(tmp_path), "--tokenizer", str(tmp_path), "--tasks", str(tmp_path / "t.jsonl")]
+    assert main(["multiturn-reuse", *argv, "--config", str(tmp_path / "none.yaml")]) == 2
+    captured = capsys.readouterr()
+    assert (
+        captured.out == ""
+        and captured.err == f"ds-tree multiturn-reuse: error: {tmp_path / 'none.yaml'}: no such config file\n"
+    )
+    assert main(["multiturn-reuse", *argv, "--config", str(ROOT / "configs/tiny_cpu.yaml")]) == 2
+    assert "rollout.env.path is not set" in capsys.readouterr().err
+
+
+def test_bench_engines_samples_with_the_repository_model_config():
+    from ds_tree.bench.engines import MODEL_CONFIG, bench_prompts
+
+    assert MODEL_CONFIG == ROOT / "configs/models/tiny_llama_vllm.json" and MODEL_CONFIG.is_file()
+    prompts = bench_prompts(groups=2, prompt_tokens=5)
+    assert len(prompts) == 3 and {len(prompt) for prompt in prompts} == {5}
+
+
+def test_multiturn_reuse_table():
+    from ds_tree.cli.multiturn_reuse import markdown_table
+
+    row = {"sampling": "tree", "leaves": 4, "reward": 0.5, "sampled_tokens": 10, "forward_tokens": 12}
+    text = markdown_table([row | {"tree_tokens": 20, "flat_tokens": 40}])
+    assert text.splitlines() == [
+        "| sampling | leaves | reward | sampled tokens | forward tokens | tree tokens | flat tokens |",
+        "|---|---|---|---|---|---|---|",
+        "| tree | 4 | 0.500 | 10 | 12 | 20 | 40 |",
+    ]
+
+
+def multiturn_records() -> list[dict]:
+    """Two warm-up steps, six RL steps, one refresh step (step 6) and one discarded step (no metrics)."""
+    records = [{"step": step, "warmup/sft_loss": 1.0, "time/step_s": 2.0} for step in (1, 2)]
+    for step in (3, 4, 5, 7, 8, 9):
+        records.append(
+            {
+                "step": step,
+                "rollout/reward_mean": step / 10,
+                "rollout/sampled_tokens": 100,
+                "rollout/tokens_saved": 300,
+                "tree/por": 0.9,
+                "rollout/parse_errors": 1,
+                "rollout/env_errors": 0,
+                "time/step_s": 3.0,
+            }
+        )
+    return [*records, {"step": 6, "warmup/sft_loss": 0.5, "time/step_s": 1.0}, {"step": 10, "loss/train": 0.1}]
+
+
+def test_plot_multiturn_writes_the_figure_and_prints_the_figures(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in multiturn_records()))
+    output = tmp_path / "plots" / "multiturn"  # no extension, a folder that does not exist yet
+    assert main(["plot-multiturn", str(run), "--output", str(output), "--window", "2"]) == 0
+    assert output.read_bytes()[:8] == PNG and not output.with_suffix(".png").exists()
+    assert capsys.readouterr().out.splitlines() == [
+        "warm-up steps: 2; RL steps: 6 (steps 3-9); refresh steps: 1",
+        "reward: first 2 RL steps 0.350, last 2 0.850 (gain +0.500), best step 0.900",
+        "sampled tokens per RL step: trees 100, independent 400 (4.00x); trained tree/por 0.900",
+        "parse errors 6, env errors 0; wall: warm-up 4 s, RL 18 s, refresh 1 s (step times)",
+        f"wrote {output}",
+    ]
+    assert f"--output {tmp_path}: is a directory" in usage_error(
+        capsys, "plot-multiturn", [str(run), "--output", str(tmp_path)]
+    )
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        ('{"step": 4, "rollout/reward_mean": 0.', ":4: malformed JSON"),
+        ("[1, 2]", ":4: a record must be a JSON object"),
+        ('{"step": 4, "rollout/reward_mean": 0.5}', ":4: the record has no 'rollout/sampled_tokens'"),
+        ('{"step": 4, "warmup/sft_loss": "low", "time/step_s": 1}', ":4: warmup/sft_loss must be a number, got 'low'"),
+    ],
+)
+def test_plot_multiturn_names_the_file_and_line_of_a_bad_record(line, expected, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    good = [json.dumps(record) for record in multiturn_records()[:3]]
+    (run / "metrics.jsonl").write_text("\n".join([*good, line, *good[2:]]) + "\n")
+    output = tmp_path / "multiturn.png"
+    assert main(["plot-multiturn", str(run), "--output", str(output)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    assert captured.err.startswith(f"ds-tree plot-multiturn: error: {run / 'metrics.jsonl'}{expected}")
+    assert not output.exists()
+
+
+def test_plot_multiturn_needs_metrics_with_an_rl_step(tmp_path, capsys):
+    output = tmp_path / "multiturn.png"
+    assert main(["plot-multiturn", str(tmp_path), "--output", str(output)]) == 2
+    assert f"error: {tmp_path / 'metrics.jsonl'}: no such file" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(multiturn_records()[0]) + "\n")
+    assert main(["plot-multiturn", str(tmp_path), "--output", str(output)]) == 2
+    assert "metrics.jsonl: no RL step (rollout/reward_mean) yet" in capsys.readouterr().err
+    assert not output.exists()

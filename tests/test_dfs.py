@@ -23,13 +23,13 @@ import torch
 from ds_tree.comparison import gradient_errors
 from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.dfs import DfsSettings, WalkStats, row_chunks
-from ds_tree.engine.step import run_rows, run_step
+from ds_tree.engine.step import run_rows
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
+from ds_tree.memory.meters import PeakSavedMeter
 from ds_tree.models.loading import enable_activation_checkpointing, load_model
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.peak_memory import PeakSavedMeter
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -84,13 +84,13 @@ def _flat(model, trajectories, normalisation):
 
 def _walked(model, rows, normalisers, normalisation, settings, stats=None, scale: float = 1.0):
     """Loss and gradient of ``rows``; ``scale`` multiplies what each backward is given, as DeepSpeed does."""
-    output = run_step(
+    output = run_rows(
         model,
         rows,
         normalisers,
         normalisation,
         "exact",
-        settings,
+        dfs=settings,
         backward_for=lambda n: lambda loss: (loss * scale).backward(),
         stats=stats,
     )

@@ -20,18 +20,20 @@ import pytest
 import torch
 
 from ds_tree.comparison import gradient_errors
+from ds_tree.data.jsonl import write_jsonl
 from ds_tree.engine.calls import BACKWARD, FORWARD, KINDS, NO_GRAD, UPDATE, merge_schedules
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_walk
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.rl import RLSettings
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.parts import split_tree
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import compare, compare_rl, metric_errors, run_rl_mode
+from ds_tree.verify.tree_vs_flat import compare, compare_rl, metric_errors, run_rl_mode
+from tests.rollouts import reward, rl_trajectories
 from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
-from tests.test_rl_tree_vs_flat import MODEL, _flat_logprobs, _policies, forest
+from tests.test_rl_tree_vs_flat import MODEL, _flat_logprobs, _policies
 
 CASES = [
     ("grpo", False, RLSettings(), DfsSettings(7)),
@@ -50,7 +52,7 @@ CASES = [
 @pytest.mark.parametrize(("estimator", "normalise", "settings", "dfs"), CASES)
 def test_rl_dfs_equals_flat(estimator, normalise, settings, dfs):
     report = compare_rl(
-        forest(), MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, dfs=dfs
+        rl_trajectories(), MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, dfs=dfs
     )
     assert report["passed"], report
     for name in ("dfs_loss_rel_err", "dfs_max_rel_grad_err", "dfs_max_abs_logprob_err", "dfs_max_rel_metric_err"):
@@ -60,7 +62,7 @@ def test_rl_dfs_equals_flat(estimator, normalise, settings, dfs):
 
 
 def test_sft_verify_reports_dfs():
-    report = compare(forest(seed=1), MODEL, normalisation="sequence_mean", dfs=DfsSettings(5))
+    report = compare(rl_trajectories(seed=1), MODEL, normalisation="sequence_mean", dfs=DfsSettings(5))
     assert report["passed"], report
     assert report["dfs_chunk"] == 5 and report["dfs_max_rel_grad_err"] <= 1e-10, report
 
@@ -123,11 +125,12 @@ def test_lockstep_schedule_holds_every_ranks_calls():
 
 
 def write_rewarded_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
-    """:func:`write_forest`'s trees, each trajectory with a reward of 0 or 1."""
+    """:func:`write_forest`'s trees (deep enough to walk in chunks), each trajectory with a binary reward
+    drawn as :mod:`tests.rollouts` draws them."""
     write_forest(path, groups, seed)
     rng = np.random.default_rng(seed + 1)
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    path.write_text("".join(json.dumps({**r, "reward": float(rng.integers(0, 2))}) + "\n" for r in records))
+    write_jsonl(path, [{**r, "reward": reward(rng, "binary", 0)} for r in records])
     return path
 
 
@@ -189,7 +192,7 @@ def test_rl_update_mixes_packed_and_walked_rows():
     """Tree mode with ``over_budget: dfs``: the trees with a path over the budget walked, the rest packed
     (split under the budget), one update; old and reference log-probs walked too (KL on), truncated
     importance weights on the walked log-probs; float64 against the flat pass."""
-    trajectories = forest(seed=0, groups=4)  # longest paths 45, 33, 54, 44 tokens
+    trajectories = rl_trajectories(seed=0, groups=4)  # longest paths 45, 33, 54, 44 tokens
     budget, dfs = 44, DfsSettings(6)
     packed, walked = split_over_budget(build_forest(trajectories), "tree", "dfs", budget)
     assert packed and walked
@@ -205,7 +208,7 @@ def test_rl_update_mixes_packed_and_walked_rows():
         t.logprobs = np.concatenate([[np.nan], _flat_logprobs(new, [t])[id(t)]])
     prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=old, dfs=dfs)
     new.zero_grad(set_to_none=True)
-    output = run_rl_walk(new, prepared, settings, dfs, backward_for=lambda _: torch.Tensor.backward)
+    output = run_rl_rows(new, prepared, settings, dfs=dfs, backward_for=lambda _: torch.Tensor.backward)
     gradients = {name: p.grad.clone() for name, p in new.named_parameters()}
     flat = run_rl_mode(new, old, old, trajectories, "flat", 4096, 1, advantages, settings)
     assert abs(output.loss - flat.loss) <= 1e-10 * abs(flat.loss)

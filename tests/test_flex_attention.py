@@ -24,7 +24,7 @@ from ds_tree.attention.flex import FlexBackwardUnavailable, flex_tree_attention,
 from ds_tree.attention.reference import tree_attention_reference
 from ds_tree.attention.registry import has_backward, tree_attention
 from ds_tree.cli import verify
-from ds_tree.verification import compare
+from ds_tree.verify.tree_vs_flat import compare
 from tests.strategies import forests, longest
 from tests.test_attention import GQA, TOLERANCES, _assert_close, _random_inputs, _rows_kv_end
 from tests.test_engine import write_config, write_forest

@@ -156,7 +156,7 @@ def test_training_refuses_rewards_overflowing_float64_at_config_time(tmp_path, m
 
 def test_json_output_has_no_nan_or_infinity(tmp_path):
     from ds_tree.data.jsonl import json_text
-    from ds_tree.engine.metrics import MetricsLogger
+    from ds_tree.run.metrics import MetricsLogger
 
     assert json_text({"a": [float("nan"), np.float64("inf"), 1.5], "b": (float("-inf"),)}) == (
         '{"a": [null, null, 1.5], "b": [null]}'

@@ -1,8 +1,11 @@
-"""The package's modules import each other without a cycle (docs/DESIGN.md, "Architecture").
+"""The package's modules import each other without a cycle, and only downwards through the layers
+(docs/DESIGN.md, "Architecture").
 
 Every ``import`` of a ``ds_tree`` module counts, also one inside a function: a lazy import hides a
 cycle from the interpreter, not from a reader. ``from ds_tree.a import b`` is an arrow to module
-``ds_tree.a.b`` when that is a module, else to ``ds_tree.a``.
+``ds_tree.a.b`` when that is a module, else to ``ds_tree.a``. A name looked up at run time (a
+config's ``package.module:function``, the built-in rewards' table) is no arrow: that is how the loop
+reaches the example environments above it.
 """
 
 from __future__ import annotations
@@ -78,6 +81,67 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+LAYERS: list[tuple[str, list[str]]] = [
+    ("foundations", ["ds_tree.errors", "ds_tree.atomic", "ds_tree.comparison", "ds_tree.memory"]),
+    ("trees", ["ds_tree.trees"]),
+    ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
+    ("kernels and objectives", ["ds_tree.attention", "ds_tree.losses"]),
+    ("models", ["ds_tree.models"]),
+    ("rollout settings", ["ds_tree.rollout.settings"]),
+    ("sampling engines", ["ds_tree.rollout.engines"]),
+    ("rollouts: the loop, episodes, rendering, rewards", ["ds_tree.rollout"]),
+    ("example environments and rewards", ["ds_tree.rollout.envs"]),
+    ("config", ["ds_tree.config"]),
+    ("a run's life", ["ds_tree.run"]),
+    ("step execution and the trainer", ["ds_tree.engine"]),
+    ("checks", ["ds_tree.verify"]),
+    ("benchmarks", ["ds_tree.bench"]),
+    ("entry points", ["ds_tree.cli", "ds_tree.train"]),
+]
+"""Bottom to top. A module belongs to the layer of its longest matching prefix and may import only
+from its own layer and those below. The package root (``ds_tree/__init__.py``) is empty."""
+
+
+def layer_of(module: str) -> int | None:
+    found = [
+        (len(prefix), index)
+        for index, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(found)[1] if found else None
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b (layer -> layer)`` for every import of a module from a higher layer."""
+    found = []
+    for source, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            low, high = layer_of(source), layer_of(target)
+            if low is not None and high is not None and high > low:
+                found.append(f"{source} -> {target} ({LAYERS[low][0]} -> {LAYERS[high][0]})")
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = [name for name in import_graph() if name != "ds_tree" and layer_of(name) is None]
+    assert not unplaced, f"modules in no layer of LAYERS: {unplaced}"
+
+
+def test_no_import_runs_up_the_layers():
+    found = arrows_up(import_graph())
+    assert not found, "imports running up the layers:\n" + "\n".join(found)
+
+
+def test_the_layer_check_sees_an_arrow_up():
+    graph = {"ds_tree.trees.trie": {"ds_tree.engine.trainer"}, "ds_tree.engine.trainer": {"ds_tree.run.checkpoint"}}
+    assert arrows_up(graph) == [
+        "ds_tree.trees.trie -> ds_tree.engine.trainer (trees -> step execution and the trainer)"
+    ]
+    assert arrows_up({"ds_tree.run.checkpoint": {"ds_tree.engine.dfs"}}), "run must not import the engine"
+    assert arrows_up({"ds_tree.rollout.engines.hf": {"ds_tree.rollout.envs.game24"}}), "engines sit below envs"
 
 
 def test_no_import_cycle():

@@ -24,9 +24,9 @@ from ds_tree.models import logprobs as logprobs_module
 from ds_tree.models.loading import load_model
 from ds_tree.models.logprobs import logprobs_and_entropy_at, predicted_tokens
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.verification import compare_rl, run_mode
+from ds_tree.verify.tree_vs_flat import compare_rl, run_mode
+from tests.rollouts import rl_trajectories
 from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
-from tests.test_rl_tree_vs_flat import forest
 
 MODELS = {name: f"configs/models/tiny_{name}.json" for name in ("llama", "qwen2")}  # qwen2 ties its embeddings
 EXACT = 1e-12
@@ -35,7 +35,7 @@ EXACT = 1e-12
 
 @functools.cache
 def _forest():
-    return forest(seed=4)
+    return rl_trajectories(seed=4)
 
 
 def _model(name: str, checkpoint_every: int = 0):

@@ -1,4 +1,4 @@
-"""The memory planner (ds_tree/memory_plan.py, ``ds-tree plan``): its arithmetic against hand-computed
+"""The memory planner (ds_tree/memory/predict.py, ``ds-tree plan``): its arithmetic against hand-computed
 cases, and its activation prediction against the peak measured on this CPU for a small model.
 
 The measured case is deterministic (one row, the same allocations every run): the torch profiler's
@@ -18,9 +18,9 @@ import torch
 
 from ds_tree.cli.plan import main as plan_main
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.step import run_step
+from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
-from ds_tree.memory_plan import (
+from ds_tree.memory.predict import (
     ModelShape,
     activation_bytes,
     dfs_activation_bytes,
@@ -155,13 +155,13 @@ def test_dfs_prediction_within_documented_error_of_measurement(chunk, recompute,
     settings = DfsSettings(chunk, recompute)
 
     def step():
-        run_step(
+        run_rows(
             model,
             rows,
             normalisers,
             "token_mean",
             "exact",
-            settings,
+            dfs=settings,
             backward_for=lambda n: torch.Tensor.backward,
             head_chunk=head_chunk,
         )
@@ -190,7 +190,8 @@ def test_dfs_prediction_with_a_packed_chunk_below_the_path(recompute):
 
     def step():
         backward = lambda n: torch.Tensor.backward  # noqa: E731
-        run_step(model, rows, normalisers, "token_mean", "exact", DfsSettings(chunk, recompute), backward_for=backward)
+        settings = DfsSettings(chunk, recompute)
+        run_rows(model, rows, normalisers, "token_mean", "exact", dfs=settings, backward_for=backward)
 
     step()
     measured = profiled_peak_bytes(step)
@@ -202,7 +203,7 @@ def test_dfs_prediction_with_a_packed_chunk_below_the_path(recompute):
 
 
 def _sharded_walk_peaks(rank: int, trajectories, settings: dict) -> list[float]:
-    """One rank of a 2-rank group (:func:`~ds_tree.sequence_parallel_check.spawn_group`): the walk of
+    """One rank of a 2-rank group (:func:`~ds_tree.verify.sequence_parallel.spawn_group`): the walk of
     ``trajectories`` as ``packing.mode: dfs`` plans it under sequence parallelism, each case
     ``(chunk, recompute)`` measured after a warm-up; the largest peak over the ranks (process 0's is reported)."""
     import torch.distributed as dist
@@ -235,7 +236,7 @@ def test_sharded_dfs_prediction_within_documented_error_of_measurement():
     ``sequence_parallel=2`` peak against the busier rank's measured one, on the two 1024-token paths of
     :func:`test_dfs_prediction_within_documented_error_of_measurement`; about half the single-rank walk's.
     docs/MEMORY.md's table holds more cases (models, checkpointing, the chunked head, a packed chunk)."""
-    from ds_tree.sequence_parallel_check import spawn_group
+    from ds_tree.verify.sequence_parallel import spawn_group
 
     tokens, cases = 1024, [(128, False), (256, True)]
     paths = {}

@@ -21,7 +21,7 @@ from ds_tree.comparison import gradient_errors
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.token_mixing import UnsupportedModelError
 from ds_tree.trees.random_trees import TreeShape, random_forest
-from ds_tree.verification import run_mode
+from ds_tree.verify.tree_vs_flat import run_mode
 
 EXACT = 1e-10
 # transformers' eager attention takes its softmax in float32 whatever the model dtype.

@@ -22,7 +22,7 @@ from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss, router_modules
 from ds_tree.trees.random_trees import TreeShape, random_forest
-from ds_tree.verification import run_mode
+from ds_tree.verify.tree_vs_flat import run_mode
 from tests.test_engine import launch_training, prepare, write_config, write_forest
 
 EXACT = 1e-10

@@ -23,9 +23,9 @@ from ds_tree.rollout.env import (
     Turn,
     tool_schema,
 )
+from ds_tree.rollout.envs.secret_tool import SecretToolEnv
 from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, SampledTurn, save_rollouts
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_tool_calls
-from ds_tree.rollout.secret_tool import SecretToolEnv
 from ds_tree.rollout.settings import EnvSettings, SamplerSettings
 
 STOPS = [2, 4]  # <|eos|>, <|im_end|>
@@ -416,7 +416,7 @@ def test_env_config_errors_name_the_key(override: str, message: str) -> None:
 
 
 def test_tau_style_shop_with_a_scripted_user_and_replay_forks(tokenizer) -> None:
-    from ds_tree.rollout.tau_shop import ShopEnv
+    from ds_tree.rollout.envs.tau_shop import ShopEnv
 
     calls = [
         '<tool_call>\n{"name": "find_orders", "arguments": {"user_id": "u1"}}\n</tool_call>',
@@ -453,8 +453,8 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
 
     from ds_tree.config import ConfigError, load_config
     from ds_tree.engine.trainer import learning_rate_factor
+    from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
-    from ds_tree.rollout.secret_tool import LoudSecretToolEnv, tasks
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(8, 0)))
     base = [
@@ -462,7 +462,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
         f"rollout.prompts={tmp_path / 'tasks.jsonl'}",
         f"model.tokenizer={tokenizer_dir}",
         "rollout.prompts_per_step=4",
-        "rollout.env.path=ds_tree.rollout.secret_tool:LoudSecretToolEnv",
+        "rollout.env.path=ds_tree.rollout.envs.secret_tool:LoudSecretToolEnv",
         "max_steps=10",
         "objective.reference_step=4",  # the shipped 12 is past max_steps
     ]
@@ -480,7 +480,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
         load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.warmup_steps=10"])
     with pytest.raises(ConfigError, match=r"turn_branching \[1, 8\] makes 8 leaves a task, not rollout.width \(16\)"):
         load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.turn_branching=[1,8]"])
-    no_demos = ["rollout.env.warmup_steps=2", "rollout.env.path=ds_tree.rollout.tau_shop:ShopEnv"]
+    no_demos = ["rollout.env.warmup_steps=2", "rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv"]
     with pytest.raises(ConfigError, match=r"has no demonstration\(task, rng\) method"):
         load_config("configs/multiturn_cpu.yaml", [*base, *no_demos])
 
@@ -552,10 +552,10 @@ def test_reference_step_checkpoint_file_round_trips_and_its_absence_is_named(tmp
     from types import SimpleNamespace
 
     from ds_tree.config import load_config
-    from ds_tree.engine.checkpoint import CheckpointError
     from ds_tree.engine.reference import REFERENCE_FILE, copy_policy
     from ds_tree.engine.trainer import Trainer
     from ds_tree.models.loading import load_model
+    from ds_tree.run.checkpoint import CheckpointError
 
     def build(seed: int) -> torch.nn.Module:
         return load_model(TINY_LLAMA, attention="torch", dtype=torch.float32, seed=seed)

@@ -14,22 +14,21 @@ import yaml
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.errors import DataError
-from ds_tree.rollout import digit_parity
+from ds_tree.rollout.envs import digit_parity, game24
 from ds_tree.rollout.online import (
     SlotResult,
     kept_trajectories,
     rank_slots,
-    reward_function,
     rollout_scalars,
     slot_generator,
 )
 from ds_tree.rollout.prompts import read_prompts
-from ds_tree.rollout.rewards import REWARDS, RewardRequest
+from ds_tree.rollout.rewards import RewardRequest, exact_match_reward, reward_function
 from ds_tree.trees.trajectory import Trajectory
 from tests.test_engine import ROOT, torchrun, write_config
 from tests.test_reliability import dry_run
 
-PARITY = "ds_tree.rollout.digit_parity:reward"
+PARITY = "ds_tree.rollout.envs.digit_parity:reward"
 ROLLOUT_KEYS = {
     "rollout/reward_mean",
     "rollout/leaves",
@@ -174,7 +173,8 @@ def test_slots_and_generators_depend_on_seed_step_and_slot_only() -> None:
 
 
 def test_reward_functions_by_name_or_import_path() -> None:
-    assert reward_function("exact_match") is REWARDS["exact_match"]
+    assert reward_function("exact_match") is exact_match_reward
+    assert reward_function("game24") is game24.reward
     assert reward_function(PARITY) is digit_parity.reward
     request = RewardRequest(prompt="even:", completion=" 24 8x", metadata={"parity": "even"})
     assert digit_parity.reward(request) == pytest.approx(3 / 4)

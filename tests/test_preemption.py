@@ -1,4 +1,4 @@
-"""Preemption signals (ds_tree/engine/preemption.py) and launch/train.sh's forwarding of them.
+"""Preemption signals (ds_tree/run/preemption.py) and launch/train.sh's forwarding of them.
 
 Issue 26, defects 3 and 4: a SIGTERM killed every rank within milliseconds without a checkpoint;
 a SIGTERM to the DeepSpeed launcher (which train.sh exec'd into) ended it while its ranks trained
@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from ds_tree.config import ConfigError, load_config
-from ds_tree.engine.preemption import EXIT_PREEMPTED, REPEAT_WINDOW_S
+from ds_tree.run.preemption import EXIT_PREEMPTED, REPEAT_WINDOW_S
 from tests.processes import start_group
 from tests.test_engine import ROOT, environment, free_port, write_config, write_forest
 
@@ -32,7 +32,7 @@ TRAIN_SH = ROOT / "launch" / "train.sh"
 BLOCKED = textwrap.dedent(
     """
     import sys
-    from ds_tree.engine.preemption import PreemptionHandler
+    from ds_tree.run.preemption import PreemptionHandler
     handler = PreemptionHandler(["SIGTERM", "SIGUSR1"], float(sys.argv[1]))
     with handler:
         handler.saved = sys.argv[2] == "saved"

@@ -6,28 +6,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from ds_tree.data.jsonl import write_jsonl
+from tests.rollouts import RolloutShape, write_rl_records
 from tests.test_engine import torchrun, write_accumulating_ds_config, write_config
+
+ROLLOUT_SHAPE = RolloutShape(
+    stem=90, fork=(30, 90), min_tail=5, longest=150, vocab=1024, untrained=60, rewards="normal"
+)
+"""Groups sharing a 60-token prompt, samples forking at many depths, rewards of both signs around the mean."""
 
 
 def write_rollouts(path: Path, groups: int = 6, seed: int = 0) -> Path:
-    """Groups sharing a prompt, samples forking at many depths, rewards of both signs around the mean."""
-    rng = np.random.default_rng(seed)
-    records = []
-    for group in range(groups):
-        prompt = rng.integers(3, 1024, 60).tolist()
-        for _ in range(4):
-            cut = int(rng.integers(30, 90))
-            length = int(rng.integers(cut + 5, 150))
-            ids = (prompt + rng.integers(3, 1024, 90).tolist())[:cut] + rng.integers(3, 1024, length - cut).tolist()
-            mask = [0] * 60 + [1] * (length - 60)
-            reward = float(rng.normal())
-            records.append({"group_id": f"g{group}", "input_ids": ids, "loss_mask": mask, "reward": reward})
-    write_jsonl(path, records)
-    return path
+    return write_rl_records(path, seed, groups, 4, ROLLOUT_SHAPE)
 
 
 @pytest.mark.distributed

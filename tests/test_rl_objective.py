@@ -8,7 +8,7 @@ losses; the flat side loops over trajectories, gathers each one's per-token valu
 path and applies the textbook PPO formulas. Loss and metrics must agree in float64 to 1e-12
 relative to the sum of the magnitudes of their flat terms (terms of both signs can cancel far below
 any one of them); the gradients with respect to every tree token's log-prob and entropy to 1e-12 in
-norm, per tensor, relative to its norm (:func:`ds_tree.verification.gradient_errors`, what
+norm, per tensor, relative to its norm (:func:`ds_tree.verify.tree_vs_flat.gradient_errors`, what
 ``ds-tree verify`` reports). Per-element relative bounds measured round-off over cancelled,
 near-zero elements instead; a restoration weight off by one trajectory on one token still fails
 the norm check by orders of magnitude (test_wrong_restoration_weight_fails_the_gradient_check).

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ds_tree.data.jsonl import slice_groups
-from ds_tree.engine import checkpoint
+from ds_tree.run import checkpoint
 from tests.shared_data import SHARED_DATA, absent
 from tests.test_engine import ROOT, environment, launch_training, write_config, write_forest
 from tests.test_launch import find_shellcheck

@@ -1,7 +1,7 @@
 """The RL objective on a real model: tree mode equals the flat baseline and a per-trajectory oracle.
 
 Old policy: a tiny Llama at a seed; trained policy: the same weights moved off it
-(:func:`ds_tree.verification.perturb_parameters`), so ratios leave the clip range on both sides
+(:func:`ds_tree.verify.tree_vs_flat.perturb_parameters`), so ratios leave the clip range on both sides
 (each case asserts clipped tokens on both sides, so the clipping branches are really exercised).
 Random forests have shared prefixes with advantages of both signs on shared tokens, and budgets
 that force splits (prefix copies without weight). float64: 1e-10 relative.
@@ -27,25 +27,10 @@ from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import compare_rl, perturb_parameters
+from ds_tree.verify.tree_vs_flat import compare_rl, perturb_parameters
+from tests.rollouts import rl_trajectories
 
 MODEL = "configs/models/tiny_llama.json"
-
-
-def forest(seed: int = 0, groups: int = 3, per_group: int = 4) -> list[Trajectory]:
-    """Groups sharing a stem, forks at random depths, untrained prompt tokens, 0/1 and real rewards."""
-    rng = np.random.default_rng(seed)
-    trajectories = []
-    for g in range(groups):
-        stem = rng.integers(3, 200, 30).tolist()
-        for i in range(per_group):
-            cut = int(rng.integers(2, 30))
-            length = int(rng.integers(cut + 2, 56))
-            ids = stem[:cut] + rng.integers(3, 200, length - cut).tolist()
-            mask = [0] * min(cut, 8) + [1] * (length - min(cut, 8))
-            reward = float(rng.integers(0, 2)) if g % 2 else float(rng.normal())
-            trajectories.append(Trajectory(ids, mask, group_id=f"g{g}", reward=reward, source=f"g{g}:{i}"))
-    return trajectories
 
 
 CASES = [
@@ -61,7 +46,7 @@ CASES = [
 @pytest.mark.parametrize(("estimator", "normalise", "settings"), CASES)
 def test_rl_tree_equals_flat(estimator, normalise, settings, budget):
     report = compare_rl(
-        forest(), MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, budget=budget
+        rl_trajectories(), MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, budget=budget
     )
     assert report["passed"], report
     metrics = report["metrics_flat"]
@@ -123,7 +108,7 @@ def oracle_loss(trajectories, advantages, settings: RLSettings, logp_old=None, i
 
 @pytest.mark.parametrize(("estimator", "normalise", "settings"), [c for c in CASES if not c[2].entropy_coef])
 def test_rl_tree_loss_equals_per_trajectory_oracle(estimator, normalise, settings):
-    trajectories = forest(seed=1)
+    trajectories = rl_trajectories(seed=1)
     computed = ESTIMATORS[estimator](trajectories, normalise=normalise)
     report = compare_rl(
         trajectories, MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, budget=64
@@ -140,9 +125,9 @@ def test_prefix_copies_count_their_trajectories(monkeypatch):
         return [(t, path) for t, path in original(row) if path[-1] >= 0]
 
     original = rl_step.trajectory_copies
-    assert compare_rl(forest(), MODEL, budget=64)["passed"]
+    assert compare_rl(rl_trajectories(), MODEL, budget=64)["passed"]
     monkeypatch.setattr(rl_step, "trajectory_copies", leaves_only)
-    assert not compare_rl(forest(), MODEL, budget=64)["passed"]
+    assert not compare_rl(rl_trajectories(), MODEL, budget=64)["passed"]
 
 
 def test_config_choices_are_the_library_registries():
@@ -188,7 +173,7 @@ def with_sampler_logprobs(trajectories, *, agree_on_shared: bool, seed: int = 5)
 
 @pytest.mark.parametrize("budget", [4096, 64])
 def test_old_logprobs_from_data(budget):
-    trajectories = with_sampler_logprobs(forest(seed=2), agree_on_shared=True)
+    trajectories = with_sampler_logprobs(rl_trajectories(seed=2), agree_on_shared=True)
     settings = RLSettings(old_logprobs="data", dual_clip=1.5)
     report = compare_rl(trajectories, MODEL, settings=settings, budget=budget)
     assert report["passed"], report
@@ -201,7 +186,7 @@ def test_old_logprobs_from_data(budget):
 
 
 def test_old_logprobs_from_data_must_agree_on_shared_tokens():
-    trajectories = with_sampler_logprobs(forest(seed=2), agree_on_shared=False)
+    trajectories = with_sampler_logprobs(rl_trajectories(seed=2), agree_on_shared=False)
     with pytest.raises(DataError, match="differ by"):
         compare_rl(trajectories, MODEL, settings=RLSettings(old_logprobs="data"))
 
@@ -209,7 +194,7 @@ def test_old_logprobs_from_data_must_agree_on_shared_tokens():
 @pytest.mark.parametrize("budget", [4096, 64])
 def test_truncated_importance_weights(budget):
     """Per-trajectory sampler log-probs that differ on shared tokens: the weights fold into P and N."""
-    trajectories = with_sampler_logprobs(forest(seed=3), agree_on_shared=False)
+    trajectories = with_sampler_logprobs(rl_trajectories(seed=3), agree_on_shared=False)
     settings = RLSettings(importance_truncation=1.2)
     report = compare_rl(trajectories, MODEL, settings=settings, budget=budget)
     assert report["passed"], report
@@ -224,10 +209,10 @@ def test_truncated_importance_weights(budget):
 
 def test_shared_logprobs_checked_before_training():
     """The trainer's up-front check (``old_logprobs: data``) refuses what the step would refuse later."""
-    agreeing = with_sampler_logprobs(forest(seed=2), agree_on_shared=True)
+    agreeing = with_sampler_logprobs(rl_trajectories(seed=2), agree_on_shared=True)
     for tree in build_forest(agreeing):
         rl_step.check_shared_logprobs(tree)
-    disagreeing = with_sampler_logprobs(forest(seed=2), agree_on_shared=False)
+    disagreeing = with_sampler_logprobs(rl_trajectories(seed=2), agree_on_shared=False)
     with pytest.raises(
         DataError, match=r"g\d:\d, g\d:\d: these trajectories share a token whose sampler log-probs differ"
     ):
@@ -239,7 +224,7 @@ def sampled_groups(mismatch: float) -> list[Trajectory]:
     """Two trees drawn by the HF tree sampler (what the online loop trains on), with the sampler's own
     per-token log-probs recorded, from the old policy's weights moved by ``mismatch`` times their spread
     (a sampler that disagrees with the trainer, as a generation server's kernels or dtype do)."""
-    from ds_tree.rollout.sampler import SamplerSettings, sample_tree
+    from ds_tree.rollout.engines.hf import SamplerSettings, sample_tree
 
     sampler = load_model(MODEL, attention="torch", dtype=torch.float64, seed=0)
     perturb_parameters(sampler, mismatch, 9)

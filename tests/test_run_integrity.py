@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from ds_tree.config import ConfigError
-from ds_tree.engine import checkpoint, run_lock
-from ds_tree.engine.checkpoint import CheckpointError
+from ds_tree.run import checkpoint, run_lock
+from ds_tree.run.checkpoint import CheckpointError
 from tests.test_checkpoint import complete
 from tests.test_engine import PYTHON, ROOT, environment, prepare, torchrun, write_config, write_forest
 
@@ -42,7 +42,7 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_naming_the_holder(tmp_pa
     assert run_lock.acquire(out) and run_lock.held(out)  # the same process again: one more reference
     run_lock.release(out)
     assert run_lock.held(out)
-    command = [PYTHON, "-c", f"from ds_tree.engine import run_lock; run_lock.acquire({str(out)!r})"]
+    command = [PYTHON, "-c", f"from ds_tree.run import run_lock; run_lock.acquire({str(out)!r})"]
     result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     expected = f"output_dir: {out} is in use by another run (pid {os.getpid()} on host {socket.gethostname()}"
@@ -58,7 +58,7 @@ def test_a_dead_holder_leaves_no_lock(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
     code = (
-        f"import os; from ds_tree.engine import run_lock; run_lock.acquire({str(out)!r}); "
+        f"import os; from ds_tree.run import run_lock; run_lock.acquire({str(out)!r}); "
         "os.kill(os.getpid(), 9)"
     )
     killed = subprocess.run([PYTHON, "-c", code], env=environment(), capture_output=True, timeout=120)
@@ -142,7 +142,7 @@ def test_a_locked_output_dir_is_a_config_error_exit_2_and_a_dry_run_leaves_no_lo
 def hold_in_another_process(out: Path) -> subprocess.Popen:
     """A process that holds ``out``'s lock until its stdin closes."""
     code = (
-        f"import sys; from ds_tree.engine import run_lock; run_lock.acquire({str(out)!r}); "
+        f"import sys; from ds_tree.run import run_lock; run_lock.acquire({str(out)!r}); "
         "print('held', flush=True); sys.stdin.read()"
     )
     holder = subprocess.Popen(

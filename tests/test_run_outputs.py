@@ -12,11 +12,11 @@ import stat
 import pytest
 
 from ds_tree.config import config_to_dict, load_config
-from ds_tree.engine import checkpoint
-from ds_tree.engine.console import progress_bar
-from ds_tree.engine.export import save_hf
-from ds_tree.engine.op_builds import announce_op_builds, pending_op_builds
 from ds_tree.models.loading import load_model
+from ds_tree.run import checkpoint
+from ds_tree.run.console import progress_bar
+from ds_tree.run.export import save_hf
+from ds_tree.run.op_builds import announce_op_builds, pending_op_builds
 from tests.test_engine import ROOT, write_config, write_forest
 
 
@@ -83,7 +83,7 @@ def test_first_cpu_run_announces_the_op_builds(tmp_path, monkeypatch):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("ds_tree.engine.op_builds")
+    logger = logging.getLogger("ds_tree.run.op_builds")
     logger.addHandler(handler)
     try:
         announce_op_builds({})

@@ -19,7 +19,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM
 from ds_tree.attention.registry import implementation_name, tree_attention
 from ds_tree.models.loading import keep_norms_in_float64, load_config, load_model
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.verification import compare
+from ds_tree.verify.tree_vs_flat import compare
 
 WINDOW = 5
 COMMON = {

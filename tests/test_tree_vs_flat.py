@@ -28,7 +28,7 @@ from ds_tree.packing.rows import assemble_row
 from ds_tree.trees import trie
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_trees
-from ds_tree.verification import compare, run_mode
+from ds_tree.verify.tree_vs_flat import compare, run_mode
 from tests.strategies import flat_coefficients, forests, longest, prefix_key
 
 MODELS = {name: f"configs/models/tiny_{name}.json" for name in ("llama", "qwen2", "qwen3")}

@@ -9,15 +9,16 @@ case must clip ratios on both sides (else the clipping branches went untested).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ds_tree.cli.verify import main
 from ds_tree.data.convert import ConvertOptions, convert
 from ds_tree.data.jsonl import slice_groups, write_jsonl
 from ds_tree.engine import rl_step
+from tests.rollouts import RolloutShape, rl_records
 from tests.shared_data import SHARED_DATA, absent
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,20 +26,13 @@ MODEL = str(ROOT / "configs/models/tiny_llama.json")
 GAME24 = SHARED_DATA / "tot-game24" / "samples.jsonl"
 
 
+VERIFY_SHAPE = RolloutShape(stem=24, fork=(2, 24), min_tail=4, longest=54, vocab=1000, untrained=6)
+"""A 24-token stem per group, a fork at a random depth, the first 6 tokens untrained."""
+
+
 def records(seed: int = 0, groups: int = 3, per_group: int = 4, rewards: bool = True) -> list[dict]:
-    """Tokens records: a 24-token stem per group, a fork at a random depth, the first 6 tokens untrained."""
-    rng = np.random.default_rng(seed)
-    lines = []
-    for g in range(groups):
-        stem = rng.integers(3, 1000, 24).tolist()
-        for _ in range(per_group):
-            cut = int(rng.integers(2, 24))
-            ids = stem[:cut] + rng.integers(3, 1000, int(rng.integers(4, 30))).tolist()
-            line = {"group_id": f"g{g}", "input_ids": ids, "loss_mask": [0] * 6 + [1] * (len(ids) - 6)}
-            if rewards:
-                line["reward"] = float(rng.integers(0, 2)) if g % 2 else float(rng.normal())
-            lines.append(line)
-    return lines
+    """Tokens records of :data:`VERIFY_SHAPE` (0/1 and real rewards, or none)."""
+    return rl_records(seed, groups, per_group, replace(VERIFY_SHAPE, rewards="mixed" if rewards else "none"))
 
 
 @pytest.fixture(scope="module")

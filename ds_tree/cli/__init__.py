@@ -20,9 +20,12 @@ COMMANDS = {
     "bench-sweep": "POR sweep and shared data sets through bench, with table and plot",
     "bench-attention": "time the CPU tree-attention engine alone, tree vs flat",
     "bench-kernel": "time the Triton tree-attention kernel (a smoke run without a GPU)",
+    "bench-engines": "sampling throughput of the tree sampler on the hf and vLLM engines",
+    "multiturn-reuse": "tokens the multi-turn sampler computes: episode trees vs independent episodes",
     "make-tokenizer": "train the project's byte-level BPE tokenizer",
     "make-synthetic": "write synthetic agentic tree data with a target POR",
     "plot-online": "reward curves and sampler tokens of online RL runs (metrics.jsonl) into a PNG and a table",
+    "plot-multiturn": "learning curve and tree reuse of a multi-turn RL run (metrics.jsonl) into a PNG",
     "sample": "sample prompts' groups as trees with a HF model, score them, write rollouts JSONL",
     "plan": "predicted peak memory per rank of a training config, and the largest row that fits",
 }

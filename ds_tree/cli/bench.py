@@ -31,7 +31,7 @@ S = 1 and S, with each rank's activation memory. RL (--objective grpo / ppo): tr
 both planned as the trainer plans them under sequence parallelism (a path over --budget sharded over
 the S ranks), each a full RL step (old-policy pass, --ppo-epochs updates, gradients summed over the
 group, optimizer step) timed on the slowest rank, with speedup, old_forward_speedup,
-updates_speedup and activation_ratio_tree_over_flat (ds_tree/sequence_parallel_rl_bench.py).
+updates_speedup and activation_ratio_tree_over_flat (ds_tree/bench/sequence_parallel_rl.py).
 """
 
 from __future__ import annotations
@@ -115,15 +115,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def sequence_parallel_measure(args: argparse.Namespace, objective):
     """``--sequence-parallel S``: trajectories -> the spawned group's report, SFT's
-    (:func:`~ds_tree.sequence_parallel_check.sequence_parallel_report`) or the RL objective's
-    (:func:`~ds_tree.sequence_parallel_rl_bench.sequence_parallel_rl_bench`)."""
-    from ds_tree.sequence_parallel_check import sequence_parallel_report
+    (:func:`~ds_tree.verify.sequence_parallel.sequence_parallel_report`) or the RL objective's
+    (:func:`~ds_tree.bench.sequence_parallel_rl.sequence_parallel_rl_bench`)."""
+    from ds_tree.verify.sequence_parallel import sequence_parallel_report
 
     report_of = sequence_parallel_report
     if objective is not None:
         import functools
 
-        from ds_tree.sequence_parallel_rl_bench import sequence_parallel_rl_bench
+        from ds_tree.bench.sequence_parallel_rl import sequence_parallel_rl_bench
 
         report_of = functools.partial(
             sequence_parallel_rl_bench, objective=objective, steps=args.steps, warmup=args.warmup
@@ -144,7 +144,7 @@ def sequence_parallel_measure(args: argparse.Namespace, objective):
 
 
 def benchmark_measure(parser: argparse.ArgumentParser, args: argparse.Namespace, objective):
-    """One process: trajectories -> :func:`~ds_tree.benchmark.run_benchmark`'s report over ``--modes``
+    """One process: trajectories -> :func:`~ds_tree.bench.steps.run_benchmark`'s report over ``--modes``
     (a usage error on bad modes), with a progress bar on stderr."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(modes) - set(MODES))
@@ -157,7 +157,7 @@ def benchmark_measure(parser: argparse.ArgumentParser, args: argparse.Namespace,
     import torch
     from tqdm import tqdm
 
-    from ds_tree.benchmark import run_benchmark
+    from ds_tree.bench.steps import run_benchmark
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--repeats must be at least 2 (the first is a warm-up for the median)")
     import torch
 
-    from ds_tree.attention.benchmark import time_attention
+    from ds_tree.bench.attention import time_attention
     from ds_tree.data import load_trajectories
 
     if args.threads:

@@ -1,7 +1,7 @@
 """Benchmark the Triton tree-attention kernel: one packed tree row against its flat equivalent.
 
 A random forest (every root-to-leaf path has --depth nodes, inner nodes 1..--branching children,
-node lengths uniform in [1, 2 * node-len - 1]) is timed as ds_tree/attention/triton/benchmark.py
+node lengths uniform in [1, 2 * node-len - 1]) is timed as ds_tree/bench/kernel.py
 describes. Without a GPU it runs the same measurement once under the Triton interpreter, as a
 smoke test ("smoke": true in the report; the times are meaningless there), for example:
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from ds_tree.attention.triton.benchmark import benchmark_kernel
+    from ds_tree.bench.kernel import benchmark_kernel
     from ds_tree.trees.random_trees import TreeShape, random_forest
 
     shape = TreeShape(

@@ -30,9 +30,9 @@ KL_ESTIMATORS = get_args(config.KLEstimator)
 MODEL_DTYPES = ("float64", "float32", "bfloat16", "float16")
 """ds_tree.models.loading.DTYPES"""
 VERIFY_DTYPES = ("float64", "float32")
-"""ds_tree.verification.VERIFY_DTYPES: the dtypes with a tolerance"""
+"""ds_tree.verify.tree_vs_flat.VERIFY_DTYPES: the dtypes with a tolerance"""
 BENCH_DTYPES = ("float32", "bfloat16")
-"""ds_tree.benchmark.BENCH_DTYPES"""
+"""ds_tree.bench.steps.BENCH_DTYPES"""
 KERNEL_DTYPES = ("float32", "float16", "bfloat16")
 """ds_tree.attention.triton.function.DTYPES"""
 

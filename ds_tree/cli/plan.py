@@ -29,7 +29,7 @@ from ds_tree.cli.common import command_parser
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.memory import plan_of
-from ds_tree.memory_plan import GIB
+from ds_tree.memory.predict import GIB
 
 
 def make_plan(config_path: str, overrides: list[str], world_size: int, memory_gib: float, path_tokens: int = 0) -> dict:

@@ -27,10 +27,10 @@ from ds_tree.cli.choices import MODEL_DTYPES
 from ds_tree.cli.common import check_output_file, command_parser
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
-from ds_tree.rollout.rewards import REWARDS
+from ds_tree.rollout.rewards import REWARDS, reward_function
 
 if TYPE_CHECKING:
-    from ds_tree.rollout.sampler import SampledTree
+    from ds_tree.rollout.engines.hf import SampledTree
 
 SAMPLER_OPTIONS = {
     "segment_length": (int, 16, "tokens decoded per segment before a branch decision"),
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     engine = None
     if args.engine == "vllm":
-        from ds_tree.rollout.vllm_engine import EngineError, open_engine
+        from ds_tree.rollout.engines.vllm import EngineError, open_engine
 
         try:
             engine = open_engine(model, tokenizer, args.vllm_url, args.output.parent / f"{args.output.name}.vllm")
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def sample_all(args, model, tokenizer, prompts, settings, generator, eos, engine) -> int:
     from ds_tree.data.jsonl import write_jsonl
+    from ds_tree.rollout.engines.hf import sample_tree
     from ds_tree.rollout.rewards import RewardRequest, score
-    from ds_tree.rollout.sampler import sample_tree
 
     records, failures, summary = [], [], {"groups": 0, "trajectories": 0, "sampled_tokens": 0, "forward_tokens": 0}
     flat_tokens = 0
@@ -159,7 +159,7 @@ def sample_all(args, model, tokenizer, prompts, settings, generator, eos, engine
                 RewardRequest(prompt.text, tokenizer.decode(tree.completion(leaf)[0]), prompt.metadata)
                 for leaf in tree.leaf_nodes()
             ]
-            rewards, failed = score(REWARDS[args.reward], requests)
+            rewards, failed = score(reward_function(args.reward), requests)
             failures += [f"{prompt.source}: {message}" for message in failed]
         if args.format == "tree":
             records.append(tree.explicit_record(prompt.label, rewards))

@@ -133,9 +133,9 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
     from ds_tree.engine.dfs import DfsSettings
     from ds_tree.models.hybrid import is_hybrid
     from ds_tree.models.loading import load_config
-    from ds_tree.sequence_parallel_check import sequence_parallel_report
-    from ds_tree.sequence_parallel_rl_check import sequence_parallel_rl_report
-    from ds_tree.verification import compare, compare_rl
+    from ds_tree.verify.sequence_parallel import sequence_parallel_report
+    from ds_tree.verify.sequence_parallel_rl import sequence_parallel_rl_report
+    from ds_tree.verify.tree_vs_flat import compare, compare_rl
 
     dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
     lora = None
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 "(refused; docs/MODELS.md, \"Hybrid models\")"
             )
         if objective is None and args.sequence_parallel > 1 and dfs is not None:
-            from ds_tree.dfs_sequence_parallel_check import dfs_sequence_parallel_report
+            from ds_tree.verify.dfs_sequence_parallel import dfs_sequence_parallel_report
 
             report = dfs_sequence_parallel_report(
                 trajectories,

@@ -4,7 +4,7 @@ From the loaded config, its model config and its DeepSpeed JSON (ZeRO stage, off
 offload_param): model states per rank (a KL reference's included), the activations of one packed
 row of ``packing.budget`` tokens with and without activation checkpointing, the LM head's share, the
 largest budget that fits, and for configs that walk trees the dfs walk's peak
-(:mod:`ds_tree.memory_plan` does the arithmetic; docs/MEMORY.md its measured error).
+(:mod:`ds_tree.memory.predict` does the arithmetic; docs/MEMORY.md its measured error).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ds_tree.config import ConfigError
-from ds_tree.memory_plan import (
+from ds_tree.memory.predict import (
     GIB,
     ModelShape,
     StateBytes,

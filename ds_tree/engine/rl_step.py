@@ -319,23 +319,6 @@ def run_rl_rows(
     return run_items(model, rows, [rl_terms(item, settings) for item in prepared], run, backward_for)
 
 
-def run_rl_walk(
-    model: PreTrainedModel,
-    prepared: Sequence[RLRow],
-    settings: RLSettings,
-    dfs: DfsSettings,
-    *,
-    backward_for: Callable[[int], Callable[[torch.Tensor], None]],
-    device: torch.device | str = "cpu",
-    head_chunk: int = 0,
-    stats: WalkStats | None = None,
-) -> RLOutput:
-    """:func:`run_rl_rows` with walked items (``dfs``)."""
-    return run_rl_rows(
-        model, prepared, settings, backward_for=backward_for, dfs=dfs, device=device, head_chunk=head_chunk, stats=stats
-    )
-
-
 def rl_scalars(
     trajectories: list[Trajectory], advantages: list[np.ndarray], metrics: dict[str, float]
 ) -> dict[str, float]:

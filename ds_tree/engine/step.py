@@ -22,7 +22,7 @@ from ds_tree.models.logprobs import predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.rows import PackedRow
 
-__all__ = ["StepOutput", "global_normalisers", "run_rows", "run_step"]
+__all__ = ["StepOutput", "global_normalisers", "run_rows"]
 
 
 def global_normalisers(rows: Sequence[PackedRow]) -> Normalisers:
@@ -69,33 +69,3 @@ def run_rows(
     if backward_for is None:
         backward_for = lambda _: backward or (lambda loss: None)  # noqa: E731
     return run_items(model, rows, terms, run, backward_for)
-
-
-def run_step(
-    model,
-    rows: Sequence[PackedRow],
-    normalisers: Normalisers,
-    normalisation: str,
-    policy: str,
-    settings: DfsSettings,
-    *,
-    backward_for: Callable[[int], Callable[[torch.Tensor], None]],
-    device: torch.device | str = "cpu",
-    head_chunk: int = 0,
-    stats: WalkStats | None = None,
-    router_aux=None,
-) -> StepOutput:
-    """:func:`run_rows` of packed rows and walked trees (``settings``)."""
-    return run_rows(
-        model,
-        rows,
-        normalisers,
-        normalisation,
-        policy,
-        backward_for=backward_for,
-        dfs=settings,
-        device=device,
-        head_chunk=head_chunk,
-        router_aux=router_aux,
-        stats=stats,
-    )

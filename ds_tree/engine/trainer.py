@@ -33,15 +33,11 @@ import torch.distributed as dist
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
-from ds_tree.engine import checkpoint, dfs, run_dir, run_lock, self_check
-from ds_tree.engine.console import progress_bar
+from ds_tree.engine import dfs, self_check
 from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.memory import check_memory
-from ds_tree.engine.metrics import MetricsLogger, console_line
-from ds_tree.engine.op_builds import announce_op_builds
 from ds_tree.engine.reference import REFERENCE_FILE, build_reference, copy_policy, load_reference_state, reference_state
 from ds_tree.engine.rl_trainer import RLSteps
-from ds_tree.engine.shm import release_allreduce_buffers
 from ds_tree.engine.step import StepOutput, global_normalisers, run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
@@ -54,6 +50,11 @@ from ds_tree.models.token_mixing import check_branch_isolation, check_layer_type
 from ds_tree.models.ulysses import check_sequence_parallel, enable_sequence_parallel
 from ds_tree.packing.plan import PlanSettings, RankPlan, plan_step
 from ds_tree.packing.rows import PackedRow
+from ds_tree.run import checkpoint, run_dir, run_lock
+from ds_tree.run.console import progress_bar
+from ds_tree.run.metrics import MetricsLogger, console_line
+from ds_tree.run.op_builds import announce_op_builds
+from ds_tree.run.shm import release_allreduce_buffers
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class Trainer(RLSteps):
         self.online = None
         """Online RL (``rollout.enabled``): samples each step's groups (:mod:`ds_tree.rollout.online`)."""
         self.preemption = None
-        """The preemption signal handler while :meth:`train` runs (:mod:`ds_tree.engine.preemption`)."""
+        """The preemption signal handler while :meth:`train` runs (:mod:`ds_tree.run.preemption`)."""
 
     # ----------------------------------------------------------------- set-up
     def prepare(self, lock: bool = False) -> None:
@@ -664,7 +665,7 @@ class Trainer(RLSteps):
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""
-        from ds_tree.engine.export import export_hf
+        from ds_tree.run.export import export_hf
 
         export_hf(self.engine, directory, self.rank, self.config.model.tokenizer, merge=self.config.checkpoint.merge)
         logger.info("exported Hugging Face model to %s", directory)

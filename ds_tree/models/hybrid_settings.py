@@ -1,12 +1,12 @@
 """What a hybrid model cannot do yet, refused at config time (the trainer's dry run).
 
-Apart from :mod:`ds_tree.models.hybrid` because it needs :class:`ds_tree.config.ConfigError`, and
-the config module reaches the model modules (an import cycle otherwise).
+Apart from :mod:`ds_tree.models.hybrid`: it reads the training config's sections (packing,
+parallel, rollout), which the layer's own modules never see.
 """
 
 from __future__ import annotations
 
-from ds_tree.config import ConfigError
+from ds_tree.errors import ConfigError
 from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
 
 
@@ -39,5 +39,5 @@ def check_hybrid_settings(config, model_config) -> None:
         raise ConfigError(
             f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "
             "tree sampler (rollout.engine: hf), which forks their recurrent and conv states at branch points "
-            "(ds_tree/rollout/state_cache.py); the vLLM route is not checked for them"
+            "(ds_tree/rollout/engines/state_cache.py); the vLLM route is not checked for them"
         )

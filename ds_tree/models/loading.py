@@ -100,7 +100,7 @@ def check_model_settings(config) -> None:
     backward on the CPU); ``objective.reference`` must be a loadable model config."""
     import os
 
-    from ds_tree.config import ConfigError
+    from ds_tree.errors import ConfigError
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if config.model.attention == "triton" and not torch.cuda.is_available() and not interpreted:

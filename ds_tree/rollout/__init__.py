@@ -1,1 +1,5 @@
-"""Sampling groups of completions as trees (:mod:`.sampler`) and scoring them (:mod:`.rewards`)."""
+"""Rollouts: the online loop (``online``, ``ahead`` for sampling ahead of training), multi-turn episodes
+(``multiturn``, the environment interface ``env`` and the chat ``render``ing), prompts, rewards and the
+sampler's settings. Sampling engines live in :mod:`ds_tree.rollout.engines`, example environments and
+rewards in :mod:`ds_tree.rollout.envs`.
+"""

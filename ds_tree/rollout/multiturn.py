@@ -47,7 +47,7 @@ from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import ConfigError, DataError
-from ds_tree.rollout.engines import EngineTurnSampler
+from ds_tree.rollout.engines.interface import EngineTurnSampler
 from ds_tree.rollout.env import (
     EnvFailure,
     Environment,
@@ -98,7 +98,7 @@ class HFTurnSampler:
     """
 
     def __init__(self, model, settings: SamplerSettings, stop_ids: Sequence[int], carry: bool = True) -> None:
-        from ds_tree.rollout.state_cache import has_recurrent_layers
+        from ds_tree.rollout.engines.state_cache import has_recurrent_layers
 
         self.model = model
         self.settings = settings
@@ -124,7 +124,7 @@ class HFTurnSampler:
     def sample(
         self, prefix_ids: Sequence[int], n: int, max_new_tokens: int, generator: torch.Generator
     ) -> list[SampledTurn]:
-        from ds_tree.rollout.sampler import sample_tree
+        from ds_tree.rollout.engines.hf import sample_tree
 
         settings = dataclasses.replace(
             self.settings,

@@ -20,8 +20,8 @@ One step (``rollout.enabled``; docs/RL.md, *Online RL*):
    ``None``) is dropped with a warning naming it, and counted in ``rollout/reward_failures``.
 
 With ``rollout.engine: vllm`` step 2 is a weight sync to a vLLM server instead (rank 0 writes a
-snapshot, the server reloads it; :mod:`ds_tree.rollout.vllm_engine`) and step 3 sends each slot's
-segments to the server (:func:`ds_tree.rollout.engines.sample_tree_by_segments`), seeded from the same
+snapshot, the server reloads it; :mod:`ds_tree.rollout.engines.vllm`) and step 3 sends each slot's
+segments to the server (:func:`ds_tree.rollout.engines.interface.sample_tree_by_segments`), seeded from the same
 generator. Every trajectory records the ``policy_version`` (training steps taken) that sampled it.
 
 The trajectories then go through the RL step exactly as offline rollouts do (advantages, old
@@ -30,10 +30,8 @@ log-probs, updates). :func:`rollout_scalars` gives the ``rollout/`` metrics.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,9 +42,9 @@ from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError
 from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
-from ds_tree.rollout.engines import EngineError, HFEngine, SamplingEngine
+from ds_tree.rollout.engines.interface import EngineError, HFEngine, SamplingEngine
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
-from ds_tree.rollout.rewards import REWARDS, RewardRequest, describe_failure, score
+from ds_tree.rollout.rewards import RewardRequest, reward_function, score
 from ds_tree.rollout.settings import path_limit
 from ds_tree.trees.trajectory import Trajectory
 
@@ -130,24 +128,6 @@ def raise_any(*failures: str | None, gather: bool = True) -> None:
         found = [f"rank {rank}: {f}" for rank, f in enumerate(every) if f]
     if found:
         raise EngineError(found[0] + (f" (and {len(found) - 1} more rank(s))" if len(found) > 1 else ""))
-
-
-def reward_function(name: str) -> Callable[[RewardRequest], float]:
-    """A reward by name: one of ``REWARDS``, or a user's ``package.module:function`` (importable on every rank)."""
-    if name in REWARDS:
-        return REWARDS[name]
-    module, _, attribute = name.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"must be one of {', '.join(sorted(REWARDS))} or 'package.module:function', got {name!r}")
-    try:
-        function = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{name!r} cannot be imported: {error}") from None
-    except (Exception, SystemExit) as error:  # a syntax error or a failure while the module's code runs
-        raise ValueError(f"{name!r} cannot be imported: module {module!r}: {describe_failure(error)}") from None
-    if not callable(function):
-        raise ValueError(f"{name!r} is not a function")
-    return function
 
 
 class OnlineRollouts:
@@ -260,7 +240,7 @@ class OnlineRollouts:
     def sync(self, policy: torch.nn.Module) -> None:
         """The policy's weights into the engine (the first call starts a vLLM engine; a collective)."""
         if self.config.rollout.engine == "vllm":
-            from ds_tree.rollout.vllm_engine import sync_engine
+            from ds_tree.rollout.engines.vllm import sync_engine
 
             self.engine = sync_engine(self.engine, self.config, self.model_config, self.tokenizer, policy)
         else:

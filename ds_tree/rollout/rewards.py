@@ -1,8 +1,9 @@
 """Rewards: a function of one sampled trajectory's text -> float, and safe scoring of a batch.
 
-A reward function takes a :class:`RewardRequest` and returns a finite float. Built-ins
-(:data:`REWARDS`): ``game24`` (1.0 when the completion's answer solves the prompt's 24 game,
-:mod:`ds_tree.rollout.game24`) and ``exact_match`` (1.0 when the stripped completion equals the
+A reward function takes a :class:`RewardRequest` and returns a finite float. Built-in names
+(:data:`REWARDS`, resolved by :func:`reward_function` like a user's ``package.module:function``):
+``game24`` (1.0 when the completion's answer solves the prompt's 24 game, the example in
+:mod:`ds_tree.rollout.envs.game24`) and ``exact_match`` (1.0 when the stripped completion equals the
 stripped ``metadata["answer"]``). :func:`score` never lets one bad trajectory stop the loop: an
 exception (``SystemExit`` included: a reward calling ``sys.exit`` does not end the rank) or a
 non-finite value gives ``None`` for that request and a message naming it.
@@ -10,12 +11,11 @@ non-finite value gives ``None`` for that request and a message naming it.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from ds_tree.rollout.game24 import extract_expression, puzzle_numbers, solves
 
 EXCERPT = 60
 """Characters of the prompt's end and the completion's start quoted in a failure message."""
@@ -37,18 +37,6 @@ class RewardRequest:
         return f"prompt ...{self.prompt[-EXCERPT:]!r}, completion {self.completion[:EXCERPT]!r}..."
 
 
-def game24_reward(request: RewardRequest) -> float:
-    """1.0 when the completion's ``Answer:`` expression uses the four numbers once each and equals 24.
-
-    The numbers come from ``metadata["numbers"]``, else from the prompt's last ``Input: a b c d`` line.
-    """
-    numbers = request.metadata.get("numbers") or puzzle_numbers(request.prompt)
-    if numbers is None or len(numbers) != 4:
-        raise ValueError("game24 needs metadata['numbers'] (4 integers) or an 'Input: a b c d' line in the prompt")
-    expression = extract_expression(request.completion)
-    return float(expression is not None and solves(expression, numbers))
-
-
 def exact_match_reward(request: RewardRequest) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, equals ``metadata["answer"]`` stripped."""
     if "answer" not in request.metadata:
@@ -56,10 +44,12 @@ def exact_match_reward(request: RewardRequest) -> float:
     return float(request.completion.strip() == str(request.metadata["answer"]).strip())
 
 
-REWARDS: dict[str, Callable[[RewardRequest], float]] = {
-    "game24": game24_reward,
-    "exact_match": exact_match_reward,
+REWARDS: dict[str, str] = {
+    "game24": "ds_tree.rollout.envs.game24:reward",
+    "exact_match": "ds_tree.rollout.rewards:exact_match_reward",
 }
+"""Built-in reward names and the functions they stand for, imported only when asked for: the examples
+(``ds_tree.rollout.envs``) sit above the loop, which never imports them."""
 
 
 def describe_failure(error: BaseException) -> str:
@@ -94,3 +84,20 @@ def score(
             continue
         rewards.append(float(value))
     return rewards, failures
+
+
+def reward_function(name: str) -> Callable[[RewardRequest], float]:
+    """A reward by name: one of ``REWARDS``, or a user's ``package.module:function`` (importable on every rank)."""
+    spec = REWARDS.get(name, name)
+    module, _, attribute = spec.partition(":")
+    if not module or not attribute:
+        raise ValueError(f"must be one of {', '.join(sorted(REWARDS))} or 'package.module:function', got {name!r}")
+    try:
+        function = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{name!r} cannot be imported: {error}") from None
+    except (Exception, SystemExit) as error:  # a syntax error or a failure while the module's code runs
+        raise ValueError(f"{name!r} cannot be imported: module {module!r}: {describe_failure(error)}") from None
+    if not callable(function):
+        raise ValueError(f"{name!r} is not a function")
+    return function

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ds_tree.engine import checkpoint
+from ds_tree.run import checkpoint
 from ds_tree.train import exit_now
 
 

@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from ds_tree.engine import checkpoint
+from ds_tree.run import checkpoint
 from ds_tree.train import exit_now
 from tests.distributed.common import check_arguments, started_trainer
 

@@ -19,8 +19,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ds_tree.engine import checkpoint
 from ds_tree.engine.reference import reference_module
+from ds_tree.run import checkpoint
 from ds_tree.train import exit_now
 from tests.distributed.common import check_arguments, started_trainer
 

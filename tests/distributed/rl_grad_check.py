@@ -38,7 +38,7 @@ from ds_tree.packing.dfs_shards import DfsRowShard
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.sequence_parallel import RowShard
 from ds_tree.train import exit_now
-from ds_tree.verification import metric_errors, perturb_parameters
+from ds_tree.verify.tree_vs_flat import metric_errors, perturb_parameters
 from tests.distributed.common import check_arguments, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 from tests.distributed.sp_grad_check import full_parameters

@@ -35,14 +35,14 @@ import torch
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.dfs import DfsSettings, WalkStats
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, run_rl_walk
-from ds_tree.engine.step import run_rows, run_step
+from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.step import run_rows
 from ds_tree.losses.advantages import estimate
 from ds_tree.losses.sft import Normalisers
-from ds_tree.memory_plan import profiled_peak_bytes
+from ds_tree.memory.meters import PeakSavedMeter, SavedTensorMeter
+from ds_tree.memory.predict import profiled_peak_bytes
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.peak_memory import PeakSavedMeter
 from ds_tree.trees.stats import TokenCounts, token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
@@ -70,34 +70,6 @@ class ModeTimes:
     """SFT: per step, every row's (tokens, visible pairs, forward+backward seconds), for the cost fit."""
     calls: list[int] = field(default_factory=list)
     """Forward-and-backward model calls of a step (RL: of one update): rows, or a walk's chunks."""
-
-
-class SavedTensorMeter:
-    """Bytes of distinct tensors autograd saves for backward: the activation memory of a step.
-
-    Storages of ``exclude`` (e.g. the parameters, which linear layers save for their backward) are
-    not counted."""
-
-    def __init__(self, exclude=()) -> None:
-        self.excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
-        self.storages: dict[int, int] = {}
-
-    def pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.excluded:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def context(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-
-    @property
-    def total(self) -> int:
-        return sum(self.storages.values())
 
 
 def run_measuring(run, items: list, measure_memory: bool, exclude=()) -> int:
@@ -182,7 +154,7 @@ def step_once(
 def dfs_step_once(model, optimizer, trajectories, normalisation, measure_memory, settings: DfsSettings) -> dict:
     """One SFT step of the dfs walk (:mod:`ds_tree.engine.dfs`), every tree one row.
 
-    Its memory is the peak of what autograd holds at once (:class:`~ds_tree.peak_memory.PeakSavedMeter`,
+    Its memory is the peak of what autograd holds at once (:class:`~ds_tree.memory.meters.PeakSavedMeter`,
     parameters included as :class:`SavedTensorMeter` includes them) plus the cached keys and values
     with their gradients: the walk frees each chunk's graph at the chunk's backward.
     """
@@ -193,13 +165,13 @@ def dfs_step_once(model, optimizer, trajectories, normalisation, measure_memory,
     packed = time.perf_counter()
     meter, stats = PeakSavedMeter(), WalkStats()
     with meter.context() if measure_memory else contextlib.nullcontext():
-        run_step(
+        run_rows(
             model,
             rows,
             normalisers,
             normalisation,
             "exact",
-            settings,
+            dfs=settings,
             backward_for=lambda n: torch.Tensor.backward,
             stats=stats,
         )
@@ -277,7 +249,7 @@ def rl_step_once(
             meter, stats = PeakSavedMeter(), WalkStats()
             with meter.context() if measure_memory and epoch == 0 else contextlib.nullcontext():
                 backward_for = lambda _: torch.Tensor.backward  # noqa: E731
-                run_rl_walk(model, prepared, settings, dfs, backward_for=backward_for, stats=stats)
+                run_rl_rows(model, prepared, settings, dfs=dfs, backward_for=backward_for, stats=stats)
             if measure_memory and epoch == 0:
                 saved = meter.peak + stats.peak_cache_bytes
             if epoch == 0:

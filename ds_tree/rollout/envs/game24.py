@@ -3,7 +3,8 @@
 The checker accepts only decimal integers, binary ``+ - * /`` and parentheses (``×``, ``÷`` and
 ``−`` read as ``*``, ``/``, ``-``), parses them with :mod:`ast` (nothing is evaluated as Python;
 no unary minus, powers or floats) and computes with :class:`fractions.Fraction`,
-so ``8 / (3 - 8 / 3)`` is exactly 24. A completion's answer is read by :func:`extract_expression`.
+so ``8 / (3 - 8 / 3)`` is exactly 24. A completion's answer is read by :func:`extract_expression`;
+:func:`reward` is the built-in ``game24`` reward (``rollout.reward: game24``, ``ds-tree sample --reward game24``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
+
+from ds_tree.rollout.rewards import RewardRequest
 
 TARGET = 24
 
@@ -85,3 +88,15 @@ def puzzle_numbers(prompt: str) -> list[int] | None:
     """The four numbers of the last ``Input: a b c d`` line of a prompt (the tot-game24 form), else None."""
     matches = _INPUT.findall(prompt)
     return [int(n) for n in matches[-1].split()] if matches else None
+
+
+def reward(request: RewardRequest) -> float:
+    """1.0 when the completion's ``Answer:`` expression uses the four numbers once each and equals 24.
+
+    The numbers come from ``metadata["numbers"]``, else from the prompt's last ``Input: a b c d`` line.
+    """
+    numbers = request.metadata.get("numbers") or puzzle_numbers(request.prompt)
+    if numbers is None or len(numbers) != 4:
+        raise ValueError("game24 needs metadata['numbers'] (4 integers) or an 'Input: a b c d' line in the prompt")
+    expression = extract_expression(request.completion)
+    return float(expression is not None and solves(expression, numbers))

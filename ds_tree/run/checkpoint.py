@@ -24,7 +24,7 @@ Pruning deletes only complete checkpoints at or below the step just saved, beyon
 ``keep_last``: it never touches a checkpoint newer than the one a run resumed from. The one it
 resumed from is loaded by every rank before the first save's barriers, so a prune never reaches
 it before it is loaded, and no other run prunes it meanwhile: rank 0 holds the output directory's
-lock (:mod:`ds_tree.engine.run_lock`) and chose it for every rank (:func:`agree`).
+lock (:mod:`ds_tree.run.run_lock`) and chose it for every rank (:func:`agree`).
 """
 
 from __future__ import annotations
@@ -369,7 +369,7 @@ def harden_recovery_scripts(directory: Path) -> None:
     if _HARDENED in text or anchor not in text:
         return
     allow = (
-        f"{anchor}{_HARDENED} (ds_tree/engine/checkpoint.py); DeepSpeed's state classes are allowed by name.\n"
+        f"{anchor}{_HARDENED} (ds_tree/run/checkpoint.py); DeepSpeed's state classes are allowed by name.\n"
         "from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: E402\n"
         "from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402\n"
         "torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler])\n"

@@ -2,7 +2,7 @@
 
 Rank 0 of a run takes it (``fcntl.flock``, exclusive, non-blocking) before the run writes
 anything into the directory and keeps it until the process ends; the other ranks follow rank 0
-(it chooses the checkpoint they resume from and tells them, :func:`ds_tree.engine.checkpoint.agree`).
+(it chooses the checkpoint they resume from and tells them, :func:`ds_tree.run.checkpoint.agree`).
 The lock file records the holder (host, pid, start time) for the error a second run gets.
 
 - Released on exit: the kernel drops a ``flock`` when its last descriptor closes, so a run that
@@ -29,7 +29,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ds_tree.config import ConfigError
+from ds_tree.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,7 @@ def check_writable(output_dir: str | Path) -> None:
 
 
 def _is_run_dir(path: Path) -> bool:
-    from ds_tree.engine.run_lock import LOCK_FILE
+    from ds_tree.run.run_lock import LOCK_FILE
 
     checkpoints = path / "checkpoints"
     return (
@@ -70,7 +70,7 @@ def _is_run_dir(path: Path) -> bool:
 def check_not_nested(output_dir: str | Path) -> None:
     """Refuse an ``output_dir`` that another run deletes or replaces (inside its ``checkpoints`` or
     ``hf``), and one whose ``checkpoints`` holds another run's output_dir."""
-    from ds_tree.engine.run_lock import LOCK_FILE
+    from ds_tree.run.run_lock import LOCK_FILE
 
     path = Path(output_dir).resolve()
     for inner in (path, *path.parents):
@@ -104,7 +104,7 @@ def remove_leftovers(output_dir: str | Path) -> list[str]:
     between the two renames left ``NAME`` missing), ``.NAME.tmp-PID`` files, ``hf.partial`` and empty
     copies of DeepSpeed's recovery scripts; one log line says what and how much. Returns that list.
     """
-    from ds_tree.engine.checkpoint import RECOVERY_SCRIPTS, harden_recovery_scripts
+    from ds_tree.run.checkpoint import RECOVERY_SCRIPTS, harden_recovery_scripts
 
     output_dir = Path(output_dir)
     removed, restored, total = [], [], 0

@@ -2,7 +2,7 @@
 --sequence-parallel S``).
 
 :func:`sequence_parallel_rl_bench` spawns ``size`` processes (one sequence-parallel group, gloo,
-:func:`~ds_tree.sequence_parallel_check.spawn_group`). Each builds one model per mode (``flat``: every
+:func:`~ds_tree.verify.sequence_parallel.spawn_group`). Each builds one model per mode (``flat``: every
 trajectory its own tree; ``tree``: each group's trie) from the same seed with Ulysses around the tree
 attention, and plans the rows as the trainer does (a tree, or in flat mode a trajectory, with a path
 over ``budget`` goes to rows of up to ``S x budget`` tokens sharded over the group; the others to one
@@ -12,7 +12,7 @@ old policy), then ``ppo_epochs`` updates (:func:`~ds_tree.engine.rl_step.run_rl_
 backpropagating its own terms), the gradients summed over the group and an AdamW step. The modes
 alternate which goes first each step. Times are the slowest rank's; activation memory is the most
 autograd saves for backward in one of a rank's items in the first measured update
-(:class:`~ds_tree.benchmark.SavedTensorMeter`, parameters left out), the largest over the ranks.
+(:class:`~ds_tree.memory.meters.SavedTensorMeter`, parameters left out), the largest over the ranks.
 
 Both modes start from the same weights, so the first step's losses must agree (``loss_abs_err``,
 ``loss_rel_err``: float round-off); ``ds-tree verify --objective grpo --sequence-parallel S`` is the
@@ -27,16 +27,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from ds_tree.benchmark import BenchModels, run_measuring
+from ds_tree.bench.steps import BenchModels, run_measuring
 from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.models.loading import parse_dtype
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import check_group, spawn_group
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import checked_advantages
+from ds_tree.verify.sequence_parallel import check_group, spawn_group
+from ds_tree.verify.tree_vs_flat import checked_advantages
 
 MODES = {"flat": "none", "tree": "group"}
 """Bench mode -> ``build_forest``'s ``merge``: flat is every trajectory its own single-path tree."""
@@ -159,7 +159,7 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict:
 
 def _measured_update(model, prepared, settings, measure: bool) -> tuple[float, int]:
     """One update's forward and backward: its loss, and with ``measure`` the most one item saved
-    (:func:`~ds_tree.benchmark.run_measuring`, one item at a time, parameters left out), else 0."""
+    (:func:`~ds_tree.bench.steps.run_measuring`, one item at a time, parameters left out), else 0."""
     losses = []
 
     def run(items):

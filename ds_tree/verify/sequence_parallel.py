@@ -10,7 +10,7 @@ the single-process flat result and measures the single-process tree step (S = 1,
 whole rows of up to ``size x budget`` tokens) on the same rows.
 
 Activation memory is the bytes of distinct tensors autograd saves for backward in the largest row
-(:class:`~ds_tree.benchmark.SavedTensorMeter`), parameters left out: per rank at S = ``size``
+(:class:`~ds_tree.memory.meters.SavedTensorMeter`), parameters left out: per rank at S = ``size``
 (the largest over the ranks), and at S = 1.
 """
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ds_tree.benchmark import SavedTensorMeter
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
+from ds_tree.memory.meters import SavedTensorMeter
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
@@ -40,7 +40,7 @@ from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import verification_dtype
+from ds_tree.verify.tree_vs_flat import verification_dtype
 
 
 def sequence_parallel_report(

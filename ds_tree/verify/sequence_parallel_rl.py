@@ -2,16 +2,16 @@
 --objective grpo --sequence-parallel S``).
 
 :func:`sequence_parallel_rl_report` spawns ``size`` processes (one sequence-parallel group, gloo,
-:func:`~ds_tree.sequence_parallel_check.spawn_group`). Each builds the old policy (the model at
+:func:`~ds_tree.verify.sequence_parallel.spawn_group`). Each builds the old policy (the model at
 ``seed``) and the trained policy (moved off it by ``perturbation`` times each parameter's spread, as
-:func:`~ds_tree.verification.compare_rl` does) with Ulysses around the tree attention, plans the
+:func:`~ds_tree.verify.tree_vs_flat.compare_rl` does) with Ulysses around the tree attention, plans the
 rows as the trainer does (trees with a path over ``budget`` sharded over the group) and runs the
 trainer's two RL passes on its items: :func:`~ds_tree.engine.rl_step.prepare_rl_rows` (the old and
 reference policies' no-grad forwards on the shards, per-token sums of the trajectories whose
 targets each shard predicts) and :func:`~ds_tree.engine.rl_step.run_rl_rows` (each rank
 backpropagating its own shard's terms). Loss, gradients and metric sums are then summed over the
 ranks, and the old log-probs of every trained token gathered. Process 0 compares them with the
-single-process flat result (:func:`~ds_tree.verification.run_rl_mode` in the flat layout).
+single-process flat result (:func:`~ds_tree.verify.tree_vs_flat.run_rl_mode` in the flat layout).
 
 With ``dfs`` (``--dfs-chunk C``) the plan is ``packing.mode: dfs``'s instead: every tree walked by the
 group in chunks of ``C`` tokens, each rank forwarding one shard of every chunk
@@ -35,10 +35,10 @@ from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
-from ds_tree.sequence_parallel_check import check_group, group_gradients, spawn_group
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verification import checked_advantages, metric_errors, rl_policies, run_rl_mode, verification_dtype
+from ds_tree.verify.sequence_parallel import check_group, group_gradients, spawn_group
+from ds_tree.verify.tree_vs_flat import checked_advantages, metric_errors, rl_policies, run_rl_mode, verification_dtype
 
 
 def sequence_parallel_rl_report(

@@ -1,7 +1,7 @@
 """dfs with sequence parallelism checked from the command line (``ds-tree verify --dfs-chunk C --sequence-parallel S``).
 
 :func:`dfs_sequence_parallel_report` spawns ``size`` processes (one sequence-parallel group, gloo,
-:func:`~ds_tree.sequence_parallel_check.spawn_group`). Each builds the model from the same seed with
+:func:`~ds_tree.verify.sequence_parallel.spawn_group`). Each builds the model from the same seed with
 Ulysses registered (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`, which makes the group)
 and computes the step plan as the trainer does (``packing.mode: dfs``: every tree walked by the group,
 each rank one shard of every chunk, :mod:`ds_tree.engine.dfs_sequence_parallel`); the gradients are
@@ -9,7 +9,7 @@ summed over the ranks with plain ``all_reduce`` (no DeepSpeed engine; the traine
 pinned by the 2-rank training test). Process 0 compares loss and gradients with the single-process
 flat result, and walks the same trees alone (S = 1) for the memory figure.
 
-Memory: the most the walk holds at once (:class:`~ds_tree.peak_memory.PeakSavedMeter`, parameters left
+Memory: the most the walk holds at once (:class:`~ds_tree.memory.meters.PeakSavedMeter`, parameters left
 out) plus its cached keys and values with their gradients, per rank at S = ``size`` (the largest over
 the ranks) and at S = 1.
 """
@@ -25,14 +25,14 @@ from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
+from ds_tree.memory.meters import PeakSavedMeter
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
-from ds_tree.peak_memory import PeakSavedMeter
-from ds_tree.sequence_parallel_check import check_group, group_gradients, settings_model, spawn_group
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.verification import verification_dtype
+from ds_tree.verify.sequence_parallel import check_group, group_gradients, settings_model, spawn_group
+from ds_tree.verify.tree_vs_flat import verification_dtype
 
 
 def dfs_sequence_parallel_report(

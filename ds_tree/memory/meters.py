@@ -1,6 +1,6 @@
-"""Peak activation memory: the largest total of tensors autograd holds for backward at one time.
+"""Activation memory: what autograd holds for backward (bench and the checks measure with these).
 
-``ds_tree.benchmark.SavedTensorMeter`` counts everything a row saves, which is the row's peak
+Two meters. :class:`SavedTensorMeter` counts everything a row saves, which is the row's peak
 because its graph lives until its backward. The dfs walk (:mod:`ds_tree.engine.dfs`) frees each
 chunk's graph at the chunk's backward, so its activation memory is the peak of what is alive,
 measured here. Deterministic on the CPU, so bounds on it are testable.
@@ -9,6 +9,34 @@ measured here. Deterministic on the CPU, so bounds on it are testable.
 from __future__ import annotations
 
 import torch
+
+
+class SavedTensorMeter:
+    """Bytes of distinct tensors autograd saves for backward: the activation memory of a step.
+
+    Storages of ``exclude`` (e.g. the parameters, which linear layers save for their backward) are
+    not counted."""
+
+    def __init__(self, exclude=()) -> None:
+        self.excluded = {tensor.untyped_storage().data_ptr() for tensor in exclude}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.excluded:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def context(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
 
 
 class PeakSavedMeter:

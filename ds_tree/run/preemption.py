@@ -186,7 +186,7 @@ class PreemptionHandler:
         """
         if not self.requested():
             return
-        from ds_tree.engine import checkpoint
+        from ds_tree.run import checkpoint
 
         every = trainer.config.checkpoint.every
         if not (every and step % every == 0):  # else the loop saved this step just now
