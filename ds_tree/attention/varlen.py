@@ -15,9 +15,11 @@ Kernel: flash-attn's ``flash_attn_varlen_func`` when the ``flash_attn`` package 
 signature (never off version strings):
 
 - torch 2.13: ``window_size=(left, right)`` with ``(-1, 0)`` causal (no ``is_causal``), ``enable_gqa``;
-- torch 2.11 (the project's GPU machine): ``window_size`` the same way, but no ``enable_gqa`` (added to
-  ``varlen_attn`` after 2.11, pytorch/pytorch#179468): the query heads' k/v heads are repeated there;
-- torch 2.10: ``is_causal=True``, no window (a window is refused).
+- torch 2.11 (the project's GPU machine): ``varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q,
+  max_k, *, return_aux=None, scale=None, window_size=(-1, -1))``: the same ``window_size``, no
+  ``enable_gqa`` (added after 2.11, pytorch/pytorch#179468) and no check of the head counts either;
+  aten's flash kernel takes fewer key/value heads as they are (GQA without repeating them);
+- torch 2.10 (``is_causal``, no ``window_size``) is refused.
 
 Neither torch release takes a soft cap: Gemma2's ``softcap`` needs flash-attn, else it is refused.
 A sliding ``window`` (keys with ``positions[q] - positions[k] < window``, the depths) is the flash
@@ -176,6 +178,7 @@ def _flash_attn(query, key, value, cu_seqlens, max_seqlen, scale, window, softca
 
 
 def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scale, window, softcap, group):
+    """torch's kernel, its keywords read off its signature (2.11: no enable_gqa; 2.13: enable_gqa)."""
     from torch.nn.attention.varlen import varlen_attn
 
     parameters = inspect.signature(varlen_attn).parameters
@@ -184,17 +187,12 @@ def _torch_varlen(query, key, value, cu_seqlens, max_seqlen, scale, window, soft
             "torch's varlen_attn has no soft-capping (a Gemma2 attn_logit_softcapping layer): install flash-attn "
             "(the gpu extra) for the varlen engine, or use flex or triton"
         )
-    options = {"scale": scale}
-    if "window_size" in parameters:  # torch 2.11, 2.13: (-1, 0) is causal, (W, 0) causal within W tokens
-        options["window_size"] = (-1, 0) if window is None else (window - 1, 0)  # a tuple: compared with ==
-    elif window is not None:
-        raise VarlenUnavailable("this torch's varlen_attn has no window_size: a sliding window needs torch >= 2.11")
-    else:  # torch 2.10
-        options["is_causal"] = True
-    if group > 1 and "enable_gqa" in parameters:  # torch 2.13
+    if "window_size" not in parameters:  # torch 2.10 took is_causal instead
+        raise VarlenUnavailable("the varlen engine needs torch >= 2.11's varlen_attn (window_size=(-1, 0) is causal)")
+    options = {"scale": scale, "window_size": (-1, 0) if window is None else (window - 1, 0)}  # a tuple: compared
+    if group > 1 and "enable_gqa" in parameters:  # torch 2.13 checks the heads unless asked for GQA
         options["enable_gqa"] = True
-    elif group > 1:
-        # torch 2.11's varlen_attn has no enable_gqa (added after it, pytorch/pytorch#179468): repeat each
-        # key/value head for its query heads here only (the autograd of repeat_interleave sums dK, dV back)
-        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    # torch 2.11's varlen_attn has neither enable_gqa (added after it, pytorch/pytorch#179468) nor a check of
+    # the head counts: aten's flash kernel takes fewer key/value heads natively, forward and backward
+    # (checked on an H200 against the k/v heads repeated, and by tests/test_varlen_attention.py)
     return varlen_attn(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
