@@ -29,7 +29,7 @@ from ds_tree.rollout.settings import EnvSettings, SamplerSettings
 # engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
 # that the two agree.
 Dtype = Literal["float32", "bfloat16"]
-AttentionEngine = Literal["reference", "torch", "triton", "flex"]
+AttentionEngine = Literal["auto", "reference", "torch", "triton", "flex", "varlen"]
 Merge = Literal["group", "global"]
 PackingMode = Literal["tree", "flat", "dfs"]
 OverBudget = Literal["error", "dfs", "sequence_parallel"]
@@ -116,9 +116,12 @@ class ModelConfig:
     """Model config JSON (random init from ``seed``) or a local Hugging Face directory."""
     dtype: Dtype = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16`` (DeepSpeed's bf16 mode)."""
-    attention: AttentionEngine = "torch"
-    """Tree attention engine: ``torch`` (CPU block-sparse), ``triton`` (GPU), ``flex`` (PyTorch's
-    FlexAttention; GPU only for training, it has no backward on the CPU) or ``reference``."""
+    attention: AttentionEngine = "auto"
+    """Tree attention engine: ``auto`` (the default: ``flex`` when a CUDA GPU is visible, ``torch`` on
+    the CPU; the run's log names the engine it resolved to), ``torch`` (CPU block-sparse), ``triton``
+    (GPU), ``flex`` (PyTorch's FlexAttention; GPU only for training, it has no backward on the CPU),
+    ``varlen`` (the flat baseline on flash kernels: ``packing.mode: flat``, bfloat16, CUDA only) or
+    ``reference``."""
     seed: int = 0
     """Seed of the random init."""
     zero_init: bool = False

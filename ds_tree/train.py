@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("config error: %s", error)
         return 2
     if args.dry_run:
-        print(json_text({"world_size": trainer.world_size, "deepspeed": trainer.ds_config}, indent=2))
+        resolved = {"world_size": trainer.world_size, "attention_engine": trainer.attention_engine}
+        print(json_text({**resolved, "deepspeed": trainer.ds_config}, indent=2))
         return 0
     if already_finished(trainer):
         return 0

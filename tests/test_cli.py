@@ -104,7 +104,7 @@ def test_tools_shim_help_has_one_usage_line_and_imports_no_torch():
 def test_the_help_choices_are_the_library_values():
     """ds_tree.cli.choices and the sampler options copy what the library keeps beside torch."""
     from ds_tree.attention import blocksparse
-    from ds_tree.attention.registry import ENGINES
+    from ds_tree.attention.registry import ENGINE_CHOICES
     from ds_tree.attention.triton.function import DTYPES as KERNEL_DTYPES
     from ds_tree.bench.steps import BENCH_DTYPES
     from ds_tree.cli import choices
@@ -120,7 +120,7 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.rollout.engines.hf import SamplerSettings
     from ds_tree.verify.tree_vs_flat import VERIFY_DTYPES
 
-    assert choices.ENGINES == tuple(ENGINES) and choices.MODES == tuple(MODES)
+    assert choices.ENGINES == ENGINE_CHOICES and choices.MODES == tuple(MODES)
     assert (choices.NORMALISATIONS, choices.POLICIES) == (tuple(NORMALISATIONS), tuple(POLICIES))
     assert choices.ESTIMATORS == tuple(ESTIMATORS)
     assert (choices.AGGREGATIONS, choices.KL_ESTIMATORS) == (tuple(AGGREGATIONS), tuple(KL_ESTIMATORS))

@@ -22,7 +22,7 @@ import torch
 
 from ds_tree import config as config_module
 from ds_tree import train
-from ds_tree.attention.registry import ENGINES
+from ds_tree.attention.registry import ENGINE_CHOICES
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.sampler import StepSampler
 from ds_tree.losses.sft import NORMALISATIONS, POLICIES
@@ -80,7 +80,10 @@ def test_float_fields_take_numeric_strings(tmp_path: Path) -> None:
     "override, message",
     [
         ("model.dtype=float16", r"model.dtype must be one of float32, bfloat16; got 'float16'"),
-        ("model.attention=flash", r"model.attention must be one of reference, torch, triton, flex; got 'flash'"),
+        (
+            "model.attention=flash",
+            r"model.attention must be one of auto, reference, torch, triton, flex, varlen; got 'flash'",
+        ),
         ("checkpoint.resume=true", r"checkpoint.resume must be one of auto, latest, newest_complete, never; got True"),
         ("optimizer.non_finite=ignore", r"optimizer.non_finite must be one of stop, skip; got 'ignore'"),
         ("optimizer.betas=[0.9]", r"optimizer.betas must be a list of 2 values, got \[0.9\]"),
@@ -95,7 +98,7 @@ def test_values_are_checked_against_their_types(override: str, message: str) -> 
 
 
 def test_choices_are_the_library_registries() -> None:
-    assert typing.get_args(config_module.AttentionEngine) == tuple(ENGINES)
+    assert typing.get_args(config_module.AttentionEngine) == ENGINE_CHOICES
     assert typing.get_args(config_module.PackingMode) == MODES
     assert typing.get_args(config_module.Normalisation) == NORMALISATIONS
     assert typing.get_args(config_module.WeightPolicy) == POLICIES

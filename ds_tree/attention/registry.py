@@ -2,12 +2,14 @@
 
 Engines: ``reference`` (dense mask, any dtype: the oracle), ``torch`` (block-sparse, the CPU
 default), ``triton`` (the GPU kernel; on a machine without a GPU only under
-``TRITON_INTERPRET=1``) and ``flex`` (PyTorch's FlexAttention on the same mask; forward only on
-the CPU, ``flex.py``). Each is registered in transformers' ``AttentionInterface`` as
-``tree_<engine>``; a model built with that ``attn_implementation`` receives ``kv_end`` (and
-``position_ids``) as forward kwargs and runs unchanged otherwise. A layer that passes
-``sliding_window`` (Mistral, Qwen2/3 sliding layers, Gemma2/3 local layers) gets the window rule on
-the tree depths, ``position_ids``; one that passes ``softcap`` (Gemma2) gets capped scores, on every engine.
+``TRITON_INTERPRET=1``), ``flex`` (PyTorch's FlexAttention on the same mask; forward only on
+the CPU, ``flex.py``) and ``varlen`` (the flat baseline on flash kernels: flat rows only, CUDA
+only, ``varlen.py``). ``auto`` (:func:`resolve_engine`) is ``flex`` on CUDA, ``torch`` on the CPU.
+Each is registered in transformers' ``AttentionInterface`` as ``tree_<engine>``; a model built
+with that ``attn_implementation`` receives ``kv_end`` (and ``position_ids``) as forward kwargs and
+runs unchanged otherwise. A layer that passes ``sliding_window`` (Mistral, Qwen2/3 sliding
+layers, Gemma2/3 local layers) gets the window rule on the tree depths, ``position_ids``; one that
+passes ``softcap`` (Gemma2) gets capped scores, on every engine (varlen: with flash-attn only).
 """
 
 from __future__ import annotations
@@ -32,12 +34,38 @@ def _flex(query, key, value, kv_end, scale=None, *, positions=None, window=None,
     return flex_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
 
 
+def _varlen(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
+    from ds_tree.attention.varlen import varlen_attention  # imports flash-attn when installed: only on demand
+
+    return varlen_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
+
+
 ENGINES: dict[str, Callable[..., torch.Tensor]] = {
     "reference": tree_attention_reference,
     "torch": blocksparse_tree_attention,
     "triton": _triton,
     "flex": _flex,
+    "varlen": _varlen,
 }
+
+AUTO = "auto"
+ENGINE_CHOICES = (AUTO, *ENGINES)
+"""What ``model.attention`` and the commands' ``--attention`` accept: an engine, or ``auto``."""
+
+
+def resolve_engine(name: str, device: torch.device | str | None = None) -> str:
+    """The engine that ``name`` runs on ``device``: ``auto`` is ``flex`` on a CUDA device and ``torch``
+    anywhere else; an engine's own name is kept as given (whether it can run there is checked where it
+    is used: ``models.loading.check_model_settings``, the commands). ``device`` None: the device this
+    process trains on, CUDA when one is visible (``torch.cuda.is_available()``, the choice DeepSpeed's
+    accelerator makes), else the CPU. ValueError for an unknown name."""
+    if name == AUTO:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "flex" if torch.device(device).type == "cuda" else "torch"
+    if name not in ENGINES:
+        raise ValueError(f"unknown attention engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
+    return name
 
 
 def tree_attention(
@@ -57,11 +85,14 @@ def tree_attention(
 
 FORWARD_ONLY = {"flex": "cpu"}
 """Engines without a backward on a device type: torch 2.13's FlexAttention on the CPU."""
+CUDA_ONLY = {"varlen"}
+"""Engines with no kernel at all off CUDA: the flash kernels (flash-attn's, torch's varlen_attn)."""
 
 
 def has_backward(engine: str, device: torch.device | str = "cpu") -> bool:
-    """Whether ``engine`` can train (has a backward) on ``device``."""
-    return FORWARD_ONLY.get(engine) != torch.device(device).type
+    """Whether ``engine`` can train (has a backward) on ``device``: not flex on the CPU, varlen on CUDA only."""
+    kind = torch.device(device).type
+    return FORWARD_ONLY.get(engine) != kind and (engine not in CUDA_ONLY or kind == "cuda")
 
 
 def implementation_name(engine: str) -> str:

@@ -58,7 +58,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--groups-per-step", type=int, default=None, help="default: every group each step")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
     parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="dtype of the model")
-    parser.add_argument("--attention", default="torch", choices=ENGINES, help="tree attention engine")
+    parser.add_argument(
+        "--attention", default="auto", choices=ENGINES, help="tree attention engine (auto: flex on cuda, else torch)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu, or a GPU (cuda): SFT steps of modes flat and tree")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
@@ -84,6 +86,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    from ds_tree.attention.registry import resolve_engine
+
+    args.attention = resolve_engine(args.attention, args.device)  # auto: flex with --device cuda, else torch
+    if args.attention == "varlen" and ({m.strip() for m in args.modes.split(",")} - {"flat", ""}):
+        parser.error("--attention varlen runs flat rows only: use --modes flat (flex, triton or torch for tree rows)")
+    if args.attention == "varlen" and not args.device.startswith("cuda"):
+        parser.error("--attention varlen needs a CUDA GPU (flash kernels have no CPU kernel): use --device cuda")
     if args.attention == "flex" and not args.device.startswith("cuda"):
         parser.error(
             "--attention flex times training steps, and FlexAttention has no backward on the CPU: "

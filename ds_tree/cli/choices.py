@@ -13,7 +13,7 @@ from typing import get_args
 from ds_tree import config
 
 ENGINES = get_args(config.AttentionEngine)
-"""ds_tree.attention.registry.ENGINES"""
+"""ds_tree.attention.registry.ENGINE_CHOICES: ``auto`` and the engines"""
 MODES = get_args(config.PackingMode)
 """ds_tree.packing.modes.MODES"""
 NORMALISATIONS = get_args(config.Normalisation)

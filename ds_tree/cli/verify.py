@@ -79,7 +79,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init")
     parser.add_argument("--budget", type=int, default=4096, help="token budget of one packed row")
     parser.add_argument("--block", type=int, default=1, help="pad rows to a multiple of this")
-    parser.add_argument("--attention", default="torch", choices=ENGINES, help="tree attention engine")
+    parser.add_argument(
+        "--attention", default="auto", choices=ENGINES, help="tree attention engine (auto: torch, on the CPU)"
+    )
     parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
     parser.add_argument("--normalisation", choices=NORMALISATIONS, help="SFT only (default token_mean)")
     parser.add_argument("--policy", choices=POLICIES, help="SFT only (default exact)")
@@ -111,6 +113,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dfs_chunk < 0 or (args.dfs_recompute and not args.dfs_chunk):
         parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
+    from ds_tree.attention.registry import resolve_engine
+
+    args.attention = resolve_engine(args.attention, "cpu")  # verify runs on the CPU: auto is torch
+    if args.attention == "varlen":
+        parser.error("--attention varlen runs flat rows on a CUDA GPU only: verify compares tree rows on the CPU")
     if args.attention == "flex" and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
         parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
     if args.lora < 0 or (args.lora and args.sequence_parallel > 1):

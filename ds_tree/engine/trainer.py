@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ds_tree.attention.registry import resolve_engine
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
@@ -140,6 +141,7 @@ class Trainer(RLSteps):
         self.model_config = load_model_config(config.model.source)
         check_layer_types(self.model_config)
         check_model_settings(config)  # attention engine, objective.reference
+        self.attention_engine = resolve_engine(config.model.attention)  # auto: flex on CUDA, torch on the CPU
         check_hybrid_settings(config, self.model_config)  # recurrent layers: no SP, online with the hf sampler
         check_sequence_parallel(config, self.world_size, self.model_config)
         if config.objective.is_rl and config.model.router_aux_loss_coef:
@@ -256,11 +258,13 @@ class Trainer(RLSteps):
             self._hf_deepspeed_config = HfDeepSpeedConfig(self.ds_config)
         model = load_model(
             config.model.source,
-            attention=config.model.attention,
+            attention=self.attention_engine,
             dtype=dtype,
             seed=config.model.seed,
             checkpoint_every=config.model.checkpointed_every,
         )
+        if self.rank == 0:
+            logger.info("attention engine: %s (model.attention: %s)", self.attention_engine, config.model.attention)
         if config.model.lora.enabled:  # after the tree attention swap: PEFT wraps the linear layers only
             model = apply_lora(model, config.model.lora)
         if config.parallel.sequence_parallel_size > 1:

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
+from ds_tree.attention.registry import resolve_engine
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
@@ -94,18 +95,37 @@ def load_config(source: str | Path) -> PretrainedConfig:
 
 
 def check_model_settings(config) -> None:
-    """What the training config asks of the model that can be checked before anything is built:
-    ``model.attention: triton`` needs a CUDA GPU (or ``TRITON_INTERPRET=1``, Triton's CPU
-    interpreter, which the tests use); ``model.attention: flex`` needs one too (FlexAttention has no
-    backward on the CPU); ``objective.reference`` must be a loadable model config."""
+    """What the training config asks of the model that can be checked before anything is built, for the
+    engine ``model.attention`` resolves to here (``auto``: flex with a CUDA GPU, torch without):
+    ``triton`` needs a CUDA GPU (or ``TRITON_INTERPRET=1``, Triton's CPU interpreter, which the tests
+    use); ``flex`` needs one too (FlexAttention has no backward on the CPU); ``varlen`` runs flat rows
+    only (``packing.mode: flat``), in bfloat16, on a CUDA GPU; ``objective.reference`` must be a
+    loadable model config."""
     import os
 
     from ds_tree.errors import ConfigError
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if config.model.attention == "triton" and not torch.cuda.is_available() and not interpreted:
+    engine = resolve_engine(config.model.attention)
+    if engine == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ConfigError("model.attention: triton needs a CUDA GPU and none is visible; use torch on the CPU")
-    if config.model.attention == "flex" and not torch.cuda.is_available():
+    if engine == "varlen" and config.packing.mode != "flat":
+        raise ConfigError(
+            f"model.attention: varlen runs flat rows only (flash kernels on independent sequences), and "
+            f"packing.mode is {config.packing.mode}: set packing.mode: flat for the flat baseline, or use flex, "
+            "triton or torch for tree rows"
+        )
+    if engine == "varlen" and config.model.dtype != "bfloat16":
+        raise ConfigError(
+            f"model.attention: varlen needs model.dtype: bfloat16 (flash kernels take float16/bfloat16 only), "
+            f"got {config.model.dtype}; use flex, triton or torch in float32"
+        )
+    if engine == "varlen" and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.attention: varlen needs a CUDA GPU and none is visible (flash kernels have no CPU "
+            "implementation); use torch on the CPU"
+        )
+    if engine == "flex" and not torch.cuda.is_available():
         raise ConfigError(
             "model.attention: flex cannot train on the CPU: torch's FlexAttention does not support backward on "
             "CPU (it has a forward only there); use torch on the CPU, or flex on a CUDA GPU"
@@ -130,8 +150,15 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     seed: int = 0,
     checkpoint_every: int = 0,
+    device: torch.device | str | None = None,
 ) -> PreTrainedModel:
     """A causal LM with ``attn_implementation = tree_<attention>``, in training mode.
+
+    ``attention: auto`` resolves (:func:`~ds_tree.attention.registry.resolve_engine`) for the device
+    the model will *run* on, ``device``: the model is always built on the CPU here and moved by the
+    caller (DeepSpeed's engine, ``.to(device)``), so the device it is built on says nothing. ``device``
+    None: CUDA when a GPU is visible, else the CPU, the device DeepSpeed's accelerator picks; pass it
+    where the caller runs elsewhere (``ds-tree bench --device``, ``verify`` on the CPU).
 
     Random init (seeded with ``seed``) from a config file or a weightless directory; weights
     from a directory that has them. A config whose ``layer_types`` name token mixing outside the
@@ -139,7 +166,7 @@ def load_model(
     recomputes every k-th decoder layer in the backward (:func:`enable_activation_checkpointing`).
     """
     register_tree_attention()
-    implementation = implementation_name(attention)
+    implementation = implementation_name(resolve_engine(attention, device))
     dtype = parse_dtype(dtype)
     config = load_config(source)
     check_layer_types(config)
