@@ -222,6 +222,7 @@ def rl_step_once(
     objective: ObjectiveConfig,
     measure_memory,
     dfs_settings: DfsSettings | None = None,
+    device: str = "cpu",
 ) -> dict:
     """One RL step: rows and advantages, the old policy's no-grad pass, ``objective.ppo_epochs`` updates.
 
@@ -238,7 +239,10 @@ def rl_step_once(
     ).by_trajectory()
     packed = time.perf_counter()
     normalisers = StepNormalisers.of(trajectories)
-    prepared = prepare_rl_rows(model, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)
+    prepared = prepare_rl_rows(
+        model, rows, advantages, settings, normalisers, reference=reference, dfs=dfs, device=device
+    )
+    synchronize(device)
     old_done = time.perf_counter()
     forward_backward = optimizer_time = 0.0
     saved = 0
@@ -258,14 +262,16 @@ def rl_step_once(
             saved = max(
                 saved,
                 run_measuring(
-                    lambda some: run_rl_rows(model, some, settings, backward=torch.Tensor.backward),
+                    lambda some: run_rl_rows(model, some, settings, backward=torch.Tensor.backward, device=device),
                     prepared,
                     measure_memory and epoch == 0,
                 ),
             )
+        synchronize(device)
         epoch_computed = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
         forward_backward += epoch_computed - epoch_started
         optimizer_time += time.perf_counter() - epoch_computed
     done = time.perf_counter()
@@ -293,16 +299,18 @@ class BenchModels:
     references: dict
 
     @classmethod
-    def build(cls, modes, model_source, attention, dtype, seed, checkpoint_every, device, kl: bool) -> BenchModels:
+    def build(cls, modes, model_source, engines, dtype, seed, checkpoint_every, device, kl: bool) -> BenchModels:
+        """``engines``: each mode's attention engine."""
         models, optimizers, references = {}, {}, {}
         for mode in modes:
+            attention = engines[mode]
             models[mode] = load_model(
                 model_source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every
             ).to(device)
             optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
             references[mode] = None
             if kl:
-                references[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed)
+                references[mode] = load_model(model_source, attention=attention, dtype=dtype, seed=seed).to(device)
                 references[mode].requires_grad_(False)
         return cls(models, optimizers, references)
 
@@ -329,11 +337,17 @@ def run_benchmark(
     dfs_chunk: int = 0,
     dfs_recompute: bool = False,
     device: str = "cpu",
+    flat_attention: str | None = None,
+    one_mode_at_a_time: bool = False,
 ) -> dict:
     """Interleaved tree/flat steps; returns the report (see ``ds_tree.cli.bench``).
 
-    ``device`` other than ``cpu`` (a GPU: ``cuda``) times SFT steps of modes flat and tree, with
-    the GPU synchronised before every clock read; memory is not measured there.
+    ``device`` other than ``cpu`` (a GPU: ``cuda``) times SFT or RL steps of modes flat and tree,
+    with the GPU synchronised before every clock read; the autograd meters do not run there.
+    ``flat_attention``: the engine of mode ``flat`` (``varlen``: the flash-kernel baseline a user
+    runs today; None: ``attention``, as the tree). ``one_mode_at_a_time``: instead of alternating
+    the modes step by step, run all steps of one mode with only its model built, then free it, so
+    each mode's peak GPU memory (``gpu_peak_memory_bytes``, torch's allocator) is its own.
 
     ``objective``: an RL objective (``kind`` grpo or ppo) times RL steps; ``None`` (or ``sft``)
     times SFT steps with ``normalisation``. With a KL term, each mode's reference policy is a
@@ -341,28 +355,51 @@ def run_benchmark(
     ``dfs_chunk`` tokens (0: ``budget``), forwarding each twice with ``dfs_recompute``.
     """
     rl = objective is not None and objective.is_rl
-    if device != "cpu" and (rl or set(modes) - {"flat", "tree"} or peak_memory or profile_path):
-        raise ValueError(f"--device {device} times SFT steps of modes flat and tree only (no memory or profile)")
+    if device != "cpu" and (set(modes) - {"flat", "tree"} or peak_memory or profile_path):
+        raise ValueError(f"--device {device} times modes flat and tree only (no memory meters or profile)")
+    if one_mode_at_a_time and (peak_memory or profile_path):
+        raise ValueError("one mode at a time measures the GPU's peak memory only (no memory meters or profile)")
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
     sampler = StepSampler(len(groups), per_step, seed)
-    bench = BenchModels.build(
-        modes, model_source, attention, dtype, seed, checkpoint_every, device, kl=rl and bool(objective.kl_coef)
-    )
-    check_vocab(trajectories, bench.models[modes[0]].config.vocab_size)
+    engines = {mode: flat_attention if mode == "flat" and flat_attention else attention for mode in modes}
+    kl = rl and bool(objective.kl_coef)
     dfs_settings = DfsSettings(dfs_chunk or budget, dfs_recompute)
 
-    def step_of(mode: str, batch: list[Trajectory], measure_memory: bool) -> dict:
-        model, optimizer = bench.models[mode], bench.optimizers[mode]
-        if rl:
-            reference = bench.references[mode]
-            return rl_step_once(
-                model, optimizer, reference, batch, mode, budget, block, objective, measure_memory, dfs_settings
-            )
-        measure = measure_memory and device == "cpu"
-        return step_once(model, optimizer, batch, mode, budget, block, normalisation, measure, dfs_settings, device)
+    def step_with(bench: BenchModels):
+        def step_of(mode: str, batch: list[Trajectory], measure_memory: bool) -> dict:
+            model, optimizer = bench.models[mode], bench.optimizers[mode]
+            measure = measure_memory and device == "cpu"
+            if rl:
+                reference = bench.references[mode]
+                return rl_step_once(
+                    model, optimizer, reference, batch, mode, budget, block, objective, measure, dfs_settings, device
+                )
+            return step_once(model, optimizer, batch, mode, budget, block, normalisation, measure, dfs_settings, device)
 
-    times, flat_tokens, tree_tokens = timed_steps(modes, groups, sampler, warmup, steps, step_of, progress)
+        return step_of
+
+    gpu_peaks = {}
+    if one_mode_at_a_time:
+        times = {}
+        for mode in modes:
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            bench = BenchModels.build([mode], model_source, engines, dtype, seed, checkpoint_every, device, kl)
+            check_vocab(trajectories, bench.models[mode].config.vocab_size)
+            timed, flat_tokens, tree_tokens = timed_steps([mode], groups, sampler, warmup, steps, step_with(bench))
+            times |= timed
+            if device.startswith("cuda"):
+                gpu_peaks[mode] = torch.cuda.max_memory_allocated(device)
+            del bench
+            if progress is not None:
+                progress.update(1)
+    else:
+        bench = BenchModels.build(modes, model_source, engines, dtype, seed, checkpoint_every, device, kl)
+        check_vocab(trajectories, bench.models[modes[0]].config.vocab_size)
+        step_of = step_with(bench)
+        times, flat_tokens, tree_tokens = timed_steps(modes, groups, sampler, warmup, steps, step_of, progress)
     after = sampler.trajectories_for_step(groups, warmup + steps)  # a batch the timed steps did not see
     peak_bytes = {}
     if peak_memory and not rl:
@@ -371,8 +408,11 @@ def run_benchmark(
     if profile_path is not None:
         write_profile(profile_path, modes, after, step_of)
     report_modes = {
-        mode: mode_report(times[mode], flat_tokens, tree_tokens, peak_bytes.get(mode), rl) for mode in modes
+        mode: mode_report(times[mode], flat_tokens, tree_tokens, peak_bytes.get(mode), rl) | {"attention": engines[mode]}
+        for mode in modes
     }
+    for mode, peak in gpu_peaks.items():
+        report_modes[mode]["gpu_peak_memory_bytes"] = peak
     report = {
         "steps": steps,
         "warmup": warmup,
@@ -388,6 +428,8 @@ def run_benchmark(
         "por": TokenCounts(sum(flat_tokens), sum(tree_tokens)).por,
         "modes": report_modes,
     }
+    if len(gpu_peaks) == 2:
+        report["gpu_peak_memory_tree_over_flat"] = gpu_peaks["tree"] / gpu_peaks["flat"]
     if rl:
         report["objective"] = objective.kind
         report["estimator"] = objective.estimator

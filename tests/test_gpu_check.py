@@ -1,0 +1,63 @@
+"""``ds-tree gpu-check --smoke``: the GPU check's own code at toy sizes on the CPU, so that it cannot rot
+unseen, and a wrong engine fails it (docs/KERNEL.md, "gpu-check")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ds_tree.attention import registry
+from ds_tree.bench.gpu import attention
+from ds_tree.cli.gpu_check import main
+
+
+def test_smoke_run_writes_every_section_and_passes(tmp_path, capsys) -> None:
+    code = main(["--smoke", "--sections", "correctness,kernels,steps", "--output", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 0, report
+    assert report["passed"] and report["smoke"]
+    correctness = report["sections"]["correctness"]
+    ran = {(r["engine"], r["dtype"]) for r in correctness["results"] if r["ran"]}
+    assert {("torch", "float32"), ("triton", "float32"), ("flex", "float32"), ("triton", "bfloat16")} <= ran
+    assert all(r["passed"] for r in correctness["results"] if r["ran"])
+    backward = {r["engine"] for r in correctness["results"] if r.get("checked") == "forward+backward"}
+    assert backward == {"torch", "triton"}  # flex has no backward on the CPU, varlen no CPU kernel
+    for shape in report["sections"]["kernels"]["shapes"].values():
+        assert shape["engines"]["triton tree"]["ran"] and shape["engines"]["sdpa padded flat"]["ran"]
+        assert shape["flat_tokens"] > shape["tree_tokens"]
+    cases = report["sections"]["steps"]["cases"]
+    assert [c["ran"] for c in cases] == [True, True]
+    assert all(c["speedup"] > 0 and c["ideal_tokens"] > 1 for c in cases)
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert "## Correctness against the float64 reference" in markdown and "## Kernel table" in markdown
+
+
+@pytest.mark.parametrize("engine", ["torch", "triton"])
+def test_a_wrong_engine_fails_the_check(tmp_path, monkeypatch, engine) -> None:
+    """One key of one query head's output shifted: the correctness section names the engine, exit 1."""
+    right = registry.ENGINES[engine]
+
+    def wrong(query, key, value, kv_end, scale=None, **options):
+        out = right(query, key, value, kv_end, scale, **options)
+        return out + torch.where(torch.arange(out.shape[1], device=out.device) == 3, 1e-3, 0.0)[None, :, None, None]
+
+    monkeypatch.setitem(registry.ENGINES, engine, wrong)
+    first = attention.correctness_cases(True)[:1]
+    monkeypatch.setattr(attention, "correctness_cases", lambda smoke: first)
+    code = main(["--smoke", "--sections", "correctness", "--output", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 1 and not report["passed"]
+    failed = report["sections"]["correctness"]["failed"]
+    assert failed and all(name.startswith(engine) for name in failed), failed
+
+
+def test_usage_errors(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as raised:
+        main(["--smoke", "--sections", "kernels,bogus", "--output", str(tmp_path)])
+    assert raised.value.code == 2 and "bogus" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as raised:
+            main(["--output", str(tmp_path)])
+        assert raised.value.code == 2 and "--smoke" in capsys.readouterr().err
