@@ -408,7 +408,7 @@ def run_benchmark(
     if profile_path is not None:
         write_profile(profile_path, modes, after, step_of)
     report_modes = {
-        mode: mode_report(times[mode], flat_tokens, tree_tokens, peak_bytes.get(mode), rl) | {"attention": engines[mode]}
+        mode: {**mode_report(times[mode], flat_tokens, tree_tokens, peak_bytes.get(mode), rl), "attention": engines[mode]}
         for mode in modes
     }
     for mode, peak in gpu_peaks.items():

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from ds_tree.attention.flex import length_bucket
-from ds_tree.attention.reference import tree_attention_reference
 from ds_tree.attention.registry import ENGINES, has_backward, tree_attention
 from ds_tree.data.synthetic import SyntheticConfig, generate
 from ds_tree.packing.modes import pack_trajectories
