@@ -407,10 +407,10 @@ def run_benchmark(
         peak_bytes = activation_peaks(bench, packed_modes, after, budget, block, normalisation)
     if profile_path is not None:
         write_profile(profile_path, modes, after, step_of)
-    report_modes = {
-        mode: {**mode_report(times[mode], flat_tokens, tree_tokens, peak_bytes.get(mode), rl), "attention": engines[mode]}
-        for mode in modes
-    }
+    report_modes = {}
+    for mode in modes:
+        report_modes[mode] = mode_report(times[mode], flat_tokens, tree_tokens, peak_bytes.get(mode), rl)
+        report_modes[mode]["attention"] = engines[mode]
     for mode, peak in gpu_peaks.items():
         report_modes[mode]["gpu_peak_memory_bytes"] = peak
     report = {
