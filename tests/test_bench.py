@@ -8,6 +8,7 @@ trained tokens: every trajectory's in flat mode, each distinct trained prefix on
 import json
 
 import pytest
+import torch
 
 from ds_tree.bench.steps import fit_token_pair_cost
 from ds_tree.cli.bench import main as bench_main
@@ -102,11 +103,19 @@ def test_cost_fit_recovers_its_coefficients():
     assert b == 0 and a == pytest.approx(0.01, rel=0.1)
 
 
-def test_bench_on_a_gpu_times_sft_flat_and_tree_only(synthetic, capsys):
+def test_bench_on_a_gpu_times_flat_and_tree_only(synthetic, capsys, monkeypatch):
     argv = ["--data", str(synthetic[0]), "--model", "configs/models/tiny_llama.json", "--device", "cuda"]
-    assert bench_main([*argv, "--objective", "grpo"]) == 2
-    assert "--device cuda times SFT steps of modes flat and tree only" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as raised:
+            bench_main(argv)
+        assert raised.value.code == 2 and "sees no CUDA GPU" in capsys.readouterr().err
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the refusals below come before any GPU work
+    assert bench_main([*argv, "--modes", "flat,tree,dfs"]) == 2
+    assert "--device cuda times modes flat and tree only" in capsys.readouterr().err
     assert bench_main([*argv, "--modes", "flat,tree", "--peak-memory"]) == 2
+    with pytest.raises(SystemExit) as raised:
+        bench_main([*argv[:4], "--flat-attention", "varlen"])
+    assert raised.value.code == 2 and "--flat-attention varlen needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_bench_rl_needs_rewards(tmp_path, capsys):

@@ -388,13 +388,12 @@ def run_benchmark(
                 torch.cuda.reset_peak_memory_stats(device)
             bench = BenchModels.build([mode], model_source, engines, dtype, seed, checkpoint_every, device, kl)
             check_vocab(trajectories, bench.models[mode].config.vocab_size)
-            timed, flat_tokens, tree_tokens = timed_steps([mode], groups, sampler, warmup, steps, step_with(bench))
+            step_of = step_with(bench)
+            timed, flat_tokens, tree_tokens = timed_steps([mode], groups, sampler, warmup, steps, step_of, progress)
             times |= timed
             if device.startswith("cuda"):
                 gpu_peaks[mode] = torch.cuda.max_memory_allocated(device)
-            del bench
-            if progress is not None:
-                progress.update(1)
+            del bench, step_of
     else:
         bench = BenchModels.build(modes, model_source, engines, dtype, seed, checkpoint_every, device, kl)
         check_vocab(trajectories, bench.models[modes[0]].config.vocab_size)

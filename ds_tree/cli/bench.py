@@ -61,8 +61,19 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention", default="auto", choices=ENGINES, help="tree attention engine (auto: flex on cuda, else torch)"
     )
+    parser.add_argument(
+        "--flat-attention",
+        default=None,
+        choices=ENGINES,
+        help="engine of mode flat (default: varlen, the flash-kernel baseline, with --device cuda; else --attention)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu", help="cpu, or a GPU (cuda): SFT steps of modes flat and tree")
+    parser.add_argument("--device", default="cpu", help="cpu, or a GPU (cuda): SFT or RL steps of modes flat and tree")
+    parser.add_argument(
+        "--one-mode-at-a-time",
+        action="store_true",
+        help="all steps of one mode with only its model built, then the next (on a GPU: each mode's peak memory)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument("--profile", type=Path, default=None, help="profile one more step per mode, tables here")
     parser.add_argument(
@@ -88,7 +99,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     from ds_tree.attention.registry import resolve_engine
 
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     args.attention = resolve_engine(args.attention, args.device)  # auto: flex with --device cuda, else torch
+    if args.flat_attention is None:  # the flat baseline a user runs today: flash kernels on a GPU
+        on_gpu = args.device.startswith("cuda") and args.attention != "varlen"
+        args.flat_attention = "varlen" if on_gpu else args.attention
+    args.flat_attention = resolve_engine(args.flat_attention, args.device)
+    if args.flat_attention == "varlen" and not args.device.startswith("cuda"):
+        parser.error("--flat-attention varlen needs a CUDA GPU (flash kernels have no CPU kernel): use --device cuda")
     if args.attention == "varlen" and ({m.strip() for m in args.modes.split(",")} - {"flat", ""}):
         parser.error("--attention varlen runs flat rows only: use --modes flat (flex, triton or torch for tree rows)")
     if args.attention == "varlen" and not args.device.startswith("cuda"):
@@ -172,7 +193,8 @@ def benchmark_measure(parser: argparse.ArgumentParser, args: argparse.Namespace,
         torch.set_num_threads(args.threads)
 
     def measure(trajectories):
-        with tqdm(total=args.warmup + args.steps, desc="bench", unit="step", file=sys.stderr) as bar:
+        total = (args.warmup + args.steps) * (len(modes) if args.one_mode_at_a_time else 1)
+        with tqdm(total=total, desc="bench", unit="step", file=sys.stderr) as bar:
             return run_benchmark(
                 trajectories,
                 args.model,
@@ -191,6 +213,8 @@ def benchmark_measure(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 dfs_chunk=args.dfs_chunk,
                 dfs_recompute=args.dfs_recompute,
                 device=args.device,
+                flat_attention=args.flat_attention,
+                one_mode_at_a_time=args.one_mode_at_a_time,
             )
 
     return measure
