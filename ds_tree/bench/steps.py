@@ -304,9 +304,11 @@ class BenchModels:
         models, optimizers, references = {}, {}, {}
         for mode in modes:
             attention = engines[mode]
-            models[mode] = load_model(
-                model_source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every
-            ).to(device)
+            # made on the device itself: a 1B model's random init takes seconds on a GPU, a minute on the CPU
+            with torch.device(device):
+                models[mode] = load_model(
+                    model_source, attention=attention, dtype=dtype, seed=seed, checkpoint_every=checkpoint_every
+                ).to(device)
             optimizers[mode] = torch.optim.AdamW(models[mode].parameters(), lr=1e-4, fused=True)  # as the trainer
             references[mode] = None
             if kl:

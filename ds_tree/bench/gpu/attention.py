@@ -95,7 +95,6 @@ def correctness_cases(smoke: bool) -> list[Case]:
     return [
         Case("forest of small nodes, MHA", many, 8, 8, 128),
         Case("forest of small nodes, GQA 2, soft cap 30", many, 8, 4, 64, softcap=30.0),
-        Case("long row (>1 tile), GQA 4", long, 32, 8, 128),
         Case("long row, GQA 4, window 512", long, 16, 4, 128, window=512),
         Case("GRPO group, GQA 4", grpo_groups(3, 1, 300, 6, (50, 400)), 16, 4, 128),
     ]
