@@ -270,7 +270,7 @@ def test_varlen_matches_the_reference_on_a_gpu(dtype, heads, rows, window):
     grad_out = torch.randn(batch, n, heads_q, 64, device="cuda", dtype=torch.float64)
 
     def run(function, precision):
-        leaves = [x.to(precision).requires_grad_() for x in inputs]
+        leaves = [x.detach().clone().to(precision).requires_grad_() for x in inputs]
         out = function(*leaves, kv_end, 0.125, **options)
         out.backward(grad_out.to(precision))
         return [out.detach().double()] + [x.grad.double() for x in leaves]
