@@ -2,8 +2,8 @@
 
 Every RL test draws its groups here (as tokens records, as :class:`Trajectory` objects, or written to a
 tokens JSONL file), so a change to what a rollout looks like is made once. A group's trajectories
-share the first ``cut`` tokens of the group's stem (``cut`` drawn per trajectory from ``fork``), then
-continue with their own tokens up to a length below ``longest``; the first ``untrained`` tokens are
+share the first ``cut`` tokens of the group's stem (``cut`` drawn per trajectory from ``fork``; all of it
+where ``cut`` is longer), then continue with their own tokens up to ``cut + min_tail <= length < longest``; the first ``untrained`` tokens are
 untrained (the prompt). Rewards: ``mixed`` (0/1 in odd groups, normal in even ones: both the binary
 and the real-valued case), ``normal``, ``binary``, or ``none``.
 """
@@ -26,7 +26,7 @@ class RolloutShape:
     stem: int = 30
     """Tokens of a group's stem (its prompt and the shared start of its samples)."""
     fork: tuple[int, int] = (2, 30)
-    """A trajectory leaves the stem after ``cut`` tokens, ``fork[0] <= cut < fork[1]``."""
+    """A trajectory leaves the stem after ``min(cut, stem)`` tokens, ``fork[0] <= cut < fork[1]``."""
     min_tail: int = 2
     """At least this many tokens of its own after the fork."""
     longest: int = 56
@@ -39,7 +39,7 @@ class RolloutShape:
 
     def __post_init__(self) -> None:
         assert self.rewards in REWARD_KINDS, self.rewards
-        assert self.fork[1] <= self.stem + 1 and self.fork[1] + self.min_tail <= self.longest
+        assert self.fork[1] + self.min_tail <= self.longest
 
 
 def reward(rng: np.random.Generator, kind: str, group: int) -> float | None:
@@ -60,7 +60,8 @@ def rl_records(seed: int = 0, groups: int = 3, per_group: int = 4, shape: Rollou
         for _ in range(per_group):
             cut = int(rng.integers(*shape.fork))
             length = int(rng.integers(cut + shape.min_tail, shape.longest))
-            ids = stem[:cut] + rng.integers(3, shape.vocab, length - cut).tolist()
+            shared = min(cut, shape.stem)
+            ids = stem[:shared] + rng.integers(3, shape.vocab, length - shared).tolist()
             untrained = min(shape.untrained, length)
             record = {
                 "group_id": f"g{group}",

@@ -12,9 +12,10 @@ from tests.rollouts import RolloutShape, write_rl_records
 from tests.test_engine import torchrun, write_accumulating_ds_config, write_config
 
 ROLLOUT_SHAPE = RolloutShape(
-    stem=90, fork=(30, 90), min_tail=5, longest=150, vocab=1024, untrained=60, rewards="normal"
+    stem=60, fork=(30, 90), min_tail=5, longest=190, vocab=1024, untrained=60, rewards="normal"
 )
-"""Groups sharing a 60-token prompt, samples forking at many depths, rewards of both signs around the mean."""
+"""Groups sharing a 60-token prompt (half the samples fork inside it), rewards of both signs around the mean;
+trees of 236-489 tokens (seed 0), so a 200-token budget splits each into parts: several rows per rank."""
 
 
 def write_rollouts(path: Path, groups: int = 6, seed: int = 0) -> Path:
