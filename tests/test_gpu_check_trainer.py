@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -40,3 +41,25 @@ def test_a_failing_launch_is_reported_with_its_log(tmp_path, monkeypatch):
     assert error.startswith("sft_uninterrupted: exit code 2, expected 0;"), error
     assert "packing.budget (8) is below the longest trajectory" in error
     assert (tmp_path / "logs" / "sft_uninterrupted.log").is_file()
+
+
+def test_a_launch_past_its_timeout_is_killed_with_its_ranks(tmp_path, monkeypatch):
+    import psutil
+
+    killed = []
+
+    def kill_tree(process):  # what the kill reaches: the launcher runs in a session of its own
+        killed.extend(" ".join(p.cmdline()) for p in psutil.Process(process.pid).children(recursive=True))
+        original(process)
+
+    original = trainer.kill_tree
+    monkeypatch.setattr(trainer, "kill_tree", kill_tree)
+    monkeypatch.setattr(trainer, "SMOKE", dataclasses.replace(trainer.SMOKE, timeout_s=6))
+    result = trainer.trainer_check(tmp_path, smoke=True, progress=lambda message: None)
+    assert not result["passed"]
+    [error] = result["errors"]
+    assert error.startswith("sft_uninterrupted: ran past its 6 s timeout and was killed;"), error
+    assert any("deepspeed" in command for command in killed), killed
+    time.sleep(1)  # SIGKILL is asynchronous
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not left, left
