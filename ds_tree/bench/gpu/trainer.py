@@ -14,7 +14,7 @@ runs, each launch from the repository root with its output in ``workdir/logs/NAM
 4. run 1's export (``output_dir/hf``) loaded by plain transformers, one forward with finite logits.
 
 ``smoke=False``: one CUDA rank (DeepSpeed picks NCCL), bf16, ``bench_llama``, ZeRO-3, attention
-``auto`` (flex on CUDA). ``smoke=True``: 2 gloo ranks on the CPU (CUDA hidden), float32,
+``auto`` (flex on CUDA). ``smoke=True``: 2 gloo ranks on the CPU (``DS_ACCELERATOR=cpu``), float32,
 ``tiny_llama``, the torch engine, a few steps (enough that SIGTERM lands mid-run after the first
 checkpoint). The launches inherit the environment (``DEEPSPEED``, ``PYTHON``,
 ``TORCH_EXTENSIONS_DIR``: launch/train.sh's variables). A launch that fails or runs past its
@@ -63,7 +63,7 @@ class Sizes:
     attention: str
     ranks: int
     cpu: bool
-    """Hide CUDA from the launches (gloo ranks on the CPU)."""
+    """Ranks on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``: gloo; not tried where a GPU is visible)."""
     groups: int
     """Synthetic trees in the data."""
     max_tokens: int
@@ -198,7 +198,7 @@ def launch_environment(sizes: Sizes) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPOSITORY), env.get("PYTHONPATH")]))
     env.setdefault("HF_HUB_OFFLINE", "1")
     if sizes.cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["DS_ACCELERATOR"] = "cpu"  # not CUDA_VISIBLE_DEVICES: the launcher sets it for its ranks
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
