@@ -33,13 +33,12 @@ import socket
 import subprocess
 import time
 import traceback
-import typing
 from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
-from ds_tree.config import REPOSITORY, AttentionEngine
+from ds_tree.config import REPOSITORY
 from ds_tree.run.preemption import EXIT_PREEMPTED
 
 TRAIN_SH = REPOSITORY / "launch" / "train.sh"
@@ -47,11 +46,6 @@ SELF_CHECK_EVERY = 5
 TAIL_LINES = 30
 EXPORT_IDS = [1, 12, 40, 300, 7, 2]
 """Token ids of the export's forward (bos, a few content ids, eos)."""
-
-
-def gpu_attention() -> str:
-    """``auto`` (flex on CUDA) where the config takes it; ``flex``, what it resolves to, before that."""
-    return "auto" if "auto" in typing.get_args(AttentionEngine) else "flex"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +74,7 @@ class Sizes:
 GPU = Sizes(
     model="configs/models/bench_llama.json",
     dtype="bfloat16",
-    attention=gpu_attention(),
+    attention="auto",
     ranks=1,
     cpu=False,
     groups=32,
