@@ -3,9 +3,9 @@
 Every RL test draws its groups here (as tokens records, as :class:`Trajectory` objects, or written to a
 tokens JSONL file), so a change to what a rollout looks like is made once. A group's trajectories
 share the first ``cut`` tokens of the group's stem (``cut`` drawn per trajectory from ``fork``; all of it
-where ``cut`` is longer), then continue with their own tokens up to ``cut + min_tail <= length < longest``; the first ``untrained`` tokens are
-untrained (the prompt). Rewards: ``mixed`` (0/1 in odd groups, normal in even ones: both the binary
-and the real-valued case), ``normal``, ``binary``, or ``none``.
+where ``cut`` is longer), then continue with their own tokens to a length in ``[cut + min_tail, longest)``;
+the first ``untrained`` tokens are untrained (the prompt). Rewards: ``mixed`` (0/1 in odd groups, normal
+in even ones: both the binary and the real-valued case), ``normal``, ``binary``, or ``none``.
 """
 
 from __future__ import annotations

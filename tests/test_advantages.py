@@ -171,8 +171,9 @@ def test_tempo_is_grpo_where_only_the_root_branches():
     rng = np.random.default_rng(3)
     batch = [trajectory([5, 6, 7, *rng.integers(10, 99, rng.integers(1, 6))], float(r)) for r in rng.normal(size=6)]
     for normalise in (False, True):
-        for got, want in zip(tempo(batch, normalise=normalise).values, grpo(batch, normalise=normalise).values,
-                             strict=True):
+        for got, want in zip(
+            tempo(batch, normalise=normalise).values, grpo(batch, normalise=normalise).values, strict=True
+        ):
             np.testing.assert_array_equal(got, want)
 
 

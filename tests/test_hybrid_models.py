@@ -48,10 +48,24 @@ ROOT = Path(__file__).resolve().parents[1]
 QWEN3_5 = str(ROOT / "configs/models/tiny_qwen3_5.json")
 BAMBA = str(ROOT / "configs/models/tiny_bamba.json")
 SMALLER = {  # the configs/models entries cut to one recurrent and one attention layer, hidden size 32
-    "qwen3_5": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=8,
-                    layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8),
-    "bamba": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, attn_layer_indices=[1], mamba_d_head=16,
-                  mamba_d_state=8, mamba_chunk_size=16),
+    "qwen3_5": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+    "bamba": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        attn_layer_indices=[1],
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_chunk_size=16,
+    ),
 }
 
 
@@ -159,8 +173,12 @@ def _forest_records(seed: int) -> list[dict]:
         for index, trajectory in enumerate(random_forest(rng, shape, group_id=f"g{group}")):
             ids = trajectory.input_ids.tolist()
             records.append(
-                {"group_id": f"g{group}", "input_ids": ids, "loss_mask": [0] * 3 + [1] * (len(ids) - 3),
-                 "reward": float(index % 3) - 0.7}
+                {
+                    "group_id": f"g{group}",
+                    "input_ids": ids,
+                    "loss_mask": [0] * 3 + [1] * (len(ids) - 3),
+                    "reward": float(index % 3) - 0.7,
+                }
             )
     return records
 
@@ -244,11 +262,30 @@ def test_dfs_chunks_shorter_than_the_conv_window_start_from_the_cached_state_and
 
 
 MORE_FAMILIES = {  # Qwen3-Next (GDN, gated attention, MoE + router loss), Nemotron-H and Falcon-H1 (Mamba2)
-    "qwen3_next": ("tiny_qwen3_next.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
-                   layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
-                   linear_value_head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
-    "nemotron_h": ("tiny_nemotron_h.json", dict(hidden_size=32, num_hidden_layers=2, head_dim=8,
-                   layers_block_type=["linear_attention", "full_attention"], mamba_head_dim=16, ssm_state_size=8)),
+    "qwen3_next": (
+        "tiny_qwen3_next.json",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            head_dim=8,
+            layer_types=["linear_attention", "full_attention"],
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        ),
+    ),
+    "nemotron_h": (
+        "tiny_nemotron_h.json",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=2,
+            head_dim=8,
+            layers_block_type=["linear_attention", "full_attention"],
+            mamba_head_dim=16,
+            ssm_state_size=8,
+        ),
+    ),
     "falcon_h1": ("tiny_falcon_h1.json", dict(ssm_in_multiplier=0.5, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9])),
 }
 
@@ -258,8 +295,15 @@ def test_more_families_verify_float64_tree_and_dfs(name, objective, tmp_path, ca
     source, smaller = MORE_FAMILIES[name]
     model = tmp_path / f"{name}.json"
     model.write_text(json.dumps({**json.loads((ROOT / "configs/models" / source).read_text()), **smaller}))
-    records = [{"group_id": "g", "input_ids": ids, "loss_mask": [0] * 2 + [1] * (len(ids) - 2),
-                "reward": float(index % 3) - 0.7} for index, ids in enumerate(SHORT_NODES)]
+    records = [
+        {
+            "group_id": "g",
+            "input_ids": ids,
+            "loss_mask": [0] * 2 + [1] * (len(ids) - 2),
+            "reward": float(index % 3) - 0.7,
+        }
+        for index, ids in enumerate(SHORT_NODES)
+    ]
     data = write_jsonl(tmp_path / "short.jsonl", records)
     argv = ["--data", str(data), "--model", str(model), "--dtype", "float64", "--dfs-chunk", "2"]
     if objective == "grpo":
@@ -284,8 +328,13 @@ def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybri
     rebranch = sampler._TreeSampler.rebranch
     monkeypatch.setattr(sampler._TreeSampler, "rebranch", lambda *a: rebranched.append(1) or rebranch(*a))
     # one in 4 tokens ends a branch: stops, refills and re-branches happen
-    tree = sample_tree(model, [5, 6, 7, 8, 9, 10], settings, generator=torch.Generator().manual_seed(0),
-                       eos_token_ids=range(3, 1024, 4))
+    tree = sample_tree(
+        model,
+        [5, 6, 7, 8, 9, 10],
+        settings,
+        generator=torch.Generator().manual_seed(0),
+        eos_token_ids=range(3, 1024, 4),
+    )
     trajectories = tree.trajectories("g")
     assert len(trajectories) == 6 and any(node.finish_reason == "eos" for node in tree.nodes) and rebranched
     recomputed = run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact", forward_only=True).logprobs
@@ -314,8 +363,17 @@ def test_online_rl_on_a_hybrid_samples_and_trains(tmp_path, tokenizer_dir):
         objective={"kind": "grpo", "normalise_advantages": True, "old_logprobs": "recompute"},
         checkpoint={"every": 0, "export_hf": False},
     )
-    command = [str(BIN / "deepspeed"), "--num_gpus", "1", "--master_port", str(free_port()), "--module",
-               "ds_tree.train", "--config", str(config)]
+    command = [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(free_port()),
+        "--module",
+        "ds_tree.train",
+        "--config",
+        str(config),
+    ]
     result = subprocess.run(command, env=environment(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
@@ -358,8 +416,18 @@ def test_dry_run_refuses_sequence_parallel_and_accepts_dfs_for_hybrids(
 
 def test_refusals_keep_other_recurrent_models_out(tmp_path):
     source = tmp_path / "jamba.json"
-    source.write_text(json.dumps({"model_type": "jamba", "vocab_size": 128, "hidden_size": 32,
-                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    source.write_text(
+        json.dumps(
+            {
+                "model_type": "jamba",
+                "vocab_size": 128,
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+            }
+        )
+    )
     with pytest.raises(UnsupportedModelError):
         load_model(source, attention="torch", dtype="float32")
 

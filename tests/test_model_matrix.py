@@ -74,25 +74,53 @@ MODELS = {
         linear_num_value_heads=4,
     ),
     "bamba": dict(
-        model_type="bamba", attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
-        mamba_d_state=8, mamba_chunk_size=4,
+        model_type="bamba",
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
     ),
     # Qwen3-Next: Gated DeltaNet with fused projections, gated attention with partial RoPE, MoE with a
     # shared expert (the router loss included through MOE's coefficient)
     "qwen3_next": dict(
-        model_type="qwen3_next", layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, **MOE,
+        model_type="qwen3_next",
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        **MOE,
     ),
     # Falcon-H1: Mamba2 and attention side by side in every layer, muP multipliers, the gate without the norm
     "falcon_h1": dict(
-        model_type="falcon_h1", mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
-        mamba_d_conv=4, mamba_chunk_size=4, mamba_rms_norm=False, ssm_in_multiplier=0.5,
-        ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9], ssm_out_multiplier=0.8, attention_in_multiplier=1.2,
+        model_type="falcon_h1",
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_chunk_size=4,
+        mamba_rms_norm=False,
+        ssm_in_multiplier=0.5,
+        ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9],
+        ssm_out_multiplier=0.8,
+        attention_in_multiplier=1.2,
     ),
     "nemotron_h": dict(
-        model_type="nemotron_h", layers_block_type=["linear_attention", "full_attention"], mamba_num_heads=4,
-        mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=4,
+        model_type="nemotron_h",
+        layers_block_type=["linear_attention", "full_attention"],
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        conv_kernel=4,
+        chunk_size=4,
     ),
 }
 
@@ -168,9 +196,19 @@ def test_gemma2_final_softcapping_in_the_chunked_head(sources, forest):
         (dict(model_type="mamba", state_size=4, expand=2, conv_kernel=2), "float32", "mamba"),
         (dict(model_type="mixtral", num_local_experts=4, router_jitter_noise=0.1), "float32", "MixtralSparseMoeBlock"),
         (
-            dict(model_type="deepseek_v3", n_routed_experts=4, moe_intermediate_size=16, first_k_dense_replace=0,
-                 n_group=1, topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
-                 v_head_dim=8),
+            dict(
+                model_type="deepseek_v3",
+                n_routed_experts=4,
+                moe_intermediate_size=16,
+                first_k_dense_replace=0,
+                n_group=1,
+                topk_group=1,
+                kv_lora_rank=8,
+                q_lora_rank=8,
+                qk_rope_head_dim=4,
+                qk_nope_head_dim=4,
+                v_head_dim=8,
+            ),
             "float64",
             "DeepseekV3TopkRouter",
         ),
@@ -182,4 +220,3 @@ def test_refused_at_load_naming_the_layer(tmp_path, fields, dtype, named):
     source.write_text(json.dumps({**BASE, **fields}))
     with pytest.raises(UnsupportedModelError, match=named):
         load_model(source, attention="torch", dtype=dtype)
-

@@ -226,7 +226,11 @@ def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path,
         max_steps=3,
         # the KL reference is the policy after step 1 (objective.reference_step): copied, checkpointed, resumed
         objective={
-            "kind": "grpo", "normalise_advantages": True, "mini_batches": 2, "kl_coef": 0.01, "reference_step": 1
+            "kind": "grpo",
+            "normalise_advantages": True,
+            "mini_batches": 2,
+            "kl_coef": 0.01,
+            "reference_step": 1,
         },  # fmt: skip
         optimizer={"lr": 2e-2, "schedule": "constant"},
         checkpoint={"every": 2, "keep_last": 3, "export_hf": False},

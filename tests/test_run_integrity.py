@@ -57,10 +57,7 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_naming_the_holder(tmp_pa
 def test_a_dead_holder_leaves_no_lock(tmp_path: Path) -> None:
     out = tmp_path / "run"
     out.mkdir()
-    code = (
-        f"import os; from ds_tree.run import run_lock; run_lock.acquire({str(out)!r}); "
-        "os.kill(os.getpid(), 9)"
-    )
+    code = f"import os; from ds_tree.run import run_lock; run_lock.acquire({str(out)!r}); os.kill(os.getpid(), 9)"
     killed = subprocess.run([PYTHON, "-c", code], env=environment(), capture_output=True, timeout=120)
     assert killed.returncode == -9
     stale = json.loads((out / run_lock.LOCK_FILE).read_text())

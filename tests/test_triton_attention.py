@@ -120,8 +120,7 @@ def test_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, d
     kv_end = _kv_end(layout, batch, rng)
     n = kv_end.shape[1]
     inputs = [
-        torch.randn(batch, heads, n, head_dim, dtype=torch.float64).to(dtype)
-        for heads in (heads_q, heads_kv, heads_kv)
+        torch.randn(batch, heads, n, head_dim, dtype=torch.float64).to(dtype) for heads in (heads_q, heads_kv, heads_kv)
     ]
     grad_out = torch.randn(batch, n, heads_q, head_dim, dtype=torch.float64).to(dtype)
     # The reference sees exactly the rounded inputs, so only the computation's error is measured.
@@ -238,12 +237,16 @@ def test_window_matches_float64_reference(layout, batch, heads_q, heads_kv, head
     grad_out = torch.randn(batch, n, heads_q, head_dim, dtype=torch.float64)
     expected = _run(
         lambda q, k, v, e: tree_attention_reference(q, k, v, e, positions=positions, window=window),
-        inputs, kv_end, grad_out,
+        inputs,
+        kv_end,
+        grad_out,
     )
     windowed = positions.to(DEVICE)
     actual = _run(
         lambda q, k, v, e: triton_tree_attention(q, k, v, e, positions=windowed, window=window),
-        [x.float().to(DEVICE) for x in inputs], kv_end, grad_out.float().to(DEVICE),
+        [x.float().to(DEVICE) for x in inputs],
+        kv_end,
+        grad_out.float().to(DEVICE),
     )
     for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected, strict=True):
         error = _max_error(a.cpu(), e)
@@ -295,7 +298,9 @@ def softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap
     device_options = {**options, "positions": None if positions is None else positions.to(DEVICE)}
     actual = _run(
         lambda q, k, v, e: triton_tree_attention(q, k, v, e, **device_options),
-        [x.to(DEVICE) for x in inputs], kv_end, grad_out.to(DEVICE),
+        [x.to(DEVICE) for x in inputs],
+        kv_end,
+        grad_out.to(DEVICE),
     )
     if dtype == torch.float32:
         bounds = [1e-5 * (1 + e.abs().max().item()) for e in expected]

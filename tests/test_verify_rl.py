@@ -50,8 +50,17 @@ CASES = {
     "grpo": ["--estimator", "grpo"],
     "rloo": ["--estimator", "rloo", "--eps-high", "0.28", "--dual-clip", "1.3"],
     "treepo": [
-        "--estimator", "treepo", "--normalise-advantages", "--aggregation", "seq_mean_token_sum",
-        "--kl-coef", "0.05", "--kl-estimator", "k2", "--entropy-coef", "0.01",
+        "--estimator",
+        "treepo",
+        "--normalise-advantages",
+        "--aggregation",
+        "seq_mean_token_sum",
+        "--kl-coef",
+        "0.05",
+        "--kl-estimator",
+        "k2",
+        "--entropy-coef",
+        "0.01",
     ],
     "tempo": ["--estimator", "tempo", "--normalise-advantages", "--tempo-coef", "0.7", "--kl-coef", "0.05"],
 }
@@ -59,8 +68,9 @@ CASES = {
 
 @pytest.mark.parametrize("estimator", sorted(CASES))
 def test_rl_objective_tree_equals_flat_on_split_trees(data, capsys, estimator):
-    code, report, _ = run(["--data", data, "--model", MODEL, "--objective", "grpo", "--budget", "64",
-                           *CASES[estimator]], capsys)
+    code, report, _ = run(
+        ["--data", data, "--model", MODEL, "--objective", "grpo", "--budget", "64", *CASES[estimator]], capsys
+    )
     assert code == 0, report
     assert report["passed"] and report["objective"] == "grpo" and report["estimator"] == estimator
     assert report["rows_tree"] > 3  # three groups: more rows means the trees were split into parts

@@ -33,13 +33,29 @@ def test_verify_passes_on_converted_shared_data(name: str, tmp_path: Path, token
     dataset = tmp_path / "dataset"
     sliced = slice_groups(SHARED / source, tmp_path / "slice.jsonl", groups=1, per_group=limit)
     convert = [
-        sys.executable, str(ROOT / "tools/convert.py"), "--input", str(sliced), "--output", str(dataset),
-        "--tokenizer", str(tokenizer_dir), "--format", "chat",
+        sys.executable,
+        str(ROOT / "tools/convert.py"),
+        "--input",
+        str(sliced),
+        "--output",
+        str(dataset),
+        "--tokenizer",
+        str(tokenizer_dir),
+        "--format",
+        "chat",
     ]
     subprocess.run(convert, check=True, capture_output=True, text=True, timeout=300)
     verify = [
-        sys.executable, str(ROOT / "tools/verify.py"), "--data", str(dataset),
-        "--model", str(ROOT / "configs/models/tiny_qwen3.json"), "--dtype", dtype, "--budget", str(budget),
+        sys.executable,
+        str(ROOT / "tools/verify.py"),
+        "--data",
+        str(dataset),
+        "--model",
+        str(ROOT / "configs/models/tiny_qwen3.json"),
+        "--dtype",
+        dtype,
+        "--budget",
+        str(budget),
     ]
     result = subprocess.run(verify, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -1,4 +1,5 @@
 """`python tools/sample.py ...` = `ds-tree sample ...`: see ds_tree/cli/sample.py."""
+
 from ds_tree.cli.sample import main
 
 raise SystemExit(main())

@@ -77,14 +77,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     parser.add_argument("--profile", type=Path, default=None, help="profile one more step per mode, tables here")
     parser.add_argument(
-        "--activation-checkpointing", type=int, nargs="?", const=1, default=0, metavar="K",
+        "--activation-checkpointing",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        metavar="K",
         help="recompute every K-th decoder layer in the backward (K default 1); implies --peak-memory",
     )
     parser.add_argument("--peak-memory", action="store_true", help="activation peak of each mode's largest row")
     parser.add_argument("--dfs-chunk", type=int, default=0, help="mode dfs: most tokens per forward (0: --budget)")
     parser.add_argument("--dfs-recompute", action="store_true", help="mode dfs: forward every chunk twice")
     parser.add_argument(
-        "--sequence-parallel", type=int, default=1, metavar="S",
+        "--sequence-parallel",
+        type=int,
+        default=1,
+        metavar="S",
         help="spawn S ranks with Ulysses; SFT: activation memory and time per rank at S = 1 and S; "
         "RL: tree against flat, both sharded over the S ranks",
     )
@@ -97,9 +105,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
-    from ds_tree.attention.registry import resolve_engine
-
     import torch
+
+    from ds_tree.attention.registry import resolve_engine
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")

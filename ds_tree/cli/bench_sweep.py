@@ -171,4 +171,3 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     (args.out / "table.md").write_text(table(results))
     print(table(results))
     return 0
-

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
             raise ValueError(
                 f"{args.model}: a hybrid model's recurrent layers run on whole packed rows or dfs chunks only: "
                 "--sequence-parallel would need each shard's recurrent state handed from the previous rank "
-                "(refused; docs/MODELS.md, \"Hybrid models\")"
+                '(refused; docs/MODELS.md, "Hybrid models")'
             )
         if objective is None and args.sequence_parallel > 1 and dfs is not None:
             from ds_tree.verify.dfs_sequence_parallel import dfs_sequence_parallel_report

@@ -84,7 +84,7 @@ def resolve_deepspeed_config(config: Config, world_size: int, hidden_size: int |
     offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     if offloaded and ds.get("zero_force_ds_cpu_optimizer", True) is not False:
         raise ConfigError(
-            f"{path}: zero_optimization.offload_optimizer needs \"zero_force_ds_cpu_optimizer\": false; ds_tree gives "
+            f'{path}: zero_optimization.offload_optimizer needs "zero_force_ds_cpu_optimizer": false; ds_tree gives '
             "DeepSpeed a torch AdamW (fused), which DeepSpeed otherwise refuses to offload (docs/MEMORY.md)"
         )
     sizes = {

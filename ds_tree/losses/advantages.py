@@ -174,7 +174,8 @@ class GroupTrie:
     def in_group_order(self, per_tree: list[list[np.ndarray]]) -> list[np.ndarray]:
         """Per-trajectory arrays given per trie (each in its trie's order) back in group order."""
         found = {
-            id(t): v for tree, arrays in zip(self.trees, per_tree, strict=True)
+            id(t): v
+            for tree, arrays in zip(self.trees, per_tree, strict=True)
             for t, v in zip(tree.trajectories, arrays, strict=True)
         }
         return [found[id(t)] for t in self.trajectories]

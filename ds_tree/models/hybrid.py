@@ -359,8 +359,16 @@ FLOAT64_GATED_NORMS = {
 
 
 def _nemotron_h_forward_float64(
-    self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None, labels=None,
-    use_cache=None, logits_to_keep=0, **kwargs,
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    cache=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
 ):
     """``NemotronHForCausalLM.forward`` without its ``.float()`` on the logits (which rounds a float64
     model's logits to float32); no ``labels`` (the trainer computes its own losses)."""
@@ -370,8 +378,13 @@ def _nemotron_h_forward_float64(
     if labels is not None:
         raise ValueError("the float64 NemotronH forward computes no loss: pass no labels")
     outputs = self.model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
     )
     logits = self.lm_head(slice_logits_to_keep(outputs[0], logits_to_keep))
     return MoeCausalLMOutputWithPast(logits=logits, cache=outputs.cache, router_logits=outputs.router_logits)

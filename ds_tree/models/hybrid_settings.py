@@ -26,7 +26,7 @@ def check_hybrid_settings(config, model_config) -> None:
             f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard's "
             "recurrent and conv state is the previous shard's final state, so the ranks of the group would run "
             "every recurrent layer one after another (forward and backward): refused for hybrids (docs/MODELS.md, "
-            "\"Hybrid models\"). For trees over the budget use packing.over_budget: dfs (the walk carries the "
+            '"Hybrid models"). For trees over the budget use packing.over_budget: dfs (the walk carries the '
             "states exactly, in one path plus one chunk of memory) and parallel.sequence_parallel_size: 1"
         )
     if config.rollout.enabled and model_config.model_type == "falcon_h1":

@@ -87,12 +87,8 @@ def chunk_gated_delta_rule(
     # Within a chunk the delta rule's updates form a unit lower-triangular system (the WY / UT form):
     # solving it once per chunk turns the token loop into matrix products.
     system = (k_beta @ key.transpose(-1, -2)) * pairwise  # its diagonal is ignored (unitriangular)
-    corrected_values = torch.linalg.solve_triangular(
-        system, value * beta[..., None], upper=False, unitriangular=True
-    )
-    state_keys = torch.linalg.solve_triangular(
-        system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True
-    )
+    corrected_values = torch.linalg.solve_triangular(system, value * beta[..., None], upper=False, unitriangular=True)
+    state_keys = torch.linalg.solve_triangular(system, k_beta * decay.exp()[..., None], upper=False, unitriangular=True)
     within = (query @ key.transpose(-1, -2)) * pairwise
     query_decayed = query * decay.exp()[..., None]
     key_to_end = key * (decay[..., -1:] - decay).exp()[..., None]

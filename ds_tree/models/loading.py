@@ -227,7 +227,12 @@ def _gemma_rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 # Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps`` (Qwen3.5's and Qwen3-Next's too).
 GEMMA_NORMS = (
-    "GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm"
+    "GemmaRMSNorm",
+    "Gemma2RMSNorm",
+    "Gemma3RMSNorm",
+    "Qwen3_5RMSNorm",
+    "Qwen3_5MoeRMSNorm",
+    "Qwen3NextRMSNorm",
 )
 
 

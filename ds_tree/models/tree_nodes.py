@@ -170,9 +170,7 @@ def _level_groups(nodes: TreeNodes, chunk: int) -> list[list[LevelGroup]]:
             chosen = members[begin:stop]
             width = int(lengths[chosen].max())
             offsets = np.arange(width)
-            tokens = np.where(
-                offsets < lengths[chosen][:, None], nodes.start[chosen][:, None] + offsets, -1
-            )
+            tokens = np.where(offsets < lengths[chosen][:, None], nodes.start[chosen][:, None] + offsets, -1)
             parents = nodes.parent[chosen]
             groups.append(LevelGroup(chosen, tokens, np.where(parents >= 0, slot_of[np.maximum(parents, 0)], -1)))
             begin = stop

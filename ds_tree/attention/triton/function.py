@@ -48,7 +48,8 @@ class TreeAttentionFunction(torch.autograd.Function):
         query, key, value, out, lse, kv_end, positions = ctx.saved_tensors
         grad_out = _pad(grad_out, query.shape[-1])
         grads = kernels.backward(
-            grad_out, query, key, value, out, lse, kv_end, ctx.scale, positions, ctx.window, ctx.softcap)
+            grad_out, query, key, value, out, lse, kv_end, ctx.scale, positions, ctx.window, ctx.softcap
+        )
         grad_q, grad_k, grad_v = (g[..., : ctx.head_dim] for g in grads)
         return grad_q, grad_k, grad_v, None, None, None, None, None
 
@@ -80,8 +81,10 @@ def triton_tree_attention(
         )
     batch, _, n, head_dim = query.shape
     if key.shape != value.shape or key.shape[0] != batch or key.shape[2:] != (n, head_dim):
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [B, Hkv, N, D] "
-                         f"matching query {tuple(query.shape)}")
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [B, Hkv, N, D] "
+            f"matching query {tuple(query.shape)}"
+        )
     gqa_group(query, key)  # Hq a multiple of Hkv
     if kv_end.shape != (batch, n):
         raise ValueError(f"kv_end must be [B, N] = {(batch, n)}, got {tuple(kv_end.shape)}")
@@ -94,7 +97,8 @@ def triton_tree_attention(
         softcap = float(softcap)
         if not 0.0 < softcap < float("inf"):  # NaN fails too
             raise ValueError(
-                f"attention soft-cap (attn_logit_softcapping) must be a positive finite number, got {softcap}")
+                f"attention soft-cap (attn_logit_softcapping) must be a positive finite number, got {softcap}"
+            )
     if scale is None:
         scale = head_dim**-0.5
     return TreeAttentionFunction.apply(query, key, value, kv_end, float(scale), positions, window, softcap)

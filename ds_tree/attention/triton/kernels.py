@@ -176,7 +176,8 @@ def _tanh(x):
     x2 = x * x
     # x - x^3/3 + 2x^5/15 - 17x^7/315 + 62x^9/2835
     small = x + x * x2 * (
-        -0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203)))
+        -0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))
+    )
     return tl.where(magnitude < 0.25, small, large)
 
 
@@ -195,9 +196,28 @@ def _soft_cap(scores, softcap):
 
 @triton.jit
 def _forward_tile(
-    acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
-    qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
-    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    acc,
+    row_max,
+    row_sum,
+    q,
+    query_index,
+    k_base,
+    v_base,
+    end_base,
+    key_start,
+    n,
+    stride_kn,
+    qk_scale,
+    offs_n,
+    offs_d,
+    query_pos,
+    pos_base,
+    window,
+    softcap,
+    MASKED: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     key_index = key_start + offs_n
@@ -211,8 +231,14 @@ def _forward_tile(
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
         key_pos = _load_positions(pos_base, key_index, n, HAS_WINDOW)
         visible = _visible(
-            query_index[:, None], key_index[None, :], key_end[None, :], query_pos[:, None], key_pos[None, :], window,
-            HAS_WINDOW)
+            query_index[:, None],
+            key_index[None, :],
+            key_end[None, :],
+            query_pos[:, None],
+            key_pos[None, :],
+            window,
+            HAS_WINDOW,
+        )
         scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
     correction = tl.exp2(row_max - new_max)
@@ -224,12 +250,41 @@ def _forward_tile(
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, OUT, LSE,
-    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window, softcap,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
-    n, heads_q, group, num_key_blocks, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    Q,
+    K,
+    V,
+    KV_END,
+    BLOCK_MAX_END,
+    BLOCK_MIN_END,
+    OUT,
+    LSE,
+    POSITIONS,
+    QUERY_MAX_POS,
+    QUERY_MIN_POS,
+    KEY_MAX_POS,
+    KEY_MIN_POS,
+    window,
+    softcap,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    n,
+    heads_q,
+    group,
+    num_key_blocks,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
@@ -247,7 +302,8 @@ def _forward_kernel(
     pos_base = POSITIONS + batch * n
     query_pos = _load_positions(pos_base, query_index, n, HAS_WINDOW)
     query_max_pos, query_min_pos = _query_block_positions(
-        QUERY_MAX_POS, QUERY_MIN_POS, batch * tl.num_programs(0) + tl.program_id(0), HAS_WINDOW)
+        QUERY_MAX_POS, QUERY_MIN_POS, batch * tl.num_programs(0) + tl.program_id(0), HAS_WINDOW
+    )
 
     row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -265,14 +321,56 @@ def _forward_kernel(
                 full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
             if full:
                 acc, row_max, row_sum = _forward_tile(
-                    acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
-                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                    acc,
+                    row_max,
+                    row_sum,
+                    q,
+                    query_index,
+                    k_base,
+                    v_base,
+                    end_base,
+                    key_start,
+                    n,
+                    stride_kn,
+                    qk_scale,
+                    offs_n,
+                    offs_d,
+                    query_pos,
+                    pos_base,
+                    window,
+                    softcap,
+                    False,
+                    INTERPRET_BF16,
+                    DOT_PRECISION,
+                    HAS_WINDOW,
+                    HAS_SOFTCAP,
+                )
             else:
                 acc, row_max, row_sum = _forward_tile(
-                    acc, row_max, row_sum, q, query_index, k_base, v_base, end_base, key_start, n,
-                    stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
-                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                    acc,
+                    row_max,
+                    row_sum,
+                    q,
+                    query_index,
+                    k_base,
+                    v_base,
+                    end_base,
+                    key_start,
+                    n,
+                    stride_kn,
+                    qk_scale,
+                    offs_n,
+                    offs_d,
+                    query_pos,
+                    pos_base,
+                    window,
+                    softcap,
+                    True,
+                    INTERPRET_BF16,
+                    DOT_PRECISION,
+                    HAS_WINDOW,
+                    HAS_SOFTCAP,
+                )
 
     # Rows past n never saw a key; keep them finite (they are not stored).
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
@@ -285,8 +383,16 @@ def _forward_kernel(
 
 @triton.jit
 def _delta_kernel(
-    OUT, GRAD_OUT, DELTA, stride_ob, stride_oh, stride_on, n, heads_q,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    OUT,
+    GRAD_OUT,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    n,
+    heads_q,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     """``delta = rowsum(dO * O)`` in fp32: the softmax-backward term shared by dQ and dK."""
     query_index = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -301,9 +407,31 @@ def _delta_kernel(
 
 @triton.jit
 def _key_value_tile(
-    grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
-    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    grad_k,
+    grad_v,
+    k,
+    v,
+    key_index,
+    key_end,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    query_start,
+    n,
+    stride_qn,
+    stride_on,
+    qk_scale,
+    offs_m,
+    offs_d,
+    key_pos,
+    pos_base,
+    window,
+    softcap,
+    MASKED: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     """Add one query block's contribution to dK and dV, in transposed ``[keys, queries]`` form."""
@@ -323,8 +451,14 @@ def _key_value_tile(
     if MASKED:
         query_pos = _load_positions(pos_base, query_index, n, HAS_WINDOW)
         visible = _visible(
-            query_index[None, :], key_index[:, None], key_end[:, None], query_pos[None, :], key_pos[:, None], window,
-            HAS_WINDOW)
+            query_index[None, :],
+            key_index[:, None],
+            key_end[:, None],
+            query_pos[None, :],
+            key_pos[:, None],
+            window,
+            HAS_WINDOW,
+        )
         p_t = tl.where(visible, p_t, 0.0)
     grad_v += tl.dot(p_t.to(grad_out.dtype), grad_out, input_precision=DOT_PRECISION)
     grad_p_t = tl.dot(v, tl.trans(grad_out), input_precision=DOT_PRECISION)
@@ -337,33 +471,137 @@ def _key_value_tile(
 
 @triton.jit
 def _key_value_block(
-    full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-    n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    full,
+    grad_k,
+    grad_v,
+    k,
+    v,
+    key_index,
+    key_end,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    query_start,
+    n,
+    stride_qn,
+    stride_on,
+    qk_scale,
+    offs_m,
+    offs_d,
+    key_pos,
+    pos_base,
+    window,
+    softcap,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     """:func:`_key_value_tile` without the element mask when the tile is ``full``, with it otherwise."""
     if full:
         grad_k, grad_v = _key_value_tile(
-            grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
-            False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+            grad_k,
+            grad_v,
+            k,
+            v,
+            key_index,
+            key_end,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            query_start,
+            n,
+            stride_qn,
+            stride_on,
+            qk_scale,
+            offs_m,
+            offs_d,
+            key_pos,
+            pos_base,
+            window,
+            softcap,
+            False,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
     else:
         grad_k, grad_v = _key_value_tile(
-            grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base, query_start,
-            n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window, softcap,
-            True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+            grad_k,
+            grad_v,
+            k,
+            v,
+            key_index,
+            key_end,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            query_start,
+            n,
+            stride_qn,
+            stride_on,
+            qk_scale,
+            offs_m,
+            offs_d,
+            key_pos,
+            pos_base,
+            window,
+            softcap,
+            True,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
     return grad_k, grad_v
 
 
 @triton.jit
 def _key_value_kernel(
-    Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_K, GRAD_V,
-    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window, softcap,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
-    n, heads_q, heads_kv, group, num_key_blocks, scale, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    Q,
+    K,
+    V,
+    GRAD_OUT,
+    LSE,
+    DELTA,
+    KV_END,
+    BLOCK_MAX_END,
+    BLOCK_MIN_END,
+    GRAD_K,
+    GRAD_V,
+    POSITIONS,
+    QUERY_MAX_POS,
+    QUERY_MIN_POS,
+    KEY_MAX_POS,
+    KEY_MIN_POS,
+    window,
+    softcap,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    n,
+    heads_q,
+    heads_kv,
+    group,
+    num_key_blocks,
+    scale,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     key_block = tl.program_id(0)
@@ -402,20 +640,69 @@ def _key_value_kernel(
         for query_block in range(first_query_block, last_query_block + 1):
             query_start = query_block * BLOCK_M
             query_max_pos, query_min_pos = _query_block_positions(
-                QUERY_MAX_POS, QUERY_MIN_POS, batch * num_query_blocks + query_block, HAS_WINDOW)
+                QUERY_MAX_POS, QUERY_MIN_POS, batch * num_query_blocks + query_block, HAS_WINDOW
+            )
             full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
             if HAS_WINDOW:
                 full = full & (query_max_pos - key_min_pos < window)
                 if query_min_pos - key_max_pos < window:  # else no pair of the tile is in the window
                     grad_k, grad_v = _key_value_block(
-                        full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
-                        query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
-                        softcap, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                        full,
+                        grad_k,
+                        grad_v,
+                        k,
+                        v,
+                        key_index,
+                        key_end,
+                        q_base,
+                        do_base,
+                        lse_base,
+                        delta_base,
+                        query_start,
+                        n,
+                        stride_qn,
+                        stride_on,
+                        qk_scale,
+                        offs_m,
+                        offs_d,
+                        key_pos,
+                        pos_base,
+                        window,
+                        softcap,
+                        INTERPRET_BF16,
+                        DOT_PRECISION,
+                        HAS_WINDOW,
+                        HAS_SOFTCAP,
+                    )
             else:
                 grad_k, grad_v = _key_value_block(
-                    full, grad_k, grad_v, k, v, key_index, key_end, q_base, do_base, lse_base, delta_base,
-                    query_start, n, stride_qn, stride_on, qk_scale, offs_m, offs_d, key_pos, pos_base, window,
-                    softcap, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                    full,
+                    grad_k,
+                    grad_v,
+                    k,
+                    v,
+                    key_index,
+                    key_end,
+                    q_base,
+                    do_base,
+                    lse_base,
+                    delta_base,
+                    query_start,
+                    n,
+                    stride_qn,
+                    stride_on,
+                    qk_scale,
+                    offs_m,
+                    offs_d,
+                    key_pos,
+                    pos_base,
+                    window,
+                    softcap,
+                    INTERPRET_BF16,
+                    DOT_PRECISION,
+                    HAS_WINDOW,
+                    HAS_SOFTCAP,
+                )
 
     in_range = (key_index < n)[:, None]
     pointers = kv_offset + key_index[:, None] * stride_kn + offs_d[None, :]
@@ -426,9 +713,29 @@ def _key_value_kernel(
 
 @triton.jit
 def _query_tile(
-    grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start, n, stride_kn,
-    qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
-    MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    grad_q,
+    q,
+    grad_out,
+    lse,
+    delta,
+    query_index,
+    k_base,
+    v_base,
+    end_base,
+    key_start,
+    n,
+    stride_kn,
+    qk_scale,
+    offs_n,
+    offs_d,
+    query_pos,
+    pos_base,
+    window,
+    softcap,
+    MASKED: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     """Add one key block's contribution to dQ."""
@@ -443,8 +750,14 @@ def _query_tile(
         key_end = tl.load(end_base + key_index, mask=key_index < n, other=0)
         key_pos = _load_positions(pos_base, key_index, n, HAS_WINDOW)
         visible = _visible(
-            query_index[:, None], key_index[None, :], key_end[None, :], query_pos[:, None], key_pos[None, :], window,
-            HAS_WINDOW)
+            query_index[:, None],
+            key_index[None, :],
+            key_end[None, :],
+            query_pos[:, None],
+            key_pos[None, :],
+            window,
+            HAS_WINDOW,
+        )
         p = tl.where(visible, p, 0.0)
     grad_p = tl.dot(grad_out, tl.trans(v), input_precision=DOT_PRECISION)
     grad_s = p * (grad_p - delta[:, None])
@@ -455,12 +768,44 @@ def _query_tile(
 
 @triton.jit
 def _query_kernel(
-    Q, K, V, GRAD_OUT, LSE, DELTA, KV_END, BLOCK_MAX_END, BLOCK_MIN_END, GRAD_Q,
-    POSITIONS, QUERY_MAX_POS, QUERY_MIN_POS, KEY_MAX_POS, KEY_MIN_POS, window, softcap,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_ob, stride_oh, stride_on,
-    n, heads_q, group, num_key_blocks, scale, qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    Q,
+    K,
+    V,
+    GRAD_OUT,
+    LSE,
+    DELTA,
+    KV_END,
+    BLOCK_MAX_END,
+    BLOCK_MIN_END,
+    GRAD_Q,
+    POSITIONS,
+    QUERY_MAX_POS,
+    QUERY_MIN_POS,
+    KEY_MAX_POS,
+    KEY_MIN_POS,
+    window,
+    softcap,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    n,
+    heads_q,
+    group,
+    num_key_blocks,
+    scale,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
@@ -484,7 +829,8 @@ def _query_kernel(
     pos_base = POSITIONS + batch * n
     query_pos = _load_positions(pos_base, query_index, n, HAS_WINDOW)
     query_max_pos, query_min_pos = _query_block_positions(
-        QUERY_MAX_POS, QUERY_MIN_POS, batch * tl.num_programs(0) + tl.program_id(0), HAS_WINDOW)
+        QUERY_MAX_POS, QUERY_MIN_POS, batch * tl.num_programs(0) + tl.program_id(0), HAS_WINDOW
+    )
 
     grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
@@ -500,14 +846,58 @@ def _query_kernel(
                 full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
             if full:
                 grad_q = _query_tile(
-                    grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
-                    False, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                    grad_q,
+                    q,
+                    grad_out,
+                    lse,
+                    delta,
+                    query_index,
+                    k_base,
+                    v_base,
+                    end_base,
+                    key_start,
+                    n,
+                    stride_kn,
+                    qk_scale,
+                    offs_n,
+                    offs_d,
+                    query_pos,
+                    pos_base,
+                    window,
+                    softcap,
+                    False,
+                    INTERPRET_BF16,
+                    DOT_PRECISION,
+                    HAS_WINDOW,
+                    HAS_SOFTCAP,
+                )
             else:
                 grad_q = _query_tile(
-                    grad_q, q, grad_out, lse, delta, query_index, k_base, v_base, end_base, key_start,
-                    n, stride_kn, qk_scale, offs_n, offs_d, query_pos, pos_base, window, softcap,
-                    True, INTERPRET_BF16, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                    grad_q,
+                    q,
+                    grad_out,
+                    lse,
+                    delta,
+                    query_index,
+                    k_base,
+                    v_base,
+                    end_base,
+                    key_start,
+                    n,
+                    stride_kn,
+                    qk_scale,
+                    offs_n,
+                    offs_d,
+                    query_pos,
+                    pos_base,
+                    window,
+                    softcap,
+                    True,
+                    INTERPRET_BF16,
+                    DOT_PRECISION,
+                    HAS_WINDOW,
+                    HAS_SOFTCAP,
+                )
 
     pointers = GRAD_Q + q_offset + query_index[:, None] * stride_qn + offs_d[None, :]
     tl.store(pointers, _to_storage(grad_q * scale, GRAD_Q.dtype.element_ty, INTERPRET_BF16), mask=in_range[:, None])
@@ -558,20 +948,52 @@ def forward(
     lse = torch.empty(batch, heads_q, n, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(n, block_m), batch * heads_q)
     _forward_kernel[grid](
-        q, k, v, kv_end, max_end, min_end, out, lse, *extra_arguments,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        out.stride(0), out.stride(2), out.stride(1),
-        n, heads_q, heads_q // k.shape[1], max_end.shape[1], scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, **_dot_options(q.dtype), **switches,
-        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        q,
+        k,
+        v,
+        kv_end,
+        max_end,
+        min_end,
+        out,
+        lse,
+        *extra_arguments,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        out.stride(0),
+        out.stride(2),
+        out.stride(1),
+        n,
+        heads_q,
+        heads_q // k.shape[1],
+        max_end.shape[1],
+        scale * LOG2E,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        **_dot_options(q.dtype),
+        **switches,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     return out, lse
 
 
 def backward(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, kv_end: torch.Tensor, scale: float,
-    positions: torch.Tensor | None = None, window: int | None = None, softcap: float | None = None,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv_end: torch.Tensor,
+    scale: float,
+    positions: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` shaped like q, k, v; grad_out and out are ``[B, N, Hq, D]``.
 
@@ -588,19 +1010,58 @@ def backward(
     out_strides = (out.stride(0), out.stride(2), out.stride(1))
     delta = torch.empty_like(lse)
     _delta_kernel[(triton.cdiv(n, block_m), batch * heads_q)](
-        out, grad_out, delta, *out_strides, n, heads_q, BLOCK_M=block_m, HEAD_DIM=head_dim, **launch)
+        out, grad_out, delta, *out_strides, n, heads_q, BLOCK_M=block_m, HEAD_DIM=head_dim, **launch
+    )
 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *out_strides)
-    constants = {
-        "BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype), **switches
-    }
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype), **switches}
     grad_k = torch.empty_like(k)
     grad_v = torch.empty_like(v)
     _key_value_kernel[(max_end.shape[1], batch * heads_kv)](
-        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_k, grad_v, *extra_arguments, *strides,
-        n, heads_q, heads_kv, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        kv_end,
+        max_end,
+        min_end,
+        grad_k,
+        grad_v,
+        *extra_arguments,
+        *strides,
+        n,
+        heads_q,
+        heads_kv,
+        heads_q // heads_kv,
+        max_end.shape[1],
+        scale,
+        scale * LOG2E,
+        **constants,
+        **launch,
+    )
     grad_q = torch.empty_like(q)
     _query_kernel[(triton.cdiv(n, block_m), batch * heads_q)](
-        q, k, v, grad_out, lse, delta, kv_end, max_end, min_end, grad_q, *extra_arguments, *strides,
-        n, heads_q, heads_q // heads_kv, max_end.shape[1], scale, scale * LOG2E, **constants, **launch)
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        kv_end,
+        max_end,
+        min_end,
+        grad_q,
+        *extra_arguments,
+        *strides,
+        n,
+        heads_q,
+        heads_q // heads_kv,
+        max_end.shape[1],
+        scale,
+        scale * LOG2E,
+        **constants,
+        **launch,
+    )
     return grad_q, grad_k, grad_v

@@ -425,9 +425,7 @@ class _TreeSampler:
                 else:
                     respawned.append(self.rebranch(branch, freed))
             live = [child for branch in survivors + respawned for child in self.fork(branch)]
-        return SampledTree(
-            list(prompt_ids), self.nodes, self.forward_tokens, self.forward_passes, self.leaf_key_values
-        )
+        return SampledTree(list(prompt_ids), self.nodes, self.forward_tokens, self.forward_passes, self.leaf_key_values)
 
     def encode_prompt(
         self, prompt_ids: list[int], prefix_key_values: KeyValues | None = None
