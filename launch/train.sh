@@ -131,12 +131,14 @@ setsid --wait "${launch[@]}" &
 LAUNCHER_PID=$!
 
 rank_pids() {
-    # Everything in the launcher's session but the launcher and its children (deepspeed.launcher.launch,
-    # or pdsh): the ranks, still found once their launch process is gone and they were reparented.
-    local members children pid
-    members=$(pgrep -s "$LAUNCHER_PID" || true)
+    # The ranks (python -m ds_tree.train) in the launcher's session, also once their launch process is gone
+    # and they were reparented; not the launcher, its launch processes, nor what a rank starts itself
+    # (torch.compile's compile workers: on a GPU they outlive a preempted rank by a moment, and taken for
+    # ranks they made a run that saved its checkpoint and exited 75 look unfinished).
+    local ranks children pid
+    ranks=$(pgrep -s "$LAUNCHER_PID" -f -- '-m ds_tree[.]train( |$)' || true)
     children=" $(pgrep -P "$LAUNCHER_PID" | tr '\n' ' ') "
-    for pid in $members; do
+    for pid in $ranks; do
         if [[ $pid != "$LAUNCHER_PID" && $children != *" $pid "* ]]; then echo "$pid"; fi
     done
 }

@@ -12,6 +12,8 @@ rank only, ``kill -9`` of the DeepSpeed launch process.
 
 from __future__ import annotations
 
+import contextlib
+import shlex
 import signal
 import subprocess
 import sys
@@ -171,3 +173,60 @@ def test_train_sh_forwards_signals_and_never_reports_an_unfinished_run(tmp_path:
     assert "train.sh: failed: the launcher did not see its ranks finish" in output
     assert latest_step(output_dir) > second
     assert not any(rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE for rank in ranks)
+
+
+RANK_WITH_A_WORKER = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    # a child of the rank that ignores SIGTERM and outlives it by a moment, as torch.compile's workers do
+    worker = "import os, signal, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" \\
+        "parent = os.getppid()\\nwhile os.getppid() == parent: time.sleep(0.05)\\ntime.sleep(3)"
+    subprocess.Popen([sys.executable, "-c", worker])
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(75))  # the trainer: save the step, exit 75
+    open(sys.argv[-1], "w").close()
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def test_train_sh_signals_the_ranks_only_not_their_children(tmp_path: Path) -> None:
+    """A rank's own child (a compile worker) is no rank: train.sh neither signals it nor, when it outlives
+    a rank that exited 75, reports the run unfinished (exit 1, seen on the first GPU run of the trainer)."""
+    ready = tmp_path / "rank_ready"
+    launch, launcher = tmp_path / "fake_launch", tmp_path / "fake_deepspeed"
+    # DeepSpeed's launcher, reduced: it starts a per-node launch process, which starts one rank named as
+    # DeepSpeed names it; each exits with its child's code
+    launch.write_text(
+        "#!/usr/bin/env bash\n"
+        f"{sys.executable} -c {shlex.quote(RANK_WITH_A_WORKER)} -m ds_tree.train --local_rank=0 {ready} &\n"
+        'wait "$!"\n'
+    )
+    launcher.write_text(f'#!/usr/bin/env bash\n{launch} &\nwait "$!"\n')
+    for script in (launch, launcher):
+        script.chmod(0o755)
+    config = tmp_path / "config.yaml"
+    config.write_text("{}\n")
+    env = environment() | {"DEEPSPEED": str(launcher), "NGPU": "1", "MASTER_PORT": str(free_port())}
+    process = start_group(
+        ["bash", str(TRAIN_SH), str(config)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+            time.sleep(0.05)
+        ranks, _ = run_processes(process)
+        (rank,) = ranks
+        (worker,) = rank.children()
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=60)[0].decode()
+        assert process.returncode == EXIT_PREEMPTED, output
+        assert f"train.sh: SIGTERM: forwarded to the ranks (pids {rank.pid}); waiting for them" in output
+        assert "while ranks still ran" not in output
+        worker.wait(timeout=10)
+    finally:  # the fake launcher runs in a session of its own: nothing of it outlives the test
+        for found in psutil.process_iter(["cmdline"]):
+            if any(str(tmp_path) in part for part in found.info["cmdline"] or ()):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    found.kill()

@@ -102,6 +102,25 @@ def ensure_distributed_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+CUDA_BACKENDS = "cpu:gloo,cuda:nccl"
+"""On CUDA the process group has a backend per device type: NCCL for the GPU tensors (DeepSpeed's
+gradients and parameters), gloo for the trainer's own CPU scalars (normalisers, losses, metric sums,
+the preemption flag, the checkpoint handshake), which NCCL refuses ("No backend type associated with
+device type cpu", seen on the first GPU run of the trainer)."""
+
+
+def init_process_group(timeout: timedelta) -> None:
+    """On CUDA, the rank's process group over :data:`CUDA_BACKENDS`, this rank's GPU its device
+    (``deepspeed.init_distributed`` then takes the group as it is); elsewhere nothing: DeepSpeed's
+    CPU accelerator makes its own (gloo, and its shared-memory all-reduce)."""
+    import deepspeed
+
+    if deepspeed.get_accelerator().device_name() != "cuda" or dist.is_initialized():
+        return
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(CUDA_BACKENDS, timeout=timeout)
+
+
 class Trainer(RLSteps):
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -238,7 +257,9 @@ class Trainer(RLSteps):
 
         ensure_distributed_env()
         announce_op_builds(self.ds_config)  # the first CPU run compiles DeepSpeed ops for ~35 s
-        deepspeed.init_distributed(timeout=timedelta(seconds=self.config.distributed.timeout_s))
+        timeout = timedelta(seconds=self.config.distributed.timeout_s)
+        init_process_group(timeout)
+        deepspeed.init_distributed(timeout=timeout)  # takes the group made above, if any
         release_allreduce_buffers()
         self.rank = dist.get_rank()
         if dist.get_world_size() != self.world_size:

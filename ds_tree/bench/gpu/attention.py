@@ -91,7 +91,9 @@ def correctness_cases(smoke: bool) -> list[Case]:
             Case("long row, GQA 2, window 9", long, 4, 2, 16, window=9),
             Case("small forest, GQA 4, soft cap 0.5", small, 4, 1, 16, softcap=0.5),
         ]
-    many, long = forest(1, 8, 4, 3, 16), forest(2, 2, 4, 3, 300)
+    # the dense float64 reference holds [heads, N, N] scores and their gradient: rows of at most a few
+    # thousand tokens (a 24K-token row asked for 100 GiB on an H200)
+    many, long = forest(1, 8, 4, 3, 16), forest(2, 1, 3, 3, 200)
     return [
         Case("forest of small nodes, MHA", many, 8, 8, 128),
         Case("forest of small nodes, GQA 2, soft cap 30", many, 8, 4, 64, softcap=30.0),
@@ -182,14 +184,20 @@ def correctness(device: str, smoke: bool, progress=print) -> dict:
     engines = tuple(e for e in TREE_ENGINES if e in ENGINES)
     started = time.perf_counter()
     results = []
+    errors = []
     for case in correctness_cases(smoke):
         progress(f"correctness: {case.name}")
-        results.extend(check_case(case, engines, device, (torch.float32, torch.bfloat16)))
+        try:
+            results.extend(check_case(case, engines, device, (torch.float32, torch.bfloat16)))
+        except Exception as error:  # noqa: BLE001 - the case is reported failed, the others still run
+            errors.append(f"{case.name}: {type(error).__name__}: {str(error)[:300]}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
     failed = [r for r in results if r["passed"] is False]
     return {
-        "passed": not failed,
+        "passed": not failed and not errors,
         "seconds": time.perf_counter() - started,
-        "failed": [f"{r['engine']} ({r['layout']}, {r['dtype']}) on {r['case']}" for r in failed],
+        "failed": [f"{r['engine']} ({r['layout']}, {r['dtype']}) on {r['case']}" for r in failed] + errors,
         "results": results,
     }
 
