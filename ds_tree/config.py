@@ -23,7 +23,7 @@ from typing import Any, Literal
 import yaml
 
 from ds_tree.errors import ConfigError
-from ds_tree.rollout.settings import EnvSettings, SamplerSettings
+from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 
 # Choices of string fields. Where the library keeps a registry of the same names (attention
 # engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
@@ -520,7 +520,7 @@ class VLLMRolloutConfig:
 @dataclass
 class RolloutConfig(SamplerSettings):
     """Online RL (docs/RL.md, *Online RL*): each step samples its groups from the current policy, with the
-    sampler's settings (:class:`~ds_tree.rollout.settings.SamplerSettings`: ``segment_length``,
+    sampler's settings (:class:`~ds_tree.sampling.settings.SamplerSettings`: ``segment_length``,
     ``branching``, ``max_depth``, ``width``, ``max_new_tokens``, ``temperature``, ``top_p``,
     ``repetition_ngram``, ``logprob_floor``, ``refill``, ``independent``) as fields of this section."""
 

@@ -117,7 +117,7 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.losses.sft import NORMALISATIONS, POLICIES
     from ds_tree.models.loading import DTYPES
     from ds_tree.packing.modes import MODES
-    from ds_tree.rollout.engines.hf import SamplerSettings
+    from ds_tree.sampling.hf import SamplerSettings
     from ds_tree.verify.tree_vs_flat import VERIFY_DTYPES
 
     assert choices.ENGINES == ENGINE_CHOICES and choices.MODES == tuple(MODES)

@@ -34,9 +34,9 @@ from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isol
 from ds_tree.models.tree_nodes import build_nodes
 from ds_tree.packing.parts import whole_tree
 from ds_tree.packing.rows import assemble_row
-from ds_tree.rollout.engines import hf as sampler
-from ds_tree.rollout.engines.hf import sample_tree
-from ds_tree.rollout.settings import SamplerSettings
+from ds_tree.sampling import hf as sampler
+from ds_tree.sampling.hf import sample_tree
+from ds_tree.sampling.settings import SamplerSettings
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest

@@ -89,8 +89,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
     ("kernels and objectives", ["ds_tree.attention", "ds_tree.losses"]),
     ("models", ["ds_tree.models"]),
-    ("rollout settings", ["ds_tree.rollout.settings"]),
-    ("sampling engines", ["ds_tree.rollout.engines"]),
+    ("sampling: settings, engines (HF, vLLM)", ["ds_tree.sampling"]),
     ("rollouts: the loop, episodes, rendering, rewards", ["ds_tree.rollout"]),
     ("example environments and rewards", ["ds_tree.rollout.envs"]),
     ("config", ["ds_tree.config"]),
@@ -141,7 +140,7 @@ def test_the_layer_check_sees_an_arrow_up():
         "ds_tree.trees.trie -> ds_tree.engine.trainer (trees -> step execution and the trainer)"
     ]
     assert arrows_up({"ds_tree.run.checkpoint": {"ds_tree.engine.dfs"}}), "run must not import the engine"
-    assert arrows_up({"ds_tree.rollout.engines.hf": {"ds_tree.rollout.envs.game24"}}), "engines sit below envs"
+    assert arrows_up({"ds_tree.sampling.hf": {"ds_tree.rollout.envs.game24"}}), "engines sit below envs"
 
 
 def test_no_import_cycle():

@@ -26,7 +26,7 @@ from ds_tree.rollout.env import (
 from ds_tree.rollout.envs.secret_tool import SecretToolEnv
 from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, SampledTurn, save_rollouts
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_tool_calls
-from ds_tree.rollout.settings import EnvSettings, SamplerSettings
+from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 
 STOPS = [2, 4]  # <|eos|>, <|im_end|>
 CALL = '<tool_call>\n{"name": "get_secret", "arguments": {}}\n</tool_call>'

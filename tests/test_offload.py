@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ds_tree.config import ConfigError, load_config
-from ds_tree.engine.ds_config import resolve_deepspeed_config
+from ds_tree.run.ds_config import resolve_deepspeed_config
 from tests.test_engine import ROOT, torchrun, write_config, write_forest
 
 CPU = ROOT / "configs/ds/zero3_offload_cpu.json"

@@ -224,7 +224,7 @@ def sampled_groups(mismatch: float) -> list[Trajectory]:
     """Two trees drawn by the HF tree sampler (what the online loop trains on), with the sampler's own
     per-token log-probs recorded, from the old policy's weights moved by ``mismatch`` times their spread
     (a sampler that disagrees with the trainer, as a generation server's kernels or dtype do)."""
-    from ds_tree.rollout.engines.hf import SamplerSettings, sample_tree
+    from ds_tree.sampling.hf import SamplerSettings, sample_tree
 
     sampler = load_model(MODEL, attention="torch", dtype=torch.float64, seed=0)
     perturb_parameters(sampler, mismatch, 9)

@@ -25,9 +25,10 @@ import torch
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
-from ds_tree.rollout.engines.hf import repeats_ngram
-from ds_tree.rollout.engines.interface import EngineSampling, HFEngine, PrefixRequest
-from ds_tree.rollout.engines.vllm import (
+from ds_tree.sampling.hf import repeats_ngram
+from ds_tree.sampling.interface import EngineSampling, HFEngine, PrefixRequest
+from ds_tree.sampling.settings import SamplerSettings
+from ds_tree.sampling.vllm import (
     EngineError,
     VLLMClient,
     VLLMEngine,
@@ -38,7 +39,6 @@ from ds_tree.rollout.engines.vllm import (
     reference_logprobs,
     vllm_available,
 )
-from ds_tree.rollout.settings import SamplerSettings
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from tests.test_engine import ROOT, torchrun
@@ -75,7 +75,7 @@ def tiny_model(seed: int = 0):
 def served(tmp_path_factory, tokenizer_dir):
     """(engine, model): the module's vLLM server and the transformers model of its initial weights."""
     from ds_tree.data.convert import load_tokenizer
-    from ds_tree.rollout.engines.vllm import write_model_dir
+    from ds_tree.sampling.vllm import write_model_dir
 
     if UNAVAILABLE is not None:
         pytest.skip(f"vLLM is not installed: {UNAVAILABLE}")
@@ -239,12 +239,12 @@ def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(serv
 def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, tokenizer_dir) -> None:
     """rollout.env.path with engine vllm: every assistant turn is one request after the exact ids of the
     conversation so far (token in, token out), its siblings the request's n samples, with vLLM's log-probs."""
-    from ds_tree.rollout.engines.interface import EngineTurnSampler
     from ds_tree.rollout.env import EnvironmentCalls
     from ds_tree.rollout.envs.secret_tool import SecretToolEnv
     from ds_tree.rollout.multiturn import EpisodeRunner
     from ds_tree.rollout.render import Renderer
-    from ds_tree.rollout.settings import EnvSettings
+    from ds_tree.sampling.interface import EngineTurnSampler
+    from ds_tree.sampling.settings import EnvSettings
 
     engine, model = served
     with_weights(engine, model)

@@ -18,9 +18,9 @@ import torch
 from ds_tree.config import REPOSITORY
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.models.loading import load_model
-from ds_tree.rollout.engines.interface import HFEngine
-from ds_tree.rollout.engines.vllm import open_engine
-from ds_tree.rollout.settings import SamplerSettings
+from ds_tree.sampling.interface import HFEngine
+from ds_tree.sampling.settings import SamplerSettings
+from ds_tree.sampling.vllm import open_engine
 
 MODEL_CONFIG = REPOSITORY / "configs" / "models" / "tiny_llama_vllm.json"
 """The model every engine samples with (a config: random weights, seed 0)."""
@@ -63,7 +63,7 @@ def engine_throughput(
     ``tokenizer`` is a tokenizer directory (the managed vLLM server needs one); the sampler runs
     its default tree (16-token segments, 2 x 2 x 2, 64 tokens), or ``independent`` samples.
     Raises ValueError for counts below 1, :class:`~ds_tree.errors.DataError` for a tokenizer that
-    does not load and :class:`~ds_tree.rollout.engines.interface.EngineError` when vLLM fails."""
+    does not load and :class:`~ds_tree.sampling.interface.EngineError` when vLLM fails."""
     if groups < 1 or prompt_tokens < 1:
         raise ValueError(f"groups ({groups}) and prompt_tokens ({prompt_tokens}) must be >= 1")
     tokenizer = load_tokenizer(tokenizer)

@@ -17,7 +17,7 @@ from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, Task, read_t
 from ds_tree.rollout.online import slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import Renderer
-from ds_tree.rollout.settings import path_limit
+from ds_tree.sampling.settings import path_limit
 
 MODES = {"tree": (False, True), "tree, every turn prefilled": (False, False), "independent": (True, True)}
 """Sampling mode -> (``rollout.independent``, keys/values carried across turns)."""

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         if value < 1:
             parser.error(f"{option} must be >= 1")
     from ds_tree.bench.engines import engine_throughput
-    from ds_tree.rollout.engines.interface import EngineError
+    from ds_tree.sampling.interface import EngineError
 
     name = prog or "ds-tree bench-engines"
     try:

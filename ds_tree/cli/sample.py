@@ -30,7 +30,7 @@ from ds_tree.errors import DataError
 from ds_tree.rollout.rewards import REWARDS, reward_function
 
 if TYPE_CHECKING:
-    from ds_tree.rollout.engines.hf import SampledTree
+    from ds_tree.sampling.hf import SampledTree
 
 SAMPLER_OPTIONS = {
     "segment_length": (int, 16, "tokens decoded per segment before a branch decision"),
@@ -44,7 +44,7 @@ SAMPLER_OPTIONS = {
     "logprob_floor": (float, 0.0, "stop a branch whose mean log-prob over a segment falls below this (< 0; 0: off)"),
 }
 """The SamplerSettings fields set by --x-y options: (type, default, help); tests/test_cli.py checks them
-against ds_tree.rollout.settings.SamplerSettings."""
+against ds_tree.sampling.settings.SamplerSettings."""
 
 
 def token_records(tree: SampledTree, group: str, rewards: list[float | None]) -> list[dict]:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ds_tree.data.convert import load_tokenizer
     from ds_tree.models.loading import load_model
     from ds_tree.rollout.prompts import read_prompts, stop_token_ids
-    from ds_tree.rollout.settings import SamplerSettings
+    from ds_tree.sampling.settings import SamplerSettings
 
     settings_fields = {field.name: getattr(args, field.name) for field in fields(SamplerSettings)}
     try:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     engine = None
     if args.engine == "vllm":
-        from ds_tree.rollout.engines.vllm import EngineError, open_engine
+        from ds_tree.sampling.vllm import EngineError, open_engine
 
         try:
             engine = open_engine(model, tokenizer, args.vllm_url, args.output.parent / f"{args.output.name}.vllm")
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def sample_all(args, model, tokenizer, prompts, settings, generator, eos, engine) -> int:
     from ds_tree.data.jsonl import write_jsonl
-    from ds_tree.rollout.engines.hf import sample_tree
     from ds_tree.rollout.rewards import RewardRequest, score
+    from ds_tree.sampling.hf import sample_tree
 
     records, failures, summary = [], [], {"groups": 0, "trajectories": 0, "sampled_tokens": 0, "forward_tokens": 0}
     flat_tokens = 0

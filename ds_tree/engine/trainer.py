@@ -35,7 +35,6 @@ from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine import dfs, self_check
-from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.memory import check_memory
 from ds_tree.engine.reference import REFERENCE_FILE, build_reference, copy_policy, load_reference_state, reference_state
 from ds_tree.engine.rl_trainer import RLSteps
@@ -53,6 +52,7 @@ from ds_tree.packing.plan import PlanSettings, RankPlan, plan_step
 from ds_tree.packing.rows import PackedRow
 from ds_tree.run import checkpoint, run_dir, run_lock
 from ds_tree.run.console import progress_bar
+from ds_tree.run.ds_config import resolve_deepspeed_config
 from ds_tree.run.metrics import MetricsLogger, console_line
 from ds_tree.run.op_builds import announce_op_builds
 from ds_tree.run.shm import release_allreduce_buffers

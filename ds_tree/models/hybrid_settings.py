@@ -39,5 +39,5 @@ def check_hybrid_settings(config, model_config) -> None:
         raise ConfigError(
             f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "
             "tree sampler (rollout.engine: hf), which forks their recurrent and conv states at branch points "
-            "(ds_tree/rollout/engines/state_cache.py); the vLLM route is not checked for them"
+            "(ds_tree/sampling/state_cache.py); the vLLM route is not checked for them"
         )

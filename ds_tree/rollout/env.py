@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ds_tree.rollout.settings import FORK_MODES  # noqa: F401  (re-exported)
+from ds_tree.sampling.settings import FORK_MODES  # noqa: F401  (re-exported)
 
 
 class EnvFailure(Exception):

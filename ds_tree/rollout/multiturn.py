@@ -47,7 +47,6 @@ from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import ConfigError, DataError
-from ds_tree.rollout.engines.interface import EngineTurnSampler
 from ds_tree.rollout.env import (
     EnvFailure,
     Environment,
@@ -61,7 +60,8 @@ from ds_tree.rollout.env import (
 from ds_tree.rollout.online import OnlineRollouts, rank_slots, slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_error_message
-from ds_tree.rollout.settings import EnvSettings, SamplerSettings, path_limit
+from ds_tree.sampling.interface import EngineTurnSampler
+from ds_tree.sampling.settings import EnvSettings, SamplerSettings, path_limit
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class HFTurnSampler:
     """
 
     def __init__(self, model, settings: SamplerSettings, stop_ids: Sequence[int], carry: bool = True) -> None:
-        from ds_tree.rollout.engines.state_cache import has_recurrent_layers
+        from ds_tree.sampling.state_cache import has_recurrent_layers
 
         self.model = model
         self.settings = settings
@@ -124,7 +124,7 @@ class HFTurnSampler:
     def sample(
         self, prefix_ids: Sequence[int], n: int, max_new_tokens: int, generator: torch.Generator
     ) -> list[SampledTurn]:
-        from ds_tree.rollout.engines.hf import sample_tree
+        from ds_tree.sampling.hf import sample_tree
 
         settings = dataclasses.replace(
             self.settings,

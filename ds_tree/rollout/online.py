@@ -20,8 +20,8 @@ One step (``rollout.enabled``; docs/RL.md, *Online RL*):
    ``None``) is dropped with a warning naming it, and counted in ``rollout/reward_failures``.
 
 With ``rollout.engine: vllm`` step 2 is a weight sync to a vLLM server instead (rank 0 writes a
-snapshot, the server reloads it; :mod:`ds_tree.rollout.engines.vllm`) and step 3 sends each slot's
-segments to the server (:func:`ds_tree.rollout.engines.interface.sample_tree_by_segments`), seeded from the same
+snapshot, the server reloads it; :mod:`ds_tree.sampling.vllm`) and step 3 sends each slot's
+segments to the server (:func:`ds_tree.sampling.interface.sample_tree_by_segments`), seeded from the same
 generator. Every trajectory records the ``policy_version`` (training steps taken) that sampled it.
 
 The trajectories then go through the RL step exactly as offline rollouts do (advantages, old
@@ -42,10 +42,10 @@ from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError
 from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
-from ds_tree.rollout.engines.interface import EngineError, HFEngine, SamplingEngine
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import RewardRequest, reward_function, score
-from ds_tree.rollout.settings import path_limit
+from ds_tree.sampling.interface import EngineError, HFEngine, SamplingEngine
+from ds_tree.sampling.settings import path_limit
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -240,7 +240,7 @@ class OnlineRollouts:
     def sync(self, policy: torch.nn.Module) -> None:
         """The policy's weights into the engine (the first call starts a vLLM engine; a collective)."""
         if self.config.rollout.engine == "vllm":
-            from ds_tree.rollout.engines.vllm import sync_engine
+            from ds_tree.sampling.vllm import sync_engine
 
             self.engine = sync_engine(self.engine, self.config, self.model_config, self.tokenizer, policy)
         else:

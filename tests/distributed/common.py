@@ -7,12 +7,12 @@ import argparse
 import torch
 
 from ds_tree.config import Config, load_config
-from ds_tree.engine.ds_config import resolve_deepspeed_config
 from ds_tree.engine.step import StepOutput, run_rows
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.run.ds_config import resolve_deepspeed_config
 
 
 def check_arguments(*extra: tuple[tuple[str, ...], dict]) -> tuple[argparse.Namespace, Config]:

@@ -9,7 +9,7 @@
 - :class:`VLLMClient` sends JSON requests with a deadline of ``timeout_s`` each and a bounded number
   of retries on connection failures; anything that is not the expected answer is an
   :class:`EngineError` naming the server and what came back. Never a hang.
-- :class:`VLLMEngine` implements :class:`ds_tree.rollout.engines.interface.SamplingEngine`: prefixes as token
+- :class:`VLLMEngine` implements :class:`ds_tree.sampling.interface.SamplingEngine`: prefixes as token
   ids (``/v1/completions`` with ``prompt: [ids]``, ``return_token_ids``, ``logprobs: 0``: the raw
   log-prob of each sampled token), ``n`` siblings per request, every request of a round in flight
   together so the server batches them. :meth:`VLLMEngine.sync_weights` gathers the ZeRO-3 partitioned
@@ -38,14 +38,14 @@ from pathlib import Path
 
 import torch
 
-from ds_tree.rollout.engines.interface import (
+from ds_tree.sampling.interface import (
     Continuation,
     EngineError,
     EngineSampling,
     PrefixRequest,
     sample_tree_by_segments,
 )
-from ds_tree.rollout.settings import path_limit
+from ds_tree.sampling.settings import path_limit
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def default_vllm_python() -> Path:
     override = os.environ.get("DS_TREE_VLLM_PYTHON")
     if override:
         return Path(override)
-    return Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
+    return Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 def vllm_available(python: str | Path | None = None) -> str | None:
@@ -265,7 +265,7 @@ def _continuations(url: str, request: PrefixRequest, answer: object, vocab_size:
 
 
 class VLLMEngine:
-    """:class:`~ds_tree.rollout.engines.interface.SamplingEngine` on a vLLM server (module docstring)."""
+    """:class:`~ds_tree.sampling.interface.SamplingEngine` on a vLLM server (module docstring)."""
 
     name = "vllm"
 
@@ -533,7 +533,7 @@ def write_model_dir(directory: str | Path, model: torch.nn.Module, tokenizer) ->
     return directory
 
 
-if __name__ == "__main__":  # pragma: no cover - a manual check: python -m ds_tree.rollout.engines.vllm MODEL_DIR
+if __name__ == "__main__":  # pragma: no cover - a manual check: python -m ds_tree.sampling.vllm MODEL_DIR
     server = VLLMServer(sys.argv[1], log_path="vllm_server.log")
     try:
         print(server.start())

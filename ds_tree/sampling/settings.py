@@ -1,6 +1,6 @@
 """How a group is sampled: the sampler's settings (docs/ROLLOUTS.md), their one home.
 
-:func:`ds_tree.rollout.engines.hf.sample_tree` takes them, ``ds-tree sample`` sets them with options, and
+:func:`ds_tree.sampling.hf.sample_tree` takes them, ``ds-tree sample`` sets them with options, and
 the training config's ``rollout`` section (:class:`ds_tree.config.RolloutConfig`) is these fields and
 the online loop's own. Torch-free, so the config and the command line read them without loading it.
 """

@@ -9,7 +9,7 @@ An engine does three things (docs/ROLLOUTS.md, *Sampling engines*):
   are both written on this call.
 - :meth:`SamplingEngine.sample_tree`: one prompt's group as a :class:`SampledTree` with the tree
   sampler's semantics (segments, branching, width, refill, stops; docs/ROLLOUTS.md). ``hf`` runs
-  :func:`ds_tree.rollout.engines.hf.sample_tree` (a shared KV cache in this process); ``vllm`` runs
+  :func:`ds_tree.sampling.hf.sample_tree` (a shared KV cache in this process); ``vllm`` runs
   :func:`sample_tree_by_segments`: every fork is one request with ``n`` = the number of children, and
   the server's prefix cache serves the shared part.
 - :meth:`SamplingEngine.sync_weights`: the policy's current weights into the engine (a collective
@@ -31,8 +31,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ds_tree.rollout.engines.hf import SampledNode, SampledTree, repeats_ngram, sample_tree
-from ds_tree.rollout.settings import SamplerSettings
+from ds_tree.sampling.hf import SampledNode, SampledTree, repeats_ngram, sample_tree
+from ds_tree.sampling.settings import SamplerSettings
 
 
 class EngineError(RuntimeError):
@@ -204,7 +204,7 @@ def sample_tree_by_segments(
 ) -> SampledTree:
     """One group as a tree (docs/ROLLOUTS.md) with every segment sampled by ``engine.continue_prefixes``.
 
-    Quota, forks, stops and refill follow :func:`ds_tree.rollout.engines.hf.sample_tree`: the children of
+    Quota, forks, stops and refill follow :func:`ds_tree.sampling.hf.sample_tree`: the children of
     one fork are the ``n`` samples of one request whose prefix is the exact ids prompt + path; all the
     requests of one round (every live fork) go to the engine together. ``forward_tokens`` counts the
     tokens the requests hand the engine (each prefix in full) plus those sampled: an upper bound of what

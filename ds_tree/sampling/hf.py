@@ -43,13 +43,13 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from ds_tree.rollout.engines.state_cache import (
+from ds_tree.sampling.settings import SamplerSettings
+from ds_tree.sampling.state_cache import (
     SUPPORTED_LAYERS,
     has_recurrent_layers,
     layer_row,
     stacked_cache,
 )
-from ds_tree.rollout.settings import SamplerSettings
 from ds_tree.trees.trajectory import Trajectory
 
 FINISH_REASONS = ("eos", "repetition", "logprob_floor", "length")
@@ -61,7 +61,7 @@ GENERATION_ATTENTION = "sdpa"
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, the keys and values ``[1, kv_heads, tokens, head_dim]`` of every token fed on a branch's path
 (a hybrid's recurrent layer: its conv and recurrent state after that path,
-:mod:`ds_tree.rollout.engines.state_cache`)."""
+:mod:`ds_tree.sampling.state_cache`)."""
 
 
 @dataclass
@@ -235,7 +235,7 @@ def generation_mode(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
 def check_cache_layers(model: PreTrainedModel) -> None:
     """Refuse models whose cache is neither a plain growing KV cache nor a recurrent state per layer
     (a sliding window cannot be cropped back to a branch point; recurrent states are forked whole:
-    :mod:`ds_tree.rollout.engines.state_cache`)."""
+    :mod:`ds_tree.sampling.state_cache`)."""
     kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
     plain = kinds == {DynamicLayer.__name__}  # a dense model's (cropped to re-branch); a hybrid's is re-encoded
     if not plain and not (kinds <= set(SUPPORTED_LAYERS) and has_recurrent_layers(model.config)):

@@ -1,4 +1,4 @@
-"""Forking a hybrid model's generation cache at branch points (the tree sampler, :mod:`ds_tree.rollout.engines.hf`).
+"""Forking a hybrid model's generation cache at branch points (the tree sampler, :mod:`ds_tree.sampling.hf`).
 
 A hybrid's :class:`transformers.DynamicCache` holds, per layer, either an attention layer's keys and
 values (``DynamicLayer``) or a recurrent layer's state (``LinearAttentionLayer``: the causal conv's
