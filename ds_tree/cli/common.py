@@ -4,6 +4,8 @@ and the checks of an output path that run before any work is done."""
 from __future__ import annotations
 
 import argparse
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -50,3 +52,32 @@ def save_figure(figure, path: Path, dpi: int) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=dpi, format=suffix if suffix in figure.canvas.get_supported_filetypes() else "png")
     return path
+
+
+def metrics_records(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` of each non-blank line of a run's metrics.jsonl; a ValueError names the
+    file (missing) or the file and line (not UTF-8, malformed JSON, not a JSON object)."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}:{number}: not UTF-8 text") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}; a truncated line?)") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{number}: a record must be a JSON object")
+        yield number, record
+
+
+def check_numbers(where: str, record: dict, names) -> None:
+    """A ValueError at ``where`` (``file:line``) unless each of ``names`` is a number in ``record``."""
+    for name in names:
+        value = record.get(name)
+        if value is None:
+            raise ValueError(f"{where}: the record has no {name!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"{where}: {name} must be a number, got {value!r}")

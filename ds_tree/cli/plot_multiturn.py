@@ -14,13 +14,12 @@ metrics, exits 2 naming the file and line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from ds_tree.cli.common import command_parser, output_plot_problem, save_figure
+from ds_tree.cli.common import check_numbers, command_parser, metrics_records, output_plot_problem, save_figure
 
 RL_METRICS = (
     "step",
@@ -41,32 +40,15 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict], list[dict]]:
     """The warm-up, RL and refresh records of ``run``'s metrics.jsonl, each in step order; a
     ValueError names the file and line (or the file, when it has no RL step)."""
     path = run / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
     rl, sft = [], []
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}:{number}: not UTF-8 text") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}; a truncated line?)") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: a record must be a JSON object")
+    for number, record in metrics_records(path):
         if "rollout/reward_mean" in record:
             names, kept = RL_METRICS, rl
         elif "warmup/sft_loss" in record:
             names, kept = SFT_METRICS, sft
         else:  # a step that logged neither (a discarded step): only its step is checked
             names, kept = ("step",), []
-        for name in names:
-            value = record.get(name)
-            if value is None:
-                raise ValueError(f"{path}:{number}: the record has no {name!r}")
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{path}:{number}: {name} must be a number, got {value!r}")
+        check_numbers(f"{path}:{number}", record, names)
         kept.append(record)
     if not rl:
         raise ValueError(f"{path}: no RL step (rollout/reward_mean) yet")

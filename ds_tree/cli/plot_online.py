@@ -13,13 +13,12 @@ those rollout/ metrics, exits 2 naming the file and line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from ds_tree.cli.common import command_parser, output_plot_problem, save_figure
+from ds_tree.cli.common import check_numbers, command_parser, metrics_records, output_plot_problem, save_figure
 
 METRICS = ("step", "rollout/reward_mean", "rollout/sampled_tokens", "rollout/forward_tokens")
 """What each record of a run's metrics.jsonl must carry."""
@@ -28,30 +27,13 @@ METRICS = ("step", "rollout/reward_mean", "rollout/sampled_tokens", "rollout/for
 def read_run(directory: Path) -> dict[str, np.ndarray]:
     """Per-step rollout metrics of one run, in step order; a ValueError names the file, line and field."""
     path = directory / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
     records = []
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}:{number}: not UTF-8 text") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}; a truncated line?)") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: a record must be a JSON object")
+    for number, record in metrics_records(path):
         if "warmup/sft_loss" in record:  # a step of rollout.env.warmup_steps: SFT, nothing sampled
             continue
         if not records and "rollout/reward_mean" not in record:
             raise ValueError(f"{path}: no rollout/ metrics (not an online RL run)")
-        for name in METRICS:
-            value = record.get(name)
-            if value is None:
-                raise ValueError(f"{path}:{number}: the record has no {name!r}")
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"{path}:{number}: {name} must be a number, got {value!r}")
+        check_numbers(f"{path}:{number}", record, METRICS)
         records.append(record)
     if not records:
         raise ValueError(f"{path}: no rollout/ metrics (not an online RL run)")
