@@ -110,7 +110,8 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict:
     torch_dtype = parse_dtype(options["dtype"])
     source, attention, seed = options["model_source"], options["attention"], options["seed"]
     # with a KL term, a frozen copy of the initial policy per mode, as the trainer's default
-    bench = BenchModels.build(MODES, source, attention, torch_dtype, seed, 0, "cpu", kl=bool(objective.kl_coef))
+    engines = dict.fromkeys(MODES, attention)
+    bench = BenchModels.build(MODES, source, engines, torch_dtype, seed, 0, "cpu", kl=bool(objective.kl_coef))
     models, optimizers, references, plans = bench.models, bench.optimizers, bench.references, {}
     for mode, merge in MODES.items():
         for policy in (models[mode], references[mode]):

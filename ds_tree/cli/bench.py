@@ -109,8 +109,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     from ds_tree.attention.registry import resolve_engine
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     args.attention = resolve_engine(args.attention, args.device)  # auto: flex with --device cuda, else torch
     if args.flat_attention is None:  # the flat baseline a user runs today: flash kernels on a GPU
         on_gpu = args.device.startswith("cuda") and args.attention != "varlen"
@@ -127,6 +125,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             "--attention flex times training steps, and FlexAttention has no backward on the CPU: "
             "use --device cuda, or ds-tree bench-attention --engine flex for its forward"
         )
+    if args.device.startswith("cuda") and not torch.cuda.is_available():  # after the options' own rules
+        parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     objective = objective_config(parser, args)
     if args.sequence_parallel > 1:
         measure = sequence_parallel_measure(args, objective)
