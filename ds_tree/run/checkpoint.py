@@ -324,30 +324,36 @@ def allowed_globals() -> list:
     return [ZeroStageEnum, LossScaler]
 
 
+_TORCH_LOAD = torch.load  # torch's own, before weights_only_loads() replaces it for a block
+
+
+def trusted_load(f, *args, **kwargs):
+    """The one way the project loads a torch file (DeepSpeed's through :func:`weights_only_loads`,
+    the trainer's ``reference_policy.pt``): ``weights_only=True`` with :func:`allowed_globals`, so a
+    pickle that would run code is refused as a :class:`CheckpointError` naming the file, not a raw
+    ``UnpicklingError`` traceback."""
+    kwargs["weights_only"] = True
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return _TORCH_LOAD(f, *args, **kwargs)
+    except pickle.UnpicklingError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"refusing to load {f}: it holds more than tensors and DeepSpeed's state, and loading it would "
+            f"run pickled code ({reason})"
+        ) from None
+
+
 @contextmanager
 def weights_only_loads() -> Iterator[None]:
-    """Every ``torch.load`` inside runs with ``weights_only=True`` (DeepSpeed 0.19.8 passes False).
+    """Every ``torch.load`` inside runs as :func:`trusted_load` (DeepSpeed 0.19.8 passes ``weights_only=False``).
 
     Scoped to the ``with`` block (a resume's ``engine.load_checkpoint``): torch's restricted
     unpickler builds tensors, containers and the :func:`allowed_globals` only, so no pickled
     ``__reduce__`` runs. A file that needs anything else is refused with its path.
     """
     original = torch.load
-    allowed = allowed_globals()
-
-    def load(f, *args, **kwargs):
-        kwargs["weights_only"] = True
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return original(f, *args, **kwargs)
-        except pickle.UnpicklingError as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CheckpointError(
-                f"refusing to load {f}: it holds more than tensors and DeepSpeed's state, and loading it would "
-                f"run pickled code ({reason})"
-            ) from None
-
-    torch.load = load
+    torch.load = trusted_load
     try:
         yield
     finally:
