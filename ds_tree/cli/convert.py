@@ -61,7 +61,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="chat templates that are not prefix-stable, see above (default %(default)s)",
     )
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines, counted by reason")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output that a previous convert wrote (only such)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="read at most N records in total")
     return parser
 
@@ -87,6 +91,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         summary = convert(args.input, args.output, args.tokenizer, options, overwrite=args.overwrite)
     except (DataError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a write the checks before the work could not foresee (a full disk, ...)
+        print(f"error: --output {args.output}: cannot be written ({error})", file=sys.stderr)
         return 2
     print(json_text(summary))
     return 0
