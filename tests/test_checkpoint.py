@@ -223,6 +223,33 @@ def test_a_save_never_writes_through_a_link_out_of_the_run(tmp_path: Path) -> No
     assert not (run / "metrics.jsonl").is_symlink()
 
 
+def test_the_atomic_writers_never_write_through_a_link_planted_at_their_temporary_name(tmp_path: Path) -> None:
+    """Issue 42 #3, the other writers: a link planted under the temporary name of ``latest``, a JSONL
+    file (rollouts, samples) or a step's rollouts is replaced by a new file, its target untouched."""
+    from ds_tree.data.jsonl import write_jsonl
+    from ds_tree.rollout.multiturn import save_rollouts
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    planted = [
+        run / f".latest.tmp-{os.getpid()}",
+        run / f".out.jsonl.partial-{os.getpid()}",
+        run / f".out.jsonl.gz.partial-{os.getpid()}",
+        run / "rollouts" / "step_000001.jsonl.partial",
+    ]
+    for link in planted:
+        link.symlink_to(victim)
+    write_text_atomically(run / "latest", "step_0000001")
+    write_jsonl(run / "out.jsonl", [{"a": 1}])
+    write_jsonl(run / "out.jsonl.gz", [{"a": 1}])
+    save_rollouts(run, 1, [])
+    assert victim.read_text() == "precious\n"
+    assert not any(link.is_symlink() for link in planted)
+    assert (run / "latest").read_text() == "step_0000001" and (run / "out.jsonl").read_text() == '{"a":1}\n'
+
+
 def test_replace_directory(tmp_path: Path) -> None:
     def finished(name: str, content: str) -> Path:
         path = tmp_path / name

@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ds_tree.atomic import remove
 from ds_tree.errors import DataError, RecordError
 
 
@@ -92,9 +93,10 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
     """
     path = Path(path)
     temporary = path.parent / f".{path.name}.partial-{os.getpid()}"
+    remove(temporary)  # a leftover, or a link planted under its name: created anew ("x"), never followed
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(temporary, "wt", encoding="utf-8") as handle:
+        with opener(temporary, "xt", encoding="utf-8") as handle:
             for record in records:
                 handle.write(json_text(record, separators=(",", ":")) + "\n")
         os.replace(temporary, path)
