@@ -314,6 +314,9 @@ def test_damaged_input_and_unwritable_outputs_are_one_error_line(tmp_path, token
         assert not (tmp_path / "out").exists()
     assert run(tokenizer_dir, [deep], tmp_path / "out", "--skip-bad") == 0  # a bad line like any other
     assert summary(capsys)["skipped"] == {"too_deep": 1}
+    (tmp_path / "out" / META_FILE).write_text("[" * 100000 + "]" * 100000)  # the dataset's meta file too
+    with pytest.raises(DataError, match=f"{tmp_path / 'out' / META_FILE}: damaged meta file .RecursionError"):
+        load_tree_dataset(tmp_path / "out")
 
 
 def test_a_failed_write_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch, capsys):

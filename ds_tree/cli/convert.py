@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except (DataError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except OSError as error:  # a write the checks before the work could not foresee (a full disk, ...)
-        print(f"error: --output {args.output}: cannot be written ({error})", file=sys.stderr)
+    except OSError as error:  # what the checks before the work could not foresee (a full disk, ...)
+        print(f"error: {error.filename or args.output}: {error.strerror or error}", file=sys.stderr)
         return 2
     print(json_text(summary))
     return 0

@@ -27,7 +27,11 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as handle:  # bytes, decoded line by line: a bad byte names its line
+    try:
+        handle = opener(path, "rb")
+    except OSError as error:  # a file without read permission, ...
+        raise DataError(f"{path}: cannot be read ({error.strerror or error})") from None
+    with handle:  # bytes, decoded line by line: a bad byte names its line
         for number, raw in _lines(path, handle):
             if not raw.strip():
                 continue

@@ -190,8 +190,8 @@ def read_meta(dataset_dir: str | Path) -> dict:
         raise DataError(f"{dataset_dir}: not a tree dataset (no {META_FILE}; write one with tools/convert.py)")
     try:
         meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DataError(f"{path}: damaged meta file ({error})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise DataError(f"{path}: damaged meta file ({type(error).__name__}: {error})") from None
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise DataError(
             f"{path}: format_version {meta.get('format_version')!r}, this code reads versions "
