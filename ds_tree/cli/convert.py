@@ -12,7 +12,8 @@ it is counted.
 
 The summary goes to stdout as one JSON object and into ds_tree_meta.json. A bad line stops the run
 with its file:line and reason (exit 2; --skip-bad skips and counts it instead), and nothing is
-written at --output unless the whole run succeeds.
+written at --output unless the whole run succeeds. --output may not be an input or hold one, and
+--overwrite replaces only a dataset that convert wrote (never a folder holding anything else).
 """
 
 from __future__ import annotations
