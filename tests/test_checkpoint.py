@@ -164,6 +164,92 @@ def test_write_text_atomically(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
 
 
+class _Engine:
+    """``engine.save_checkpoint`` as DeepSpeed does it: its files under ``<dir>/<tag>``, then its
+    recovery scripts copied beside the checkpoints (DeepSpeed's own ``_copy_recovery_script``)."""
+
+    def save_checkpoint(self, save_dir: str, tag: str, **_) -> None:
+        import torch
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
+        torch.save({"w": torch.ones(2)}, Path(save_dir) / tag / "mp_rank_00_model_states.pt")
+        DeepSpeedEngine._copy_recovery_script(self, save_dir)
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        pass
+
+
+def test_a_save_never_writes_through_a_link_out_of_the_run(tmp_path: Path) -> None:
+    """Issue 42 #3: with ``checkpoints/zero_to_fp32.py`` a link to a file elsewhere, a save overwrote
+    that file. Links planted under every name a save, the metrics or the lock write are removed or
+    refused, never followed: the files outside stay as they were, and the save completes."""
+    import torch.distributed as dist
+
+    from ds_tree.run import run_lock
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victims = {name: outside / name for name in ("script.py", "torch.py", "latest.tmp", "metrics", "lock")}
+    for victim in victims.values():
+        victim.write_text("precious\n")
+    (outside / "folder").mkdir()
+    run = tmp_path / "run"
+    directory = run / "checkpoints"
+    directory.mkdir(parents=True)
+    (directory / "zero_to_fp32.py").symlink_to(victims["script.py"])
+    (directory / "zero_to_torch.py").symlink_to(victims["torch.py"])
+    (directory / f".latest.tmp-{os.getpid()}").symlink_to(victims["latest.tmp"])
+    (directory / ".partial-step_0000001").symlink_to(outside / "folder")
+    (run / "metrics.jsonl").symlink_to(victims["metrics"])
+    (run / run_lock.LOCK_FILE).symlink_to(victims["lock"])
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        tag = checkpoint.save(_Engine(), directory, 1, {}, {"world_size": 1}, keep_last=2)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    logger = MetricsLogger(run, enabled=True, tensorboard=False, resume_step=0)
+    logger.log(1, {"loss/train": 0.5})
+    with pytest.raises(ConfigError, match=rf"{run_lock.LOCK_FILE}: a symbolic link .*remove it"):
+        run_lock.acquire(run)
+    assert all(victim.read_text() == "precious\n" for victim in victims.values())
+    assert list((outside / "folder").iterdir()) == []
+    assert checkpoint.read_latest(directory) == tag == "step_0000001"
+    script = directory / "zero_to_fp32.py"
+    assert not script.is_symlink() and "weights_only=True" in script.read_text()
+    assert not (run / "metrics.jsonl").is_symlink()
+
+
+def test_the_atomic_writers_never_write_through_a_link_planted_at_their_temporary_name(tmp_path: Path) -> None:
+    """Issue 42 #3, the other writers: a link planted under the temporary name of ``latest``, a JSONL
+    file (rollouts, samples) or a step's rollouts is replaced by a new file, its target untouched."""
+    from ds_tree.data.jsonl import write_jsonl
+    from ds_tree.rollout.multiturn import save_rollouts
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    (run / "rollouts").mkdir(parents=True)
+    planted = [
+        run / f".latest.tmp-{os.getpid()}",
+        run / f".out.jsonl.partial-{os.getpid()}",
+        run / f".out.jsonl.gz.partial-{os.getpid()}",
+        run / "rollouts" / "step_000001.jsonl.partial",
+    ]
+    for link in planted:
+        link.symlink_to(victim)
+    write_text_atomically(run / "latest", "step_0000001")
+    write_jsonl(run / "out.jsonl", [{"a": 1}])
+    write_jsonl(run / "out.jsonl.gz", [{"a": 1}])
+    save_rollouts(run, 1, [])
+    assert victim.read_text() == "precious\n"
+    assert not any(link.is_symlink() for link in planted)
+    assert (run / "latest").read_text() == "step_0000001" and (run / "out.jsonl").read_text() == '{"a":1}\n'
+
+
 def test_replace_directory(tmp_path: Path) -> None:
     def finished(name: str, content: str) -> Path:
         path = tmp_path / name

@@ -6,7 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from ds_tree.cli import bench, convert, make_synthetic, plan, plot_online, sample, stats
+from ds_tree.cli import (
+    bench,
+    bench_attention,
+    convert,
+    make_synthetic,
+    plan,
+    plot_multiturn,
+    plot_online,
+    sample,
+    stats,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -50,6 +60,47 @@ def test_sample_checks_its_output_folder_before_loading_anything(tmp_path, capsy
     argv = ["--model", str(tmp_path / "no_model"), "--tokenizer", str(tmp_path / "no_tokenizer")]
     err = usage_error(capsys, sample, [*argv, "--prompts", str(tmp_path / "p.jsonl"), "--output", str(output)])
     assert f"--output {output}: no such directory" in err
+
+
+def test_sample_never_writes_over_its_input_and_replaces_an_output_only_when_asked(tmp_path, capsys):
+    """Issue 42 #2: ``sample --prompts P --output P`` overwrote its own input. The output may not be an
+    input (also through a symlink), and an existing output needs --overwrite; all before any loading."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(prompts)
+    argv = ["--model", str(tmp_path / "no_model"), "--tokenizer", str(tmp_path / "no_tokenizer")]
+    for output in (prompts, link):
+        err = usage_error(capsys, sample, [*argv, "--prompts", str(prompts), "--output", str(output), "--overwrite"])
+        assert f"--output {output}: is the input {prompts}" in err
+    existing = tmp_path / "old.jsonl"
+    existing.write_text("kept\n")
+    err = usage_error(capsys, sample, [*argv, "--prompts", str(prompts), "--output", str(existing)])
+    assert f"--output {existing}: exists (pass --overwrite to replace it)" in err
+    assert prompts.read_text() == '{"prompt_ids": [1, 2]}\n' and existing.read_text() == "kept\n"
+
+
+def test_no_command_writes_over_its_input(tmp_path, capsys):
+    """Issue 42 #2, the neighbours of ``sample``: every output option that could name an input is refused."""
+    data = tmp_path / "tokens.jsonl"
+    content = json.dumps({"group_id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n"
+    data.write_text(content)
+    run = write_run(tmp_path / "run", [json.dumps(RECORD)])
+    metrics = run / "metrics.jsonl"
+    model = str(ROOT / "configs/models/tiny_llama.json")
+    cases = [
+        (stats, [str(data), "--plot", str(data)], f"--plot {data}: is the input"),
+        (plot_online, [f"tree={run}", "--output", str(metrics)], f"--output {metrics}: is the input"),
+        (plot_multiturn, [str(run), "--output", str(metrics)], f"--output {metrics}: is the input"),
+        (bench, ["--data", str(data), "--model", model, "--json", str(data)], f"--json {data}: is the input"),
+        (bench, ["--data", str(data), "--model", model, "--json", model], f"--json {model}: is the input"),
+        (bench, ["--data", str(data), "--model", model, "--profile", str(data)], f"--profile {data}: is the input"),
+        (bench_attention, ["--data", str(data), "--json", str(data)], f"--json {data}: is the input"),
+    ]
+    before = metrics.read_text()
+    for command, argv, message in cases:
+        assert message in usage_error(capsys, command, argv), (command, argv)
+    assert data.read_text() == content and metrics.read_text() == before
 
 
 def test_convert_names_an_input_directory(tmp_path, capsys):

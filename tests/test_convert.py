@@ -249,17 +249,77 @@ def test_prefix_policies(tmp_path, tokenizer, capsys):
 def test_refuses_to_overwrite_unless_asked(tmp_path, tokenizer_dir, capsys):
     source = write_jsonl(tmp_path / "chat.jsonl", GOOD)
     output = tmp_path / "out"
-    output.mkdir()
-    (output / "keep.txt").write_text("precious")
+    assert run(tokenizer_dir, [source], output) == 0
     assert run(tokenizer_dir, [source], output) == 2
     assert "exists and is not empty" in capsys.readouterr().err
-    assert (output / "keep.txt").read_text() == "precious"
     assert run(tokenizer_dir, [source], output, "--overwrite") == 0
-    assert not (output / "keep.txt").exists() and (output / META_FILE).exists()
+    assert (output / META_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.jsonl", "out"]
 
 
-def test_a_failed_write_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch):
+def test_overwrite_replaces_only_a_dataset_convert_wrote_never_the_input(tmp_path, tokenizer_dir, capsys):
+    """Issue 42 #1: ``--overwrite`` deleted whatever ``--output`` named (the folder holding the input,
+    the input file itself). It replaces only a dataset convert wrote; an output that is or holds an
+    input is refused with or without it; all exit 2 with one line, and nothing is touched."""
+    source = write_jsonl(tmp_path / "chat.jsonl", GOOD)
+    (tmp_path / "notes.txt").write_text("precious")
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "keep.txt").write_text("precious")
+    dataset = tmp_path / "dataset"
+    assert run(tokenizer_dir, [source], dataset) == 0
+    (dataset / "extra.txt").write_text("precious")  # a dataset folder the user added to: not only convert's
+    capsys.readouterr()
+    cases = [
+        (folder, "is not a dataset written by ds-tree convert"),
+        (dataset, "is not a dataset written by ds-tree convert"),
+        (tmp_path, "holds the input"),
+        (source, "is the input"),
+    ]
+    for output, message in cases:
+        assert run(tokenizer_dir, [source], output, "--overwrite") == 2, output
+        captured = capsys.readouterr()
+        assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert source.is_file() and (tmp_path / "notes.txt").read_text() == "precious"
+    assert (folder / "keep.txt").read_text() == "precious" and (dataset / "extra.txt").read_text() == "precious"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(source)
+    assert run(tokenizer_dir, [link], source, "--overwrite") == 2  # the same file through a link
+    assert "is the input" in capsys.readouterr().err and source.is_file()
+
+
+def test_damaged_input_and_unwritable_outputs_are_one_error_line(tmp_path, tokenizer_dir, capsys, monkeypatch):
+    """Issue 42 #20: a line nested 100000 deep (RecursionError), a truncated .jsonl.gz (EOFError),
+    ``--output /proc/x`` (FileNotFoundError) and ``--output .`` (ValueError): one error line, exit 2."""
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(json.dumps(GOOD[0]) + "\n" + "[" * 100000 + "]" * 100000 + "\n")
+    whole = write_jsonl(tmp_path / "whole.jsonl.gz", GOOD * 50).read_bytes()
+    truncated = tmp_path / "truncated.jsonl.gz"
+    truncated.write_bytes(whole[: len(whole) // 2])
+    work = tmp_path / "work"
+    work.mkdir()
+    source = write_jsonl(tmp_path / "chat.jsonl", GOOD)
+    cases = [
+        ([deep], tmp_path / "out", f"{deep}:2: JSON nested too deeply"),
+        ([truncated], tmp_path / "out", f"{truncated}: damaged or truncated gzip file after line"),
+        ([source], Path("/proc/x"), "--output /proc/x: cannot be written"),
+        ([source], Path("."), "--output .: is the current directory"),
+    ]
+    monkeypatch.chdir(work)
+    for inputs, output, message in cases:
+        assert run(tokenizer_dir, inputs, output) == 2, message
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"error: {message}"), captured.err
+        assert len(captured.err.strip().splitlines()) == 1
+        assert not (tmp_path / "out").exists()
+    assert run(tokenizer_dir, [deep], tmp_path / "out", "--skip-bad") == 0  # a bad line like any other
+    assert summary(capsys)["skipped"] == {"too_deep": 1}
+    (tmp_path / "out" / META_FILE).write_text("[" * 100000 + "]" * 100000)  # the dataset's meta file too
+    with pytest.raises(DataError, match=f"{tmp_path / 'out' / META_FILE}: damaged meta file .RecursionError"):
+        load_tree_dataset(tmp_path / "out")
+
+
+def test_a_failed_write_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch, capsys):
     def write_then_fail(self, path, **kwargs):
         Path(path).mkdir()
         (Path(path) / "half-written.arrow").write_bytes(b"")
@@ -267,8 +327,8 @@ def test_a_failed_write_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch):
 
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", write_then_fail)
     source = write_jsonl(tmp_path / "chat.jsonl", GOOD)
-    with pytest.raises(OSError, match="disk full"):
-        run(tokenizer_dir, [source], tmp_path / "out")
+    assert run(tokenizer_dir, [source], tmp_path / "out") == 2
+    assert "disk full" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]
 
 

@@ -206,6 +206,35 @@ def test_deepspeeds_loader_runs_a_crafted_pickle_unless_weights_only(tmp_path: P
     assert marker.exists()
 
 
+def test_a_crafted_reference_policy_is_refused_with_its_path(tmp_path: Path) -> None:
+    """Issue 42 #5: a tampered ``reference_policy.pt`` gets the one-line ``refusing to load PATH`` of
+    DeepSpeed's files (a :class:`CheckpointError`), not torch's raw ``UnpicklingError``, and runs nothing."""
+    from types import SimpleNamespace
+
+    from ds_tree.engine.reference import REFERENCE_FILE
+    from ds_tree.engine.trainer import Trainer
+
+    marker = tmp_path / "ran"
+    file = tmp_path / REFERENCE_FILE
+    torch.save({"weight": Payload(marker)}, file)
+    objective = SimpleNamespace(reference_step=1)
+    trainer = SimpleNamespace(config=SimpleNamespace(objective=objective), start_step=2, reference=None)
+    with pytest.raises(CheckpointError, match=rf"^refusing to load {re.escape(str(file))}: .*would run pickled code"):
+        Trainer.load_reference_copy(trainer, tmp_path)
+    assert not marker.exists()
+
+
+def test_every_torch_load_goes_through_trusted_load() -> None:
+    """Issue 42 #5: one function loads torch files (``checkpoint.trusted_load``); no other module calls it."""
+    calls = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "ds_tree").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if re.search(r"\btorch\.load\(", line) and path.name != "checkpoint.py"
+    ]
+    assert calls == []
+
+
 def train_once(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     command = [PYTHON, "-m", "ds_tree.train", "--config", str(config), *overrides]
     return subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -141,3 +141,20 @@ def test_get_shared_data_converts_the_upstream_shapes(tmp_path):
     ]  # fmt: skip
     assert (out / "tot-game24/LICENSE").read_text() == "MIT tot" and not list(out.rglob("*.partial"))
     assert tool.main(["--source", str(tmp_path / "missing"), "--output", str(out)]) == 2
+
+
+def test_get_shared_data_names_the_file_and_line_of_a_malformed_source(tmp_path, capsys):
+    """Issue 42 #29: a malformed upstream file was reported as a bare JSON error; it names the file and line."""
+    from tools import get_shared_data as tool
+
+    results = tmp_path / tool.TAU2["repo"] / tool.TAU2["results"]
+    results.parent.mkdir(parents=True)
+    results.write_text('{\n  "info": {},\n  "tasks": [,]\n}\n')
+    argv = ["--source", str(tmp_path), "--output", str(tmp_path / "out"), "--only", "tau2-telecom"]
+    assert tool.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {results}:3: malformed JSON (Expecting value at column 13)"), err
+    results.write_bytes(b'{"info": "\xff"}')
+    assert tool.main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"error: {results}: not UTF-8 text (byte 0xff at byte 11)")
+    assert not (tmp_path / "out").exists()

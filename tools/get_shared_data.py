@@ -45,21 +45,53 @@ class SourceError(Exception):
     """An upstream file missing or not in the expected shape."""
 
 
-def fetch(spec: dict, key: str, source: Path | None) -> bytes:
-    """One upstream file: from ``source / repo / path`` or ``source / path`` if given, else downloaded."""
+def locate(spec: dict, key: str, source: Path | None) -> Path | str:
+    """Where one upstream file is read from: ``source / repo / path`` or ``source / path`` if
+    ``source`` is given (the first that exists), else its URL."""
     path = spec[key]
     if source is not None:
         for candidate in (source / spec["repo"] / path, source / path):
             if candidate.is_file():
-                return candidate.read_bytes()
+                return candidate
         raise SourceError(f"{source / path}: no such file (nor {source / spec['repo'] / path})")
-    url = RAW.format(repo=spec["repo"], commit=spec["commit"], path=path)
+    return RAW.format(repo=spec["repo"], commit=spec["commit"], path=path)
+
+
+def fetch(spec: dict, key: str, source: Path | None) -> bytes:
+    """One upstream file: from ``source / repo / path`` or ``source / path`` if given, else downloaded."""
+    url = locate(spec, key, source)
+    if isinstance(url, Path):
+        return url.read_bytes()
     print(f"downloading {url}", file=sys.stderr)
     try:
         with urllib.request.urlopen(url, timeout=120) as response:
             return response.read()
     except OSError as error:
         raise SourceError(f"{url}: {error}") from error
+
+
+def fetch_text(spec: dict, key: str, source: Path | None) -> str:
+    """An upstream text file, decoded as UTF-8; a bad byte is a :class:`SourceError` naming the file."""
+    data = fetch(spec, key, source)
+    try:
+        return data.decode()
+    except UnicodeDecodeError as error:
+        where = locate(spec, key, source)
+        raise SourceError(
+            f"{where}: not UTF-8 text (byte 0x{data[error.start]:02x} at byte {error.start + 1})"
+        ) from None
+
+
+def fetch_json(spec: dict, key: str, source: Path | None) -> object:
+    """An upstream JSON file, parsed; malformed JSON is a :class:`SourceError` naming the file, line and column."""
+    text = fetch_text(spec, key, source)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        where = locate(spec, key, source)
+        raise SourceError(f"{where}:{error.lineno}: malformed JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:
+        raise SourceError(f"{locate(spec, key, source)}: JSON nested too deeply to read") from None
 
 
 def tau2_records(results: dict) -> list[dict]:
@@ -153,11 +185,11 @@ def write(folder: Path, name: str, records: list[dict], license_text: bytes) -> 
 
 def build(name: str, output: Path, source: Path | None) -> Path:
     if name == "tau2-telecom":
-        results = json.loads(fetch(TAU2, "results", source))
+        results = fetch_json(TAU2, "results", source)
         return write(output / name, "trials.jsonl", tau2_records(results), fetch(TAU2, "license", source))
-    log = json.loads(fetch(GAME24, "log", source))
-    template = cot_template(fetch(GAME24, "prompts", source).decode())
-    records = game24_records(log, fetch(GAME24, "puzzles", source).decode(), template)
+    log = fetch_json(GAME24, "log", source)
+    template = cot_template(fetch_text(GAME24, "prompts", source))
+    records = game24_records(log, fetch_text(GAME24, "puzzles", source), template)
     return write(output / name, "samples.jsonl", records, fetch(GAME24, "license", source))
 
 

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import BENCH_DTYPES, ENGINES, MODES
-from ds_tree.cli.common import command_parser
+from ds_tree.cli.common import check_not_input, command_parser
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    for option, output in (("--json", args.json), ("--profile", args.profile)):
+        check_not_input(parser, option, output, [args.data, args.model])
     import torch
 
     from ds_tree.attention.registry import resolve_engine

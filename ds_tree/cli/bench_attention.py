@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES
-from ds_tree.cli.common import command_parser
+from ds_tree.cli.common import check_not_input, command_parser
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 2:
         parser.error("--repeats must be at least 2 (the first is a warm-up for the median)")
+    check_not_input(parser, "--json", args.json, [args.data])
     import torch
 
     from ds_tree.bench.attention import time_attention

@@ -1,11 +1,13 @@
 """What the commands share: a parser whose ``--help`` shows the command's plain-text description,
-and the checks of an output path that run before any work is done."""
+and the checks of an output path that run before any work is done (no command writes over one of
+its inputs: :func:`check_not_input`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -29,11 +31,51 @@ def output_file_problem(path: Path) -> str | None:
     return None
 
 
-def check_output_file(parser: argparse.ArgumentParser, path: Path) -> None:
-    """A usage error (exit 2) on ``--output`` where no file can be written at ``path`` (:func:`output_file_problem`)."""
-    problem = output_file_problem(path)
+def same_path(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` name the same file or directory: equal once resolved (symlinks
+    followed), or one file under two names (a hard link)."""
+    a, b = Path(a), Path(b)
+    try:
+        if a.resolve() == b.resolve():
+            return True
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+        return False
+
+
+def input_problem(path: Path, inputs: Iterable[str | Path | None]) -> str | None:
+    """Why ``path`` may not be written: it is one of ``inputs`` (:func:`same_path`); ``None`` otherwise."""
+    for source in inputs:
+        if source is not None and str(source) and same_path(path, source):
+            return f"{path}: is the input {source}; write the output elsewhere"
+    return None
+
+
+def check_not_input(
+    parser: argparse.ArgumentParser, option: str, path: Path | None, inputs: Iterable[str | Path | None]
+) -> None:
+    """A usage error (exit 2) where the output ``path`` of ``option`` is one of the command's
+    ``inputs`` (resolved, links followed): no command writes over what it reads."""
+    problem = path is not None and input_problem(path, inputs)
     if problem:
-        parser.error(f"--output {problem}")
+        parser.error(f"{option} {problem}")
+
+
+def check_output_file(
+    parser: argparse.ArgumentParser,
+    path: Path,
+    inputs: Iterable[str | Path | None] = (),
+    overwrite: bool = True,
+    option: str = "--output",
+) -> None:
+    """A usage error (exit 2) on ``option`` where no file can be written at ``path``
+    (:func:`output_file_problem`), where it is one of ``inputs``, or, unless ``overwrite``, where a
+    file is there already."""
+    problem = output_file_problem(path) or input_problem(path, inputs)
+    if not problem and not overwrite and (path.exists() or path.is_symlink()):
+        problem = f"{path}: exists (pass --overwrite to replace it)"
+    if problem:
+        parser.error(f"{option} {problem}")
 
 
 def output_plot_problem(path: Path) -> str | None:

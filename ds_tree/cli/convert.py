@@ -12,7 +12,8 @@ it is counted.
 
 The summary goes to stdout as one JSON object and into ds_tree_meta.json. A bad line stops the run
 with its file:line and reason (exit 2; --skip-bad skips and counts it instead), and nothing is
-written at --output unless the whole run succeeds.
+written at --output unless the whole run succeeds. --output may not be an input or hold one, and
+--overwrite replaces only a dataset that convert wrote (never a folder holding anything else).
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="chat templates that are not prefix-stable, see above (default %(default)s)",
     )
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines, counted by reason")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --output")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output that a previous convert wrote (only such)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="read at most N records in total")
     return parser
 
@@ -87,6 +92,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         summary = convert(args.input, args.output, args.tokenizer, options, overwrite=args.overwrite)
     except (DataError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # what the checks before the work could not foresee (a full disk, ...)
+        print(f"error: {error.filename or args.output}: {error.strerror or error}", file=sys.stderr)
         return 2
     print(json_text(summary))
     return 0

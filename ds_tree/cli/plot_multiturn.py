@@ -19,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_tree.cli.common import check_numbers, command_parser, metrics_records, output_plot_problem, save_figure
+from ds_tree.cli.common import (
+    check_not_input,
+    check_numbers,
+    command_parser,
+    metrics_records,
+    output_plot_problem,
+    save_figure,
+)
 
 RL_METRICS = (
     "step",
@@ -148,6 +155,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     problem = output_plot_problem(args.output)
     if problem:
         parser.error(f"--output {problem}")
+    check_not_input(parser, "--output", args.output, [args.run / "metrics.jsonl"])
     try:
         warmup, rl, refresh = read_metrics(args.run)
     except ValueError as error:

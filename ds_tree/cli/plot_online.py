@@ -18,7 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_tree.cli.common import check_numbers, command_parser, metrics_records, output_plot_problem, save_figure
+from ds_tree.cli.common import (
+    check_not_input,
+    check_numbers,
+    command_parser,
+    metrics_records,
+    output_plot_problem,
+    save_figure,
+)
 
 METRICS = ("step", "rollout/reward_mean", "rollout/sampled_tokens", "rollout/forward_tokens")
 """What each record of a run's metrics.jsonl must carry."""
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         label, separator, directories = item.partition("=")
         if not separator or not label or not directories:
             parser.error(f"{item!r} is not LABEL=RUN_DIR[,RUN_DIR ...]")
+        check_not_input(parser, "--output", args.output, [Path(d) / "metrics.jsonl" for d in directories.split(",")])
         try:
             runs[label] = average_runs([read_run(Path(d)) for d in directories.split(",")], label)
         except ValueError as error:

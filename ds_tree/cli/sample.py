@@ -7,6 +7,7 @@ chat template with the generation prompt, ids as given; metadata goes to the rew
 ds-tree convert --format tree), tokens one trajectory a line (trains as data.path); both carry
 the sampler's logprobs and the reward. The model stops at the tokenizer's and the model config's
 EOS ids, the chat turn's end (<|im_end|>) when the tokenizer has one, and at each --eos-token.
+An existing --output is replaced only with --overwrite, and never an input (--prompts, --model).
 Prints one JSON summary; a failing reward is reported on stderr and leaves that trajectory
 without a reward. Exits 2 on bad input, before sampling. --engine vllm samples on a vLLM server:
 --vllm-url's (it must serve --model's weights; checked with a probe), or one started from --model
@@ -84,6 +85,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--output", required=True, type=Path, metavar="FILE", help="rollouts JSONL to write (.gz compresses)"
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (never an input)")
     parser.add_argument(
         "--format", choices=("tree", "tokens"), default="tree", help="one explicit tree or one trajectory a line"
     )
@@ -102,7 +104,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    check_output_file(parser, args.output)
+    check_output_file(parser, args.output, inputs=(args.prompts, args.model), overwrite=args.overwrite)
     import torch
 
     from ds_tree.data.convert import load_tokenizer

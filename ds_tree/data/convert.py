@@ -147,7 +147,7 @@ def convert(
     inputs: list[Path], output: Path, tokenizer_dir: str | Path, options: ConvertOptions, overwrite: bool = False
 ) -> dict:
     """Run the conversion; returns the summary (the dataset's meta file, its path and its POR)."""
-    check_output_dir(output, overwrite)  # fail before the work, not after
+    check_output_dir(output, overwrite, inputs)  # fail before the work, not after
     tokenizer = load_tokenizer(tokenizer_dir)
     converter = Converter(options, tokenizer)
     trajectories: list[Trajectory] = []
@@ -185,6 +185,6 @@ def convert(
         "skipped": dict(sorted(skipped.items())),
         "prefix_unstable_kept": converter.prefix_unstable,
     }
-    meta = save_tree_dataset(trajectories, output, meta, overwrite=overwrite)
+    meta = save_tree_dataset(trajectories, output, meta, overwrite=overwrite, inputs=inputs)
     counts = TokenCounts(meta["counts"]["flat_tokens"], meta["counts"]["tree_tokens"])
     return {"output": str(output), **meta, "por": counts.por}

@@ -7,9 +7,12 @@ import gzip
 import json
 import math
 import os
+import sys
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ds_tree.atomic import remove
 from ds_tree.errors import DataError, RecordError
 
 
@@ -24,8 +27,12 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as handle:  # bytes, decoded line by line: a bad byte names its line
-        for number, raw in enumerate(handle, start=1):
+    try:
+        handle = opener(path, "rb")
+    except OSError as error:  # a file without read permission, ...
+        raise DataError(f"{path}: cannot be read ({error.strerror or error})") from None
+    with handle:  # bytes, decoded line by line: a bad byte names its line
+        for number, raw in _lines(path, handle):
             if not raw.strip():
                 continue
             where = f"{path}:{number}"
@@ -38,11 +45,29 @@ def read_jsonl(path: str | Path, keep_going: bool = False) -> Iterator[tuple[str
                 )
             except json.JSONDecodeError as bad:
                 error = RecordError("malformed_json", f"{where}: malformed JSON ({bad.msg} at column {bad.colno})")
+            except RecursionError:
+                error = RecordError("too_deep", f"{where}: JSON nested too deeply to read (over ~{MAX_DEPTH} levels)")
             if error is None and not isinstance(record, dict):
                 error = RecordError("not_an_object", f"{where}: expected a JSON object, got {type(record).__name__}")
             if error is not None and not keep_going:
                 raise error
             yield where, error or record
+
+
+MAX_DEPTH = sys.getrecursionlimit()
+"""About how deep Python's ``json`` reads nesting before it raises ``RecursionError``."""
+
+
+def _lines(path: Path, handle) -> Iterator[tuple[int, bytes]]:
+    """``(number, raw line)`` of an open file; a damaged or truncated gzip stream is a :class:`DataError`
+    naming the file and the last line read whole, not ``EOFError`` or ``zlib.error``."""
+    number = 0
+    try:
+        for number, raw in enumerate(handle, start=1):
+            yield number, raw
+    except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+        reason = str(error).strip() or type(error).__name__
+        raise DataError(f"{path}: damaged or truncated gzip file after line {number} ({reason})") from None
 
 
 def finite(value: object) -> object:
@@ -72,9 +97,10 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
     """
     path = Path(path)
     temporary = path.parent / f".{path.name}.partial-{os.getpid()}"
+    remove(temporary)  # a leftover, or a link planted under its name: created anew ("x"), never followed
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(temporary, "wt", encoding="utf-8") as handle:
+        with opener(temporary, "xt", encoding="utf-8") as handle:
             for record in records:
                 handle.write(json_text(record, separators=(",", ":")) + "\n")
         os.replace(temporary, path)

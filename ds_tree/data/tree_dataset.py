@@ -23,7 +23,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -73,25 +75,78 @@ def dataset_counts(trajectories: list[Trajectory]) -> dict:
     }
 
 
-def check_output_dir(output_dir: Path, overwrite: bool) -> None:
-    """Refuse an existing non-empty output unless ``overwrite``; converters call it before working."""
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())) and not overwrite:
-        raise FileExistsError(f"{output_dir}: exists and is not empty (pass --overwrite to replace it)")
+DATASET_FILE = re.compile(rf"^(data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|{re.escape(META_FILE)})$")
+"""The files of a dataset :func:`save_tree_dataset` writes (``datasets``' Arrow shards and their
+descriptions, and the meta file): ``--overwrite`` replaces a directory holding only these."""
+
+
+def is_tree_dataset_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory written by :func:`save_tree_dataset`: a meta file, and nothing
+    but the files such a directory holds (no folder, no link, no file of anything else)."""
+    if path.is_symlink() or not path.is_dir() or not (path / META_FILE).is_file():
+        return False
+    return all(DATASET_FILE.match(item.name) and item.is_file() and not item.is_symlink() for item in path.iterdir())
+
+
+def check_output_dir(output_dir: Path, overwrite: bool, inputs: tuple[Path, ...] | list[Path] = ()) -> None:
+    """Where a dataset may be written; converters call it before working.
+
+    Refused: an output that is one of ``inputs`` or holds one (resolved, links followed), the
+    current directory or one holding it, an existing file, a folder that cannot be written, and an
+    existing non-empty directory unless ``overwrite`` and it is a dataset this module wrote
+    (:func:`is_tree_dataset_dir`): ``--overwrite`` never deletes anything else.
+    """
+    resolved = output_dir.resolve()
+    for source in inputs:
+        source_path = Path(source).resolve()
+        if source_path == resolved or resolved in source_path.parents:
+            what = "is" if source_path == resolved else "holds"
+            raise DataError(f"--output {output_dir}: {what} the input {source}; write the dataset elsewhere")
+    here = Path.cwd().resolve()
+    if resolved == here or resolved in here.parents:
+        raise DataError(
+            f"--output {output_dir}: is the current directory or holds it, which the dataset would replace; "
+            "give the name of a new directory"
+        )
+    if output_dir.exists() and not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir}: exists and is not a directory (the output is a dataset directory)")
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{output_dir}: exists and is not empty (pass --overwrite to replace it)")
+        if not is_tree_dataset_dir(output_dir):
+            raise FileExistsError(
+                f"{output_dir}: exists and is not a dataset written by ds-tree convert (it holds other files); "
+                "--overwrite replaces only such a dataset: choose another --output, or empty it yourself"
+            )
+    existing = resolved.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise DataError(f"--output {output_dir}: cannot be created ({existing} is not a directory)")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise DataError(f"--output {output_dir}: cannot be written ({existing}: {error.strerror})") from None
 
 
 def save_tree_dataset(
-    trajectories: list[Trajectory], output_dir: str | Path, meta: dict, overwrite: bool = False
+    trajectories: list[Trajectory],
+    output_dir: str | Path,
+    meta: dict,
+    overwrite: bool = False,
+    inputs: tuple[Path, ...] | list[Path] = (),
 ) -> dict:
     """Write ``trajectories`` as a tree dataset; returns the meta dict written beside it.
 
     ``meta`` is merged into ``ds_tree_meta.json`` (tokenizer identity, skip counts, options);
-    counts and the format version are added here. Refuses a non-empty ``output_dir`` unless
-    ``overwrite``.
+    counts and the format version are added here. Refuses what :func:`check_output_dir` refuses
+    (``inputs``: the files the dataset was made from, never written over).
     """
     from datasets import Dataset
 
-    output_dir = Path(output_dir)
-    check_output_dir(output_dir, overwrite)
+    output_dir = Path(output_dir).resolve()  # "." and "dir/.." name a directory by its real name
+    check_output_dir(output_dir, overwrite, inputs)
     if not trajectories:
         raise DataError(f"{output_dir}: nothing to write (no trajectories)")
     top = max(int(t.input_ids.max()) for t in trajectories)
@@ -135,8 +190,8 @@ def read_meta(dataset_dir: str | Path) -> dict:
         raise DataError(f"{dataset_dir}: not a tree dataset (no {META_FILE}; write one with tools/convert.py)")
     try:
         meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DataError(f"{path}: damaged meta file ({error})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise DataError(f"{path}: damaged meta file ({type(error).__name__}: {error})") from None
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise DataError(
             f"{path}: format_version {meta.get('format_version')!r}, this code reads versions "

@@ -686,7 +686,7 @@ class Trainer(RLSteps):
                 "objective.reference_step: 0"
             )
         # memory-mapped: the ranks of a node share the pages instead of each reading the whole file
-        load_reference_state(self.reference, torch.load(file, map_location="cpu", weights_only=True, mmap=True))
+        load_reference_state(self.reference, checkpoint.trusted_load(file, map_location="cpu", mmap=True))
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""

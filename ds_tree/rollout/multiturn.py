@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_tree.atomic import remove
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
@@ -639,7 +640,8 @@ def save_rollouts(output_dir: str | Path, step: int, trees: list[EpisodeTree]) -
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:06d}.jsonl"
     partial = path.with_suffix(".jsonl.partial")
-    with partial.open("w") as handle:
+    remove(partial)  # a leftover, or a link planted under its name: created anew ("x"), never followed
+    with partial.open("x") as handle:
         for tree in sorted(trees, key=lambda t: t.slot):
             for leaf in tree.leaves:
                 handle.write(json.dumps(leaf_record(leaf, tree.task)) + "\n")

@@ -8,7 +8,9 @@ Layout of ``<output_dir>/checkpoints``:
 - ``.partial-step_0000012/``: a save in progress, or the remains of one that failed or was killed.
   Never read; the next save removes it.
 
-A save: every rank's DeepSpeed files go to ``.partial-<tag>``; after a barrier (every rank done),
+A save: every rank's DeepSpeed files go to ``.partial-<tag>`` (a symbolic link in ``checkpoints``
+under the name of anything a save writes is removed first, never written through: nothing a run
+writes lands outside its directory); after a barrier (every rank done),
 rank 0 writes the record into it, renames it to ``<tag>`` (replacing an older directory of that
 step), then points ``latest`` at it (atomically) and prunes. A checkpoint is complete when its
 directory (a real directory, not a link) is named ``step_<digits>`` and its record names that step.
@@ -43,7 +45,7 @@ from pathlib import Path, PurePosixPath
 import torch
 import torch.distributed as dist
 
-from ds_tree.atomic import replace_directory, write_text_atomically
+from ds_tree.atomic import remove, replace_directory, write_text_atomically
 from ds_tree.data.jsonl import json_text
 
 logger = logging.getLogger(__name__)
@@ -239,7 +241,10 @@ def save(
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         for leftover in directory.glob(f"{PARTIAL}*"):
-            shutil.rmtree(leftover, ignore_errors=True)
+            remove(leftover)  # a link under that name too: DeepSpeed would write through it
+        for script in RECOVERY_SCRIPTS:  # DeepSpeed copies them with shutil.copyfile, which follows a link
+            if (directory / script).is_symlink():
+                (directory / script).unlink()
     dist.barrier()
     try:
         engine.save_checkpoint(
@@ -324,30 +329,36 @@ def allowed_globals() -> list:
     return [ZeroStageEnum, LossScaler]
 
 
+_TORCH_LOAD = torch.load  # torch's own, before weights_only_loads() replaces it for a block
+
+
+def trusted_load(f, *args, **kwargs):
+    """The one way the project loads a torch file (DeepSpeed's through :func:`weights_only_loads`,
+    the trainer's ``reference_policy.pt``): ``weights_only=True`` with :func:`allowed_globals`, so a
+    pickle that would run code is refused as a :class:`CheckpointError` naming the file, not a raw
+    ``UnpicklingError`` traceback."""
+    kwargs["weights_only"] = True
+    try:
+        with torch.serialization.safe_globals(allowed_globals()):
+            return _TORCH_LOAD(f, *args, **kwargs)
+    except pickle.UnpicklingError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"refusing to load {f}: it holds more than tensors and DeepSpeed's state, and loading it would "
+            f"run pickled code ({reason})"
+        ) from None
+
+
 @contextmanager
 def weights_only_loads() -> Iterator[None]:
-    """Every ``torch.load`` inside runs with ``weights_only=True`` (DeepSpeed 0.19.8 passes False).
+    """Every ``torch.load`` inside runs as :func:`trusted_load` (DeepSpeed 0.19.8 passes ``weights_only=False``).
 
     Scoped to the ``with`` block (a resume's ``engine.load_checkpoint``): torch's restricted
     unpickler builds tensors, containers and the :func:`allowed_globals` only, so no pickled
     ``__reduce__`` runs. A file that needs anything else is refused with its path.
     """
     original = torch.load
-    allowed = allowed_globals()
-
-    def load(f, *args, **kwargs):
-        kwargs["weights_only"] = True
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return original(f, *args, **kwargs)
-        except pickle.UnpicklingError as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CheckpointError(
-                f"refusing to load {f}: it holds more than tensors and DeepSpeed's state, and loading it would "
-                f"run pickled code ({reason})"
-            ) from None
-
-    torch.load = load
+    torch.load = trusted_load
     try:
         yield
     finally:
@@ -361,6 +372,8 @@ def harden_recovery_scripts(directory: Path) -> None:
     """DeepSpeed copies ``zero_to_fp32.py`` (which loads with ``weights_only=False``) beside the
     checkpoints: rewrite it to load with ``weights_only=True`` and DeepSpeed's two state classes."""
     script = directory / "zero_to_fp32.py"
+    if script.is_symlink():  # not DeepSpeed's copy: never read or written through (save() removes it)
+        return
     try:
         text = script.read_text()
     except OSError:

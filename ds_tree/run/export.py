@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ds_tree.atomic import replace_directory
+from ds_tree.atomic import remove, replace_directory
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 """Chat templates' end-of-turn tokens (the project tokenizer's, Llama 3's, Gemma's, Phi-3's): generation
@@ -36,7 +35,7 @@ def export_hf(engine, directory: Path, rank: int, tokenizer: str = "", merge: bo
     if rank == 0 and peft is not None:
         adapter = directory.parent / "adapter"
         temporary = adapter.with_name(adapter.name + ".partial")
-        shutil.rmtree(temporary, ignore_errors=True)
+        remove(temporary)  # a link planted under that name too: never written through
         save_adapter(peft, state_dict, temporary)
         _apply_umask(temporary)
         replace_directory(temporary, adapter)
@@ -59,7 +58,7 @@ def save_hf(model, state_dict, directory: Path, tokenizer: str = "") -> None:
     options; files get the process umask's permissions like any other output.
     """
     temporary = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(temporary, ignore_errors=True)
+    remove(temporary)  # a link planted under that name too: never written through
     previous = model.config._attn_implementation, model.config.use_cache
     model.config._attn_implementation, model.config.use_cache = "sdpa", True
     try:

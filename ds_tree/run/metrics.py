@@ -24,6 +24,11 @@ class MetricsLogger:
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.is_symlink():  # written by the run, never through a link to a file elsewhere
+            logger.warning(
+                "%s: a symbolic link (to %s); replaced by the run's own file", self.path, os.readlink(self.path)
+            )
+            self.path.unlink()
         if self.path.exists():  # a resumed run: drop records of steps it will redo
             kept = [line for line, record in self.read_records() if record["step"] <= resume_step]
             write_text_atomically(self.path, "".join(line + "\n" for line in kept))
@@ -74,7 +79,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         line = (json_text({"step": step, **scalars}) + "\n").encode()
-        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        descriptor = os.open(self.path, flags, 0o644)
         try:
             written = os.write(descriptor, line)
             if written != len(line):

@@ -130,7 +130,12 @@ def acquire(output_dir: str | Path) -> bool:
         return True
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / LOCK_FILE
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if path.is_symlink():  # the lock writes its holder into the file: never through a link to one elsewhere
+        raise ConfigError(
+            f"{path}: a symbolic link (to {os.readlink(path)}); the run writes its lock file itself, never through "
+            "a link: remove it"
+        )
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         for attempt in range(_RETRIES + 1):
             try:
