@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from ds_tree.rollout.env import (
+    EnvFailure,
     EnvironmentCalls,
     SkyRLTextEnvironment,
     StepResult,
@@ -21,6 +23,7 @@ from ds_tree.rollout.env import (
     ToolEnvironment,
     TRLEnvironment,
     Turn,
+    step_result,
     tool_schema,
 )
 from ds_tree.rollout.envs.secret_tool import SecretToolEnv
@@ -698,3 +701,132 @@ def test_any_model_output_is_at_worst_a_parse_error(tokenizer) -> None:
     deep = '<tool_call>{"name": "get_secret", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + "}}</tool_call>"
     tree = run(runner(tokenizer, SecretToolEnv, [deep, "7"], max_context_tokens=8192, max_new_tokens=4000))
     assert tree.counts["parse_errors"] >= 2 and tree.counts["env_errors"] == 0
+
+
+class BadResult(SecretToolEnv):
+    """``step`` returns one malformed field (the class attribute ``result``) after a tool call."""
+
+    result: dict = {}
+
+    def step(self, turn):
+        return {"messages": [{"role": "tool", "tool_call_id": "x", "content": "7"}], **self.result}
+
+
+def bad_result(**result):
+    return type("Bad", (BadResult,), {"result": result})
+
+
+@pytest.mark.parametrize(
+    "env_class, fragment",
+    [
+        (bad_result(done="false"), "done must be a bool"),
+        (bad_result(done=1), "done must be a bool"),
+        (bad_result(reward=float("nan")), "finite number"),
+        (bad_result(reward=float("inf")), "finite number"),
+        (bad_result(reward="1"), "reward must be a number"),
+        (bad_result(info=[1]), "info must be a dict"),
+        (bad_result(messages=[{"role": "banana", "content": "x"}]), "unknown role 'banana'"),
+        (bad_result(messages=[{"role": "user", "content": "obs \udcff"}]), "lone surrogate"),
+        (bad_result(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "tool_calls"),
+        (bad_result(history=[{"role": "user", "content": "x"}]), "both messages and history"),
+    ],
+)
+def test_environment_results_are_checked_as_strictly_as_data(tokenizer, caplog, env_class, fragment) -> None:
+    # issue 42 #11, #15, #16: each is an environment error of that leaf, never a run-killer nor a silent "done"
+    tree = run(runner(tokenizer, env_class, [CALL, "7"]))
+    assert tree.counts["env_errors"] == 2 and tree.leaves == []
+    assert fragment in caplog.text
+
+
+class BadOpening(SecretToolEnv):
+    opening: list = []
+
+    def reset(self, task):
+        return self.opening
+
+
+@pytest.mark.parametrize(
+    "opening, fragment",
+    [([{"role": "banana", "content": "x"}], "unknown role"), ([{"role": "user", "content": "\udcff"}], "surrogate")],
+)
+def test_reset_messages_are_checked_too(tokenizer, caplog, opening, fragment) -> None:
+    env_class = type("Bad", (BadOpening,), {"opening": opening})
+    tree = run(runner(tokenizer, env_class, [CALL, "7"]))
+    assert tree.counts["env_errors"] == 1 and tree.leaves == [] and fragment in caplog.text
+
+
+def test_skyrl_adapter_does_not_coerce_done_or_reward(tokenizer) -> None:
+    class Text:
+        def init(self, prompt):
+            return prompt, {}
+
+        def step(self, action):
+            return {"observations": [], "reward": float("nan"), "done": "false"}
+
+    env = SkyRLTextEnvironment(lambda task: Text())
+    env.reset({"prompt": [{"role": "user", "content": "hi"}]})
+    with pytest.raises(EnvFailure, match="finite number"):
+        step_result(env.step(Turn("x")))
+
+
+class BrokenConstructor(SecretToolEnv):
+    def __init__(self):
+        raise RuntimeError("no sandbox")
+
+
+class ExitingConstructor(SecretToolEnv):
+    def __init__(self):
+        sys.exit(3)
+
+
+class ExitingStep(SecretToolEnv):
+    def step(self, turn):
+        sys.exit(4)
+
+
+@pytest.mark.parametrize(
+    "env_class, fragment, errors",
+    [
+        (BrokenConstructor, "RuntimeError: no sandbox", 1),
+        (ExitingConstructor, "SystemExit(3,)", 1),
+        (ExitingStep, "SystemExit(4,)", 2),
+    ],
+)
+def test_a_failing_constructor_or_sys_exit_is_an_environment_error(tokenizer, caplog, env_class, fragment, errors):
+    # issue 42 #14 (and sys.exit in any method): the task loses its leaves, the run goes on
+    tree = run(runner(tokenizer, env_class, [CALL, "7"]))
+    assert tree.counts["env_errors"] == errors and tree.leaves == [] and fragment in caplog.text
+    forks = run(runner(tokenizer, Flaky, [CALL, "7"], fork="none"))  # a constructor failing at a fork
+    assert forks.counts["env_errors"] >= 1 and forks.leaves
+
+
+class Flaky(SecretToolEnv):
+    made = 0
+
+    def __init__(self):
+        type(self).made += 1
+        if type(self).made % 2 == 0:
+            raise RuntimeError("flaky")
+        super().__init__()
+
+
+def test_env_module_exiting_at_import_and_constructor_failures_are_config_errors(tmp_path, monkeypatch) -> None:
+    # issue 42 #30, #14, #17: named at the dry run (load_config), not an exit code or a crash at step N
+    from ds_tree.config import ConfigError, load_config
+    from ds_tree.rollout.env import load_environment_class
+
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "never_builds.py").write_text(
+        "from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv\n"
+        "class Env(LoudSecretToolEnv):\n    def __init__(self):\n        raise OSError('no sandbox')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"called sys.exit\(3\)"):
+        load_environment_class("exits_at_import:Env")
+    with pytest.raises(ConfigError, match=r"called sys.exit\(3\)"):
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "rollout.env.path=exits_at_import:Env"])
+    with pytest.raises(ConfigError, match=r"cannot be constructed .*OSError: no sandbox"):
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "rollout.env.path=never_builds:Env"])
+    no_demos = ["rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv", "rollout.env.refresh_every=2"]
+    with pytest.raises(ConfigError, match=r"rollout.env.refresh_every \(2\) needs demonstrations"):
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *no_demos, "rollout.env.warmup_steps=0"])

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ds_tree.data.chat import check_text
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
@@ -312,6 +313,16 @@ class EpisodeRunner:
     def call(self, method, *args, timeout: float | None = None):
         return self.calls.call(method, *args, timeout=timeout or self.env.step_timeout_s)
 
+    def construct(self) -> Environment:
+        """A new environment: the constructor is user code like any method, so it runs under the
+        deadline and its failure (raising, sys.exit, no answer) is an environment error."""
+        env = self.call(self.make_env)
+        if not hasattr(env, "reset") or not hasattr(env, "step"):
+            raise EnvFailure(
+                f"{getattr(self.make_env, '__name__', 'the factory')} returned {type(env).__name__}, not an environment"
+            )
+        return env
+
     def fork(self, live: _Live, task: dict, opening: list[dict]) -> Environment:
         if self.fork_mode == "copy":
             forked = self.call(live.env.fork)
@@ -323,7 +334,7 @@ class EpisodeRunner:
         return self.call(self.replay, live, task, opening, timeout=self.env.step_timeout_s * (len(live.recorded) + 1))
 
     def fresh(self, task: dict, opening: list[dict]) -> Environment:
-        env = self.make_env()
+        env = self.construct()
         messages = check_messages("reset", self.call(env.reset, task))
         if messages != opening:
             raise EnvFailure(
@@ -332,7 +343,7 @@ class EpisodeRunner:
         return env
 
     def replay(self, live: _Live, task: dict, opening: list[dict]) -> Environment:
-        env = self.make_env()
+        env = self.make_env()  # already in a worker thread, under the replay's deadline
         if check_messages("reset", _run(env.reset(task))) != opening:
             raise EnvFailure("replay: reset gave different opening messages for the same task")
         for index, (turn, messages) in enumerate(live.recorded):
@@ -355,15 +366,18 @@ class EpisodeRunner:
         )
         started = time.monotonic()
         forward_before = self.sampler.forward_tokens
-        env = self.make_env()
+        env = None
         try:
+            env = self.construct()
             opening = check_messages("reset", self.call(env.reset, task))
             tools = self.tools(env)
             ids = self.renderer.prompt(opening, tools)
         except Exception as error:
             self.report(label, 0, error)
             counts["env_errors"] += 1
-            tree.nodes.append(TurnNode(-1, stop_reason="env_error", error=str(error)))
+            tree.nodes.append(TurnNode(-1, stop_reason="env_error", error=f"{type(error).__name__}: {error}"))
+            if env is not None:
+                self.close(env)
             return tree
         tree.nodes.append(TurnNode(-1, list(ids), [0] * len(ids), [math.nan] * len(ids)))
         live = [_Live(0, env, list(opening), list(ids), 0, self.settings.width, [])]
@@ -381,6 +395,12 @@ class EpisodeRunner:
 
     def tools(self, env: Environment) -> list[dict] | None:
         schemas = env.tool_schemas() if hasattr(env, "tool_schemas") else []
+        if not isinstance(schemas, list) or not all(isinstance(schema, dict) for schema in schemas):
+            raise EnvFailure(f"tool_schemas must return a list of objects, got {type(schemas).__name__}")
+        try:
+            check_text("tool_schemas", schemas)
+        except ValueError as error:
+            raise EnvFailure(str(error)) from None
         return schemas or None
 
     def report(self, label: str, turn: int, error: BaseException) -> None:
@@ -482,6 +502,17 @@ class EpisodeRunner:
         if result.done:
             self.end(tree, child, child.node, "done")
             return False
+        try:
+            return self.observe(tree, child, result, tools)
+        except EnvFailure as error:  # what the environment wrote cannot be rendered as text
+            self.report(tree.task, child.turn, error)
+            tree.counts["env_errors"] += 1
+            self.end(tree, child, child.node, "env_error", f"{type(error).__name__}: {error}")
+            return False
+
+    def observe(self, tree: EpisodeTree, child: _Live, result: StepResult, tools) -> bool:
+        """Append ``result``'s messages to ``child`` (bridged, or a new branch); whether it goes on."""
+        node = tree.nodes[child.node]
         messages = result.messages
         if result.history is not None:  # an extended history is bridged; a rewritten one starts a new branch
             known = len(child.messages)
@@ -578,18 +609,45 @@ def check_env_config(config) -> None:
             f"leaves a task, not rollout.width ({rollout.width}); make their product the width"
         )
     warmup = rollout.env.warmup_steps
-    if warmup:
-        env_class = load_environment_class(rollout.env.path)
-        if not callable(getattr(env_class, "demonstration", None)):
+    env_class = load_environment_class(rollout.env.path)
+    for name in ("warmup_steps", "refresh_every"):  # both train on demonstrations
+        value = getattr(rollout.env, name)
+        if value and not callable(getattr(env_class, "demonstration", None)):
             raise ConfigError(
-                f"rollout.env.warmup_steps ({warmup}) needs demonstrations, and {rollout.env.path} has no "
-                "demonstration(task, rng) method (docs/ENVIRONMENTS.md); write one or set warmup_steps: 0"
+                f"rollout.env.{name} ({value}) needs demonstrations, and {rollout.env.path} has no "
+                f"demonstration(task, rng) method (docs/ENVIRONMENTS.md); write one or set {name}: 0"
             )
+    check_constructor(env_class, rollout.env)
+    if warmup:
         if warmup >= config.max_steps:
             raise ConfigError(
                 f"rollout.env.warmup_steps ({warmup}) leaves no RL step: it must be less than max_steps "
                 f"({config.max_steps})"
             )
+
+
+def check_constructor(env_class, env: EnvSettings, tries: int = 2) -> None:
+    """Build the environment as a run would (under ``step_timeout_s``, then ``close`` it): a
+    constructor that fails ``tries`` times in a row would fail every task of every step, a config
+    error now rather than a run that keeps no leaf (a failure at run time is a per-task error)."""
+    calls = EnvironmentCalls(max(env.workers, tries))
+    errors = []
+    for _ in range(tries):
+        try:
+            made = calls.call(env_class, timeout=env.step_timeout_s)
+        except Exception as error:
+            errors.append(f"{type(error).__name__}: {error}")
+            continue
+        if hasattr(made, "close"):
+            try:
+                calls.call(made.close, timeout=env.step_timeout_s)
+            except Exception as error:
+                logger.warning("environment close failed: %s: %s", type(error).__name__, error)
+        return
+    raise ConfigError(
+        f"rollout.env.path {env.path}: the environment cannot be constructed ({tries} tries, "
+        f"each within rollout.env.step_timeout_s={env.step_timeout_s} s): {errors[-1]}"
+    )
 
 
 def episode_scalars(trees: list[EpisodeTree]) -> dict[str, float]:
@@ -722,9 +780,10 @@ class MultiTurnRollouts(OnlineRollouts):
         for slot, index in enumerate(self.sampler.groups_for_step(step)):
             task = self.tasks[index]
             rng = random.Random(f"{self.config.rollout.seed}/{step}/{update}/{slot}")
-            env = self.env_class()
             where = f"{self.config.rollout.env.path} demonstration of {task.label} (step {step + 1}, update {update})"
+            env = None
             try:
+                env = self.env_class()
                 messages = env.demonstration(task.task, rng)
                 rendered = render_chat(self.tokenizer, messages, self.tools_of(env), where=where)
                 if step >= self.config.rollout.env.warmup_steps:  # a refresh: every assistant turn but the last
@@ -736,7 +795,8 @@ class MultiTurnRollouts(OnlineRollouts):
                 raise DataError(f"{where}: {type(error).__name__}: {error}") from error
             finally:
                 try:
-                    _run(env.close())
+                    if env is not None:
+                        _run(env.close())
                 except Exception as error:  # best effort, as after an episode
                     logger.warning("environment close failed: %s: %s", type(error).__name__, error)
             trajectories.append(
