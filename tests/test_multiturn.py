@@ -830,3 +830,41 @@ def test_env_module_exiting_at_import_and_constructor_failures_are_config_errors
     no_demos = ["rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv", "rollout.env.refresh_every=2"]
     with pytest.raises(ConfigError, match=r"rollout.env.refresh_every \(2\) needs demonstrations"):
         load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *no_demos, "rollout.env.warmup_steps=0"])
+
+
+def test_a_task_that_keeps_no_leaf_names_the_real_cause(tokenizer) -> None:
+    # issue 42 #25: not "environment errors ... see the warnings above" when it was the context or the clock
+    from ds_tree.rollout.multiturn import lost_tasks
+
+    short = run(runner(tokenizer, SecretToolEnv, [CALL, "7"], max_context_tokens=20))
+    slow = run(runner(tokenizer, SecretToolEnv, [CALL, "7"], episode_timeout_s=1e-9))
+    broken = run(runner(tokenizer, Raising, [CALL, "7"]))
+    assert short.leaves == slow.leaves == broken.leaves == []
+    assert "the prompt (" in lost_tasks([short], 20, 600) and "(20 tokens: rollout.env.max_context_tokens" in (
+        lost_tasks([short], 20, 600)
+    )
+    assert "rollout.env.episode_timeout_s (1e-09 s) ran out" in lost_tasks([slow], 512, 1e-9)
+    assert lost_tasks([broken, short], 20, 600).startswith("1 task(s): environment errors (first: RuntimeError")
+
+
+def test_saved_rollouts_and_group_ids_share_one_step_numbering(tokenizer, tokenizer_dir, tmp_path: Path) -> None:
+    # issue 42 #32: step_000003.jsonl holds groups of step 3 (the console's step), not step2
+    from types import SimpleNamespace
+
+    from ds_tree.config import load_config
+    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.rollout.multiturn import MultiTurnRollouts
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
+    overrides = [f"rollout.prompts={tmp_path / 'tasks.jsonl'}", f"model.tokenizer={tokenizer_dir}"]
+    config = load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *overrides, "rollout.prompts_per_step=4"])
+    online = MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
+    online.runner = runner(tokenizer, SecretToolEnv, [CALL, "7"])
+    step = 2  # 0-based inside the loop: the console's step 3
+    tree = online.sample_episode(step, 0, 0)
+    path = save_rollouts(tmp_path, step + 1, [tree])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert path.name == "step_000003.jsonl" and records
+    assert all("/step3/" in record["group_id"] for record in records)
+    assert "(step 3, slot 0)" in tree.leaves[0].trajectory.source
+    assert all("/step3/" in t.group_id for t in online.demonstrations(step, 0))

@@ -650,6 +650,32 @@ def check_constructor(env_class, env: EnvSettings, tries: int = 2) -> None:
     )
 
 
+def lost_tasks(trees: list[EpisodeTree], max_context: int, episode_timeout_s: float) -> str:
+    """Why the tasks that kept no leaf lost them: each cause with its count and the first error."""
+    causes: dict[str, int] = {}
+    for tree in trees:
+        if tree.leaves:
+            continue
+        children = tree.children()
+        ends = [node for index, node in enumerate(tree.nodes) if not children[index]]
+        prompt = len(tree.nodes[0].token_ids) if tree.nodes else 0
+        for node in ends[:1] or [None]:
+            reason = node.stop_reason if node is not None else None
+            if reason == "env_error":
+                cause = f"environment errors (first: {node.error})"
+            elif reason == "length" and not any(n.trainable and any(n.trainable) for n in tree.nodes):
+                cause = (
+                    f"the prompt ({prompt} tokens) leaves no room for a turn under the path limit "
+                    f"({max_context} tokens: rollout.env.max_context_tokens, or packing.budget)"
+                )
+            elif reason == "timeout":
+                cause = f"rollout.env.episode_timeout_s ({episode_timeout_s} s) ran out before a turn was sampled"
+            else:
+                cause = f"no sampled token on any kept path (stop reason {reason})"
+            causes[cause] = causes.get(cause, 0) + 1
+    return "; ".join(f"{count} task(s): {cause}" for cause, count in causes.items()) or "none lost"
+
+
 def episode_scalars(trees: list[EpisodeTree]) -> dict[str, float]:
     """The ``rollout/`` metrics of one step's episode trees (all ranks)."""
     leaves = [leaf for tree in trees for leaf in tree.leaves]
@@ -757,7 +783,8 @@ class MultiTurnRollouts(OnlineRollouts):
         generator = slot_generator(self.config.rollout.seed, step, slot, device)
         with torch.no_grad():
             tree = self.runner_for_model().run(task.task, task.label, slot, step, generator)
-        tree.build_leaves(f"{task.label}/step{step}/slot{slot}", f"{task.source} (step {step}, slot {slot})")
+        # one numbering: the console's and the saved file's 1-based step (``step`` counts from 0)
+        tree.build_leaves(f"{task.label}/step{step + 1}/slot{slot}", f"{task.source} (step {step + 1}, slot {slot})")
         return tree
 
     def warming_up(self, step: int) -> bool:
@@ -803,7 +830,7 @@ class MultiTurnRollouts(OnlineRollouts):
                 Trajectory(
                     input_ids=rendered.input_ids,
                     loss_mask=rendered.loss_mask,
-                    group_id=f"{task.label}/step{step}/update{update}/slot{slot}",
+                    group_id=f"{task.label}/step{step + 1}/update{update}/slot{slot}",
                     source=where,
                 )
             )
@@ -830,8 +857,10 @@ class MultiTurnRollouts(OnlineRollouts):
         kept = [leaf.trajectory for tree in trees for leaf in tree.leaves]
         groups = len({t.group_id for t in kept})
         if groups < self.config.objective.mini_batches:
+            env = self.config.rollout.env
+            why = lost_tasks(trees, env.max_context_tokens or path_limit(self.config)[0], env.episode_timeout_s)
             raise RuntimeError(
-                f"step {step + 1}: only {groups} task(s) kept a leaf (environment errors dropped the rest), "
-                f"fewer than objective.mini_batches={self.config.objective.mini_batches}; see the warnings above"
+                f"step {step + 1}: only {groups} task(s) kept a leaf, fewer than objective.mini_batches="
+                f"{self.config.objective.mini_batches}; the others lost every leaf to: {why}"
             )
         return kept
