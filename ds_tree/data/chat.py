@@ -16,6 +16,11 @@ full rendering. A turn that fails is left untrained and counted in
 :attr:`RenderedChat.unstable_turns`; the caller decides (``--prefix-policy``) whether to keep
 such a trajectory (full rendering, stable turns trained), drop it, or stop. Never silent.
 
+Content is text: a special token's string inside a message's content or a tool call's arguments
+(``<|im_end|>`` in a tool result) is encoded as ordinary text, never as the special id; only the
+template's own structure produces special ids (:class:`ChatText`). Text that is not valid Unicode (a
+lone surrogate) is a record error.
+
 Cost: two renderings per trained assistant turn, each tokenised in full, so O(turns x length)
 per conversation (tau2-telecom: about 0.5 s for 14k tokens and 10 assistant turns).
 """
