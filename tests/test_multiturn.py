@@ -698,6 +698,13 @@ def test_any_model_output_is_at_worst_a_parse_error(tokenizer) -> None:
     for arguments in ("[" * 1000 + "]" * 1000, "[" * 40 + "]" * 40, "9" * 5000):
         parsed = parse_tool_calls(f'<tool_call>{{"name": "f", "arguments": {{"a": {arguments}}}}}</tool_call>')
         assert parsed.error is not None and parsed.turn.tool_calls == []
+    # a call whose name or arguments hold a special token (the model sampled one inside it)
+    renderer, im_start = Renderer(tokenizer, STOPS), tokenizer.convert_tokens_to_ids("<|im_start|>")
+    for body in ('{"name": "get_secret', '{"name": "get_secret", "arguments": {"a": "'):
+        ids = tokenizer.encode(f"<tool_call>{body}", add_special_tokens=False) + [im_start]
+        ids += tokenizer.encode('"}' if "arguments" not in body else '"}}', add_special_tokens=False)
+        parsed = renderer.parse(ids + tokenizer.encode("</tool_call>", add_special_tokens=False) + [4])
+        assert parsed.turn.tool_calls == [] and "contain a special token" in parsed.error
     deep = '<tool_call>{"name": "get_secret", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + "}}</tool_call>"
     tree = run(runner(tokenizer, SecretToolEnv, [deep, "7"], max_context_tokens=8192, max_new_tokens=4000))
     assert tree.counts["parse_errors"] >= 2 and tree.counts["env_errors"] == 0

@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ds_tree.data.chat import ChatText, UnsafeText, encode_rendered
+from ds_tree.data.chat import ChatText, UnsafeText, encode_rendered, special_token_strings
 from ds_tree.rollout.env import EnvFailure, ToolCall, Turn
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -156,7 +156,15 @@ class Renderer:
         ids = list(sampled_ids)
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
+        parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
+        specials = special_token_strings(self.tokenizer)
+        for index, call in enumerate(parsed.turn.tool_calls):  # rendered as markup by some templates
+            spelled = json.dumps([call.name, call.arguments], ensure_ascii=False)
+            if any(special in spelled for special in specials):
+                error = f"tool call {index + 1}: its name or arguments contain a special token"
+                parsed.turn.tool_calls = []
+                return ParsedTurn(parsed.turn, "; ".join(filter(None, [parsed.error, error])))
+        return parsed
 
     def cut(self, message: dict) -> dict:
         """``message`` with its content cut to ``max_observation_tokens`` tokens and a visible marker."""
