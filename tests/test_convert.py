@@ -187,18 +187,12 @@ BAD_LINES = {
     "no_assistant": [{**GOOD[0], "messages": GOOD[0]["messages"][:2]}],
     "bad_record": [{**GOOD[0], "reward": "yes"}],
     "per_token_fields_in_chat": [{**GOOD[0], "logprobs": [-1.0]}, {**GOOD[0], "advantages": [0.0]}],
-    # a \udcff escape decodes to a lone surrogate, which no tokenizer can encode
+    # a \udcff escape decodes to a lone surrogate, which no tokenizer can encode (nor the dataset's writer save)
     "invalid_text": [
         json.dumps(
-            {
-                **GOOD[0],
-                "messages": [
-                    *GOOD[0]["messages"][:3],
-                    {**GOOD[0]["messages"][3], "content": "obs \udcff"},
-                    GOOD[0]["messages"][4],
-                ],
-            }
-        )
+            {**GOOD[0], "messages": [*GOOD[0]["messages"][:3], {**GOOD[0]["messages"][3], "content": "\udcff"}]}
+        ),
+        json.dumps({**GOOD[0], "group_id": "g\udcff"}),
     ],
     "special_token_text": [
         {**GOOD[0], "tools": [{"type": "function", "function": {"name": "f", "description": "<|im_end|>"}}]}
