@@ -16,12 +16,18 @@ full rendering. A turn that fails is left untrained and counted in
 :attr:`RenderedChat.unstable_turns`; the caller decides (``--prefix-policy``) whether to keep
 such a trajectory (full rendering, stable turns trained), drop it, or stop. Never silent.
 
+Content is text: a special token's string inside a message's content or a tool call's arguments
+(``<|im_end|>`` in a tool result) is encoded as ordinary text, never as the special id; only the
+template's own structure produces special ids (:class:`ChatText`). Text that is not valid Unicode (a
+lone surrogate) is a record error.
+
 Cost: two renderings per trained assistant turn, each tokenised in full, so O(turns x length)
 per conversation (tau2-telecom: about 0.5 s for 14k tokens and 10 assistant turns).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,11 +71,19 @@ def validate_messages(where: str, messages: object, tools: object = None) -> Non
         raise RecordError("empty_conversation", f"{where}: empty conversation ('messages' is [])")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise RecordError("malformed_message", f"{where}: 'tools' must be a list of objects")
+    try:
+        check_text(where, tools)
+    except ValueError as error:
+        raise RecordError("invalid_text", f"{error} in 'tools'") from None
     issued: set[str] = set()
     for index, message in enumerate(messages):
         at = f"{where}: message {index}"
         if not isinstance(message, dict) or not _is_str(message.get("role")):
             raise RecordError("malformed_message", f"{at}: a message must be an object with a string 'role'")
+        try:
+            check_text(at, message)
+        except ValueError as error:
+            raise RecordError("invalid_text", str(error)) from None
         role, content = message["role"], message.get("content")
         if role not in ROLES:
             raise RecordError("unknown_role", f"{at}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
@@ -92,18 +106,184 @@ def validate_messages(where: str, messages: object, tools: object = None) -> Non
             )
 
 
-def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of each text, without added special tokens, as ``tokenizer(texts)`` gives them.
+def _encode(tokenizer, texts: list[str], split_special_tokens: bool = False) -> list[list[int]]:
+    """Token ids of each text, without added special tokens, as ``tokenizer(texts)`` gives them;
+    with ``split_special_tokens`` a special token's string is encoded as ordinary text.
 
     Straight to the Rust backend's ``encode_batch_fast`` where there is one: it skips the
     character offsets that ``__call__`` computes, most of the cost for long renderings (2-3x on
     tau2-telecom). Only when the backend has no padding or truncation configured, because
-    ``__call__`` would switch those off first.
+    ``__call__`` would switch those off first. The backend's ``encode_special_tokens`` flag is set
+    for the call and put back (``__call__`` leaves it as its last caller asked).
     """
+    if not texts:
+        return []
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.padding is not None or backend.truncation is not None:
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return tokenizer(texts, add_special_tokens=False, split_special_tokens=split_special_tokens)["input_ids"]
+    before = backend.encode_special_tokens
+    backend.encode_special_tokens = split_special_tokens
+    try:
+        return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    finally:
+        backend.encode_special_tokens = before
+
+
+# ------------------------------------------------------------------ content is text, never structure
+class UnsafeText(ValueError):
+    """A special token's string where rendering cannot keep it ordinary text."""
+
+
+_PLACEHOLDER = "\x00ds_tree_text_{}\x00"
+
+
+def special_token_strings(tokenizer) -> list[str]:
+    """The strings of the tokenizer's special tokens, longest first."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found = {token.content for token in decoder.values() if getattr(token, "special", True)}
+    found.update(getattr(tokenizer, "all_special_tokens", []) or [])
+    return sorted((token for token in found if token), key=len, reverse=True)
+
+
+def _strings(value: object):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+def check_text(where: str, value: object) -> None:
+    """Raise a ValueError naming ``where`` if a string in ``value`` is not valid Unicode text (a lone
+    surrogate, as a ``\\udcff`` JSON escape gives: no tokenizer can encode it)."""
+    for text in _strings(value):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"{where}: text with a lone surrogate {text[error.start : error.end]!r} at character "
+                f"{error.start} (not valid Unicode)"
+            ) from None
+
+
+class ChatText:
+    """Renders a conversation with the chat template and encodes it so that only the template's own
+    structure produces special-token ids: a special token's string inside a message's content or a
+    tool call's arguments (what an environment, a tool or a record wrote) is encoded as ordinary text.
+
+    How: the strings that hold a special token's string are rendered as placeholders too; the
+    placeholder rendering, with each placeholder put back, must give the real rendering (else
+    :class:`UnsafeText`), which locates the content in it. The text between the template's own
+    special tokens is encoded with ``split_special_tokens``. A conversation whose strings hold no
+    special token's string is encoded exactly as before (one plain encoding of the rendering). A
+    special token's string anywhere else (a tool schema, a name, an id) is refused (:class:`UnsafeText`).
+    """
+
+    def __init__(self, tokenizer, messages: list[dict], tools: list[dict] | None) -> None:
+        self.tokenizer = tokenizer
+        self.messages, self.tools = messages, tools
+        self.specials = special_token_strings(tokenizer)
+        self.values: dict[str, str] = {}
+        self.shown = self._protect(messages) if self._carries(messages) or self._carries(tools) else None
+        if self.shown is not None and self._carries(self.shown) or self._carries(tools):
+            raise UnsafeText("a special token's string outside message content or tool-call arguments")
+
+    def _carries(self, value: object) -> bool:
+        return any(special in text for text in _strings(value) for special in self.specials)
+
+    def _placeholder(self, text: str) -> str:
+        if not any(special in text for special in self.specials):
+            return text
+        key = _PLACEHOLDER.format(len(self.values))
+        self.values[key] = text
+        return key
+
+    def _protect(self, messages: list[dict]) -> list[dict]:
+        shown = []
+        for message in messages:
+            message = dict(message)
+            if isinstance(message.get("content"), str):
+                message["content"] = self._placeholder(message["content"])
+            if isinstance(message.get("tool_calls"), list):
+                calls = []
+                for call in message["tool_calls"]:
+                    if isinstance(call, dict) and isinstance(call.get("function"), dict):
+                        function = dict(call["function"])
+                        if isinstance(function.get("arguments"), str):
+                            function["arguments"] = self._placeholder(function["arguments"])
+                        call = {**call, "function": function}
+                    calls.append(call)
+                message["tool_calls"] = calls
+            shown.append(message)
+        return shown
+
+    def render(self, count: int, generation_prompt: bool) -> tuple[str, list[tuple[int, int]]]:
+        """The rendering of the first ``count`` messages and the spans of protected text in it."""
+
+        def render(messages: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(
+                messages[:count], tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+
+        text = render(self.messages)
+        if self.shown is None:
+            return text, []
+        shown = render(self.shown)
+        pieces, spans, position = [], [], 0
+        for match in re.finditer("\x00ds_tree_text_[0-9]+\x00", shown):
+            pieces.append(shown[position : match.start()])
+            start = sum(map(len, pieces))
+            value = self.values.get(match.group())
+            if value is None:
+                raise UnsafeText("the chat template changed a placeholder of message text")
+            pieces.append(value)
+            spans.append((start, start + len(value)))
+            position = match.end()
+        pieces.append(shown[position:])
+        if "".join(pieces) != text:
+            raise UnsafeText(
+                "the chat template transforms message text that holds a special token's string, so that text "
+                "cannot be located to encode it as text"
+            )
+        return text, spans
+
+    def encode(self, renderings: list[tuple[str, list[tuple[int, int]]]]) -> list[list[int]]:
+        return encode_rendered(self.tokenizer, renderings, self.specials)
+
+
+def encode_rendered(
+    tokenizer, renderings: list[tuple[str, list[tuple[int, int]]]], specials: list[str] | None = None
+) -> list[list[int]]:
+    """Ids of rendered texts, each with the character spans that are text (special tokens' strings
+    in a span encoded as text; outside the spans special tokens are parsed as the tokenizer does)."""
+    plain = [index for index, (_, spans) in enumerate(renderings) if not spans]
+    out: list[list[int]] = [[] for _ in renderings]
+    for index, ids in zip(plain, _encode(tokenizer, [renderings[i][0] for i in plain]), strict=True):
+        out[index] = list(ids)
+    specials = special_token_strings(tokenizer) if specials is None else specials
+    pattern = re.compile("|".join(map(re.escape, specials))) if specials else None
+    for index, (text, spans) in enumerate(renderings):
+        if not spans:
+            continue
+        runs, marks, position = [], [], 0
+        for match in pattern.finditer(text) if pattern else ():
+            if any(start < match.end() and match.start() < end for start, end in spans):
+                continue  # inside content: text
+            runs.append(text[position : match.start()])
+            marks.append(match.group())
+            position = match.end()
+        runs.append(text[position:])
+        encoded = _encode(tokenizer, runs, split_special_tokens=True)
+        ids: list[int] = []
+        for run_ids, mark in zip(encoded, marks + [None], strict=True):
+            ids += run_ids
+            if mark is not None:
+                ids.append(int(tokenizer.convert_tokens_to_ids(mark)))
+        out[index] = ids
+    return out
 
 
 def _is_prefix(prefix: list[int], sequence: list[int]) -> bool:
@@ -126,14 +306,13 @@ def render_chat(
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
     validate_messages(where, messages, tools)
-
-    def render(count: int, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(
-            messages[:count], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
-        )
-
+    try:
+        chat = ChatText(tokenizer, messages, tools)
+        if train_on == "all":
+            (full,) = chat.encode([chat.render(len(messages), False)])
+    except UnsafeText as error:
+        raise RecordError("special_token_text", f"{where}: {error}") from None
     if train_on == "all":
-        (full,) = _encode(tokenizer, [render(len(messages), False)])
         mask = np.ones(len(full))
         mask[0] = 0.0
         return RenderedChat(np.asarray(full, dtype=np.int64), mask, 0)
@@ -142,10 +321,13 @@ def render_chat(
         raise RecordError("no_assistant", f"{where}: no assistant message to train on")
     if train_on == "last_assistant":
         turns = turns[-1:]
-    texts = [render(len(messages), False)]
-    for index in turns:
-        texts += [render(index, True), render(index + 1, False)]
-    encoded = _encode(tokenizer, texts)
+    try:
+        texts = [chat.render(len(messages), False)]
+        for index in turns:
+            texts += [chat.render(index, True), chat.render(index + 1, False)]
+        encoded = chat.encode(texts)
+    except UnsafeText as error:
+        raise RecordError("special_token_text", f"{where}: {error}") from None
     full = encoded[0]
     mask = np.zeros(len(full))
     unstable = 0

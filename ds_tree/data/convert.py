@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ds_tree.data.chat import TRAIN_ON, render_chat
+from ds_tree.data.chat import TRAIN_ON, check_text, render_chat
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.records import MISSING, PER_TOKEN_FIELDS, group_id
@@ -104,7 +104,12 @@ class Converter:
         self.prefix_unstable = 0  # trajectories kept with unstable turns untrained (policy "full")
 
     def group_id(self, where: str, record: dict, default: object = MISSING) -> str | int:
-        return group_id(where, record.get(self.options.group_key, default), self.options.group_key)
+        value = group_id(where, record.get(self.options.group_key, default), self.options.group_key)
+        try:  # saved in the dataset: a lone surrogate would fail the write after the whole run
+            check_text(f"{where}: {self.options.group_key}", value)
+        except ValueError as error:
+            raise RecordError("invalid_text", str(error)) from None
+        return value
 
     def render(self, where: str, messages: object, tools: object) -> tuple[np.ndarray, np.ndarray]:
         rendered = render_chat(self.tokenizer, messages, tools, where=where, train_on=self.options.train_on)

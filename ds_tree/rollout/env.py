@@ -32,11 +32,15 @@ import copy
 import importlib
 import inspect
 import json
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from ds_tree.data.chat import check_text
 from ds_tree.sampling.settings import FORK_MODES  # noqa: F401  (re-exported)
 
 
@@ -184,11 +188,14 @@ class SkyRLTextEnvironment(Environment):
 
     def step(self, turn: Turn) -> StepResult:
         output = self.env.step(turn.raw)
-        return StepResult(
-            messages=list(output["observations"]),
-            reward=float(output.get("reward") or 0.0),
-            done=bool(output["done"]),
-            info=dict(output.get("metadata") or {}),
+        if not isinstance(output, dict):
+            raise EnvFailure(f"the SkyRL env's step must return a dict, got {type(output).__name__}")
+        reward = output.get("reward")
+        return StepResult(  # checked as any step's result (step_result): no coercion here
+            messages=output["observations"],
+            reward=0.0 if reward is None else reward,
+            done=output["done"],
+            info=output.get("metadata") or {},
         )
 
     def close(self) -> None:
@@ -244,6 +251,8 @@ def load_environment_class(name: str) -> type:
         raise ValueError(f"{name!r} cannot be imported: {error}") from None
     except Exception as error:  # the module's own code failed
         raise ValueError(f"{name!r} cannot be imported: {type(error).__name__}: {error}") from None
+    except SystemExit as error:  # sys.exit() at import: the run must say so, not exit with its code
+        raise ValueError(f"{name!r} cannot be imported: the module called sys.exit({error.code!r})") from None
     if not callable(found):
         raise ValueError(f"{name!r} is not a class or factory")
     return found
@@ -283,7 +292,12 @@ class EnvironmentCalls:
         if not finished.wait(timeout):
             raise TimeoutError(f"no answer within {timeout} s")
         if "error" in box:
-            raise box["error"]
+            error = box["error"]
+            if not isinstance(error, Exception):  # sys.exit() or the like in user code: its failure only
+                raise EnvFailure(
+                    f"{getattr(method, '__name__', 'the call')} raised {type(error).__name__}{error.args!r}"
+                )
+            raise error
         return box["value"]
 
 
@@ -292,7 +306,9 @@ async def _await(awaitable: Any) -> Any:
 
 
 def step_result(value: object) -> StepResult:
-    """``step``'s return value checked: a :class:`StepResult` (or a dict of its fields) with messages."""
+    """``step``'s return value checked as strictly as data: a :class:`StepResult` (or a dict of its
+    fields) with valid messages (or a ``history``, not both), a finite number for ``reward``, a bool
+    for ``done`` (the string ``"false"`` is not false) and a dict for ``info``."""
     if isinstance(value, dict):
         try:
             value = StepResult(**value)
@@ -300,19 +316,67 @@ def step_result(value: object) -> StepResult:
             raise EnvFailure(f"step returned a dict that is not a StepResult: {error}") from None
     if not isinstance(value, StepResult):
         raise EnvFailure(f"step must return a StepResult, got {type(value).__name__}")
-    check_messages("step", value.history if value.history is not None else value.messages)
-    if isinstance(value.reward, bool) or not isinstance(value.reward, int | float):
-        raise EnvFailure(f"step's reward must be a number, got {value.reward!r}")
+    if value.history is not None:
+        if value.messages:
+            raise EnvFailure("step returned both messages and history: history replaces the conversation, give one")
+        check_messages("step's history", value.history)
+    else:
+        check_messages("step", value.messages)
+    reward = value.reward
+    if isinstance(reward, bool) or not isinstance(reward, int | float | np.integer | np.floating):
+        raise EnvFailure(f"step's reward must be a number, got {reward!r}")
+    if not math.isfinite(reward):
+        raise EnvFailure(f"step's reward must be a finite number, got {reward!r}")
+    if not isinstance(value.done, bool | np.bool_):
+        raise EnvFailure(f"step's done must be a bool, got {value.done!r}")
+    if not isinstance(value.info, dict):
+        raise EnvFailure(f"step's info must be a dict, got {type(value.info).__name__}")
+    value.reward, value.done = float(reward), bool(value.done)
     return value
 
 
+MESSAGE_ROLES = ("system", "user", "assistant", "tool")
+"""The roles an environment's messages may have (those a chat record may have: ds_tree.data.chat.ROLES)."""
+
+
 def check_messages(method: str, messages: object) -> list[dict]:
-    """Messages an environment returned: a list of ``{"role": str, "content": str}`` objects."""
+    """Messages an environment returned, checked as strictly as a chat record's: a list of objects
+    with a known ``role`` and a string ``content`` of valid Unicode text; ``tool_calls`` only on
+    assistant messages, each with a string id and ``function.name``/``function.arguments`` strings."""
     if not isinstance(messages, list):
         raise EnvFailure(f"{method} must return a list of messages, got {type(messages).__name__}")
     for index, message in enumerate(messages):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
             raise EnvFailure(f"{method}: message {index} is not an object with a string 'role'")
+        role = message["role"]
+        if role not in MESSAGE_ROLES:
+            raise EnvFailure(
+                f"{method}: message {index} has unknown role {role!r} (expected one of {', '.join(MESSAGE_ROLES)})"
+            )
         if not isinstance(message.get("content"), str):
-            raise EnvFailure(f"{method}: message {index} ({message['role']}) needs a string 'content'")
+            raise EnvFailure(f"{method}: message {index} ({role}) needs a string 'content'")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise EnvFailure(
+                    f"{method}: message {index}: 'tool_calls' must be a list, on an assistant message only"
+                )
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if not (
+                    isinstance(call, dict)
+                    and isinstance(call.get("id", ""), str)
+                    and isinstance(function, dict)
+                    and isinstance(function.get("name"), str)
+                    and isinstance(function.get("arguments"), str)
+                ):
+                    raise EnvFailure(
+                        f"{method}: message {index}: a tool call needs a 'function' with name and arguments strings"
+                    )
+        if "tool_call_id" in message and not isinstance(message["tool_call_id"], str):
+            raise EnvFailure(f"{method}: message {index}: 'tool_call_id' must be a string")
+        try:
+            check_text(f"{method}: message {index}", message)
+        except ValueError as error:
+            raise EnvFailure(str(error)) from None
     return messages

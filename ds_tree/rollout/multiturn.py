@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.atomic import remove
+from ds_tree.data.chat import check_text
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
@@ -313,6 +314,16 @@ class EpisodeRunner:
     def call(self, method, *args, timeout: float | None = None):
         return self.calls.call(method, *args, timeout=timeout or self.env.step_timeout_s)
 
+    def construct(self) -> Environment:
+        """A new environment: the constructor is user code like any method, so it runs under the
+        deadline and its failure (raising, sys.exit, no answer) is an environment error."""
+        env = self.call(self.make_env)
+        if not hasattr(env, "reset") or not hasattr(env, "step"):
+            raise EnvFailure(
+                f"{getattr(self.make_env, '__name__', 'the factory')} returned {type(env).__name__}, not an environment"
+            )
+        return env
+
     def fork(self, live: _Live, task: dict, opening: list[dict]) -> Environment:
         if self.fork_mode == "copy":
             forked = self.call(live.env.fork)
@@ -324,7 +335,7 @@ class EpisodeRunner:
         return self.call(self.replay, live, task, opening, timeout=self.env.step_timeout_s * (len(live.recorded) + 1))
 
     def fresh(self, task: dict, opening: list[dict]) -> Environment:
-        env = self.make_env()
+        env = self.construct()
         messages = check_messages("reset", self.call(env.reset, task))
         if messages != opening:
             raise EnvFailure(
@@ -333,7 +344,7 @@ class EpisodeRunner:
         return env
 
     def replay(self, live: _Live, task: dict, opening: list[dict]) -> Environment:
-        env = self.make_env()
+        env = self.make_env()  # already in a worker thread, under the replay's deadline
         if check_messages("reset", _run(env.reset(task))) != opening:
             raise EnvFailure("replay: reset gave different opening messages for the same task")
         for index, (turn, messages) in enumerate(live.recorded):
@@ -356,15 +367,18 @@ class EpisodeRunner:
         )
         started = time.monotonic()
         forward_before = self.sampler.forward_tokens
-        env = self.make_env()
+        env = None
         try:
+            env = self.construct()
             opening = check_messages("reset", self.call(env.reset, task))
             tools = self.tools(env)
             ids = self.renderer.prompt(opening, tools)
         except Exception as error:
             self.report(label, 0, error)
             counts["env_errors"] += 1
-            tree.nodes.append(TurnNode(-1, stop_reason="env_error", error=str(error)))
+            tree.nodes.append(TurnNode(-1, stop_reason="env_error", error=f"{type(error).__name__}: {error}"))
+            if env is not None:
+                self.close(env)
             return tree
         tree.nodes.append(TurnNode(-1, list(ids), [0] * len(ids), [math.nan] * len(ids)))
         live = [_Live(0, env, list(opening), list(ids), 0, self.settings.width, [])]
@@ -382,6 +396,12 @@ class EpisodeRunner:
 
     def tools(self, env: Environment) -> list[dict] | None:
         schemas = env.tool_schemas() if hasattr(env, "tool_schemas") else []
+        if not isinstance(schemas, list) or not all(isinstance(schema, dict) for schema in schemas):
+            raise EnvFailure(f"tool_schemas must return a list of objects, got {type(schemas).__name__}")
+        try:
+            check_text("tool_schemas", schemas)
+        except ValueError as error:
+            raise EnvFailure(str(error)) from None
         return schemas or None
 
     def report(self, label: str, turn: int, error: BaseException) -> None:
@@ -483,6 +503,17 @@ class EpisodeRunner:
         if result.done:
             self.end(tree, child, child.node, "done")
             return False
+        try:
+            return self.observe(tree, child, result, tools)
+        except EnvFailure as error:  # what the environment wrote cannot be rendered as text
+            self.report(tree.task, child.turn, error)
+            tree.counts["env_errors"] += 1
+            self.end(tree, child, child.node, "env_error", f"{type(error).__name__}: {error}")
+            return False
+
+    def observe(self, tree: EpisodeTree, child: _Live, result: StepResult, tools) -> bool:
+        """Append ``result``'s messages to ``child`` (bridged, or a new branch); whether it goes on."""
+        node = tree.nodes[child.node]
         messages = result.messages
         if result.history is not None:  # an extended history is bridged; a rewritten one starts a new branch
             known = len(child.messages)
@@ -579,18 +610,71 @@ def check_env_config(config) -> None:
             f"leaves a task, not rollout.width ({rollout.width}); make their product the width"
         )
     warmup = rollout.env.warmup_steps
-    if warmup:
-        env_class = load_environment_class(rollout.env.path)
-        if not callable(getattr(env_class, "demonstration", None)):
+    env_class = load_environment_class(rollout.env.path)
+    for name in ("warmup_steps", "refresh_every"):  # both train on demonstrations
+        value = getattr(rollout.env, name)
+        if value and not callable(getattr(env_class, "demonstration", None)):
             raise ConfigError(
-                f"rollout.env.warmup_steps ({warmup}) needs demonstrations, and {rollout.env.path} has no "
-                "demonstration(task, rng) method (docs/ENVIRONMENTS.md); write one or set warmup_steps: 0"
+                f"rollout.env.{name} ({value}) needs demonstrations, and {rollout.env.path} has no "
+                f"demonstration(task, rng) method (docs/ENVIRONMENTS.md); write one or set {name}: 0"
             )
+    check_constructor(env_class, rollout.env)
+    if warmup:
         if warmup >= config.max_steps:
             raise ConfigError(
                 f"rollout.env.warmup_steps ({warmup}) leaves no RL step: it must be less than max_steps "
                 f"({config.max_steps})"
             )
+
+
+def check_constructor(env_class, env: EnvSettings, tries: int = 2) -> None:
+    """Build the environment as a run would (under ``step_timeout_s``, then ``close`` it): a
+    constructor that fails ``tries`` times in a row would fail every task of every step, a config
+    error now rather than a run that keeps no leaf (a failure at run time is a per-task error)."""
+    calls = EnvironmentCalls(max(env.workers, tries))
+    errors = []
+    for _ in range(tries):
+        try:
+            made = calls.call(env_class, timeout=env.step_timeout_s)
+        except Exception as error:
+            errors.append(f"{type(error).__name__}: {error}")
+            continue
+        if hasattr(made, "close"):
+            try:
+                calls.call(made.close, timeout=env.step_timeout_s)
+            except Exception as error:
+                logger.warning("environment close failed: %s: %s", type(error).__name__, error)
+        return
+    raise ConfigError(
+        f"rollout.env.path {env.path}: the environment cannot be constructed ({tries} tries, "
+        f"each within rollout.env.step_timeout_s={env.step_timeout_s} s): {errors[-1]}"
+    )
+
+
+def lost_tasks(trees: list[EpisodeTree], max_context: int, episode_timeout_s: float) -> str:
+    """Why the tasks that kept no leaf lost them: each cause with its count and the first error."""
+    causes: dict[str, int] = {}
+    for tree in trees:
+        if tree.leaves:
+            continue
+        children = tree.children()
+        ends = [node for index, node in enumerate(tree.nodes) if not children[index]]
+        prompt = len(tree.nodes[0].token_ids) if tree.nodes else 0
+        for node in ends[:1] or [None]:
+            reason = node.stop_reason if node is not None else None
+            if reason == "env_error":
+                cause = f"environment errors (first: {node.error})"
+            elif reason == "length" and not any(n.trainable and any(n.trainable) for n in tree.nodes):
+                cause = (
+                    f"the prompt ({prompt} tokens) leaves no room for a turn under the path limit "
+                    f"({max_context} tokens: rollout.env.max_context_tokens, or packing.budget)"
+                )
+            elif reason == "timeout":
+                cause = f"rollout.env.episode_timeout_s ({episode_timeout_s} s) ran out before a turn was sampled"
+            else:
+                cause = f"no sampled token on any kept path (stop reason {reason})"
+            causes[cause] = causes.get(cause, 0) + 1
+    return "; ".join(f"{count} task(s): {cause}" for cause, count in causes.items()) or "none lost"
 
 
 def episode_scalars(trees: list[EpisodeTree]) -> dict[str, float]:
@@ -701,7 +785,8 @@ class MultiTurnRollouts(OnlineRollouts):
         generator = slot_generator(self.config.rollout.seed, step, slot, device)
         with torch.no_grad():
             tree = self.runner_for_model().run(task.task, task.label, slot, step, generator)
-        tree.build_leaves(f"{task.label}/step{step}/slot{slot}", f"{task.source} (step {step}, slot {slot})")
+        # one numbering: the console's and the saved file's 1-based step (``step`` counts from 0)
+        tree.build_leaves(f"{task.label}/step{step + 1}/slot{slot}", f"{task.source} (step {step + 1}, slot {slot})")
         return tree
 
     def warming_up(self, step: int) -> bool:
@@ -724,9 +809,10 @@ class MultiTurnRollouts(OnlineRollouts):
         for slot, index in enumerate(self.sampler.groups_for_step(step)):
             task = self.tasks[index]
             rng = random.Random(f"{self.config.rollout.seed}/{step}/{update}/{slot}")
-            env = self.env_class()
             where = f"{self.config.rollout.env.path} demonstration of {task.label} (step {step + 1}, update {update})"
+            env = None
             try:
+                env = self.env_class()
                 messages = env.demonstration(task.task, rng)
                 rendered = render_chat(self.tokenizer, messages, self.tools_of(env), where=where)
                 if step >= self.config.rollout.env.warmup_steps:  # a refresh: every assistant turn but the last
@@ -738,14 +824,15 @@ class MultiTurnRollouts(OnlineRollouts):
                 raise DataError(f"{where}: {type(error).__name__}: {error}") from error
             finally:
                 try:
-                    _run(env.close())
+                    if env is not None:
+                        _run(env.close())
                 except Exception as error:  # best effort, as after an episode
                     logger.warning("environment close failed: %s: %s", type(error).__name__, error)
             trajectories.append(
                 Trajectory(
                     input_ids=rendered.input_ids,
                     loss_mask=rendered.loss_mask,
-                    group_id=f"{task.label}/step{step}/update{update}/slot{slot}",
+                    group_id=f"{task.label}/step{step + 1}/update{update}/slot{slot}",
                     source=where,
                 )
             )
@@ -772,8 +859,10 @@ class MultiTurnRollouts(OnlineRollouts):
         kept = [leaf.trajectory for tree in trees for leaf in tree.leaves]
         groups = len({t.group_id for t in kept})
         if groups < self.config.objective.mini_batches:
+            env = self.config.rollout.env
+            why = lost_tasks(trees, env.max_context_tokens or path_limit(self.config)[0], env.episode_timeout_s)
             raise RuntimeError(
-                f"step {step + 1}: only {groups} task(s) kept a leaf (environment errors dropped the rest), "
-                f"fewer than objective.mini_batches={self.config.objective.mini_batches}; see the warnings above"
+                f"step {step + 1}: only {groups} task(s) kept a leaf, fewer than objective.mini_batches="
+                f"{self.config.objective.mini_batches}; the others lost every leaf to: {why}"
             )
         return kept

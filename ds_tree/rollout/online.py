@@ -209,10 +209,11 @@ class OnlineRollouts:
             tree = engine.sample_tree(
                 prompt.ids.tolist(), self.settings, generator=generator, eos_token_ids=self.stop_ids
             )
-        trajectories = tree.trajectories(f"{prompt.label}/step{step}/slot{slot}")
+        # one numbering: the console's, metrics' and saved files' 1-based step (``step`` counts from 0)
+        trajectories = tree.trajectories(f"{prompt.label}/step{step + 1}/slot{slot}")
         requests = []
         for leaf, trajectory in enumerate(trajectories):
-            trajectory.source = f"{prompt.source} (step {step}, slot {slot}, leaf {leaf})"
+            trajectory.source = f"{prompt.source} (step {step + 1}, slot {slot}, leaf {leaf})"
             trajectory.policy_version = step if version is None else version
             completion = trajectory.input_ids[prompt.ids.size :]
             text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)

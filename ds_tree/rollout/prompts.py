@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ds_tree.data.chat import ChatText, UnsafeText, check_text, validate_messages
 from ds_tree.data.jsonl import read_jsonl
-from ds_tree.errors import DataError
+from ds_tree.errors import DataError, RecordError
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,9 @@ def read_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
 
 
 def prompt_ids(where: str, record: dict, tokenizer) -> list[int]:
-    """The token ids of a prompts line: its ``prompt_ids``, its ``prompt`` text encoded without special
-    tokens, or its chat ``messages`` rendered with the generation prompt."""
-    """The token ids of a prompts line (module docstring)."""
+    """The token ids of a prompts line: its ``prompt_ids``, its ``prompt`` text encoded without added
+    special tokens (markup in it is parsed: the text is the model's input as written), or its chat
+    ``messages`` rendered with the generation prompt (their content encoded as text)."""
     given = [key for key in ("prompt", "messages", "prompt_ids") if key in record]
     if len(given) != 1:
         raise DataError(f"{where}: a prompt line needs exactly one of 'prompt', 'messages', 'prompt_ids'")
@@ -70,12 +71,21 @@ def prompt_ids(where: str, record: dict, tokenizer) -> list[int]:
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
             raise DataError(f"{where}: 'prompt_ids' must be a non-empty list of token ids")
         return ids
-    if "messages" in record:
-        text = tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
-    else:
-        text = record["prompt"]
+    if "messages" in record:  # checked as convert checks a chat; its content encoded as text, never markup
+        messages = record["messages"]
+        validate_messages(where, messages)
+        try:
+            chat = ChatText(tokenizer, messages, None)
+            return chat.encode([chat.render(len(messages), True)])[0]
+        except UnsafeText as error:
+            raise RecordError("special_token_text", f"{where}: {error}") from None
+    text = record["prompt"]  # the model's input verbatim: a prompt written in the template's own markup
     if not isinstance(text, str) or not text:
         raise DataError(f"{where}: the prompt must be a non-empty string")
+    try:
+        check_text(where, text)
+    except ValueError as error:
+        raise DataError(str(error)) from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -29,7 +29,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ds_tree.rollout.env import ToolCall, Turn
+from ds_tree.data.chat import ChatText, UnsafeText, encode_rendered, special_token_strings
+from ds_tree.rollout.env import EnvFailure, ToolCall, Turn
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -46,6 +47,24 @@ class ParsedTurn:
     """Why the tool calls could not be parsed (None: parsed, or no call)."""
 
 
+MAX_CALL_DEPTH = 32
+"""Deepest nesting of a tool call's JSON that is passed on; deeper is a parse error (re-encoding it,
+rendering it and every environment's use of it would recurse that deep)."""
+
+
+def json_depth(value: object) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack += [(child, depth + 1) for child in item.values()]
+        elif isinstance(item, list):
+            stack += [(child, depth + 1) for child in item]
+    return deepest
+
+
 def parse_tool_calls(text: str, call_prefix: str = "call") -> ParsedTurn:
     """Text and tool calls of a decoded assistant turn; a malformed call gives ``error``."""
     calls, errors = [], []
@@ -55,6 +74,12 @@ def parse_tool_calls(text: str, call_prefix: str = "call") -> ParsedTurn:
             value = json.loads(body)
         except json.JSONDecodeError as error:
             errors.append(f"tool call {index + 1}: not JSON ({error.msg} at character {error.pos}): {body[:80]!r}")
+            continue
+        except (RecursionError, ValueError) as error:  # nested too deep for the parser, a huge number...
+            errors.append(f"tool call {index + 1}: not usable JSON ({type(error).__name__}): {body[:80]!r}")
+            continue
+        if json_depth(value) > MAX_CALL_DEPTH:
+            errors.append(f"tool call {index + 1}: nested deeper than {MAX_CALL_DEPTH} levels: {body[:80]!r}")
             continue
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             errors.append(f"tool call {index + 1}: needs an object with a string 'name', got {body[:80]!r}")
@@ -99,30 +124,54 @@ class Renderer:
         self.after_stop = text[text.rindex(stop) + len(stop) :]
 
     def render(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        return self.render_spans(messages, tools, generation_prompt)[0]
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def render_spans(
+        self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendering and the character spans in it of content that holds a special token's string
+        (:class:`~ds_tree.data.chat.ChatText`); :class:`EnvFailure` where such a string cannot be
+        kept text (a tool schema, a name)."""
+        try:
+            chat = ChatText(self.tokenizer, messages, tools or None)
+            return chat.render(len(messages), generation_prompt)
+        except UnsafeText as error:
+            raise EnvFailure(str(error)) from None
+
+    def encode(self, text: str, spans: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Ids of rendered ``text``: the template's special tokens parsed, the ``spans`` (content) text."""
+        return encode_rendered(self.tokenizer, [(text, list(spans))])[0]
+
+    def encode_content(self, text: str) -> list[int]:
+        """Ids of message content: all of it ordinary text (a special token's string included)."""
+        return self.encode(text, [(0, len(text))] if text else [])
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """Ids of a conversation's full rendering, ending in the generation prompt."""
-        return self.encode(self.render(messages, tools, generation_prompt=True))
+        """Ids of a conversation's full rendering, ending in the generation prompt; content that
+        spells a special token is encoded as text (only the template's structure gives special ids)."""
+        return self.encode(*self.render_spans(messages, tools, generation_prompt=True))
 
     def parse(self, sampled_ids: Sequence[int], call_prefix: str = "call") -> ParsedTurn:
         """The sampled assistant turn (its final stop token left out) as text and tool calls."""
         ids = list(sampled_ids)
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        return parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
+        parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
+        specials = special_token_strings(self.tokenizer)
+        for index, call in enumerate(parsed.turn.tool_calls):  # rendered as markup by some templates
+            spelled = json.dumps([call.name, call.arguments], ensure_ascii=False)
+            if any(special in spelled for special in specials):
+                error = f"tool call {index + 1}: its name or arguments contain a special token"
+                parsed.turn.tool_calls = []
+                return ParsedTurn(parsed.turn, "; ".join(filter(None, [parsed.error, error])))
+        return parsed
 
     def cut(self, message: dict) -> dict:
         """``message`` with its content cut to ``max_observation_tokens`` tokens and a visible marker."""
         limit = self.max_observation_tokens
         if not limit:
             return message
-        ids = self.encode(message["content"])
+        ids = self.encode_content(message["content"])
         if len(ids) <= limit:
             return message
         kept = self.tokenizer.decode(ids[:limit])
@@ -141,7 +190,9 @@ class Renderer:
         if not previous_ids or previous_ids[-1] not in self.stop_ids:
             raise ValueError("bridge needs ids that end with a stop token (a finished assistant turn)")
         before = self.render(messages, tools, generation_prompt=False)
-        after = self.render(messages + new_messages, tools, generation_prompt=True)
+        after, spans = self.render_spans(messages + new_messages, tools, generation_prompt=True)
         if not after.startswith(before) or not before.endswith(self.after_stop):
             raise NotAppendOnly("the rendering of the new conversation does not extend the sampled one")
-        return self.encode(self.after_stop + after[len(before) :])
+        shift = len(before) - len(self.after_stop)  # new messages' content spans, in the appended text
+        appended = [(start - shift, end - shift) for start, end in spans if start >= len(before)]
+        return self.encode(self.after_stop + after[len(before) :], appended)
