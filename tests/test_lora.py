@@ -176,7 +176,7 @@ def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, dat
     second = tmp_path / "resumed"
     shutil.copytree(first, second, ignore=shutil.ignore_patterns("adapter", "hf", "*.lock"))
     (second / "checkpoints/latest").write_text("step_0000001")
-    process = launch_training(config, f"output_dir={second}", "checkpoint.export_hf=false")
+    process = launch_training(config, f"output_dir={second}", "checkpoint.export_hf=false", "checkpoint.merge=false")
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     assert "resumed from" in output

@@ -368,6 +368,76 @@ def test_saved_sft_configs_still_load(tmp_path: Path) -> None:
     assert load_config(saved).objective.estimator == "grpo"
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.lora.alpha=8"], r"model.lora.alpha: only with LoRA adapters; set model.lora.rank > 0"),
+        (["model.lora.modules_to_save=[lm_head]"], r"model.lora.modules_to_save: only with LoRA adapters"),
+        (["model.lora.target_modules=[q_proj]", "model.lora.dropout=0.1"], r"model.lora.dropout, model.lora."),
+        (
+            ["model.lora.rank=4", "checkpoint.merge=true", "checkpoint.export_hf=false"],
+            r"checkpoint.merge writes the merged model in the export: it needs checkpoint.export_hf: true",
+        ),
+        (["packing.dfs_chunk=64"], r"packing.dfs_chunk: only with dfs walks; set packing.mode: dfs"),
+        (["packing.dfs_recompute=true", "packing.mode=flat"], r"packing.dfs_recompute: only with dfs walks"),
+        (["rollout.engine=vllm"], r"rollout.engine: only with online RL; set rollout.enabled: true"),
+        (["rollout.max_staleness=1"], r"rollout.max_staleness: only with online RL"),
+        (["rollout.vllm.timeout_s=10", "rollout.vllm.url=http://x"], r"rollout.vllm.url, rollout.vllm.timeout_s: "),
+        (["rollout.env.path=a.b:C"], r"rollout.env.path: only with online RL"),
+    ],
+)
+def test_settings_that_cannot_apply_are_refused(overrides: list[str], message: str) -> None:
+    """Issue 42 #10: a setting nothing would read is refused at config time, naming it and what would
+    make it apply; its default value, written out, is not."""
+    with pytest.raises(ConfigError, match=rf"tiny_cpu.yaml: {message}"):
+        load_config(TINY_CPU, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.lora.alpha=16", "model.lora.target_modules=[all-linear]", "checkpoint.merge=false"],
+        ["packing.dfs_chunk=0", "packing.dfs_recompute=false", "rollout.engine=hf", "rollout.vllm.retries=2"],
+        ["model.lora.rank=4", "model.lora.alpha=8", "checkpoint.merge=true"],
+        ["packing.mode=dfs", "packing.dfs_chunk=64", "packing.dfs_recompute=true"],
+        ["packing.over_budget=dfs", "packing.dfs_chunk=64"],
+    ],
+)
+def test_settings_that_apply_or_are_defaults_are_accepted(overrides: list[str]) -> None:
+    load_config(TINY_CPU, overrides)
+
+
+MULTITURN_CPU = ROOT / "configs" / "multiturn_cpu.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.env.warmup_steps=0"], r"rollout.env.warmup_lr \(0.01\) is the learning rate of the warm-up steps"),
+        (["rollout.independent=true"], r"rollout.env.turn_branching: rollout.independent forks every episode at"),
+        (["rollout.env.fork=none"], r"rollout.env.turn_branching: rollout.env.fork none forks at the prompt only"),
+        (  # issue 42 #6: the 4-way fork after turn 2 never happens: one leaf a task
+            ["rollout.env.turn_branching=[1,1,4]", "rollout.width=4", "rollout.env.max_turns=2"],
+            r"rollout.env.turn_branching \[1, 1, 4\] forks 4 ways at turn boundary 2, but .*max_turns \(2\) ends",
+        ),
+        (["rollout.enabled=false", "data.path=x.jsonl"], r"rollout.env.path, .*: only with online RL"),
+    ],
+)
+def test_episode_settings_that_cannot_apply_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"multiturn_cpu.yaml: {message}"):
+        load_config(MULTITURN_CPU, ["objective.reference_step=0", "objective.kl_coef=0", *overrides])
+
+
+def test_turn_branching_replaces_the_quota_rule_width_check() -> None:
+    """Issue 42 #31: ``turn_branching: [1, 16]`` makes 16 leaves; ``branching**max_depth`` (2**3) does
+    not apply to it, and its sampler settings are built without that check."""
+    overrides = ["rollout.branching=2", "rollout.max_depth=3", "rollout.env.turn_branching=[1,16]"]
+    config = load_config(MULTITURN_CPU, overrides)
+    assert config.rollout.sampler_settings().width == 16
+    with pytest.raises(ConfigError, match=r"sampler width 16 exceeds branching\*\*max_depth = 2\*\*3"):
+        load_config(MULTITURN_CPU, [*overrides, "rollout.env.turn_branching=[]", "rollout.env.path="])
+
+
 def test_verify_options_share_the_config_rule() -> None:
     from ds_tree.cli.objective_options import RL_FIELDS
     from ds_tree.config import RL_ONLY_FIELDS, SFT_ONLY_FIELDS, ObjectiveConfig
