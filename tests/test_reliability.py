@@ -25,10 +25,12 @@ from ds_tree import train
 from ds_tree.attention.registry import ENGINE_CHOICES
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.sampler import StepSampler
+from ds_tree.errors import DataError
 from ds_tree.losses.sft import NORMALISATIONS, POLICIES
 from ds_tree.models.loading import load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation, check_layer_types
 from ds_tree.packing.modes import MODES
+from ds_tree.rollout.engines.interface import EngineError
 from ds_tree.run import checkpoint
 from tests.test_engine import PYTHON, ROOT, environment, launch_training, write_config, write_forest
 
@@ -141,6 +143,45 @@ def test_dry_run_refuses_what_would_crash_later(monkeypatch, capsys, tmp_path, f
     code, err = dry_run(monkeypatch, capsys, forest_config, *overrides)
     assert code == 2
     assert "config error: " in err and message in err, err
+
+
+def failing_run(monkeypatch, capsys, config: Path, error: Exception, world_size: int = 1) -> tuple[int, str]:
+    """``train.main`` on ``config`` whose training raises ``error`` mid-run (no engine is built)."""
+    monkeypatch.chdir(ROOT)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train.Trainer, "setup", lambda self: None)
+    monkeypatch.setattr(train.PreemptionHandler, "before_first_step", lambda self, trainer: None)
+
+    def fail(self):
+        raise error
+
+    monkeypatch.setattr(train.Trainer, "train", fail)
+    code = train.main(["--config", str(config)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        DataError("rollouts.jsonl:3: a turn reward is nan"),
+        EngineError("the vLLM server exited with code 1: out of memory"),
+        ConfigError("rollout.env.path: the constructor failed"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_explained_mid_run_errors_are_one_message_without_a_traceback(monkeypatch, capsys, forest_config, error):
+    """Issue 42 #26: errors the project raises on purpose say everything in their message."""
+    code, err = failing_run(monkeypatch, capsys, forest_config, error)
+    assert code == 1 and f"error: {error}" in err and "Traceback" not in err, err
+
+
+def test_a_timeout_blames_another_rank_only_when_there_is_one(monkeypatch, capsys, forest_config):
+    """Issue 42 #24: a one-process run has no other rank a collective could have waited for."""
+    code, err = failing_run(monkeypatch, capsys, forest_config, TimeoutError("the request timed out"))
+    assert code == 1 and "timed out" in err and "for another rank" not in err, err
+    code, err = failing_run(monkeypatch, capsys, forest_config, TimeoutError("the request timed out"), world_size=2)
+    assert code == 1 and "a collective waited distributed.timeout_s=1800 s for another rank" in err, err
 
 
 def test_dry_run_accepts_exponents_without_a_dot(monkeypatch, capsys, forest_config):
