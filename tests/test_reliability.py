@@ -209,6 +209,54 @@ def test_dry_run_refuses_a_damaged_latest(monkeypatch, capsys, tmp_path, forest_
     assert code == 2 and "max_steps (1) is below the step of" in err and "step_0000002 (2)" in err
 
 
+def fake_checkpoint(run: Path, step: int, config: dict, *extra: str) -> Path:
+    """A complete checkpoint of ``step`` (2 ranks) whose record holds ``config``, with ``extra`` files."""
+    tag = run / "checkpoints" / checkpoint.tag_for(step)
+    tag.mkdir(parents=True)
+    for name in [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in range(2)] + list(extra):
+        (tag / name).write_bytes(b"weights")
+    files = checkpoint.describe_files(tag, checkpoint.listing(tag))
+    (tag / checkpoint.RECORD).write_text(json.dumps({"step": step, "world_size": 2, "config": config, "files": files}))
+    (run / "checkpoints" / "latest").write_text(tag.name)
+    return tag
+
+
+@pytest.mark.parametrize(
+    "saved, now, message",
+    [
+        (["model.lora.rank=4"], ["model.lora.rank=8"], "model.lora.rank changed from 4 to 8"),
+        (
+            ["model.lora.rank=4"],
+            ["model.lora.rank=4", "model.lora.target_modules=[q_proj]"],
+            "model.lora.target_modules changed from ['all-linear'] to ['q_proj']",
+        ),
+    ],
+)
+def test_dry_run_refuses_a_resume_with_other_trained_parameters(
+    monkeypatch, capsys, tmp_path, forest_config, saved, now, message
+):
+    """Issue 42 #19: a changed LoRA rank or target_modules failed on a tensor size after the model was built."""
+    config = config_module.config_to_dict(load_config(forest_config, saved))
+    fake_checkpoint(tmp_path / "run", 1, config)
+    code, err = dry_run(monkeypatch, capsys, forest_config, *now)
+    assert code == 2 and "config error: " in err and message in err and "start a new output_dir" in err, err
+    code, err = dry_run(monkeypatch, capsys, forest_config, *saved, "model.lora.alpha=8")
+    assert code == 0, err  # alpha scales the adapters: a change the weights still fit
+
+
+def test_dry_run_refuses_a_resume_whose_checkpoint_lacks_the_reference_copy(
+    monkeypatch, capsys, tmp_path, forest_config
+):
+    """Issue 42 #27: found after the model was built, exit 1; now at the dry run, exit 2."""
+    forest = tmp_path / "forest.jsonl"
+    records = [json.loads(line) for line in forest.read_text().splitlines()]
+    forest.write_text("".join(json.dumps({**r, "reward": float(i % 2)}) + "\n" for i, r in enumerate(records)))
+    rl = ["objective.kind=grpo", "objective.kl_coef=0.1", "objective.reference_step=1", "max_steps=3"]
+    tag = fake_checkpoint(tmp_path / "run", 2, config_module.config_to_dict(load_config(forest_config, rl)))
+    code, err = dry_run(monkeypatch, capsys, forest_config, *rl)
+    assert code == 2 and f"checkpoint error: {tag} holds no reference_policy.pt" in err, err
+
+
 # --------------------------------------------------------- unsupported models
 # (the qwen3_5, qwen3_next, bamba, nemotron_h and falcon_h1 hybrids run their recurrent layers per tree node:
 # tests/test_hybrid_models.py)
