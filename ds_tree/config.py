@@ -46,6 +46,9 @@ OldLogprobs = Literal["recompute", "data"]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
 
 
+TEMPO_COEF_MAX = 1e6
+"""The largest ``objective.tempo_coef`` in size (1e300 overflowed the advantages, and the error blamed the rewards)."""
+
 RL_ONLY_FIELDS = (
     "estimator",
     "normalise_advantages",
@@ -331,6 +334,11 @@ class ObjectiveConfig:
             )
         if not math.isfinite(self.tempo_coef):
             raise ConfigError(f"objective.tempo_coef must be finite, got {self.tempo_coef}")
+        if abs(self.tempo_coef) > TEMPO_COEF_MAX:  # else the advantages overflow, blamed on the rewards
+            raise ConfigError(
+                f"objective.tempo_coef ({self.tempo_coef:g}) scales the value differences added to the advantages: "
+                f"at most {TEMPO_COEF_MAX:g} in size (larger ones overflow the advantage statistics)"
+            )
         self_check_every(self.self_check)  # a ConfigError when malformed
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")

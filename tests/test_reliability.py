@@ -435,6 +435,10 @@ def test_groups_per_step_above_the_groups_is_refused(monkeypatch, capsys, forest
             ["objective.kind=grpo", "objective.aggregation_constant=64"],
             r"objective.aggregation_constant \(64.0\) applies to aggregation token_sum_norm only",
         ),
+        (
+            ["objective.kind=grpo", "objective.estimator=tempo", "objective.tempo_coef=1e300"],
+            r"objective.tempo_coef \(1e\+300\) scales the value differences .* at most 1e\+06",
+        ),
         (["rollout.width=100"], r"rollout: sampler width 100 exceeds branching\*\*max_depth"),
         (["rollout.prompts_per_step=0"], r"rollout.prompts_per_step must be >= 1"),
         (["rollout.logprob_floor=0.5"], r"rollout.logprob_floor must be <= 0"),
