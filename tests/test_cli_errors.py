@@ -6,7 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from ds_tree.cli import bench, bench_kernel, convert, make_synthetic, plan, plot_online, sample, stats, verify
+from ds_tree.cli import (
+    bench,
+    bench_attention,
+    bench_kernel,
+    bench_sweep,
+    convert,
+    make_synthetic,
+    plan,
+    plot_online,
+    sample,
+    stats,
+    verify,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -164,3 +176,17 @@ def test_plots_to_unwritable_paths_are_refused_before_any_work(tmp_path, capsys)
     afile.write_text("")
     err = usage_error(capsys, stats, [str(data), "--plot", str(afile / "sub" / "plot.png")])
     assert f"{afile} is not a directory" in err
+
+
+@pytest.mark.parametrize(
+    "command, argv, message",
+    [  # the same rule for the neighbouring commands
+        (bench_attention, ["--data", "x.jsonl", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (bench_attention, ["--data", "x.jsonl", "--heads", "-1"], "argument --heads: must be >= 1, got -1"),
+        (bench_attention, ["--data", "x.jsonl", "--json", "/proc/ds_tree_x"], "--json /proc/ds_tree_x: cannot write"),
+        (bench_sweep, ["--out", "x", "--groups", "0"], "argument --groups: must be >= 1, got 0"),
+        (verify, [*DATA_MODEL, "--router-aux-loss-coef", "inf"], "argument --router-aux-loss-coef: must be a finite"),
+    ],
+)
+def test_neighbouring_commands_check_numbers_and_outputs_first(command, argv, message, capsys):
+    assert message in usage_error(capsys, command, argv)

@@ -87,7 +87,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--policy", choices=POLICIES, help="SFT only (default exact)")
     parser.add_argument(
         "--router-aux-loss-coef",
-        type=float,
+        type=finite_float,
         help="SFT only, MoE models: weight of the router load-balancing loss (default: the model config's)",
     )
     rl_group = add_objective_arguments(parser)
