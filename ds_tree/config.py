@@ -737,7 +737,8 @@ class Config:
                 )
         rollout = self.rollout
         if not rollout.enabled:
-            stray = [f"rollout.{name}" for name in ("engine", "max_staleness") if name in off_default(rollout)]
+            nested = ("enabled", "env", "vllm")
+            stray = [f"rollout.{name}" for name in off_default(rollout) if name not in nested]
             stray += [f"rollout.vllm.{name}" for name in off_default(rollout.vllm)]
             stray += [f"rollout.env.{name}" for name in off_default(rollout.env)]
             if stray:

@@ -477,6 +477,7 @@ def test_saved_sft_configs_still_load(tmp_path: Path) -> None:
         (["rollout.max_staleness=1"], r"rollout.max_staleness: only with online RL"),
         (["rollout.vllm.timeout_s=10", "rollout.vllm.url=http://x"], r"rollout.vllm.url, rollout.vllm.timeout_s: "),
         (["rollout.env.path=a.b:C"], r"rollout.env.path: only with online RL"),
+        (["rollout.prompts=p.jsonl", "rollout.width=4"], r"rollout.width, rollout.prompts: only with online RL"),
     ],
 )
 def test_settings_that_cannot_apply_are_refused(overrides: list[str], message: str) -> None:
@@ -513,7 +514,10 @@ MULTITURN_CPU = ROOT / "configs" / "multiturn_cpu.yaml"
             ["rollout.env.turn_branching=[1,1,4]", "rollout.width=4", "rollout.env.max_turns=2"],
             r"rollout.env.turn_branching \[1, 1, 4\] forks 4 ways at turn boundary 2, but .*max_turns \(2\) ends",
         ),
-        (["rollout.enabled=false", "data.path=x.jsonl"], r"rollout.env.path, .*: only with online RL"),
+        (
+            ["rollout.enabled=false", "data.path=x.jsonl"],
+            r"rollout.branching, .*rollout.env.path, .*: only with online RL",
+        ),
     ],
 )
 def test_episode_settings_that_cannot_apply_are_refused(overrides: list[str], message: str) -> None:
