@@ -6,7 +6,8 @@ value of the wrong type, a string outside a ``Literal`` field's choices, a list 
 length or a non-finite float (``.inf``, ``.nan``) is an error naming the file and the dotted key,
 never a silent default. A field set off its default where nothing would read it (LoRA fields with
 ``rank: 0``, dfs fields outside dfs walks, rollout fields while rollout is disabled, ...) is an error
-naming it and what would make it apply (``Config._refuse_settings_that_cannot_apply``). Float fields also take numeric strings, because YAML reads ``1e-3``
+naming it and what would make it apply (``Config._refuse_settings_that_cannot_apply``). Float fields
+also take numeric strings, because YAML reads ``1e-3``
 (exponent, no dot) as a string. Command-line overrides are dotted ``key=value`` pairs
 (``optimizer.lr=1e-3``, ``max_steps=5``) whose values are parsed as YAML scalars.
 """
