@@ -4,7 +4,10 @@ Every section is a dataclass with a docstring under each field; range checks liv
 ``__post_init__``. The loader checks every value against its field's type: an unknown key, a
 value of the wrong type, a string outside a ``Literal`` field's choices, a list of the wrong
 length or a non-finite float (``.inf``, ``.nan``) is an error naming the file and the dotted key,
-never a silent default. Float fields also take numeric strings, because YAML reads ``1e-3``
+never a silent default. A field set off its default where nothing would read it (LoRA fields with
+``rank: 0``, dfs fields outside dfs walks, rollout fields while rollout is disabled, ...) is an error
+naming it and what would make it apply (``Config._refuse_settings_that_cannot_apply``). Float fields
+also take numeric strings, because YAML reads ``1e-3``
 (exponent, no dot) as a string. Command-line overrides are dotted ``key=value`` pairs
 (``optimizer.lr=1e-3``, ``max_steps=5``) whose values are parsed as YAML scalars.
 """
@@ -23,7 +26,7 @@ from typing import Any, Literal
 import yaml
 
 from ds_tree.errors import ConfigError
-from ds_tree.sampling.settings import EnvSettings, SamplerSettings
+from ds_tree.sampling.settings import EnvSettings, SamplerSettings, TurnBranchedSettings
 
 # Choices of string fields. Where the library keeps a registry of the same names (attention
 # engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
@@ -45,6 +48,9 @@ KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
 
+
+TEMPO_COEF_MAX = 1e6
+"""The largest ``objective.tempo_coef`` in size (1e300 overflowed the advantages, and the error blamed the rewards)."""
 
 RL_ONLY_FIELDS = (
     "estimator",
@@ -331,6 +337,11 @@ class ObjectiveConfig:
             )
         if not math.isfinite(self.tempo_coef):
             raise ConfigError(f"objective.tempo_coef must be finite, got {self.tempo_coef}")
+        if abs(self.tempo_coef) > TEMPO_COEF_MAX:  # else the advantages overflow, blamed on the rewards
+            raise ConfigError(
+                f"objective.tempo_coef ({self.tempo_coef:g}) scales the value differences added to the advantages: "
+                f"at most {TEMPO_COEF_MAX:g} in size (larger ones overflow the advantage statistics)"
+            )
         self_check_every(self.self_check)  # a ConfigError when malformed
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
@@ -572,7 +583,12 @@ class RolloutConfig(SamplerSettings):
 
     def sampler_settings(self) -> SamplerSettings:
         """The sampler's fields of this section, as the sampler takes them."""
-        return SamplerSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplerSettings)})
+        kind = TurnBranchedSettings if self.env.turn_branching else SamplerSettings
+        return kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SamplerSettings)})
+
+    def quota_rule_applies(self) -> bool:
+        """``rollout.env.turn_branching`` replaces the quota rule of ``branching`` and ``max_depth``."""
+        return not self.env.turn_branching
 
     def check_with(self, config: Config) -> None:
         """What an enabled rollout section needs from itself and from the rest of the config."""
@@ -659,6 +675,7 @@ class Config:
                 self.max_steps,
                 self.max_steps / self.optimizer.warmup_steps,
             )
+        self._refuse_settings_that_cannot_apply()
         partitioned = (
             self.objective.is_rl and self.objective.kl_coef and self.model.zero_init and not self.model.lora.enabled
         )
@@ -695,6 +712,94 @@ class Config:
             raise ConfigError("data.path is required")
         if not self.output_dir:
             raise ConfigError("output_dir is required")
+
+    def _refuse_settings_that_cannot_apply(self) -> None:
+        """The one rule (as for the objective's fields): a field set off its default where nothing would
+        read it is an error naming it and what would make it apply, never silently ignored."""
+        lora = self.model.lora
+        if not lora.enabled:
+            stray = off_default(lora)
+            if stray:
+                raise ConfigError(
+                    f"model.lora.{', model.lora.'.join(stray)}: only with LoRA adapters; set model.lora.rank > 0 "
+                    "or leave them out"
+                )
+        if self.checkpoint.merge and not self.checkpoint.export_hf:
+            raise ConfigError(
+                "checkpoint.merge writes the merged model in the export: it needs checkpoint.export_hf: true"
+            )
+        packing = self.packing
+        walks = packing.mode == "dfs" or (packing.mode == "tree" and packing.over_budget == "dfs")
+        if not walks:
+            stray = [name for name in ("dfs_chunk", "dfs_recompute") if name in off_default(packing)]
+            if stray:
+                raise ConfigError(
+                    f"packing.{', packing.'.join(stray)}: only with dfs walks; set packing.mode: dfs (or mode: tree "
+                    f"with over_budget: dfs), or leave them out (mode is {packing.mode}, over_budget "
+                    f"{packing.over_budget})"
+                )
+        rollout = self.rollout
+        if not rollout.enabled:
+            nested = ("enabled", "env", "vllm")
+            stray = [f"rollout.{name}" for name in off_default(rollout) if name not in nested]
+            stray += [f"rollout.vllm.{name}" for name in off_default(rollout.vllm)]
+            stray += [f"rollout.env.{name}" for name in off_default(rollout.env)]
+            if stray:
+                raise ConfigError(
+                    f"{', '.join(stray)}: only with online RL; set rollout.enabled: true or leave them out"
+                )
+        env = rollout.env
+        if not env.path:
+            stray = off_default(env)
+            if stray:
+                raise ConfigError(
+                    f"rollout.env.{', rollout.env.'.join(stray)}: only with multi-turn episodes; set rollout.env.path "
+                    "or leave them out"
+                )
+        if env.warmup_lr and not env.warmup_steps:
+            raise ConfigError(
+                f"rollout.env.warmup_lr ({env.warmup_lr}) is the learning rate of the warm-up steps: set "
+                "rollout.env.warmup_steps > 0, or leave warmup_lr out"
+            )
+        if env.turn_branching:
+            if rollout.independent:
+                raise ConfigError(
+                    "rollout.env.turn_branching: rollout.independent forks every episode at the prompt; set "
+                    "independent: false or leave turn_branching out"
+                )
+            if env.fork == "none":
+                raise ConfigError(
+                    "rollout.env.turn_branching: rollout.env.fork none forks at the prompt only; set fork: copy or "
+                    "replay, or leave turn_branching out"
+                )
+            late = [
+                (turn, count) for turn, count in enumerate(env.turn_branching) if count > 1 and turn >= env.max_turns
+            ]
+            if late:
+                turn, count = late[0]
+                raise ConfigError(
+                    f"rollout.env.turn_branching {env.turn_branching} forks {count} ways at turn boundary {turn}, but "
+                    f"rollout.env.max_turns ({env.max_turns}) ends every episode before it (boundaries "
+                    f"0..{env.max_turns - 1} fork): raise max_turns or fork earlier"
+                )
+
+
+def off_default(section: Any) -> list[str]:
+    """The fields of the dataclass instance ``section`` whose values differ from their defaults."""
+    names = []
+    for item in dataclasses.fields(section):
+        if item.default is not dataclasses.MISSING:
+            default = item.default
+        elif item.default_factory is not dataclasses.MISSING:
+            default = item.default_factory()
+        else:
+            continue
+        value = getattr(section, item.name)
+        if isinstance(default, tuple) and isinstance(value, list):
+            value = tuple(value)
+        if value != default:
+            names.append(item.name)
+    return names
 
 
 def _build(cls: type, values: Any, where: str, prefix: str) -> Any:

@@ -18,3 +18,8 @@ class RecordError(DataError):
 
 class ConfigError(ValueError):
     """A configuration mistake; the message names the file and the offending key."""
+
+
+class RolloutError(RuntimeError):
+    """A rollout step that cannot give the objective what it needs (tasks that lost every leaf); the
+    message names the cause, and the trainer prints it without a traceback."""

@@ -25,16 +25,27 @@ import warnings
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.trainer import NonFiniteError, SelfCheckError, Trainer
+from ds_tree.errors import DataError, RolloutError
 from ds_tree.models.token_mixing import UnsupportedModelError
 from ds_tree.run import checkpoint
 from ds_tree.run.checkpoint import CheckpointError
 from ds_tree.run.console import setup_console
 from ds_tree.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
+from ds_tree.sampling.interface import EngineError
 
 logger = logging.getLogger("ds_tree.train")
 
-# Failures whose message says everything: reported without a traceback.
-EXPLAINED = (ConfigError, CheckpointError, NonFiniteError, SelfCheckError, UnsupportedModelError)
+# Failures the project raises on purpose, whose message says everything: one message, no traceback.
+EXPLAINED = (
+    ConfigError,
+    DataError,
+    CheckpointError,
+    NonFiniteError,
+    SelfCheckError,
+    UnsupportedModelError,
+    EngineError,
+    RolloutError,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except Exception as error:  # noqa: BLE001 - every rank names its own failure before exiting
         logger.error("error: %s: %s", type(error).__name__, error, exc_info=True)
-        if "timed out" in str(error).lower():
+        if "timed out" in str(error).lower() and trainer.world_size > 1:  # one process has no other rank
             logger.error(
                 "error: a collective waited distributed.timeout_s=%g s for another rank, which stopped answering "
                 "(its own error, if it reported one, is above)",

@@ -77,15 +77,19 @@ def test_bad_line_names_file_and_line(case, tmp_path, capsys):
 @pytest.mark.parametrize(
     "args,pattern",
     [
-        (["--budget", "0"], r"data\.jsonl:1: trajectory of 4 tokens .*budget 0"),
-        (["--block", "0"], r"block"),
-        (["--limit", "0"], r"no trajectories"),
+        (["--budget", "0"], r"argument --budget: must be >= 1, got 0"),
+        (["--block", "0"], r"argument --block: must be >= 1, got 0"),
+        (["--limit", "0"], r"argument --limit: must be >= 1, got 0"),
     ],
 )
 def test_bad_arguments(args, pattern, tmp_path, capsys):
+    """Usage errors (exit 2) naming the option, before the data is read."""
     path = _write(tmp_path, [GOOD, GOOD])
-    message = _verify_error(capsys, "--data", str(path), "--model", CONFIG, *args)
-    assert re.search(pattern, message), message
+    with pytest.raises(SystemExit) as exit_info:
+        verify.main(["--data", str(path), "--model", CONFIG, *args])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert re.search(pattern, message) and "Traceback" not in message, message
 
 
 def test_one_token_trajectory_verifies(tmp_path, capsys):

@@ -9,6 +9,8 @@ import pytest
 from ds_tree.cli import (
     bench,
     bench_attention,
+    bench_kernel,
+    bench_sweep,
     convert,
     make_synthetic,
     plan,
@@ -16,6 +18,7 @@ from ds_tree.cli import (
     plot_online,
     sample,
     stats,
+    verify,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +54,7 @@ def test_bench_needs_a_mode_and_a_measured_step(tmp_path, capsys):
     base = ["--data", str(tmp_path / "data.jsonl"), "--model", "configs/models/tiny_llama.json"]
     assert "--modes '' names no mode" in usage_error(capsys, bench, [*base, "--modes", ""])
     assert "--modes ' , ' names no mode" in usage_error(capsys, bench, [*base, "--modes", " , "])
-    assert "--steps must be >= 1" in usage_error(capsys, bench, [*base, "--steps", "0"])
+    assert "--steps: must be >= 1, got 0" in usage_error(capsys, bench, [*base, "--steps", "0"])
 
 
 def test_sample_checks_its_output_folder_before_loading_anything(tmp_path, capsys):
@@ -164,3 +167,68 @@ def test_stats_plot_writes_the_path_given(tmp_path, capsys):
     assert json.loads(out)["n_trajectories"] == 1 and f"wrote {plot}" in err
     assert plot.read_bytes()[:8] == PNG and not (tmp_path / "histograms.png").exists()
     assert f"--plot {tmp_path}: is a directory" in usage_error(capsys, stats, [str(data), "--plot", str(tmp_path)])
+
+
+DATA_MODEL = ["--data", "missing.jsonl", "--model", "configs/models/tiny_llama.json"]
+
+
+@pytest.mark.parametrize(
+    "command, argv, message",
+    [  # issue 42 #9, #21, #31: numbers are never reinterpreted (-1 a slice end, 0 a default, inf a loss)
+        (verify, ["--limit", "-1"], "argument --limit: must be >= 1, got -1"),
+        (verify, ["--dfs-chunk", "0"], "argument --dfs-chunk: must be >= 1, got 0"),
+        (verify, ["--dfs-recompute"], "--dfs-recompute: only with --dfs-chunk C"),
+        (verify, ["--sequence-parallel", "0"], "argument --sequence-parallel: must be >= 1, got 0"),
+        (verify, ["--budget", "-1"], "argument --budget: must be >= 1, got -1"),
+        (verify, ["--objective", "grpo", "--kl-coef", "inf"], "argument --kl-coef: must be a finite number"),
+        (verify, ["--objective", "grpo", "--perturbation", "nan"], "argument --perturbation: must be a finite"),
+        (bench, ["--limit", "-1"], "argument --limit: must be >= 1, got -1"),
+        (bench, ["--groups-per-step", "0"], "argument --groups-per-step: must be >= 1, got 0"),
+        (bench, ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (bench, ["--threads", "-1"], "argument --threads: must be >= 1, got -1"),
+        (bench, ["--json", "/proc/ds_tree_x.json"], "--json /proc/ds_tree_x.json: cannot write in /proc"),
+    ],
+)
+def test_numbers_and_outputs_are_checked_before_any_work(command, argv, message, capsys):
+    assert message in usage_error(capsys, command, [*DATA_MODEL, *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        *[([option, "0"], f"argument {option}: must be >= 1, got 0") for option in
+          ("--trees", "--depth", "--branching", "--node-len", "--head-dim", "--heads", "--kv-heads")],
+        (["--heads", "4", "--kv-heads", "3"], "--heads 4 must be a multiple of --kv-heads 3"),
+        (["--json", "/proc/ds_tree_x.json"], "--json /proc/ds_tree_x.json: cannot write in /proc"),
+    ],
+)  # fmt: skip
+def test_bench_kernel_refuses_impossible_shapes_before_any_work(argv, message, capsys):
+    assert message in usage_error(capsys, bench_kernel, argv)
+
+
+def test_plots_to_unwritable_paths_are_refused_before_any_work(tmp_path, capsys):
+    data = tmp_path / "tokens.jsonl"
+    data.write_text(json.dumps({"group_id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n")
+    err = usage_error(capsys, stats, [str(data), "--plot", "/proc/ds_tree_x/plot.png"])
+    assert "--plot /proc/ds_tree_x/plot.png: cannot write in /proc" in err
+    run = write_run(tmp_path / "run", [json.dumps({**RECORD, "step": 1})])
+    err = usage_error(capsys, plot_online, [f"tree={run}", "--output", "/proc/ds_tree_x.png"])
+    assert "--output /proc/ds_tree_x.png: cannot write in /proc" in err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    err = usage_error(capsys, stats, [str(data), "--plot", str(afile / "sub" / "plot.png")])
+    assert f"{afile} is not a directory" in err
+
+
+@pytest.mark.parametrize(
+    "command, argv, message",
+    [  # the same rule for the neighbouring commands
+        (bench_attention, ["--data", "x.jsonl", "--threads", "0"], "argument --threads: must be >= 1, got 0"),
+        (bench_attention, ["--data", "x.jsonl", "--heads", "-1"], "argument --heads: must be >= 1, got -1"),
+        (bench_attention, ["--data", "x.jsonl", "--json", "/proc/ds_tree_x"], "--json /proc/ds_tree_x: cannot write"),
+        (bench_sweep, ["--out", "x", "--groups", "0"], "argument --groups: must be >= 1, got 0"),
+        (verify, [*DATA_MODEL, "--router-aux-loss-coef", "inf"], "argument --router-aux-loss-coef: must be a finite"),
+    ],
+)
+def test_neighbouring_commands_check_numbers_and_outputs_first(command, argv, message, capsys):
+    assert message in usage_error(capsys, command, argv)

@@ -64,6 +64,24 @@ def test_negative_loss_mask_is_refused_by_every_reader(tmp_path, tokenizer_dir, 
     assert zero.trained_tokens == 0
 
 
+@pytest.mark.parametrize(
+    "record, text",
+    [  # issue 42 #12: 1e308 ran to exit 0 with loss 0; #13: labels were silently ignored
+        (
+            {**GOOD, "loss_mask": [0, 1, 1e308, 1]},
+            "loss_mask has 1e+308 at token 2; a loss coefficient is at most 1e+30",
+        ),
+        ({**GOOD, "labels": [-100, 6, 7, 8]}, "both 'loss_mask' and 'labels': give one of them"),
+    ],
+    ids=["overflowing", "ambiguous"],
+)
+def test_overflowing_or_ambiguous_loss_masks_are_refused_with_file_and_line(record, text, tmp_path, capsys):
+    path = write_lines(tmp_path / "data.jsonl", [GOOD, record])
+    expected = f"error: {path}:2: {text}"
+    assert error_of(capsys, stats.main, [str(path)]).startswith(expected)
+    assert error_of(capsys, verify.main, ["--data", str(path), "--model", MODEL]).startswith(expected)
+
+
 # ----------------------------------------------------------------- group ids
 def test_integer_and_string_group_ids_are_different_groups(tmp_path, tokenizer_dir, capsys):
     records = [

@@ -62,6 +62,35 @@ def lora_policy(dtype=torch.float64, seed: int = 3, **settings) -> torch.nn.Modu
     return apply_lora(base, LoraSettings(rank=4, **settings), init_lora_weights=False)
 
 
+def test_a_modules_to_save_typo_is_refused_as_a_target_modules_typo_is():
+    """Issue 42 #7: PEFT skips a ``modules_to_save`` name that matches nothing; the run trained without it."""
+    with pytest.raises(ValueError, match=r"model.lora.modules_to_save: 'lm_haed' matches no module of this model"):
+        lora_policy(modules_to_save=["lm_haed"])
+    with pytest.raises(ValueError, match=r"model.lora: .*q_projj"):
+        lora_policy(target_modules=["q_projj"])
+
+
+def test_modules_to_save_typo_is_a_dry_run_config_error(tmp_path, monkeypatch, capsys):
+    from tests.test_reliability import dry_run
+
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        f"model: {{source: {MODEL}}}\ndata: {{path: {tmp_path / 'd.jsonl'}}}\noutput_dir: {tmp_path / 'run'}\n"
+    )
+    (tmp_path / "d.jsonl").write_text(
+        json.dumps({"group_id": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}) + "\n"
+    )
+    code, err = dry_run(
+        monkeypatch,
+        capsys,
+        config,
+        "data.groups_per_step=1",
+        "model.lora.rank=4",
+        "model.lora.modules_to_save=[lm_haed]",
+    )
+    assert code == 2 and "modules_to_save: 'lm_haed' matches no module" in err and "Traceback" not in err, err
+
+
 def test_kl_reference_with_adapters_disabled_equals_a_separate_base_model(data):
     trajectories = load_trajectories(data)
     rows = pack_trajectories(trajectories, "tree", 64, 1)
@@ -176,7 +205,7 @@ def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, dat
     second = tmp_path / "resumed"
     shutil.copytree(first, second, ignore=shutil.ignore_patterns("adapter", "hf", "*.lock"))
     (second / "checkpoints/latest").write_text("step_0000001")
-    process = launch_training(config, f"output_dir={second}", "checkpoint.export_hf=false")
+    process = launch_training(config, f"output_dir={second}", "checkpoint.export_hf=false", "checkpoint.merge=false")
     output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     assert "resumed from" in output

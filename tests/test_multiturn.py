@@ -836,7 +836,11 @@ def test_env_module_exiting_at_import_and_constructor_failures_are_config_errors
         load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "rollout.env.path=never_builds:Env"])
     no_demos = ["rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv", "rollout.env.refresh_every=2"]
     with pytest.raises(ConfigError, match=r"rollout.env.refresh_every \(2\) needs demonstrations"):
-        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *no_demos, "rollout.env.warmup_steps=0"])
+        # warm-up off, and so its learning rate (a warmup_lr without warm-up steps is refused on its own)
+        load_config(
+            "configs/multiturn_cpu.yaml",
+            [*SHIPPED, *no_demos, "rollout.env.warmup_steps=0", "rollout.env.warmup_lr=0"],
+        )
 
 
 def test_a_task_that_keeps_no_leaf_names_the_real_cause(tokenizer) -> None:

@@ -25,11 +25,13 @@ from ds_tree import train
 from ds_tree.attention.registry import ENGINE_CHOICES
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.sampler import StepSampler
+from ds_tree.errors import DataError, RolloutError
 from ds_tree.losses.sft import NORMALISATIONS, POLICIES
 from ds_tree.models.loading import load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation, check_layer_types
 from ds_tree.packing.modes import MODES
 from ds_tree.run import checkpoint
+from ds_tree.sampling.interface import EngineError
 from tests.test_engine import PYTHON, ROOT, environment, launch_training, write_config, write_forest
 
 TINY_CPU = ROOT / "configs" / "tiny_cpu.yaml"
@@ -143,6 +145,46 @@ def test_dry_run_refuses_what_would_crash_later(monkeypatch, capsys, tmp_path, f
     assert "config error: " in err and message in err, err
 
 
+def failing_run(monkeypatch, capsys, config: Path, error: Exception, world_size: int = 1) -> tuple[int, str]:
+    """``train.main`` on ``config`` whose training raises ``error`` mid-run (no engine is built)."""
+    monkeypatch.chdir(ROOT)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(train.Trainer, "setup", lambda self: None)
+    monkeypatch.setattr(train.PreemptionHandler, "before_first_step", lambda self, trainer: None)
+
+    def fail(self):
+        raise error
+
+    monkeypatch.setattr(train.Trainer, "train", fail)
+    code = train.main(["--config", str(config)])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        DataError("rollouts.jsonl:3: a turn reward is nan"),
+        EngineError("the vLLM server exited with code 1: out of memory"),
+        ConfigError("rollout.env.path: the constructor failed"),
+        RolloutError("step 3: only 1 task(s) kept a leaf, fewer than objective.mini_batches=2; ..."),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_explained_mid_run_errors_are_one_message_without_a_traceback(monkeypatch, capsys, forest_config, error):
+    """Issue 42 #26: errors the project raises on purpose say everything in their message."""
+    code, err = failing_run(monkeypatch, capsys, forest_config, error)
+    assert code == 1 and f"error: {error}" in err and "Traceback" not in err, err
+
+
+def test_a_timeout_blames_another_rank_only_when_there_is_one(monkeypatch, capsys, forest_config):
+    """Issue 42 #24: a one-process run has no other rank a collective could have waited for."""
+    code, err = failing_run(monkeypatch, capsys, forest_config, TimeoutError("the request timed out"))
+    assert code == 1 and "timed out" in err and "for another rank" not in err, err
+    code, err = failing_run(monkeypatch, capsys, forest_config, TimeoutError("the request timed out"), world_size=2)
+    assert code == 1 and "a collective waited distributed.timeout_s=1800 s for another rank" in err, err
+
+
 def test_dry_run_accepts_exponents_without_a_dot(monkeypatch, capsys, forest_config):
     code, err = dry_run(monkeypatch, capsys, forest_config, "optimizer.lr=1e-3", "optimizer.weight_decay=1e-2")
     assert code == 0, err
@@ -166,6 +208,54 @@ def test_dry_run_refuses_a_damaged_latest(monkeypatch, capsys, tmp_path, forest_
     assert "complete checkpoints there: step_0000001, step_0000002" in err
     code, err = dry_run(monkeypatch, capsys, forest_config, "checkpoint.resume=newest_complete", "max_steps=1")
     assert code == 2 and "max_steps (1) is below the step of" in err and "step_0000002 (2)" in err
+
+
+def fake_checkpoint(run: Path, step: int, config: dict, *extra: str) -> Path:
+    """A complete checkpoint of ``step`` (2 ranks) whose record holds ``config``, with ``extra`` files."""
+    tag = run / "checkpoints" / checkpoint.tag_for(step)
+    tag.mkdir(parents=True)
+    for name in [f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" for rank in range(2)] + list(extra):
+        (tag / name).write_bytes(b"weights")
+    files = checkpoint.describe_files(tag, checkpoint.listing(tag))
+    (tag / checkpoint.RECORD).write_text(json.dumps({"step": step, "world_size": 2, "config": config, "files": files}))
+    (run / "checkpoints" / "latest").write_text(tag.name)
+    return tag
+
+
+@pytest.mark.parametrize(
+    "saved, now, message",
+    [
+        (["model.lora.rank=4"], ["model.lora.rank=8"], "model.lora.rank changed from 4 to 8"),
+        (
+            ["model.lora.rank=4"],
+            ["model.lora.rank=4", "model.lora.target_modules=[q_proj]"],
+            "model.lora.target_modules changed from ['all-linear'] to ['q_proj']",
+        ),
+    ],
+)
+def test_dry_run_refuses_a_resume_with_other_trained_parameters(
+    monkeypatch, capsys, tmp_path, forest_config, saved, now, message
+):
+    """Issue 42 #19: a changed LoRA rank or target_modules failed on a tensor size after the model was built."""
+    config = config_module.config_to_dict(load_config(forest_config, saved))
+    fake_checkpoint(tmp_path / "run", 1, config)
+    code, err = dry_run(monkeypatch, capsys, forest_config, *now)
+    assert code == 2 and "config error: " in err and message in err and "start a new output_dir" in err, err
+    code, err = dry_run(monkeypatch, capsys, forest_config, *saved, "model.lora.alpha=8")
+    assert code == 0, err  # alpha scales the adapters: a change the weights still fit
+
+
+def test_dry_run_refuses_a_resume_whose_checkpoint_lacks_the_reference_copy(
+    monkeypatch, capsys, tmp_path, forest_config
+):
+    """Issue 42 #27: found after the model was built, exit 1; now at the dry run, exit 2."""
+    forest = tmp_path / "forest.jsonl"
+    records = [json.loads(line) for line in forest.read_text().splitlines()]
+    forest.write_text("".join(json.dumps({**r, "reward": float(i % 2)}) + "\n" for i, r in enumerate(records)))
+    rl = ["objective.kind=grpo", "objective.kl_coef=0.1", "objective.reference_step=1", "max_steps=3"]
+    tag = fake_checkpoint(tmp_path / "run", 2, config_module.config_to_dict(load_config(forest_config, rl)))
+    code, err = dry_run(monkeypatch, capsys, forest_config, *rl)
+    assert code == 2 and f"checkpoint error: {tag} holds no reference_policy.pt" in err, err
 
 
 # --------------------------------------------------------- unsupported models
@@ -346,6 +436,10 @@ def test_groups_per_step_above_the_groups_is_refused(monkeypatch, capsys, forest
             ["objective.kind=grpo", "objective.aggregation_constant=64"],
             r"objective.aggregation_constant \(64.0\) applies to aggregation token_sum_norm only",
         ),
+        (
+            ["objective.kind=grpo", "objective.estimator=tempo", "objective.tempo_coef=1e300"],
+            r"objective.tempo_coef \(1e\+300\) scales the value differences .* at most 1e\+06",
+        ),
         (["rollout.width=100"], r"rollout: sampler width 100 exceeds branching\*\*max_depth"),
         (["rollout.prompts_per_step=0"], r"rollout.prompts_per_step must be >= 1"),
         (["rollout.logprob_floor=0.5"], r"rollout.logprob_floor must be <= 0"),
@@ -366,6 +460,80 @@ def test_saved_sft_configs_still_load(tmp_path: Path) -> None:
     saved = tmp_path / "config.yaml"
     saved.write_text(yaml_dump(config_to_dict(load_config(TINY_CPU))))
     assert load_config(saved).objective.estimator == "grpo"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.lora.alpha=8"], r"model.lora.alpha: only with LoRA adapters; set model.lora.rank > 0"),
+        (["model.lora.modules_to_save=[lm_head]"], r"model.lora.modules_to_save: only with LoRA adapters"),
+        (["model.lora.target_modules=[q_proj]", "model.lora.dropout=0.1"], r"model.lora.dropout, model.lora."),
+        (
+            ["model.lora.rank=4", "checkpoint.merge=true", "checkpoint.export_hf=false"],
+            r"checkpoint.merge writes the merged model in the export: it needs checkpoint.export_hf: true",
+        ),
+        (["packing.dfs_chunk=64"], r"packing.dfs_chunk: only with dfs walks; set packing.mode: dfs"),
+        (["packing.dfs_recompute=true", "packing.mode=flat"], r"packing.dfs_recompute: only with dfs walks"),
+        (["rollout.engine=vllm"], r"rollout.engine: only with online RL; set rollout.enabled: true"),
+        (["rollout.max_staleness=1"], r"rollout.max_staleness: only with online RL"),
+        (["rollout.vllm.timeout_s=10", "rollout.vllm.url=http://x"], r"rollout.vllm.url, rollout.vllm.timeout_s: "),
+        (["rollout.env.path=a.b:C"], r"rollout.env.path: only with online RL"),
+        (["rollout.prompts=p.jsonl", "rollout.width=4"], r"rollout.width, rollout.prompts: only with online RL"),
+    ],
+)
+def test_settings_that_cannot_apply_are_refused(overrides: list[str], message: str) -> None:
+    """Issue 42 #10: a setting nothing would read is refused at config time, naming it and what would
+    make it apply; its default value, written out, is not."""
+    with pytest.raises(ConfigError, match=rf"tiny_cpu.yaml: {message}"):
+        load_config(TINY_CPU, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.lora.alpha=16", "model.lora.target_modules=[all-linear]", "checkpoint.merge=false"],
+        ["packing.dfs_chunk=0", "packing.dfs_recompute=false", "rollout.engine=hf", "rollout.vllm.retries=2"],
+        ["model.lora.rank=4", "model.lora.alpha=8", "checkpoint.merge=true"],
+        ["packing.mode=dfs", "packing.dfs_chunk=64", "packing.dfs_recompute=true"],
+        ["packing.over_budget=dfs", "packing.dfs_chunk=64"],
+    ],
+)
+def test_settings_that_apply_or_are_defaults_are_accepted(overrides: list[str]) -> None:
+    load_config(TINY_CPU, overrides)
+
+
+MULTITURN_CPU = ROOT / "configs" / "multiturn_cpu.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.env.warmup_steps=0"], r"rollout.env.warmup_lr \(0.01\) is the learning rate of the warm-up steps"),
+        (["rollout.independent=true"], r"rollout.env.turn_branching: rollout.independent forks every episode at"),
+        (["rollout.env.fork=none"], r"rollout.env.turn_branching: rollout.env.fork none forks at the prompt only"),
+        (  # issue 42 #6: the 4-way fork after turn 2 never happens: one leaf a task
+            ["rollout.env.turn_branching=[1,1,4]", "rollout.width=4", "rollout.env.max_turns=2"],
+            r"rollout.env.turn_branching \[1, 1, 4\] forks 4 ways at turn boundary 2, but .*max_turns \(2\) ends",
+        ),
+        (
+            ["rollout.enabled=false", "data.path=x.jsonl"],
+            r"rollout.branching, .*rollout.env.path, .*: only with online RL",
+        ),
+    ],
+)
+def test_episode_settings_that_cannot_apply_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"multiturn_cpu.yaml: {message}"):
+        load_config(MULTITURN_CPU, ["objective.reference_step=0", "objective.kl_coef=0", *overrides])
+
+
+def test_turn_branching_replaces_the_quota_rule_width_check() -> None:
+    """Issue 42 #31: ``turn_branching: [1, 16]`` makes 16 leaves; ``branching**max_depth`` (2**3) does
+    not apply to it, and its sampler settings are built without that check."""
+    overrides = ["rollout.branching=2", "rollout.max_depth=3", "rollout.env.turn_branching=[1,16]"]
+    config = load_config(MULTITURN_CPU, overrides)
+    assert config.rollout.sampler_settings().width == 16
+    with pytest.raises(ConfigError, match=r"sampler width 16 exceeds branching\*\*max_depth = 2\*\*3"):
+        load_config(MULTITURN_CPU, [*overrides, "rollout.env.turn_branching=[]", "rollout.env.path="])
 
 
 def test_verify_options_share_the_config_rule() -> None:

@@ -149,13 +149,13 @@ def test_two_ranks_sequence_parallel_match_single_process_flat(tmp_path: Path) -
         tmp_path,
         data,
         model={"source": str(model)},
-        packing={"budget": BUDGET, "block": BLOCK, "dfs_chunk": DFS_CHUNK},
+        packing={"budget": BUDGET, "block": BLOCK},
         parallel={"sequence_parallel_size": SIZE},
     )
     out = tmp_path / "report.json"
     torchrun(
         "tests/distributed/sp_grad_check.py", "--config", str(config), "--out", str(out),
-        "--deepspeed", str(zero2), str(zero3), timeout=600,
+        "--deepspeed", str(zero2), str(zero3), "--dfs-chunk", str(DFS_CHUNK), timeout=600,
     )  # fmt: skip
     report = json.loads(out.read_text())
     assert [(run["stage"], run["case"], run["mode"]) for run in report["runs"]] == [

@@ -78,10 +78,10 @@ def multiturn_reuse(
 
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
+    if not load_config(config_path).rollout.env.path:  # as written: the overrides below need a rollout section
+        raise ConfigError(f"{config_path}: rollout.env.path is not set (not a multi-turn config)")
     overrides = [f"model.source={model_dir}", f"model.tokenizer={tokenizer_dir}", f"rollout.prompts={tasks_path}"]
     config = load_config(config_path, overrides)
-    if not config.rollout.env.path:
-        raise ConfigError(f"{config_path}: rollout.env.path is not set (not a multi-turn config)")
     try:
         load_environment_class(config.rollout.env.path)
     except ValueError as error:

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import BENCH_DTYPES, ENGINES, MODES
-from ds_tree.cli.common import check_not_input, command_parser
+from ds_tree.cli.common import NON_NEGATIVE_INT, POSITIVE_INT, check_not_input, check_output_path, command_parser
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
@@ -52,11 +52,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True, help="tokens JSONL file or converted dataset directory")
     parser.add_argument("--model", required=True, help="model config JSON or local HF directory")
     parser.add_argument("--modes", default="flat,tree", help=f"comma-separated, of {','.join(MODES)}")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per mode")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per mode first")
-    parser.add_argument("--budget", type=int, default=4096, help="tokens per packed row")
-    parser.add_argument("--groups-per-step", type=int, default=None, help="default: every group each step")
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
+    parser.add_argument("--steps", type=POSITIVE_INT, default=5, help="measured steps per mode")
+    parser.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1, help="unmeasured steps per mode first")
+    parser.add_argument("--budget", type=POSITIVE_INT, default=4096, help="tokens per packed row")
+    parser.add_argument("--groups-per-step", type=POSITIVE_INT, default=None, help="default: every group each step")
+    parser.add_argument("--limit", type=POSITIVE_INT, default=None, help="use only the first N trajectories")
     parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="dtype of the model")
     parser.add_argument(
         "--attention", default="auto", choices=ENGINES, help="tree attention engine (auto: flex on cuda, else torch)"
@@ -67,7 +67,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         choices=ENGINES,
         help="engine of mode flat (default: varlen, the flash-kernel baseline, with --device cuda; else --attention)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu", help="cpu, or a GPU (cuda): SFT or RL steps of modes flat and tree")
     parser.add_argument(
         "--one-mode-at-a-time",
@@ -78,7 +78,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=Path, default=None, help="profile one more step per mode, tables here")
     parser.add_argument(
         "--activation-checkpointing",
-        type=int,
+        type=NON_NEGATIVE_INT,
         nargs="?",
         const=1,
         default=0,
@@ -86,11 +86,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="recompute every K-th decoder layer in the backward (K default 1); implies --peak-memory",
     )
     parser.add_argument("--peak-memory", action="store_true", help="activation peak of each mode's largest row")
-    parser.add_argument("--dfs-chunk", type=int, default=0, help="mode dfs: most tokens per forward (0: --budget)")
+    parser.add_argument(
+        "--dfs-chunk", type=NON_NEGATIVE_INT, default=0, help="mode dfs: most tokens per forward (0: --budget)"
+    )
     parser.add_argument("--dfs-recompute", action="store_true", help="mode dfs: forward every chunk twice")
     parser.add_argument(
         "--sequence-parallel",
-        type=int,
+        type=POSITIVE_INT,
         default=1,
         metavar="S",
         help="spawn S ranks with Ulysses; SFT: activation memory and time per rank at S = 1 and S; "
@@ -103,10 +105,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
     for option, output in (("--json", args.json), ("--profile", args.profile)):
         check_not_input(parser, option, output, [args.data, args.model])
+        check_output_path(parser, output, option)
     import torch
 
     from ds_tree.attention.registry import resolve_engine

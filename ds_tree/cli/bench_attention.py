@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES
-from ds_tree.cli.common import check_not_input, command_parser
+from ds_tree.cli.common import POSITIVE_INT, check_not_input, check_output_path, command_parser
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
 
@@ -24,9 +24,9 @@ from ds_tree.errors import DataError
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = command_parser(prog, __doc__)
     parser.add_argument("--data", required=True, help="tokens JSONL file or converted dataset directory")
-    parser.add_argument("--groups-per-step", type=int, default=None, help="default: every group")
-    parser.add_argument("--budget", type=int, default=4096, help="tokens per packed row")
-    parser.add_argument("--block", type=int, default=BLOCK, help="queries per block (default %(default)s)")
+    parser.add_argument("--groups-per-step", type=POSITIVE_INT, default=None, help="default: every group")
+    parser.add_argument("--budget", type=POSITIVE_INT, default=4096, help="tokens per packed row")
+    parser.add_argument("--block", type=POSITIVE_INT, default=BLOCK, help="queries per block (default %(default)s)")
     parser.add_argument(
         "--hub-min-keys",
         type=int,
@@ -45,10 +45,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default="torch",
         help="torch (block-sparse, forward+backward) or flex (FlexAttention, forward only: no backward on the CPU)",
     )
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default %(default)s)")
-    parser.add_argument("--head-dim", type=int, default=64, help="dimension of a head (default %(default)s)")
+    parser.add_argument("--heads", type=POSITIVE_INT, default=4, help="attention heads (default %(default)s)")
+    parser.add_argument("--head-dim", type=POSITIVE_INT, default=64, help="dimension of a head (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=8, help="timed calls per row, the first a warm-up (default 8)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     return parser
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.repeats < 2:
         parser.error("--repeats must be at least 2 (the first is a warm-up for the median)")
     check_not_input(parser, "--json", args.json, [args.data])
+    check_output_path(parser, args.json, "--json")
     import torch
 
     from ds_tree.bench.attention import time_attention

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 
 from ds_tree.cli.choices import KERNEL_DTYPES
-from ds_tree.cli.common import command_parser
+from ds_tree.cli.common import NON_NEGATIVE_INT, POSITIVE_INT, check_output_path, command_parser
 from ds_tree.data.jsonl import json_text
 
 SMOKE = shutil.which("nvidia-smi") is None
@@ -30,21 +30,25 @@ SMOKE = shutil.which("nvidia-smi") is None
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = command_parser(prog, __doc__)
-    parser.add_argument("--trees", type=int, default=8, help="trees in the row (default %(default)s)")
-    parser.add_argument("--depth", type=int, default=4, help="nodes on every root-to-leaf path")
-    parser.add_argument("--branching", type=int, default=3, help="most children of an inner node")
-    parser.add_argument("--node-len", type=int, default=128, help="mean tokens per node")
+    parser.add_argument("--trees", type=POSITIVE_INT, default=8, help="trees in the row (default %(default)s)")
+    parser.add_argument("--depth", type=POSITIVE_INT, default=4, help="nodes on every root-to-leaf path")
+    parser.add_argument("--branching", type=POSITIVE_INT, default=3, help="most children of an inner node")
+    parser.add_argument("--node-len", type=POSITIVE_INT, default=128, help="mean tokens per node")
     # The interpreter takes ~20 s per call at 32 heads of dim 128: smoke runs default smaller.
-    parser.add_argument("--heads", type=int, default=4 if SMOKE else 32, help="query heads (default %(default)s)")
-    parser.add_argument("--kv-heads", type=int, default=2 if SMOKE else 8, help="key/value heads (default %(default)s)")
     parser.add_argument(
-        "--head-dim", type=int, default=64 if SMOKE else 128, help="dimension of a head (default %(default)s)"
+        "--heads", type=POSITIVE_INT, default=4 if SMOKE else 32, help="query heads (default %(default)s)"
+    )
+    parser.add_argument(
+        "--kv-heads", type=POSITIVE_INT, default=2 if SMOKE else 8, help="key/value heads (default %(default)s)"
+    )
+    parser.add_argument(
+        "--head-dim", type=POSITIVE_INT, default=64 if SMOKE else 128, help="dimension of a head (default %(default)s)"
     )
     parser.add_argument(
         "--dtype", choices=KERNEL_DTYPES, default="bfloat16", help="dtype of q, k, v (default %(default)s)"
     )
-    parser.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up time (GPU only)")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench measuring time (GPU only)")
+    parser.add_argument("--warmup-ms", type=NON_NEGATIVE_INT, default=25, help="do_bench warm-up time (GPU only)")
+    parser.add_argument("--rep-ms", type=POSITIVE_INT, default=100, help="do_bench measuring time (GPU only)")
     parser.add_argument(
         "--flex",
         action="store_true",
@@ -56,7 +60,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads} (grouped-query attention)")
+    check_output_path(parser, args.json, "--json")
     if SMOKE:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch

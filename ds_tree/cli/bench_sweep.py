@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ds_tree.cli.common import command_parser
+from ds_tree.cli.common import POSITIVE_INT, command_parser
 from ds_tree.data.jsonl import json_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,9 +121,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, metavar="OUT", help="folder of the results")
     parser.add_argument("--model", default="configs/models/bench_llama.json", help="model config (default %(default)s)")
     parser.add_argument("--pors", default="0,0.25,0.5,0.7,0.85,0.95", help="target POR of each synthetic point")
-    parser.add_argument("--groups", type=int, default=4, help="synthetic groups per step")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per point (tau2: 3)")
-    parser.add_argument("--repeats", type=int, default=3, help="bench.py runs per point (tau2: 1)")
+    parser.add_argument("--groups", type=POSITIVE_INT, default=4, help="synthetic groups per step")
+    parser.add_argument("--steps", type=POSITIVE_INT, default=5, help="measured steps per point (tau2: 3)")
+    parser.add_argument("--repeats", type=POSITIVE_INT, default=3, help="bench.py runs per point (tau2: 1)")
     parser.add_argument(
         "--shared", type=Path, default=ROOT.parent / "shared" / "data", help="folder of the shared real data sets"
     )

@@ -6,9 +6,61 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-from collections.abc import Iterable, Iterator
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low``; anything else is a usage error (exit 2) naming the
+    option, never a number reinterpreted (``--limit -1`` dropping the last trajectory, ``0`` a default)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+POSITIVE_INT = int_at_least(1)
+NON_NEGATIVE_INT = int_at_least(0)
+
+
+def finite_float(text: str) -> float:
+    """An argparse ``type``: a finite number (``inf`` and ``nan`` are usage errors naming the option)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _unwritable_folder(path: Path, folder: Path) -> str | None:
+    """Why no file (``path``) can be created in the existing directory ``folder`` (tried with a temporary
+    file removed at once), or ``None``."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        return f"{path}: cannot write in {folder} ({error.strerror or error})"
+    return None
+
+
+def _unwritable_file(path: Path) -> str | None:
+    """Why the existing file ``path`` cannot be written over, or ``None``."""
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path}: cannot be written (no permission)"
+    return None
 
 
 def command_parser(prog: str | None, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
@@ -28,7 +80,7 @@ def output_file_problem(path: Path) -> str | None:
         return f"{path}: no such directory {str(folder)!r}"
     if not folder.is_dir():
         return f"{path}: {folder} is not a directory"
-    return None
+    return _unwritable_file(path) or _unwritable_folder(path, folder)
 
 
 def same_path(a: str | Path, b: str | Path) -> bool:
@@ -79,9 +131,24 @@ def check_output_file(
 
 
 def output_plot_problem(path: Path) -> str | None:
-    """Why a figure cannot be saved at ``path`` (an existing directory), or ``None``; a missing
-    folder is created when the figure is saved."""
-    return f"{path}: is a directory; give a file name" if path.is_dir() else None
+    """Why a file cannot be written at ``path`` once its missing folders are created (an existing
+    directory, an ancestor that is a file, a folder that cannot be written), or ``None``."""
+    if path.is_dir():
+        return f"{path}: is a directory; give a file name"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{path}: {ancestor} is not a directory"
+    return _unwritable_file(path) or _unwritable_folder(path, ancestor)
+
+
+def check_output_path(parser: argparse.ArgumentParser, path: Path | None, option: str) -> None:
+    """A usage error (exit 2) on ``option`` where ``path`` (its missing folders created) cannot be written:
+    checked before a command spends its time on what it would write there."""
+    problem = path is not None and output_plot_problem(path)
+    if problem:
+        parser.error(f"{option} {problem}")
 
 
 def save_figure(figure, path: Path, dpi: int) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ds_tree.cli.choices import AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS  # not the losses' (torch): --help stays fast
+from ds_tree.cli.common import POSITIVE_INT, finite_float
 from ds_tree.config import ConfigError, ObjectiveConfig, objective_strays
 
 OBJECTIVES = ("sft", "grpo", "ppo")
@@ -32,18 +33,20 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
         "--normalise-advantages", action="store_true", default=None, help="divide advantages by the reward std"
     )
     group.add_argument(
-        "--tempo-coef", type=float, help="tempo: coefficient of the branch-gated TD term (default 1; 0 is grpo)"
+        "--tempo-coef", type=finite_float, help="tempo: coefficient of the branch-gated TD term (default 1; 0 is grpo)"
     )
     group.add_argument("--aggregation", choices=AGGREGATIONS, help="loss aggregation (default token_mean)")
-    group.add_argument("--aggregation-constant", type=float, help="the constant of token_sum_norm")
-    group.add_argument("--eps-low", type=float, help="ratio clipped at 1 - eps_low (default 0.2)")
-    group.add_argument("--eps-high", type=float, help="ratio clipped at 1 + eps_high (default 0.2)")
-    group.add_argument("--dual-clip", type=float, help="dual clip constant > 1 (default 0: off)")
-    group.add_argument("--kl-coef", type=float, help="KL penalty to the reference policy (default 0)")
+    group.add_argument("--aggregation-constant", type=finite_float, help="the constant of token_sum_norm")
+    group.add_argument("--eps-low", type=finite_float, help="ratio clipped at 1 - eps_low (default 0.2)")
+    group.add_argument("--eps-high", type=finite_float, help="ratio clipped at 1 + eps_high (default 0.2)")
+    group.add_argument("--dual-clip", type=finite_float, help="dual clip constant > 1 (default 0: off)")
+    group.add_argument("--kl-coef", type=finite_float, help="KL penalty to the reference policy (default 0)")
     group.add_argument("--kl-estimator", choices=KL_ESTIMATORS, help="per-token KL estimator (default k3)")
-    group.add_argument("--entropy-coef", type=float, help="entropy bonus (default 0)")
+    group.add_argument("--entropy-coef", type=finite_float, help="entropy bonus (default 0)")
     if epochs:
-        group.add_argument("--ppo-epochs", type=int, help="update passes over each step's rollouts (default 1)")
+        group.add_argument(
+            "--ppo-epochs", type=POSITIVE_INT, help="update passes over each step's rollouts (default 1)"
+        )
     return group
 
 

@@ -44,7 +44,7 @@ import sys
 from collections.abc import Iterator
 
 from ds_tree.cli.choices import ENGINES, NORMALISATIONS, POLICIES, VERIFY_DTYPES
-from ds_tree.cli.common import command_parser
+from ds_tree.cli.common import NON_NEGATIVE_INT, POSITIVE_INT, command_parser, finite_float
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.jsonl import json_text
@@ -77,33 +77,43 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="model config JSON (random init) or local HF directory")
     parser.add_argument("--dtype", default="float64", choices=VERIFY_DTYPES, help="dtype of the model and the check")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random init")
-    parser.add_argument("--budget", type=int, default=4096, help="token budget of one packed row")
-    parser.add_argument("--block", type=int, default=1, help="pad rows to a multiple of this")
+    parser.add_argument("--budget", type=POSITIVE_INT, default=4096, help="token budget of one packed row")
+    parser.add_argument("--block", type=POSITIVE_INT, default=1, help="pad rows to a multiple of this")
     parser.add_argument(
         "--attention", default="auto", choices=ENGINES, help="tree attention engine (auto: torch, on the CPU)"
     )
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N trajectories")
+    parser.add_argument("--limit", type=POSITIVE_INT, default=None, help="use only the first N trajectories")
     parser.add_argument("--normalisation", choices=NORMALISATIONS, help="SFT only (default token_mean)")
     parser.add_argument("--policy", choices=POLICIES, help="SFT only (default exact)")
     parser.add_argument(
         "--router-aux-loss-coef",
-        type=float,
+        type=finite_float,
         help="SFT only, MoE models: weight of the router load-balancing loss (default: the model config's)",
     )
     rl_group = add_objective_arguments(parser)
     rl_group.add_argument(
         "--perturbation",
-        type=float,
+        type=finite_float,
         help=f"move the trained policy off the old one by this times each parameter's spread "
         f"(default {DEFAULT_PERTURBATION})",
     )
-    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="S", help="ranks per sequence-parallel row")
     parser.add_argument(
-        "--dfs-chunk", type=int, default=0, metavar="C", help="also compare dfs mode, in chunks of at most C tokens"
+        "--sequence-parallel", type=POSITIVE_INT, default=1, metavar="S", help="ranks per sequence-parallel row"
+    )
+    parser.add_argument(
+        "--dfs-chunk",
+        type=POSITIVE_INT,
+        default=None,
+        metavar="C",
+        help="also compare dfs mode, in chunks of at most C tokens",
     )
     parser.add_argument("--dfs-recompute", action="store_true", help="dfs mode: forward every chunk twice")
     parser.add_argument(
-        "--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R on every linear layer (0: none)"
+        "--lora",
+        type=NON_NEGATIVE_INT,
+        default=0,
+        metavar="R",
+        help="LoRA adapters of rank R on every linear layer (0: none)",
     )
     return parser
 
@@ -111,8 +121,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    if args.dfs_chunk < 0 or (args.dfs_recompute and not args.dfs_chunk):
-        parser.error("--dfs-chunk must be a positive number of tokens (and is needed by --dfs-recompute)")
+    if args.dfs_recompute and args.dfs_chunk is None:
+        parser.error("--dfs-recompute: only with --dfs-chunk C (it forwards each dfs chunk twice)")
     from ds_tree.attention.registry import resolve_engine
 
     args.attention = resolve_engine(args.attention, "cpu")  # verify runs on the CPU: auto is torch
@@ -120,8 +130,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--attention varlen runs flat rows on a CUDA GPU only: verify compares tree rows on the CPU")
     if args.attention == "flex" and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
         parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
-    if args.lora < 0 or (args.lora and args.sequence_parallel > 1):
-        parser.error("--lora must be a rank >= 0, and checks single-process modes (not --sequence-parallel)")
+    if args.lora and args.sequence_parallel > 1:
+        parser.error("--lora checks single-process modes (not --sequence-parallel)")
     objective = objective_config(
         parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
     )
@@ -144,7 +154,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
     from ds_tree.verify.sequence_parallel_rl import sequence_parallel_rl_report
     from ds_tree.verify.tree_vs_flat import compare, compare_rl
 
-    dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk else None
+    dfs = DfsSettings(args.dfs_chunk, args.dfs_recompute) if args.dfs_chunk is not None else None
     lora = None
     if args.lora:
         from ds_tree.config import LoraSettings

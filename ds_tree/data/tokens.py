@@ -2,9 +2,9 @@
 
 ``{"group_id": str | int, "input_ids": [int], "loss_mask": [number], "reward": number?, "trial": int?,
 "logprobs": [number | null]?, "advantages": [number]?}``;
-``"labels"`` with ``-100`` for untrained tokens may stand instead of ``loss_mask`` (Hugging Face
-style, labels equal to input_ids elsewhere). Trajectories sharing a ``group_id`` form one tree; the
-group id is required (:func:`ds_tree.data.records.group_id`).
+``"labels"`` with ``-100`` for untrained tokens may stand instead of ``loss_mask`` (Hugging
+Face style, labels equal to input_ids elsewhere; a record with both is an error). Trajectories
+sharing a ``group_id`` form one tree; the group id is required (:func:`ds_tree.data.records.group_id`).
 
 RL rollouts may carry, one entry per token of ``input_ids``: ``logprobs``, the sampling policy's
 log-probability of each token (``<= 0``; ``null`` where the token was not sampled, such as the
@@ -38,6 +38,10 @@ IGNORE_INDEX = -100
 def trajectory_from_record(where: str, record: dict) -> Trajectory:
     """Validate one tokens record and turn it into a :class:`Trajectory`."""
     input_ids = integer_list(where, "input_ids", record.get("input_ids"))
+    if "loss_mask" in record and "labels" in record:
+        raise DataError(
+            f"{where}: both 'loss_mask' and 'labels': give one of them (either says which tokens are trained)"
+        )
     if "loss_mask" in record:
         mask = number_list(where, "loss_mask", record["loss_mask"])
     elif "labels" in record:

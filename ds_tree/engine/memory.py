@@ -169,7 +169,8 @@ def dfs_plan(config, shape: ModelShape, free: int, path_tokens: int, entropy: bo
         "sequence_parallel": size,
     }
     plan = {
-        "chunk": settings.chunk,
+        "chunk": min(settings.chunk, path_tokens),  # a chunk longer than the path walks the path in one
+        "configured_chunk": settings.chunk,
         "recompute": settings.recompute,
         "path_tokens": path_tokens,
         "sequence_parallel_size": size,

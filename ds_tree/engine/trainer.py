@@ -227,6 +227,14 @@ class Trainer(RLSteps):
             return
         record = checkpoint.read_record(directory, self.resume_from)
         changes = run_dir.resume_changes(record, self.config, self.world_size, directory / self.resume_from)
+        at, step = self.config.objective.reference_step, checkpoint.step_of(self.resume_from)
+        if at and step >= at and not (directory / self.resume_from / REFERENCE_FILE).is_file():
+            raise checkpoint.CheckpointError(  # found at the dry run, not after the model is built
+                f"{directory / self.resume_from} holds no {REFERENCE_FILE}: objective.reference_step ({at}) makes the "
+                f"KL reference the policy of step {at}, and this checkpoint of step {step} was saved without it (by a "
+                f"run without reference_step?). Resume from a checkpoint before step {at}, or set "
+                "objective.reference_step: 0"
+            )
         if changes:
             logger.warning("resuming from %s with a changed config: %s", self.resume_from, "; ".join(changes))
         resumed_step = checkpoint.step_of(self.resume_from)

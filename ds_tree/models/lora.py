@@ -60,6 +60,14 @@ def apply_lora(model: torch.nn.Module, settings, *, init_lora_weights: bool = Tr
             f"model.lora.modules_to_save: {untied[0]} is tied to the other embedding in this model "
             "(tie_word_embeddings); adapt it with target_modules instead, or train all weights"
         )
+    names = [name for name, _ in model.named_modules()]
+    unmatched = [n for n in settings.modules_to_save if not any(m == n or m.endswith(f".{n}") for m in names)]
+    if unmatched:  # PEFT skips such a name silently: the run would train without that module
+        leaves = sorted({m.rpartition(".")[2] for m in names if m and not m.rpartition(".")[2].isdigit()})
+        raise ValueError(
+            f"model.lora.modules_to_save: {unmatched[0]!r} matches no module of this model (its module names: "
+            f"{', '.join(leaves)})"
+        )
     try:
         wrapped = get_peft_model(model, peft_config(settings, init_lora_weights=init_lora_weights))
     except ValueError as error:

@@ -48,7 +48,7 @@ from ds_tree.data.chat import check_text
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
-from ds_tree.errors import ConfigError, DataError
+from ds_tree.errors import ConfigError, DataError, RolloutError
 from ds_tree.rollout.env import (
     EnvFailure,
     Environment,
@@ -861,7 +861,7 @@ class MultiTurnRollouts(OnlineRollouts):
         if groups < self.config.objective.mini_batches:
             env = self.config.rollout.env
             why = lost_tasks(trees, env.max_context_tokens or path_limit(self.config)[0], env.episode_timeout_s)
-            raise RuntimeError(
+            raise RolloutError(
                 f"step {step + 1}: only {groups} task(s) kept a leaf, fewer than objective.mini_batches="
                 f"{self.config.objective.mini_batches}; the others lost every leaf to: {why}"
             )

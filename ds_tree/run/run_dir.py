@@ -37,6 +37,9 @@ LEFTOVER = re.compile(r"^(\.partial-.+|\..+\.replaced-\d+|\..+\.tmp-\d+|hf\.part
 REPLACED = re.compile(r"^\.(.+)\.replaced-\d+$")
 # AdamW's hyperparameters live in the optimizer and schedule state that a resume loads.
 RESTORED = {"optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay"}
+TRAINED_SHAPE = ("model.lora.rank", "model.lora.target_modules", "model.lora.modules_to_save")
+"""Fields that decide which parameters are trained and their shapes: a checkpoint's weights and optimizer
+state fit only the values it was saved with (a changed rank failed on a tensor size, deep in the load)."""
 
 
 def check_writable(output_dir: str | Path) -> None:
@@ -157,6 +160,13 @@ def resume_changes(record: dict, config: Config, world_size: int, where: Path) -
     before = _flatten(record.get("config", {}))
     after = _flatten(config_to_dict(config))
     keys = sorted((set(before) | set(after)) - {"output_dir"})
+    for key in TRAINED_SHAPE:
+        if key in before and before[key] != after.get(key):
+            raise ConfigError(
+                f"{key} changed from {before[key]!r} to {after.get(key)!r}: {where} holds the trained parameters "
+                f"(and their optimizer state) of {before[key]!r}. Resume with {key.rpartition('.')[2]}: "
+                f"{before[key]!r}, or start a new output_dir"
+            )
     changes = []
     for key in (key for key in keys if before.get(key) != after.get(key)):
         note = " (not used: the checkpoint's optimizer state holds the old value)" if key in RESTORED else ""

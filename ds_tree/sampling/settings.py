@@ -42,7 +42,7 @@ class SamplerSettings:
         for name in ("segment_length", "branching", "max_depth", "width", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"sampler {name} must be >= 1, got {getattr(self, name)}")
-        if not self.independent and self.width > self.branching**self.max_depth:
+        if self.quota_rule_applies() and not self.independent and self.width > self.branching**self.max_depth:
             raise ValueError(
                 f"sampler width {self.width} exceeds branching**max_depth = {self.branching}**{self.max_depth}; "
                 "raise branching or max_depth, or lower width"
@@ -56,10 +56,22 @@ class SamplerSettings:
         if not (self.logprob_floor <= 0 and math.isfinite(self.logprob_floor)):
             raise ValueError(f"sampler logprob_floor must be a finite value <= 0, got {self.logprob_floor}")
 
+    def quota_rule_applies(self) -> bool:
+        """Whether ``branching`` and ``max_depth`` shape the tree (so ``width`` must fit them)."""
+        return True
+
     @property
     def branch_levels(self) -> int:
         """Segment boundaries that may fork (1 for the independent baseline)."""
         return 1 if self.independent else self.max_depth
+
+
+class TurnBranchedSettings(SamplerSettings):
+    """The sampler settings of episodes whose forks ``rollout.env.turn_branching`` sets: it replaces the
+    quota rule, so ``width`` need not fit ``branching**max_depth``."""
+
+    def quota_rule_applies(self) -> bool:
+        return False
 
 
 FORK_MODES = ("copy", "replay", "none")

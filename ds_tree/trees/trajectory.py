@@ -10,6 +10,9 @@ import numpy as np
 from ds_tree.errors import DataError
 
 LOGPROB_ROUNDOFF = 1e-6
+LOSS_COEFFICIENT_MAX = 1e30
+"""The largest ``loss_mask`` value: a loss coefficient times a token's loss (and their sum over a step)
+stays finite in float32 and bfloat16 (largest finite value 3.4e38); 1e308 overflowed to a loss of 0."""
 """How far above 0 a sampler's log-probability may round (a probability of 1 computed in float32)."""
 
 
@@ -57,6 +60,12 @@ class Trajectory:
             raise DataError(
                 f"{where}: loss_mask has {float(self.loss_mask[negative[0]])!r} at token {negative[0]}; "
                 "a loss coefficient is >= 0"
+            )
+        large = np.flatnonzero(self.loss_mask > LOSS_COEFFICIENT_MAX)
+        if large.size:
+            raise DataError(
+                f"{where}: loss_mask has {float(self.loss_mask[large[0]])!r} at token {large[0]}; a loss "
+                f"coefficient is at most {LOSS_COEFFICIENT_MAX:g} (larger ones overflow the loss)"
             )
         if self.input_ids.min() < 0:
             raise DataError(f"{where}: negative token id {int(self.input_ids.min())}")

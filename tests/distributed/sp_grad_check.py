@@ -70,8 +70,11 @@ def run_case(trainer, step: int, trajectories, mode: str) -> dict:
 
 
 def main() -> None:
-    args, config = check_arguments((("--deepspeed",), {"nargs": "+", "required": True}))
+    args, config = check_arguments(
+        (("--deepspeed",), {"nargs": "+", "required": True}), (("--dfs-chunk",), {"type": int, "default": 0})
+    )
     config.deepspeed = args.deepspeed[0]
+    config.packing.dfs_chunk = args.dfs_chunk  # of the dfs cases; the config (mode tree) may not set it
     trainer = started_trainer(config)
     cases: dict[str, list] = {}
     for trajectory in trainer.trajectories:
