@@ -183,9 +183,13 @@ RANK_WITH_A_WORKER = textwrap.dedent(
         "parent = os.getppid()\\nwhile os.getppid() == parent: time.sleep(0.05)\\ntime.sleep(3)"
     subprocess.Popen([sys.executable, "-c", worker])
     signal.signal(signal.SIGTERM, lambda *_: os._exit(75))  # the trainer: save the step, exit 75
+    # a mask inherited from whoever started the test must not hold the signal back
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     open(sys.argv[-1], "w").close()
-    while True:
+    started = time.monotonic()
+    while time.monotonic() - started < 40:  # never outlives the test: no signal is exit 3, a failure
         time.sleep(0.05)
+    os._exit(3)
     """
 )
 
@@ -219,8 +223,15 @@ def test_train_sh_signals_the_ranks_only_not_their_children(tmp_path: Path) -> N
         ranks, _ = run_processes(process)
         (rank,) = ranks
         (worker,) = rank.children()
+        status = Path(f"/proc/{rank.pid}/status").read_text().splitlines()
+        masks = [line for line in status if line.startswith("Sig")]
         process.send_signal(signal.SIGTERM)
-        output = process.communicate(timeout=60)[0].decode()
+        try:
+            output = process.communicate(timeout=60)[0].decode()
+        except subprocess.TimeoutExpired as timeout:  # what the rank's signal state was, for the report
+            raise AssertionError(
+                f"train.sh still ran 60 s after SIGTERM; the rank's {masks}: {timeout.output}"
+            ) from None
         assert process.returncode == EXIT_PREEMPTED, output
         assert f"train.sh: SIGTERM: forwarded to the ranks (pids {rank.pid}); waiting for them" in output
         assert "while ranks still ran" not in output
