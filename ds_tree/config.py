@@ -623,6 +623,10 @@ class RolloutConfig(SamplerSettings):
         from ds_tree.rollout.ahead import check_staleness_config
 
         check_staleness_config(config)
+        if self.engine == "vllm":
+            from ds_tree.rollout.online import check_vllm_config
+
+            check_vllm_config(config)
 
 
 @dataclass

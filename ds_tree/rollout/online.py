@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.parse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
-from ds_tree.errors import DataError
+from ds_tree.errors import ConfigError, DataError
 from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import RewardRequest, reward_function, score
@@ -128,6 +130,38 @@ def raise_any(*failures: str | None, gather: bool = True) -> None:
         found = [f"rank {rank}: {f}" for rank, f in enumerate(every) if f]
     if found:
         raise EngineError(found[0] + (f" (and {len(found) - 1} more rank(s))" if len(found) > 1 else ""))
+
+
+def check_vllm_config(config) -> None:
+    """What ``rollout.engine: vllm`` needs that the dry run can see (before any model is built): an
+    http(s) ``vllm.url``; without one, vLLM's Python (``vllm.python``, ``$DS_TREE_VLLM_PYTHON`` or the
+    checkout's ``.venv-vllm``) with a finished install; a ``vllm.max_model_len`` that holds every prompt
+    of ``rollout.prompts`` and a token more (single-turn prompts: read with the run's tokenizer)."""
+    from ds_tree.models.loading import load_config as load_model_config
+    from ds_tree.sampling.vllm import vllm_available
+
+    vllm = config.rollout.vllm
+    if vllm.url:
+        parsed = urllib.parse.urlparse(vllm.url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ConfigError(
+                f"rollout.vllm.url must be an http(s) URL of a running server (http://host:port), got {vllm.url!r}"
+            )
+    else:
+        if vllm.python and not Path(vllm.python).is_file():
+            raise ConfigError(f"rollout.vllm.python: {vllm.python}: no such file (vLLM's Python interpreter)")
+        missing = vllm_available(vllm.python or None)
+        if missing:
+            raise ConfigError(f"rollout.engine: vllm starts a server from vLLM's own venv, and {missing}")
+    if vllm.max_model_len and not config.rollout.env.path:
+        vocab_size = load_model_config(config.model.source).vocab_size
+        prompts = read_prompts(config.rollout.prompts, load_tokenizer(config.model.tokenizer), vocab_size)
+        longest = max(len(prompt.ids) for prompt in prompts)
+        if vllm.max_model_len <= longest:
+            raise ConfigError(
+                f"rollout.vllm.max_model_len ({vllm.max_model_len}) leaves no room to sample: the longest prompt "
+                f"of {config.rollout.prompts} has {longest} tokens; raise it, or set 0 (packing.budget)"
+            )
 
 
 class OnlineRollouts:
