@@ -516,6 +516,44 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
     assert 0.05 < np.mean(hits) < 0.15
 
 
+def test_a_hanging_demonstration_or_constructor_is_an_error_within_step_timeout_s(tokenizer_dir, tmp_path: Path):
+    """Issue 42 #22: the warm-up calls user code (the constructor, demonstration()) with the same deadline as
+    an episode's calls, so a hang stops the run with its cause instead of stalling every rank."""
+    import time
+    from types import SimpleNamespace
+
+    from ds_tree.config import load_config
+    from ds_tree.errors import DataError
+    from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
+    from ds_tree.rollout.multiturn import MultiTurnRollouts
+
+    class SlowDemonstration(LoudSecretToolEnv):
+        def demonstration(self, task, rng):
+            time.sleep(30)
+
+    class SlowConstructor(LoudSecretToolEnv):
+        def __init__(self):
+            time.sleep(30)
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
+    overrides = [
+        "model.source=configs/models/tiny_llama.json",
+        f"rollout.prompts={tmp_path / 'tasks.jsonl'}",
+        f"model.tokenizer={tokenizer_dir}",
+        "rollout.prompts_per_step=4",
+        "rollout.env.path=ds_tree.rollout.envs.secret_tool:LoudSecretToolEnv",
+        "rollout.env.step_timeout_s=0.5",
+    ]
+    online = MultiTurnRollouts(load_config("configs/multiturn_cpu.yaml", overrides), SimpleNamespace(eos_token_id=2))
+    for env_class in (SlowDemonstration, SlowConstructor):
+        online.env_class = env_class
+        started = time.monotonic()
+        with pytest.raises(DataError, match=r"demonstration of .*TimeoutError: no answer within 0.5 s"):
+            online.demonstrations(0, 0)
+        assert time.monotonic() - started < 10
+    online.close()
+
+
 # ------------------------------------------------------------------ the KL reference as the warm-up's policy
 def test_reference_step_copy_saves_and_loads_the_policy() -> None:
     """``objective.reference_step``: the policy's weights into a whole reference, whole weights out for a

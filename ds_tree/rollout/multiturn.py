@@ -806,14 +806,16 @@ class MultiTurnRollouts(OnlineRollouts):
         from ds_tree.data.chat import render_chat
 
         trajectories = []
+        settings = self.config.rollout.env
+        calls = EnvironmentCalls(settings.workers)  # user code gets a deadline: a hang is an error, not a stall
         for slot, index in enumerate(self.sampler.groups_for_step(step)):
             task = self.tasks[index]
             rng = random.Random(f"{self.config.rollout.seed}/{step}/{update}/{slot}")
-            where = f"{self.config.rollout.env.path} demonstration of {task.label} (step {step + 1}, update {update})"
+            where = f"{settings.path} demonstration of {task.label} (step {step + 1}, update {update})"
             env = None
             try:
-                env = self.env_class()
-                messages = env.demonstration(task.task, rng)
+                env = calls.call(self.env_class, timeout=settings.step_timeout_s)
+                messages = calls.call(env.demonstration, task.task, rng, timeout=settings.step_timeout_s)
                 rendered = render_chat(self.tokenizer, messages, self.tools_of(env), where=where)
                 if step >= self.config.rollout.env.warmup_steps:  # a refresh: every assistant turn but the last
                     last = render_chat(
