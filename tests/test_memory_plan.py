@@ -195,9 +195,12 @@ def test_dfs_prediction_at_both_ends_of_the_chunk_size(chunk, recompute):
     measured = profiled_peak_bytes(step)
     shape = ModelShape.of(load_config(BENCH))
     planned = dfs_activation_bytes(shape, "float32", tokens, chunk, recompute=recompute)
-    # within 5% below and 20% above: a path walked in one chunk is over-predicted by its cache term
-    # (11% measured, 19% with recompute: the path's keys and values are counted beside the chunk's own)
-    assert 1 - DOCUMENTED_ERROR <= planned.peak / measured <= 1.2, (planned, measured)
+    # a path walked in one chunk: within the documented 5% (3.5% over, with and without recompute; it was
+    # 11% and 19% over while its keys and values were counted in the cache beside the graph that holds
+    # them). Short chunks on a long path stay over-predicted a little more (16 tokens: 5.0%, 64: 8%):
+    # bounded at 20% until that term is found.
+    upper = 1 + DOCUMENTED_ERROR if chunk >= tokens else 1.2
+    assert 1 - DOCUMENTED_ERROR <= planned.peak / measured <= upper, (planned, measured)
     if chunk > tokens:
         for packed_below in (False, True):
             options = {"recompute": recompute, "packed_below": packed_below}

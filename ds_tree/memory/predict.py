@@ -414,25 +414,37 @@ def dfs_activation_bytes(
         return max(moments)
 
     layers = shape.layers
+
+    # The path's first chunk (no context) attends to its keys and values as recorded, uncopied
+    # (``attention.cached`` concatenates only onto a context): without recompute the cache's leaves share
+    # that storage, which the chunk's graph (``layer``) holds already; with recompute a path of one chunk
+    # is childless, forwarded once with grad and never cached, so its cache and their gradients do not exist.
+    first_chunk = layers * kv_here * chunk
+
     if not recompute:
         n, context = last
         ancestors = full if rest else full - 1  # the full chunks above the deepest one
         # a held full chunk's graph grows linearly with its context: the sum over k of graph(chunk, k x chunk)
         first, step = graph(chunk, 0), graph(chunk, chunk) - graph(chunk, 0)
         held = ancestors * first + step * ancestors * (ancestors - 1) // 2
-        plans = [DfsActivationBytes(held, layers * kv_here * (path_tokens + context), backward(n, context))]
+        cache = layers * kv_here * (path_tokens + context) - first_chunk
+        plans = [DfsActivationBytes(held, cache, backward(n, context))]
         if packed_below and path_tokens > 1:
             context = path_tokens - 1
             ancestors, rest = divmod(context, chunk)
             held = ancestors * first + step * ancestors * (ancestors - 1) // 2
             held += graph(rest, ancestors * chunk) if rest else 0
-            plans.append(DfsActivationBytes(held, layers * kv_here * (2 * context + chunk), backward(chunk, context)))
+            cache = layers * kv_here * (2 * context + chunk) - first_chunk
+            plans.append(DfsActivationBytes(held, cache, backward(chunk, context)))
         return max(plans, key=lambda plan: plan.peak)
     # Every term grows with a chunk's size and context, so the peak is at the deepest full chunk or at
     # the shorter last one (the first of them on a tie, as in path order).
     deepest = [(chunk, (full - 1) * chunk)] if full else []
     candidates = deepest + ([last] if rest else []) + ([(chunk, path_tokens - 1)] if packed_below else [])
-    plans = [DfsActivationBytes(0, layers * kv_here * (2 * p + 2 * n), backward(n, p)) for n, p in candidates]
+    plans = [  # a chunk without context is the whole path, one childless chunk: nothing of it is cached
+        DfsActivationBytes(0, layers * kv_here * (2 * p + 2 * n) - (0 if p else 2 * first_chunk), backward(n, p))
+        for n, p in candidates
+    ]
     return max(plans, key=lambda plan: plan.peak)
 
 
