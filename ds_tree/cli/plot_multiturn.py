@@ -22,9 +22,9 @@ import numpy as np
 from ds_tree.cli.common import (
     check_not_input,
     check_numbers,
+    check_output_path,
     command_parser,
     metrics_records,
-    output_plot_problem,
     save_figure,
 )
 
@@ -152,9 +152,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be >= 1")
-    problem = output_plot_problem(args.output)
-    if problem:
-        parser.error(f"--output {problem}")
+    check_output_path(parser, args.output, "--output")
     check_not_input(parser, "--output", args.output, [args.run / "metrics.jsonl"])
     try:
         warmup, rl, refresh = read_metrics(args.run)

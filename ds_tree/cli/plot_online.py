@@ -21,9 +21,9 @@ import numpy as np
 from ds_tree.cli.common import (
     check_not_input,
     check_numbers,
+    check_output_path,
     command_parser,
     metrics_records,
-    output_plot_problem,
     save_figure,
 )
 
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be >= 1")
-    problem = output_plot_problem(args.output)
-    if problem:
-        parser.error(f"--output {problem}")
+    check_output_path(parser, args.output, "--output")
     runs = {}
     for item in args.runs:
         label, separator, directories = item.partition("=")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_tree.cli.common import check_not_input, command_parser, output_plot_problem, save_figure
+from ds_tree.cli.common import check_not_input, check_output_path, command_parser, save_figure
 from ds_tree.data import load_trajectories
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
@@ -83,9 +83,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    problem = args.plot is not None and output_plot_problem(args.plot)
-    if problem:
-        parser.error(f"--plot {problem}")
+    check_output_path(parser, args.plot, "--plot")
     check_not_input(parser, "--plot", args.plot, [args.path])
     try:
         trees = build_forest(load_trajectories(args.path), merge="group")
