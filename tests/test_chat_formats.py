@@ -13,6 +13,7 @@ import torch
 from ds_tree.data.chat_templates import TEMPLATES
 from ds_tree.data.tokenizer import build_tokenizer
 from ds_tree.rollout.env import EnvironmentCalls, ToolEnvironment
+from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
 from ds_tree.rollout.formats import (
     TurnFormat,
     detect_format,
@@ -278,3 +279,47 @@ def test_make_tokenizer_writes_each_family_template(tmp_path, capsys) -> None:
     assert loaded.encode("<|eot_id|>", add_special_tokens=False) == [loaded.convert_tokens_to_ids("<|eot_id|>")]
     with pytest.raises(SystemExit):
         make_tokenizer.main(["--output", str(tmp_path / "x"), "--chat-format", "chatml"])
+
+
+# ------------------------------------------------------------------ reasoning turns as trees
+def test_reasoning_stripped_from_history_makes_each_turn_its_exact_context_and_tree_equals_flat() -> None:
+    """QwQ-style template (no earlier turn's reasoning in history): the call turn is trained after the
+    prompt it was sampled from, each answer after the template's rendering of the history (the call
+    without its reasoning, the observation); the episode tree trains them exactly (float64)."""
+    from ds_tree.bench.reasoning_trees import independent_tokens, reasoning_episode
+    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.trees.stats import token_counts
+    from ds_tree.verify.tree_vs_flat import compare
+
+    task = tasks(1, 0)[0]
+    tree, renderer, finished = reasoning_episode(
+        "qwq", task, reasoning_tokens=16, width=3, tokenizer=tokenizer_of("qwq")
+    )
+    assert tree.counts["rewritten"] == 1 and tree.counts["parse_errors"] == 0
+    call = next(leaf for leaf in tree.leaves if leaf.stop_reason == "rewritten").trajectory
+    answers = [leaf.trajectory for leaf in tree.leaves if leaf.stop_reason == "done"]
+    assert len(answers) == 3 and all(t.reward == 1.0 for t in answers)  # the policy reads the secret
+    opening = LoudSecretToolEnv().reset(task)
+    prompt = renderer.prompt(opening, None)
+    assert call.input_ids[: len(prompt)].tolist() == prompt and "<think>" in renderer.render(opening, None, True)
+    history = finished[0][:-1]  # the conversation before the answer: the call's reasoning is not in it
+    context = renderer.prompt(history, None)
+    assert history[2]["reasoning_content"] and history[2]["reasoning_content"] not in renderer.render(
+        history, None, True
+    )
+    for answer in answers:  # each answer: exactly its context (the template's rendering), then its sampled turn
+        assert answer.input_ids[: len(context)].tolist() == context
+        assert answer.loss_mask[: len(context)].sum() == 0 and answer.loss_mask[len(context) :].all()
+    counts = token_counts([leaf.trajectory for leaf in tree.leaves])
+    assert counts.tree_tokens < counts.flat_tokens < independent_tokens(tree)
+    report = compare([leaf.trajectory for leaf in tree.leaves], MODEL, dtype="float64")
+    assert report["passed"] and report["loss_rel_err"] <= 1e-10 and report["max_rel_grad_err"] <= 1e-10, report
+
+
+def test_reasoning_reuse_command_prints_the_table(capsys) -> None:
+    from ds_tree.cli import main
+
+    argv = ["--template", "qwq", "--episodes", "1", "--reasoning-tokens", "8", "--width", "2"]
+    assert main(["reasoning-reuse", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| template | answers | rewritten | tree |") and lines[2].startswith("| qwq | 2 | 1 |")
