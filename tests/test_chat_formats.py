@@ -24,7 +24,7 @@ from ds_tree.rollout.formats import (
     turn_stop_tokens,
 )
 from ds_tree.rollout.multiturn import EpisodeRunner, SampledTurn
-from ds_tree.rollout.render import Renderer
+from ds_tree.rollout.render import NotAppendOnly, Renderer
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 
 MODEL = "configs/models/tiny_llama.json"
@@ -265,6 +265,16 @@ def test_the_format_field_is_checked_and_auto_names_it_when_it_cannot_tell(tmp_p
     config = load_config("configs/multiturn_cpu.yaml", [*base, f"model.tokenizer={tmp_path / 'tokenizer'}"])
     with pytest.raises(ConfigError, match=r"rollout.env.format \(auto\) with model.tokenizer: cannot tell"):
         MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
+    tokenizer_of("llama3_json").save_pretrained(tmp_path / "llama")  # auto: the family's format and stop tokens
+    config = load_config("configs/multiturn_cpu.yaml", [*base, f"model.tokenizer={tmp_path / 'llama'}"])
+    rollouts = MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
+    eot = tokenizer_of("llama3_json").convert_tokens_to_ids("<|eot_id|>")
+    assert rollouts.renderer.format.name == "llama3_json" and eot in rollouts.stop_ids
+    config = load_config(
+        "configs/multiturn_cpu.yaml", [*base, f"model.tokenizer={tmp_path / 'llama'}", "rollout.env.format=hermes"]
+    )
+    with pytest.raises(ConfigError, match=r"model.tokenizer \(chat format hermes\): the chat template ends"):
+        MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))  # a format that does not fit the template
 
 
 def test_make_tokenizer_writes_each_family_template(tmp_path, capsys) -> None:
@@ -314,6 +324,18 @@ def test_reasoning_stripped_from_history_makes_each_turn_its_exact_context_and_t
     assert counts.tree_tokens < counts.flat_tokens < independent_tokens(tree)
     report = compare([leaf.trajectory for leaf in tree.leaves], MODEL, dtype="float64")
     assert report["passed"] and report["loss_rel_err"] <= 1e-10 and report["max_rel_grad_err"] <= 1e-10, report
+
+
+def test_qwen3_keeps_reasoning_in_a_tool_loop_and_a_user_message_strips_it() -> None:
+    renderer = renderer_of("qwen3")
+    turn = renderer.format.parse(SCRIPTS["qwen3"][0](1, 2), "call_1").turn
+    conversation = [*Adder().reset({}), renderer.message(turn)]
+    ids = renderer.prompt(conversation[:2], None)  # stands for the sampled ids: only their stop token is read
+    ids += renderer.encode(SCRIPTS["qwen3"][0](1, 2)) + [renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    result = {"role": "tool", "tool_call_id": "call_1_0", "content": "3"}
+    assert renderer.bridge(ids, conversation, [result], None)  # a tool result: the reasoning stays
+    with pytest.raises(NotAppendOnly):  # the earlier turn renders without its reasoning now
+        renderer.bridge(ids, conversation, [{"role": "user", "content": "and now?"}], None)
 
 
 def test_reasoning_reuse_command_prints_the_table(capsys) -> None:
