@@ -15,6 +15,7 @@ from ds_tree.data.tokenizer import build_tokenizer
 from ds_tree.rollout.env import EnvironmentCalls, ToolEnvironment
 from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
 from ds_tree.rollout.formats import (
+    BUILTIN,
     TurnFormat,
     detect_format,
     get_format,
@@ -229,8 +230,12 @@ def test_malformed_turns_of_every_family_are_parse_errors_never_exceptions() -> 
     assert plain.error is None and plain.turn.text == "The answer is 3."
 
 
-def test_auto_detection_and_the_registry() -> None:
+def test_auto_detection_and_the_registry(monkeypatch) -> None:
+    from ds_tree.rollout import formats
+
+    monkeypatch.setattr(formats, "_REGISTERED", dict(formats._REGISTERED))  # the test's registration is undone
     assert list_registered() == sorted(["harmony", "hermes", "llama3_json", "mistral", "qwen3", "qwen3_coder"])
+    assert {template.turn_format for template in TEMPLATES.values()} == set(BUILTIN)  # each has a template
     for name, template in TEMPLATES.items():
         assert detect_format(template.template) == template.turn_format, name
     with pytest.raises(ValueError, match=r"none matches; name one of harmony, hermes"):
