@@ -21,12 +21,18 @@ def test_smoke_run_writes_every_section_and_passes(tmp_path, capsys) -> None:
     correctness = report["sections"]["correctness"]
     ran = {(r["engine"], r["dtype"]) for r in correctness["results"] if r["ran"]}
     assert {("torch", "float32"), ("triton", "float32"), ("flex", "float32"), ("triton", "bfloat16")} <= ran
+    assert {("triton list", "float32"), ("triton list", "bfloat16")} <= ran  # the list tile schedule
     assert all(r["passed"] for r in correctness["results"] if r["ran"])
     backward = {r["engine"] for r in correctness["results"] if r.get("checked") == "forward+backward"}
-    assert backward == {"torch", "triton"}  # flex has no backward on the CPU, varlen no CPU kernel
-    for shape in report["sections"]["kernels"]["shapes"].values():
-        assert shape["engines"]["triton tree"]["ran"] and shape["engines"]["sdpa padded flat"]["ran"]
+    assert backward == {"torch", "triton", "triton list"}  # flex has no backward on the CPU, varlen no CPU kernel
+    kernels = report["sections"]["kernels"]
+    assert len(kernels["shapes"]) == 4  # random, GRPO, tiny nodes, a long row
+    for shape in kernels["shapes"].values():
+        engines = shape["engines"]
+        assert all(engines[name]["ran"] for name in ("triton tree", "triton list tree", "sdpa padded flat"))
+        assert "triton list tree tuned" not in engines  # autotune: a GPU only
         assert shape["flat_tokens"] > shape["tree_tokens"]
+    assert kernels["autotune"] == {"skipped": "autotune runs on a CUDA GPU only"}
     cases = report["sections"]["steps"]["cases"]
     assert [c["ran"] for c in cases] == [True, True]
     assert all(c["speedup"] > 0 and c["ideal_tokens"] > 1 for c in cases)
