@@ -38,7 +38,8 @@ SCHEDULES = ("loop", "list")
 tile), ``list`` reads the lists built here (two branch-free loops). docs/KERNEL.md says which is faster."""
 DEFAULT_SCHEDULE = "loop"
 """``loop`` until a GPU run shows ``list`` faster: the lists are exact under the interpreter (every
-Triton test runs on both) but have not yet been compiled or timed on a GPU (docs/KERNEL.md)."""
+Triton test runs on both) and compile for sm_90, but have not yet run or been timed on a GPU
+(docs/KERNEL.md)."""
 SCHEDULE_VARIABLE = "DS_TREE_TRITON_TILES"
 """Environment variable naming the schedule of calls that pass none (gpu-check's columns, a user's run)."""
 POSITION_FILL = 2**30
