@@ -146,7 +146,7 @@ def _correctness(section: dict) -> list[str]:
 
 def _kernels(section: dict) -> list[str]:
     shapes = section["shapes"]
-    engines = list(next(iter(shapes.values()))["engines"]) if shapes else []
+    engines = list(dict.fromkeys(engine for row in shapes.values() for engine in row["engines"]))
     lines = [
         f"## Kernel table: useful TFLOP/s, forward + backward ({section['dtype']}, {section['heads']} query / "
         f"{section['kv_heads']} key-value heads, head dim {section['head_dim']})",
@@ -157,7 +157,7 @@ def _kernels(section: dict) -> list[str]:
     for shape, row in shapes.items():
         cells = []
         for engine in engines:
-            entry = row["engines"][engine]
+            entry = row["engines"].get(engine, {"ran": False})
             cells.append(f"{entry['useful_tflops']:.3g} ({entry['ms']:.3g} ms)" if entry["ran"] else "-")
         head = f"{shape} ({row['tree_tokens']} / {row['flat_tokens']}, {row['flat_over_tree_pairs']:.2f})"
         lines.append(f"| {head} | " + " | ".join(cells) + " |")
