@@ -146,10 +146,12 @@ def compact(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block, 4 MiB for a 64K-token row in 64-token blocks.
     """
     counts = mask.sum(-1, dtype=torch.int32)
-    # a stable sort of "not listed" puts the listed columns first and keeps them in ascending order
-    order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    slots = torch.arange(mask.shape[-1], device=mask.device, dtype=torch.int32)
-    return torch.where(slots < counts[..., None], order, -1).contiguous(), counts.contiguous()
+    columns = mask.shape[-1]
+    # each listed column goes to its rank among the listed ones; the others to a spare slot, cut off after
+    slots = torch.where(mask, mask.cumsum(-1) - 1, columns)
+    indices = torch.arange(columns, device=mask.device, dtype=torch.int32).expand(mask.shape)
+    found = torch.full((*mask.shape[:-1], columns + 1), -1, device=mask.device, dtype=torch.int32)
+    return found.scatter_(-1, slots, indices)[..., :columns].contiguous(), counts.contiguous()
 
 
 def tile_lists(listed: torch.Tensor, full: torch.Tensor) -> TileLists:
@@ -168,4 +170,4 @@ def backward_tile_lists(kv_end, block_m, block_n, positions=None, window=None) -
     """``(per query block, per key block)``: the dQ kernel's lists and the dK/dV kernel's, from one
     classification of the backward's tiles."""
     listed, full = classify_tiles(kv_end, block_m, block_n, positions, window)
-    return tile_lists(listed, full), tile_lists(listed.transpose(1, 2), full.transpose(1, 2))
+    return tile_lists(listed, full), tile_lists(listed.transpose(1, 2).contiguous(), full.transpose(1, 2).contiguous())
