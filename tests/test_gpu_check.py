@@ -105,3 +105,12 @@ def test_issue_46_acceptance_and_autotune_lines() -> None:
     text = markdown(report)
     assert "- autotune (128, 'bfloat16', 16384, 'list')" in text and "2 ms of 3 candidates (3 ms the slowest)" in text
     assert "- NO: issue 46: best triton tree >= flex tree: agent: two" in text
+
+
+def test_autotune_is_imported_by_the_gpu_kernel_table_only() -> None:
+    """The GPU-only autotune module stays off the CPU path: gpu-check's kernel table is its one importer
+    (there, only when the device is CUDA: the smoke run above reports it skipped)."""
+    from tests.test_layering import import_graph
+
+    importers = {name for name, targets in import_graph().items() if "ds_tree.attention.triton.autotune" in targets}
+    assert importers == {"ds_tree.bench.gpu.attention"}
