@@ -119,7 +119,9 @@ class LoraSettings:
 @dataclass
 class ModelConfig:
     source: str = ""
-    """Model config JSON (random init from ``seed``) or a local Hugging Face directory."""
+    """Model config JSON (random init from ``seed``), a local Hugging Face directory, or a hub id
+    (``org/name``: resolved through huggingface_hub's cache, fetched where there is network; a local
+    path of that name wins; :mod:`ds_tree.hub`)."""
     dtype: Dtype = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16`` (DeepSpeed's bf16 mode)."""
     attention: AttentionEngine = "auto"
@@ -133,7 +135,7 @@ class ModelConfig:
     zero_init: bool = False
     """Build the model inside ``deepspeed.zero.Init`` (ZeRO-3: for models that do not fit one rank)."""
     tokenizer: str = ""
-    """Optional tokenizer directory, saved beside the exported Hugging Face model."""
+    """Optional tokenizer directory or hub id, saved beside the exported Hugging Face model."""
     activation_checkpointing: bool = False
     """Recompute decoder layers in the backward instead of keeping their activations (less memory,
     one more forward of the checkpointed layers)."""
@@ -150,7 +152,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.source:
-            raise ConfigError("model.source is required (a config JSON or a model directory)")
+            raise ConfigError("model.source is required (a config JSON, a model directory or a hub id)")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (or null), got {self.router_aux_loss_coef}")
         if self.checkpoint_every < 1 or self.head_chunk < 0:
@@ -252,7 +254,7 @@ class ObjectiveConfig:
     kl_estimator: KLEstimator = "k3"
     """Per-token KL estimator: ``k1``, ``k2`` or ``k3``."""
     reference: str = ""
-    """Reference policy for the KL term: a model config JSON or HF directory ("": ``model.source`` at
+    """Reference policy for the KL term: a model config JSON, HF directory or hub id ("": ``model.source`` at
     ``model.seed``, the initial policy). Kept frozen: whole on every rank, or with ``model.zero_init``
     a ZeRO-3 engine partitioned over the ranks (``ds_tree.engine.reference``), in every layout (packed
     rows, sequence-parallel shards, dfs walks: its forwards padded to the busiest rank's count)."""

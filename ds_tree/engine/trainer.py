@@ -33,13 +33,14 @@ import torch.distributed as dist
 from ds_tree.attention.registry import resolve_engine
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
+from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine import dfs, self_check
 from ds_tree.engine.memory import check_memory
 from ds_tree.engine.reference import REFERENCE_FILE, build_reference, copy_policy, load_reference_state, reference_state
 from ds_tree.engine.rl_trainer import RLSteps
 from ds_tree.engine.step import StepOutput, global_normalisers, run_rows
-from ds_tree.errors import DataError
+from ds_tree.errors import DataError, HubError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.hybrid_settings import check_hybrid_settings
 from ds_tree.models.loading import check_model_settings, load_model
@@ -157,7 +158,7 @@ class Trainer(RLSteps):
             run_dir.remove_leftovers(self.output_dir)
         elif first:
             run_lock.check_free(self.output_dir)
-        self.model_config = load_model_config(config.model.source)
+        self.model_config = self.load_inputs()
         check_layer_types(self.model_config)
         check_model_settings(config)  # attention engine, objective.reference
         self.attention_engine = resolve_engine(config.model.attention)  # auto: flex on CUDA, torch on the CPU
@@ -179,6 +180,22 @@ class Trainer(RLSteps):
             logger.warning(warning)
         if first:
             self.plan_resume()
+
+    def load_inputs(self):
+        """``model.source``'s model config, and ``model.tokenizer`` loaded once where a run that exports
+        needs it at its end: a hub id (:mod:`ds_tree.hub`) is resolved (downloaded where there is network)
+        here, and one that is not cached while offline is an error naming the field now, not after training."""
+        config = self.config
+        try:
+            model_config = load_model_config(config.model.source)
+        except HubError as error:
+            raise ConfigError(f"model.source: {error}") from None
+        if config.model.tokenizer and config.checkpoint.export_hf and not config.rollout.enabled:
+            try:
+                load_tokenizer(config.model.tokenizer)
+            except DataError as error:  # HubError included
+                raise ConfigError(f"model.tokenizer: {error}") from None
+        return model_config
 
     def prepare_dataset(self) -> None:
         """:meth:`prepare`'s data: the trajectories of ``data.path``, their checks, the step sampler."""
