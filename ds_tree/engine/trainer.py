@@ -57,6 +57,7 @@ from ds_tree.run.ds_config import resolve_deepspeed_config
 from ds_tree.run.metrics import MetricsLogger, console_line
 from ds_tree.run.op_builds import announce_op_builds
 from ds_tree.run.shm import release_allreduce_buffers
+from ds_tree.run.trackers import Tracker, TrackerRun, check_installed, open_trackers
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class Trainer(RLSteps):
         first = int(os.environ.get("RANK", "0")) == 0
         run_dir.check_writable(self.output_dir)
         run_dir.check_not_nested(self.output_dir)
+        check_installed(config.logging.report_to)  # W&B, MLflow, trackio are optional extras
         if first and lock:
             run_lock.acquire(self.output_dir)
             run_dir.remove_leftovers(self.output_dir)
@@ -371,13 +373,24 @@ class Trainer(RLSteps):
             if self.reference_copied(self.start_step):
                 self.load_reference_copy(self.checkpoint_dir / self.resume_from)
             logger.info("resumed from %s at step %d", self.checkpoint_dir / self.resume_from, self.start_step)
-        self.metrics = MetricsLogger(
-            self.output_dir, self.rank == 0, self.config.logging.tensorboard, resume_step=self.start_step
-        )
+        trackers = self.open_trackers() if self.rank == 0 else []
+        self.metrics = MetricsLogger(self.output_dir, self.rank == 0, self.start_step, trackers)
         if self.rank == 0:
             recorded = run_dir.record_config(self.output_dir, self.config, self.start_step)
             if recorded is not None and recorded.name != "config.yaml":
                 logger.info("this run's config differs from the recorded one: saved as %s", recorded)
+
+    def open_trackers(self) -> list[Tracker]:
+        """Rank 0's experiment trackers (``logging.report_to``), continuing their runs after a resume."""
+        settings = self.config.logging
+        run = TrackerRun(
+            output_dir=self.output_dir,
+            project=settings.project,
+            name=settings.run_name or self.config.output_dir,
+            config=config_to_dict(self.config),
+            resume_step=self.start_step,
+        )
+        return open_trackers(settings.report_to, run)
 
     # ------------------------------------------------------------------ steps
     def step_trajectories(self, step: int) -> list[Trajectory]:
