@@ -124,7 +124,7 @@ def trackio_metrics(store: Path, project: str, run_id: str) -> dict[str, dict[in
 
 def train(config: Path, env: dict, *overrides: str) -> None:
     command = [PYTHON, "-m", "ds_tree.train", "--config", str(config), *overrides]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
