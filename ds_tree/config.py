@@ -46,6 +46,7 @@ Estimator = Literal["grpo", "rloo", "treepo", "tempo", "given"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
+Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # ds_tree.run.trackers.TRACKERS
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
 
 
@@ -119,7 +120,9 @@ class LoraSettings:
 @dataclass
 class ModelConfig:
     source: str = ""
-    """Model config JSON (random init from ``seed``) or a local Hugging Face directory."""
+    """Model config JSON (random init from ``seed``), a local Hugging Face directory, or a hub id
+    (``org/name``: resolved through huggingface_hub's cache, fetched where there is network; a local
+    path of that name wins; :mod:`ds_tree.hub`)."""
     dtype: Dtype = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16`` (DeepSpeed's bf16 mode)."""
     attention: AttentionEngine = "auto"
@@ -133,7 +136,7 @@ class ModelConfig:
     zero_init: bool = False
     """Build the model inside ``deepspeed.zero.Init`` (ZeRO-3: for models that do not fit one rank)."""
     tokenizer: str = ""
-    """Optional tokenizer directory, saved beside the exported Hugging Face model."""
+    """Optional tokenizer directory or hub id, saved beside the exported Hugging Face model."""
     activation_checkpointing: bool = False
     """Recompute decoder layers in the backward instead of keeping their activations (less memory,
     one more forward of the checkpointed layers)."""
@@ -150,7 +153,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if not self.source:
-            raise ConfigError("model.source is required (a config JSON or a model directory)")
+            raise ConfigError("model.source is required (a config JSON, a model directory or a hub id)")
         if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
             raise ConfigError(f"model.router_aux_loss_coef must be >= 0 (or null), got {self.router_aux_loss_coef}")
         if self.checkpoint_every < 1 or self.head_chunk < 0:
@@ -252,7 +255,7 @@ class ObjectiveConfig:
     kl_estimator: KLEstimator = "k3"
     """Per-token KL estimator: ``k1``, ``k2`` or ``k3``."""
     reference: str = ""
-    """Reference policy for the KL term: a model config JSON or HF directory ("": ``model.source`` at
+    """Reference policy for the KL term: a model config JSON, HF directory or hub id ("": ``model.source`` at
     ``model.seed``, the initial policy). Kept frozen: whole on every rank, or with ``model.zero_init``
     a ZeRO-3 engine partitioned over the ranks (``ds_tree.engine.reference``), in every layout (packed
     rows, sequence-parallel shards, dfs walks: its forwards padded to the busiest rank's count)."""
@@ -425,15 +428,35 @@ class OptimizerConfig:
 @dataclass
 class LoggingConfig:
     every: int = 1
-    """Console line and TensorBoard scalars every N steps (>= 1; the last step is always logged)."""
-    tensorboard: bool = True
-    """TensorBoard event files in ``<output_dir>/tensorboard`` (``metrics.jsonl`` is always written)."""
+    """Console line, ``metrics.jsonl`` record and trackers' metrics every N steps (>= 1; the last step is
+    always logged)."""
+    report_to: list[Tracker] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that get the run's config and every metric ``metrics.jsonl`` gets (always
+    written), from rank 0: any of ``tensorboard`` (event files in ``<output_dir>/tensorboard``), ``wandb``,
+    ``mlflow``, ``trackio``; ``[]``: ``metrics.jsonl`` only. All but TensorBoard are optional extras
+    (``pip install -e '.[wandb]'``), refused at the dry run when missing. A resumed run continues the
+    trackers' runs (``<output_dir>/trackers.json``; :mod:`ds_tree.run.trackers`, docs/LAUNCH.md)."""
+    project: str = "ds_tree"
+    """The W&B project, MLflow experiment or trackio project of the run (not used by TensorBoard)."""
+    run_name: str = ""
+    """The run's name in W&B, MLflow and trackio ("": ``output_dir`` as written in the config)."""
     progress_bar: bool = True
     """A tqdm bar on rank 0 when stderr is a terminal (none in log files and pipes); the step lines print above it."""
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError(f"logging.every must be >= 1, got {self.every}")
+        twice = sorted({name for name in self.report_to if self.report_to.count(name) > 1})
+        if twice:
+            raise ConfigError(f"logging.report_to names {', '.join(twice)} twice")
+        if not self.project:
+            raise ConfigError("logging.project must not be empty")
+        named = [name for name in ("project", "run_name") if name in off_default(self)]
+        if named and not set(self.report_to) - {"tensorboard"}:
+            raise ConfigError(
+                f"logging.{', logging.'.join(named)}: only W&B, MLflow and trackio runs have names; add one of "
+                f"wandb, mlflow, trackio to logging.report_to (it is {self.report_to}) or leave them out"
+            )
 
 
 @dataclass

@@ -23,3 +23,8 @@ class ConfigError(ValueError):
 class RolloutError(RuntimeError):
     """A rollout step that cannot give the objective what it needs (tasks that lost every leaf); the
     message names the cause, and the trainer prints it without a traceback."""
+
+
+class HubError(DataError):
+    """A hub id (``org/name``) that cannot be resolved to a local snapshot: not cached while offline, no
+    such model, no safetensors weights. The message names the id and how to get it (:mod:`ds_tree.hub`)."""

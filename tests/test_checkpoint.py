@@ -147,9 +147,9 @@ def test_write_failure_names_a_full_disk(checkpoints: Path) -> None:
 def test_metrics_of_steps_after_the_resume_point_are_dropped(tmp_path: Path) -> None:
     lines = [json.dumps({"step": step, "loss/train": 1.0 / step}) for step in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    MetricsLogger(tmp_path, enabled=False, tensorboard=False, resume_step=3).close()
+    MetricsLogger(tmp_path, enabled=False, resume_step=3).close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5  # only rank 0 touches it
-    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=3)
+    logger = MetricsLogger(tmp_path, enabled=True, resume_step=3)
     logger.log(4, {"loss/train": 0.5})
     logger.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -211,7 +211,7 @@ def test_a_save_never_writes_through_a_link_out_of_the_run(tmp_path: Path) -> No
     finally:
         if started:
             dist.destroy_process_group()
-    logger = MetricsLogger(run, enabled=True, tensorboard=False, resume_step=0)
+    logger = MetricsLogger(run, enabled=True, resume_step=0)
     logger.log(1, {"loss/train": 0.5})
     with pytest.raises(ConfigError, match=rf"{run_lock.LOCK_FILE}: a symbolic link .*remove it"):
         run_lock.acquire(run)
@@ -365,18 +365,18 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_naming_the_file(tmp_
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(lines[:3]) + "\n" + lines[3][:17])  # killed while appending step 4
     with caplog.at_level("WARNING"):
-        logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=3)
+        logger = MetricsLogger(tmp_path, enabled=True, resume_step=3)
     assert f"{path}:4: dropped a half-written last line (17 bytes" in caplog.text
     logger.log(4, {"loss/train": 0.25})
     logger.close()
     assert path.read_text() == "\n".join(lines[:3]) + "\n" + json.dumps({"step": 4, "loss/train": 0.25}) + "\n"
     # A whole last line without its newline is kept; a damaged line before the last is an error naming it.
     path.write_text("\n".join(lines))
-    MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=4).close()
+    MetricsLogger(tmp_path, enabled=True, resume_step=4).close()
     assert path.read_text() == "\n".join(lines) + "\n"
     path.write_text(lines[0] + "\n" + lines[1][:10] + "\n" + lines[2] + "\n")
     with pytest.raises(ConfigError, match=rf"{path}:2: not a metrics record"):
-        MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=3)
+        MetricsLogger(tmp_path, enabled=True, resume_step=3)
 
 
 def test_a_metrics_record_is_appended_in_one_write_of_the_whole_line(tmp_path: Path, monkeypatch) -> None:
@@ -387,7 +387,7 @@ def test_a_metrics_record_is_appended_in_one_write_of_the_whole_line(tmp_path: P
         writes.append(bytes(data))
         return real_write(descriptor, data)
 
-    logger = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=0)
+    logger = MetricsLogger(tmp_path, enabled=True, resume_step=0)
     monkeypatch.setattr(os, "write", recorded)
     logger.log(1, {"loss/train": 0.5, "optim/lr": 1e-3})
     logger.log(2, {"loss/train": 0.25, "optim/lr": 1e-3})

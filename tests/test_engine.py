@@ -55,7 +55,7 @@ def write_config(tmp_path: Path, data: Path, **sections) -> Path:
         "max_steps": 1,
         "packing": {"budget": 400},
         "optimizer": {"lr": 1e-3, "grad_clip": 1.0, "schedule": "constant"},
-        "logging": {"progress_bar": False, "tensorboard": True},
+        "logging": {"progress_bar": False, "report_to": ["tensorboard"]},
         "checkpoint": {"export_hf": False},
     }
     for name, values in sections.items():

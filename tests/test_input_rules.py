@@ -179,7 +179,7 @@ def test_json_output_has_no_nan_or_infinity(tmp_path):
     assert json_text({"a": [float("nan"), np.float64("inf"), 1.5], "b": (float("-inf"),)}) == (
         '{"a": [null, null, 1.5], "b": [null]}'
     )
-    metrics = MetricsLogger(tmp_path, enabled=True, tensorboard=False, resume_step=0)
+    metrics = MetricsLogger(tmp_path, enabled=True, resume_step=0)
     metrics.log(1, {"loss/train": float("nan"), "rl/reward_std": float("inf"), "optim/lr": 1e-3})
     line = (tmp_path / "metrics.jsonl").read_text()
     assert line == '{"step": 1, "loss/train": null, "rl/reward_std": null, "optim/lr": 0.001}\n'

@@ -395,7 +395,7 @@ def test_full_disk_during_a_checkpoint_is_named_and_keeps_the_earlier_one(tmp_pa
             write_forest(tmp_path / "forest.jsonl"),
             output_dir=str(disk / "run"),
             deepspeed=str(ROOT / "configs" / "ds" / "zero2.json"),
-            logging={"progress_bar": False, "tensorboard": False},
+            logging={"progress_bar": False, "report_to": []},
         )
         out = tmp_path / "report.json"
         command = [PYTHON, str(ROOT / "tests/distributed/checkpoint_write_check.py"), "--config", str(config)]

@@ -134,7 +134,7 @@ def test_long_tree_rl_example_trains_four_ranks_dp2_sp2_zero3_with_a_partitioned
         f"model.source={model}", "model.dtype=float32", "model.attention=torch", "model.head_chunk=64",
         f"data.path={data}", "data.groups_per_step=6", f"output_dir={tmp_path / 'run'}",
         f"packing.budget={BUDGET}", f"packing.block={BLOCK}", "objective.kl_coef=0.05",
-        "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.export_hf=false",
+        "logging.progress_bar=false", "logging.report_to=[]", "checkpoint.export_hf=false",
         "objective.self_check=every:1",
     ]  # fmt: skip
     example = ROOT / "configs/examples/long_tree_rl.yaml"

@@ -37,5 +37,7 @@ fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "$VENV/bin/python" -m pip install --quiet torch==2.13.0
 fi
-"$VENV/bin/python" -m pip install --quiet -c tools/constraints.txt -e ".[dev]"
+# The trackers' extras (logging.report_to) are small (wandb ~20 MB of wheels, mlflow-skinny and trackio
+# ~5 MB each beyond what is here; 11 s to install all three) and their tests run offline.
+"$VENV/bin/python" -m pip install --quiet -c tools/constraints.txt -e ".[dev,wandb,mlflow,trackio]"
 echo "$want" > "$stamp"

@@ -79,8 +79,12 @@ def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = command_parser(prog, __doc__)
-    parser.add_argument("--model", required=True, help="model config JSON (random init) or local HF directory")
-    parser.add_argument("--tokenizer", required=True, metavar="DIR", help="local tokenizer directory")
+    parser.add_argument(
+        "--model", required=True, help="model config JSON (random init), local HF directory or hub id (org/name)"
+    )
+    parser.add_argument(
+        "--tokenizer", required=True, metavar="DIR", help="local tokenizer directory or hub id (org/name)"
+    )
     parser.add_argument("--prompts", required=True, type=Path, metavar="FILE", help="prompts JSONL (see above)")
     parser.add_argument(
         "--output", required=True, type=Path, metavar="FILE", help="rollouts JSONL to write (.gz compresses)"

@@ -32,6 +32,7 @@ from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tokens import trajectory_from_record
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
 from ds_tree.errors import DataError, RecordError
+from ds_tree.hub import TOKENIZER_FILES, local_path
 from ds_tree.trees.stats import TokenCounts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 
@@ -83,10 +84,12 @@ def read_records(paths: list[Path], limit: int | None) -> Iterator[tuple[str, di
 
 
 def load_tokenizer(path: str | Path):
-    """A Hugging Face tokenizer from a local directory; a clear :class:`DataError` otherwise."""
+    """A Hugging Face tokenizer from a local directory or a hub id's cached snapshot (:mod:`ds_tree.hub`);
+    a clear :class:`DataError` (:class:`~ds_tree.errors.HubError` for a hub id) otherwise."""
     from transformers import AutoTokenizer
 
-    if not Path(path).is_dir():
+    path = local_path(path, TOKENIZER_FILES)
+    if not path.is_dir():
         raise DataError(f"{path}: no such tokenizer directory")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)

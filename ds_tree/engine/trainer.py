@@ -33,13 +33,14 @@ import torch.distributed as dist
 from ds_tree.attention.registry import resolve_engine
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
+from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine import dfs, self_check
 from ds_tree.engine.memory import check_memory
 from ds_tree.engine.reference import REFERENCE_FILE, build_reference, copy_policy, load_reference_state, reference_state
 from ds_tree.engine.rl_trainer import RLSteps
 from ds_tree.engine.step import StepOutput, global_normalisers, run_rows
-from ds_tree.errors import DataError
+from ds_tree.errors import DataError, HubError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.hybrid_settings import check_hybrid_settings
 from ds_tree.models.loading import check_model_settings, load_model
@@ -56,6 +57,7 @@ from ds_tree.run.ds_config import resolve_deepspeed_config
 from ds_tree.run.metrics import MetricsLogger, console_line
 from ds_tree.run.op_builds import announce_op_builds
 from ds_tree.run.shm import release_allreduce_buffers
+from ds_tree.run.trackers import Tracker, TrackerRun, check_installed, open_trackers
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
 logger = logging.getLogger(__name__)
@@ -152,12 +154,13 @@ class Trainer(RLSteps):
         first = int(os.environ.get("RANK", "0")) == 0
         run_dir.check_writable(self.output_dir)
         run_dir.check_not_nested(self.output_dir)
+        check_installed(config.logging.report_to)  # W&B, MLflow, trackio are optional extras
         if first and lock:
             run_lock.acquire(self.output_dir)
             run_dir.remove_leftovers(self.output_dir)
         elif first:
             run_lock.check_free(self.output_dir)
-        self.model_config = load_model_config(config.model.source)
+        self.model_config = self.load_inputs()
         check_layer_types(self.model_config)
         check_model_settings(config)  # attention engine, objective.reference
         self.attention_engine = resolve_engine(config.model.attention)  # auto: flex on CUDA, torch on the CPU
@@ -179,6 +182,22 @@ class Trainer(RLSteps):
             logger.warning(warning)
         if first:
             self.plan_resume()
+
+    def load_inputs(self):
+        """``model.source``'s model config, and ``model.tokenizer`` loaded once where a run that exports
+        needs it at its end: a hub id (:mod:`ds_tree.hub`) is resolved (downloaded where there is network)
+        here, and one that is not cached while offline is an error naming the field now, not after training."""
+        config = self.config
+        try:
+            model_config = load_model_config(config.model.source)
+        except HubError as error:
+            raise ConfigError(f"model.source: {error}") from None
+        if config.model.tokenizer and config.checkpoint.export_hf and not config.rollout.enabled:
+            try:
+                load_tokenizer(config.model.tokenizer)
+            except DataError as error:  # HubError included
+                raise ConfigError(f"model.tokenizer: {error}") from None
+        return model_config
 
     def prepare_dataset(self) -> None:
         """:meth:`prepare`'s data: the trajectories of ``data.path``, their checks, the step sampler."""
@@ -354,13 +373,24 @@ class Trainer(RLSteps):
             if self.reference_copied(self.start_step):
                 self.load_reference_copy(self.checkpoint_dir / self.resume_from)
             logger.info("resumed from %s at step %d", self.checkpoint_dir / self.resume_from, self.start_step)
-        self.metrics = MetricsLogger(
-            self.output_dir, self.rank == 0, self.config.logging.tensorboard, resume_step=self.start_step
-        )
+        trackers = self.open_trackers() if self.rank == 0 else []
+        self.metrics = MetricsLogger(self.output_dir, self.rank == 0, self.start_step, trackers)
         if self.rank == 0:
             recorded = run_dir.record_config(self.output_dir, self.config, self.start_step)
             if recorded is not None and recorded.name != "config.yaml":
                 logger.info("this run's config differs from the recorded one: saved as %s", recorded)
+
+    def open_trackers(self) -> list[Tracker]:
+        """Rank 0's experiment trackers (``logging.report_to``), continuing their runs after a resume."""
+        settings = self.config.logging
+        run = TrackerRun(
+            output_dir=self.output_dir,
+            project=settings.project,
+            name=settings.run_name or self.config.output_dir,
+            config=config_to_dict(self.config),
+            resume_step=self.start_step,
+        )
+        return open_trackers(settings.report_to, run)
 
     # ------------------------------------------------------------------ steps
     def step_trajectories(self, step: int) -> list[Trajectory]:

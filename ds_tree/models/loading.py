@@ -1,7 +1,8 @@
 """Building Hugging Face causal LMs with tree attention swapped in.
 
-``source`` is either a config JSON file (random init from a seed, for tests and the quickstart)
-or a local Hugging Face model directory (weights loaded, never downloaded). Any model class that
+``source`` is either a config JSON file (random init from a seed, for tests and the quickstart),
+a local Hugging Face model directory (weights loaded), or a hub id (``org/name``) resolved through
+huggingface_hub's cache (:mod:`ds_tree.hub`; a local path of that name wins). Any model class that
 dispatches attention through transformers' ``AttentionInterface`` works: Llama, Qwen2, Qwen3,
 Mistral, ... Models with other token-mixing layers (state-space, linear attention) are refused
 (:mod:`ds_tree.models.token_mixing`).
@@ -18,6 +19,8 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
 from ds_tree.attention.registry import resolve_engine
+from ds_tree.errors import HubError
+from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
@@ -67,9 +70,9 @@ def check_shape(fields: dict, source: str | Path) -> None:
 
 
 def load_config(source: str | Path) -> PretrainedConfig:
-    """Config from a JSON file (must name its ``model_type``) or a local model directory; its sizes
-    checked (:func:`check_shape`)."""
-    source = Path(source)
+    """Config from a JSON file (must name its ``model_type``), a local model directory or a hub id (its
+    ``config.json`` only); its sizes checked (:func:`check_shape`)."""
+    source = local_path(source, CONFIG_FILES)
     if source.is_dir():
         config = AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=False)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -161,13 +164,22 @@ def load_model(
     where the caller runs elsewhere (``ds-tree bench --device``, ``verify`` on the CPU).
 
     Random init (seeded with ``seed``) from a config file or a weightless directory; weights
-    from a directory that has them. A config whose ``layer_types`` name token mixing outside the
-    attention interface is refused before anything is built. ``checkpoint_every = k > 0``
+    from a directory that has them, or from a hub id's snapshot (which must hold safetensors). A
+    config whose ``layer_types`` name token mixing outside the attention interface is refused
+    before anything is built. ``checkpoint_every = k > 0``
     recomputes every k-th decoder layer in the backward (:func:`enable_activation_checkpointing`).
     """
     register_tree_attention()
     implementation = implementation_name(resolve_engine(attention, device))
     dtype = parse_dtype(dtype)
+    if is_hub_id(source):  # a hub model is trained from its weights, never silently re-initialised
+        repo_id, source = source, local_path(source, MODEL_FILES)
+        if not has_weights(source):
+            raise HubError(
+                f"{repo_id}: its cached snapshot ({source}) holds no *.safetensors weights (.bin checkpoints are "
+                f"not loaded: they are pickles); download them with `hf download {repo_id}`, or convert the model "
+                "to safetensors"
+            )
     config = load_config(source)
     check_layer_types(config)
     if has_weights(source):

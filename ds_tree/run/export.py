@@ -67,9 +67,9 @@ def save_hf(model, state_dict, directory: Path, tokenizer: str = "") -> None:
     finally:
         model.config._attn_implementation, model.config.use_cache = previous
     if tokenizer:
-        from transformers import AutoTokenizer
+        from ds_tree.data.convert import load_tokenizer
 
-        loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False)
+        loaded = load_tokenizer(tokenizer)  # a directory or a hub id
         for option in LOAD_OPTIONS:
             loaded.init_kwargs.pop(option, None)
         loaded.save_pretrained(str(temporary))

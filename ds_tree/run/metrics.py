@@ -1,26 +1,30 @@
-"""Step metrics: namespaced TensorBoard scalars, a JSONL record and one console line (rank 0)."""
+"""Step metrics: a JSONL record, the same scalars to each experiment tracker (TensorBoard by default;
+:mod:`ds_tree.run.trackers`) and one console line (rank 0)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from ds_tree.atomic import write_text_atomically
 from ds_tree.config import ConfigError
 from ds_tree.data.jsonl import json_text
+from ds_tree.run.trackers import Tracker, close_all
 
 logger = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    """Writes ``metrics.jsonl`` and TensorBoard event files under ``output_dir`` on rank 0."""
+    """Writes ``metrics.jsonl`` under ``output_dir`` and hands the same scalars to ``trackers`` (opened
+    by the caller, rank 0 only: :func:`~ds_tree.run.trackers.open_trackers`); closes them."""
 
-    def __init__(self, output_dir: Path, enabled: bool, tensorboard: bool, resume_step: int) -> None:
+    def __init__(self, output_dir: Path, enabled: bool, resume_step: int, trackers: Sequence[Tracker] = ()) -> None:
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
-        self.writer = None
+        self.trackers = list(trackers)
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -32,10 +36,6 @@ class MetricsLogger:
         if self.path.exists():  # a resumed run: drop records of steps it will redo
             kept = [line for line, record in self.read_records() if record["step"] <= resume_step]
             write_text_atomically(self.path, "".join(line + "\n" for line in kept))
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1)
 
     def read_records(self) -> list[tuple[str, dict]]:
         """The (line, record) pairs of ``metrics.jsonl``. A last line without its newline that does not
@@ -88,14 +88,12 @@ class MetricsLogger:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-        if self.writer is not None:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, step)
-            self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(step, scalars)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        close_all(self.trackers)
+        self.trackers = []
 
 
 def console_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:

@@ -137,7 +137,7 @@ def write_config(path: Path, sizes: Sizes, data: Path, tokenizer: Path, max_step
         "max_steps": max_steps,
         "packing": {"mode": "tree", "budget": sizes.budget},
         "optimizer": {"lr": 1.0e-3, "warmup_steps": 2, "schedule": "cosine", "grad_clip": 1.0},
-        "logging": {"every": 1, "tensorboard": False, "progress_bar": False},
+        "logging": {"every": 1, "report_to": [], "progress_bar": False},
         **sections,
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))

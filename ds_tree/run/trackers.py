@@ -1,0 +1,311 @@
+"""Experiment trackers (``logging.report_to``): each gets the run's config once and every step's
+metrics that ``metrics.jsonl`` gets, under the same names (``loss/train``, ``tree/por``, ...), from
+rank 0 only.
+
+A tracker is a class registered by name (:func:`register_tracker`; the config's ``Tracker`` choices
+list the same names, a test checks that). Each but TensorBoard is an optional extra of the package
+(``pip install -e '.[wandb]'``); a name whose package is missing is refused at the dry run
+(:func:`check_installed`). Where the data goes is each library's own setting: TensorBoard
+``<output_dir>/tensorboard``; W&B ``<output_dir>/wandb`` (``WANDB_MODE=offline`` keeps it local,
+``wandb sync`` uploads it later); MLflow its tracking URI (``MLFLOW_TRACKING_URI``, e.g.
+``file:/path/mlruns``, a server, ``sqlite:///mlflow.db``); trackio its local store (``TRACKIO_DIR``)
+or a Space (``TRACKIO_SPACE_ID``).
+
+Resuming: ``<output_dir>/trackers.json`` keeps what identifies each tracker's run (the W&B run id,
+the MLflow run id, the trackio run name and id). A run resumed from a checkpoint continues those
+runs; a run that starts from step 0 starts new ones and rewrites the file. Steps that a resumed run
+trains again (those after its checkpoint that the killed run had logged) are logged again: TensorBoard
+purges them first, W&B keeps the first values it got (it ignores a step below its last), MLflow and
+trackio keep both values.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from ds_tree.atomic import write_text_atomically
+from ds_tree.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trackers.json"
+"""In ``output_dir``: each tracker's run identity, read back by a resumed run."""
+
+
+@dataclass(frozen=True)
+class TrackerRun:
+    """What every tracker is opened with."""
+
+    output_dir: Path
+    project: str
+    """``logging.project``: W&B project, MLflow experiment, trackio project."""
+    name: str
+    """The run's display name (``logging.run_name``, else ``output_dir``)."""
+    config: dict
+    """The run's config as plain types (:func:`ds_tree.config.config_to_dict`)."""
+    resume_step: int
+    """The checkpoint's step a resumed run starts after; 0 for a run that starts anew."""
+
+
+class Tracker:
+    """One tracker's run. Subclasses set the class attributes and implement the three methods."""
+
+    name: ClassVar[str]
+    """The name in ``logging.report_to``."""
+    package: ClassVar[str]
+    """The module it imports (checked at the dry run)."""
+    requirement: ClassVar[str]
+    """What pip installs for it (the extra of the same name in pyproject.toml)."""
+
+    def __init__(self, run: TrackerRun, previous: dict | None) -> None:
+        """Open (``previous`` None) or continue (``previous``: this tracker's :attr:`state` as saved) a run."""
+        raise NotImplementedError
+
+    @property
+    def state(self) -> dict:
+        """What a resumed run needs to continue this tracker's run (JSON types); ``{}``: nothing."""
+        return {}
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+TRACKERS: dict[str, type[Tracker]] = {}
+
+
+def register_tracker(cls: type[Tracker]) -> type[Tracker]:
+    """Register ``cls`` under ``cls.name`` (a name registered twice is an error)."""
+    if cls.name in TRACKERS:
+        raise ValueError(f"tracker {cls.name!r} is registered twice")
+    TRACKERS[cls.name] = cls
+    return cls
+
+
+def tracker_class(name: str) -> type[Tracker]:
+    try:
+        return TRACKERS[name]
+    except KeyError:
+        raise ConfigError(f"logging.report_to: unknown tracker {name!r} (known: {', '.join(TRACKERS)})") from None
+
+
+def check_installed(report_to: Iterable[str]) -> None:
+    """A :class:`ConfigError` naming the first tracker whose package is not installed, and how to install it."""
+    for name in report_to:
+        tracker = tracker_class(name)
+        if importlib.util.find_spec(tracker.package) is None:
+            raise ConfigError(
+                f"logging.report_to: {name} needs the {tracker.requirement} package, which is not installed; "
+                f"install it with `.venv/bin/python -m pip install -e '.[{name}]'` (or `pip install "
+                f"{tracker.requirement}`), or remove {name} from logging.report_to"
+            )
+
+
+def open_trackers(report_to: Iterable[str], run: TrackerRun) -> list[Tracker]:
+    """The trackers of ``report_to``, each opened or continued (:data:`STATE_FILE`), and the file updated."""
+    path = run.output_dir / STATE_FILE
+    previous = read_state(path) if run.resume_step else {}
+    opened: list[Tracker] = []
+    try:
+        for name in report_to:
+            opened.append(tracker_class(name)(run, previous.get(name)))
+    except BaseException:
+        close_all(opened)
+        raise
+    state = {**previous, **{tracker.name: tracker.state for tracker in opened if tracker.state}}
+    if state or path.exists():
+        write_text_atomically(path, json.dumps(state, indent=1, sort_keys=True) + "\n")
+    return opened
+
+
+def read_state(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        logger.warning("%s: unreadable (%s): the trackers start new runs", path, error)
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def close_all(trackers: Iterable[Tracker]) -> None:
+    for tracker in trackers:
+        try:
+            tracker.close()
+        except Exception as error:  # noqa: BLE001 - one tracker's failure must not lose the others' data
+            logger.warning("closing the %s tracker failed: %s", tracker.name, error)
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (for trackers whose parameters are flat)."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+@register_tracker
+class TensorBoardTracker(Tracker):
+    """Event files in ``<output_dir>/tensorboard``; a resumed run purges the steps after its checkpoint."""
+
+    name = "tensorboard"
+    package = "tensorboard"
+    requirement = "tensorboard"
+
+    def __init__(self, run: TrackerRun, previous: dict | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run.output_dir / "tensorboard"), purge_step=run.resume_step + 1)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@register_tracker
+class WandbTracker(Tracker):
+    """A Weights & Biases run in ``<output_dir>/wandb``, continued by id after a resume. The console
+    stays the trainer's (``console="off"``: W&B does not wrap stdout and stderr)."""
+
+    name = "wandb"
+    package = "wandb"
+    requirement = "wandb"
+
+    def __init__(self, run: TrackerRun, previous: dict | None) -> None:
+        import wandb
+
+        run_id = (previous or {}).get("run_id")
+        self.run = wandb.init(
+            project=run.project,
+            name=run.name,
+            id=run_id,
+            resume="allow" if run_id else None,
+            dir=str(run.output_dir),
+            config=run.config,
+            settings=wandb.Settings(console="off"),
+        )
+        if run_id:
+            self.run.config.update(run.config, allow_val_change=True)  # a resumed run's config may differ
+
+    @property
+    def state(self) -> dict:
+        return {"run_id": self.run.id}
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+MLFLOW_BATCH = 100
+"""MLflow takes at most 100 parameters in one ``log_batch``."""
+MLFLOW_PARAM_CHARS = 6000
+"""MLflow's longest parameter value."""
+
+
+@register_tracker
+class MlflowTracker(Tracker):
+    """An MLflow run in experiment ``logging.project`` at the tracking URI MLflow is configured with
+    (``MLFLOW_TRACKING_URI``). The config goes in as flat parameters (``optimizer.lr``) and as the
+    artifact ``config.yaml``; a resumed run adds ``config.step_<N>.yaml`` (MLflow refuses to change a
+    parameter's value)."""
+
+    name = "mlflow"
+    package = "mlflow"
+    requirement = "mlflow-skinny"
+
+    def __init__(self, run: TrackerRun, previous: dict | None) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient()
+        self.run_id = self._continued((previous or {}).get("run_id"))
+        if self.run_id is not None:
+            self.client.log_dict(self.run_id, run.config, f"config.step_{run.resume_step}.yaml")
+            return
+        experiment = self.client.get_experiment_by_name(run.project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(run.project)
+        self.run_id = self.client.create_run(experiment_id, run_name=run.name).info.run_id
+        params = [Param(key, str(value)[:MLFLOW_PARAM_CHARS]) for key, value in flatten(run.config).items()]
+        for start in range(0, len(params), MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, params=params[start : start + MLFLOW_BATCH])
+        self.client.log_dict(self.run_id, run.config, "config.yaml")
+
+    def _continued(self, run_id: str | None) -> str | None:
+        """``run_id`` reopened, or None where there is none or this tracking URI does not hold it."""
+        if not run_id:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+        except MlflowException as error:
+            logger.warning("MLflow run %s cannot be continued (%s): a new run starts", run_id, error)
+            return None
+        return run_id
+
+    @property
+    def state(self) -> dict:
+        return {"run_id": self.run_id}
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(value), now, step) for key, value in scalars.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+@register_tracker
+class TrackioTracker(Tracker):
+    """A trackio run (local store ``TRACKIO_DIR``, or a Space with ``TRACKIO_SPACE_ID``), continued by
+    name after a resume. Its own CPU and GPU sampling threads stay off."""
+
+    name = "trackio"
+    package = "trackio"
+    requirement = "trackio"
+
+    def __init__(self, run: TrackerRun, previous: dict | None) -> None:
+        import trackio
+
+        resumed = (previous or {}).get("name")
+        self.run = trackio.init(
+            project=run.project,
+            name=resumed or run.name,
+            config=run.config,
+            resume="must" if resumed else "never",
+            auto_log_cpu=False,
+            auto_log_gpu=False,
+        )
+
+    @property
+    def state(self) -> dict:
+        return {"name": self.run.name, "run_id": self.run.id}
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
