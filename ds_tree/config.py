@@ -829,6 +829,12 @@ def off_default(section: Any) -> list[str]:
     return names
 
 
+# Keys a release replaced: a config that still names one is told what to write instead.
+REPLACED_KEYS = {
+    "logging.tensorboard": "logging.report_to (a list of trackers: `report_to: [tensorboard]` for true, `[]` for false)",
+}
+
+
 def _build(cls: type, values: Any, where: str, prefix: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: {prefix or 'the top level'} must be a mapping, got {type(values).__name__}")
@@ -837,6 +843,8 @@ def _build(cls: type, values: Any, where: str, prefix: str) -> Any:
     unknown = sorted(set(values) - set(fields))
     if unknown:
         name = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        if name in REPLACED_KEYS:
+            raise ConfigError(f"{where}: {name} was replaced by {REPLACED_KEYS[name]}")
         raise ConfigError(f"{where}: unknown key {name!r} (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, value in values.items():
