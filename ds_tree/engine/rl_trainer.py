@@ -128,6 +128,8 @@ class RLSteps:
     def rl_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
         Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
+        if self.online is not None:  # a weight sync when a sampled step needs this one's weights (a collective)
+            self.online.begin_step(step, self.engine.module)
         if self.online is not None and getattr(self.online, "warming_up", lambda _: False)(step):
             return self.warmup_step(step)
         rollouts = self.rl_rollouts(step)
