@@ -29,12 +29,6 @@ def check_hybrid_settings(config, model_config) -> None:
             '"Hybrid models"). For trees over the budget use packing.over_budget: dfs (the walk carries the '
             "states exactly, in one path plus one chunk of memory) and parallel.sequence_parallel_size: 1"
         )
-    if config.rollout.enabled and model_config.model_type == "falcon_h1":
-        raise ConfigError(
-            f"rollout.enabled: {what}; its layers hold attention keys and a recurrent state in one cache layer "
-            "(LinearAttentionAndFullAttentionLayer), which the tree sampler does not fork yet. Train it offline "
-            "(rollout.enabled: false)"
-        )
     if config.rollout.enabled and config.rollout.engine != "hf":
         raise ConfigError(
             f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "
