@@ -5,7 +5,9 @@ The schedule is fixed, so a run is a function of its seeds whatever the timing:
 
 - versions: a policy version is the number of optimizer steps its weights have taken. The engine starts
   with the weights of the run's first step ``start`` (0, or the checkpoint's step on resume) and is
-  synced at the start of every later step that is a multiple of ``sync_every`` (:func:`sync_due`);
+  synced at the start of every later step that is a multiple of ``sync_every`` (:func:`sync_due`), when
+  a step that samples uses that version (:func:`version_used`: a multi-turn run's SFT steps, warm-up
+  and refresh, sample nothing; the thread passes over them);
 - step ``s`` is sampled with version :func:`sampling_version` ``= max(start, N * floor((s - k) / N))``
   (``k = max_staleness``, ``N = sync_every``): the last sync at or before step ``s - k``. With
   ``k = 0, N = 1`` that is ``s``, today's synchronous loop;
@@ -17,6 +19,12 @@ The schedule is fixed, so a run is a function of its seeds whatever the timing:
 - a trajectory whose ``step - policy_version`` exceeds ``k + N - 1`` is dropped and counted
   (``rollout/stale_dropped``, :func:`drop_stale`). The schedule above never produces one; the check
   guards the bound the importance correction is configured for.
+
+Multi-turn rollouts (``rollout.env.path``) use the same schedule: the thread samples the rank's episode
+trees, making, forking and closing their environments itself; closing the run stops the episode being
+sampled at its next leaf and closes its environments (nothing of it is kept: a resumed run samples the
+step anew from its seeds). They may sample ahead on the ``hf`` engine, whose generation copy is synced
+only while the thread waits: environment calls (tools, services) then overlap training.
 
 The importance correction uses the sampler's log-probs (the trajectories' ``logprobs``, which the
 engine returns with every token): ``objective.old_logprobs: data``, or ``importance_truncation`` on top
