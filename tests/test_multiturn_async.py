@@ -151,7 +151,14 @@ def test_every_environment_is_closed_on_every_path(tokenizer, path: str) -> None
 
 # ------------------------------------------------------------------ config
 def test_multiturn_staleness_config_needs_the_importance_correction(tokenizer_dir, tmp_path: Path) -> None:
+    """Accepted on the hf engine with an importance correction; the rollouts' close() stops the episode
+    runner the background sampler uses, and episodes render with a tokenizer of their own (the trainer's
+    thread renders demonstrations meanwhile)."""
+    from types import SimpleNamespace
+
+    from ds_tree.models.loading import load_model
     from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.rollout.multiturn import MultiTurnRollouts
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
     base = [f"rollout.prompts={tmp_path / 'tasks.jsonl'}", f"model.tokenizer={tokenizer_dir}"]
@@ -160,6 +167,12 @@ def test_multiturn_staleness_config_needs_the_importance_correction(tokenizer_di
         assert (config.rollout.max_staleness, config.rollout.engine) == (1, "hf")  # hf: environments overlap
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=1 trains on .* up to 1 step\(s\) old"):
         load_config(MULTITURN_CPU, [*base, "rollout.max_staleness=1"])
+    online = MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
+    online.model = load_model(str(ROOT / "configs/models/tiny_llama.json"), attention="torch", dtype=torch.float32)
+    episodes = online.runner_for_model()
+    assert online.renderer.tokenizer is not online.tokenizer and not episodes.stopping.is_set()
+    online.close()  # what the trainer calls at the end of every run, preempted or not
+    assert episodes.stopping.is_set()
 
 
 # ------------------------------------------------------------------ 2 ranks, ZeRO-3: versions, resume, tree == flat
