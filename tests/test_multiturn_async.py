@@ -198,7 +198,9 @@ def test_two_ranks_sample_episodes_a_step_ahead_resume_and_verify_in_float64(tok
         assert records[step]["rollout/policy_version"] == version and records[step]["rollout/staleness_max"] == 1
         assert records[step]["rollout/stale_dropped"] == 0 and records[step]["rollout/wait_s"] >= 0
         assert records[step]["optim/grad_norm"] > 0 and np.isfinite(records[step]["loss/train"])
-    assert "warmup/sft_loss" in records[1] and "warmup/sft_loss" in records[3]
+    for step in (1, 3):  # SFT steps: the weights the next RL step samples with are synced as they start
+        assert "warmup/sft_loss" in records[step] and records[step]["rollout/sync_s"] > 0, records[step]
+    assert records[2]["rollout/sync_s"] == records[4]["rollout/sync_s"] == 0  # none at the RL steps
     # resumed at step 2 (0-based: the SFT step 3 starts it): step 4 sampled with version 2 in both runs
     assert resumed["start_step"] == 2 and [r["step"] for r in resumed["metrics"]] == [3, 4]
     assert resumed["samples"]["4"] == first["samples"]["4"]

@@ -219,7 +219,7 @@ class OnlineRollouts:
         self.begun: int | None = None
         """The last step :meth:`begin_step` started (it runs once a step)."""
         self.sync_s = 0.0
-        """This step's weight sync time (``rollout/sync_s``)."""
+        """This step's weight sync time (``rollout/sync_s``; 0 on a step without a sync)."""
         self.wait_s = 0.0
         """This step's wait for the background sampler before its sync."""
 
@@ -322,9 +322,9 @@ class OnlineRollouts:
         self.begun = step
         if self.start is None:
             self.start = step
-        self.sync_s, self.wait_s = 0.0, 0.0
-        synced = time.perf_counter()
+        self.sync_s, self.wait_s = 0.0, 0.0  # no sync: 0
         if self.sync_needed(step):
+            synced = time.perf_counter()
             if self.ahead is not None:  # every step that samples with the old weights is sampled first
                 failure = self.ahead.before_sync(step)
                 self.wait_s = time.perf_counter() - synced
@@ -332,7 +332,7 @@ class OnlineRollouts:
             self.sync(policy)
             if self.ahead is not None:
                 self.ahead.synced(step)
-        self.sync_s = time.perf_counter() - synced - self.wait_s
+            self.sync_s = time.perf_counter() - synced - self.wait_s
         if rollout.max_staleness and self.ahead is None:
             self.ahead = AheadSampler(
                 self.sample_share, start=self.start, max_staleness=rollout.max_staleness,
