@@ -20,6 +20,7 @@ import faulthandler
 import logging
 import os
 import sys
+import time
 import warnings
 
 from ds_tree.config import ConfigError, load_config
@@ -27,7 +28,7 @@ from ds_tree.data.jsonl import json_text
 from ds_tree.engine.trainer import NonFiniteError, SelfCheckError, Trainer
 from ds_tree.errors import DataError, RolloutError
 from ds_tree.models.token_mixing import UnsupportedModelError
-from ds_tree.run import checkpoint
+from ds_tree.run import checkpoint, failures
 from ds_tree.run.checkpoint import CheckpointError
 from ds_tree.run.console import setup_console
 from ds_tree.run.preemption import EXIT_PREEMPTED, Preempted, PreemptionHandler
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
+    started = time.time()  # another rank's failure message written before this is from an earlier launch
     setup_console(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     try:
         config = load_config(args.config, args.overrides)
@@ -77,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     if already_finished(trainer):
         return 0
     preemption = PreemptionHandler(config.checkpoint.preempt_signals, config.checkpoint.preempt_grace_s)
+    rank = int(os.environ.get("RANK", "0"))
+    if trainer.world_size > 1:
+        failures.clear(trainer.output_dir, rank)
     try:
         with preemption:  # from here on a signal stops the run at a step boundary
             trainer.setup()
@@ -86,21 +91,45 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stop:
         logger.warning("%s", stop)
         return EXIT_PREEMPTED
-    except EXPLAINED as error:
-        logger.error("error: %s", error)
-        return 1
     except Exception as error:  # noqa: BLE001 - every rank names its own failure before exiting
-        logger.error("error: %s: %s", type(error).__name__, error, exc_info=True)
-        if "timed out" in str(error).lower() and trainer.world_size > 1:  # one process has no other rank
-            logger.error(
-                "error: a collective waited distributed.timeout_s=%g s for another rank, which stopped answering "
-                "(its own error, if it reported one, is above)",
-                config.distributed.timeout_s,
-            )
+        report_failure(trainer, rank, started, error)
         return 1
     finally:
         trainer.close()
     return 0
+
+
+def report_failure(trainer: Trainer, rank: int, started: float, error: Exception) -> None:
+    """Log this rank's failure, once. A collective broken by another rank's failure reports that rank's
+    message (:mod:`ds_tree.run.failures`); a failure of this rank's own is left for the others to read.
+    Errors the project raises on purpose are one message; others keep their traceback."""
+    several = trainer.world_size > 1
+    if several and not isinstance(error, EXPLAINED) and failures.is_broken_collective(error):
+        found = failures.others(trainer.output_dir, rank, started)
+        if found:
+            other, message = found[0]
+            cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+            logger.error(
+                "error: rank %d failed: %s (this rank stopped at a collective waiting for it: %s)",
+                other,
+                message,
+                cause,
+            )
+            return
+    if several:  # a timeout nobody explained is recorded too: it may be this rank's own (a request, a hang)
+        failures.record(
+            trainer.output_dir, rank, str(error) if isinstance(error, EXPLAINED) else f"{type(error).__name__}: {error}"
+        )
+    if isinstance(error, EXPLAINED):
+        logger.error("error: %s", error)
+        return
+    logger.error("error: %s: %s", type(error).__name__, error, exc_info=True)
+    if "timed out" in str(error).lower() and several:  # one process has no other rank
+        logger.error(
+            "error: a collective waited distributed.timeout_s=%g s for another rank, which stopped answering "
+            "(its own error, if it reported one, is above)",
+            trainer.config.distributed.timeout_s,
+        )
 
 
 def already_finished(trainer: Trainer) -> bool:

@@ -141,7 +141,9 @@ def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, mode: s
 
 
 # --------------------------------------------------------------------- resume
-def launch_training(config: Path, *overrides: str, port: int | None = None) -> subprocess.Popen:
+def launch_training(
+    config: Path, *overrides: str, port: int | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     command = [
         str(BIN / "deepspeed"),
         "--num_gpus",
@@ -155,7 +157,7 @@ def launch_training(config: Path, *overrides: str, port: int | None = None) -> s
         *overrides,
     ]
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    return start_group(command, env=environment(), cwd=ROOT, **output)
+    return start_group(command, env=environment() | (env or {}), cwd=ROOT, **output)
 
 
 def losses(output_dir: Path) -> dict[int, float]:

@@ -10,6 +10,7 @@ import torch
 
 from ds_tree.attention import registry
 from ds_tree.bench.gpu import attention
+from ds_tree.bench.gpu.report import acceptance, markdown
 from ds_tree.cli.gpu_check import main
 
 
@@ -21,12 +22,18 @@ def test_smoke_run_writes_every_section_and_passes(tmp_path, capsys) -> None:
     correctness = report["sections"]["correctness"]
     ran = {(r["engine"], r["dtype"]) for r in correctness["results"] if r["ran"]}
     assert {("torch", "float32"), ("triton", "float32"), ("flex", "float32"), ("triton", "bfloat16")} <= ran
+    assert {("triton list", "float32"), ("triton list", "bfloat16")} <= ran  # the list tile schedule
     assert all(r["passed"] for r in correctness["results"] if r["ran"])
     backward = {r["engine"] for r in correctness["results"] if r.get("checked") == "forward+backward"}
-    assert backward == {"torch", "triton"}  # flex has no backward on the CPU, varlen no CPU kernel
-    for shape in report["sections"]["kernels"]["shapes"].values():
-        assert shape["engines"]["triton tree"]["ran"] and shape["engines"]["sdpa padded flat"]["ran"]
+    assert backward == {"torch", "triton", "triton list"}  # flex has no backward on the CPU, varlen no CPU kernel
+    kernels = report["sections"]["kernels"]
+    assert len(kernels["shapes"]) == 4  # random, GRPO, tiny nodes, a long row
+    for shape in kernels["shapes"].values():
+        engines = shape["engines"]
+        assert all(engines[name]["ran"] for name in ("triton tree", "triton list tree", "sdpa padded flat"))
+        assert "triton list tree tuned" not in engines  # autotune: a GPU only
         assert shape["flat_tokens"] > shape["tree_tokens"]
+    assert kernels["autotune"] == {"skipped": "autotune runs on a CUDA GPU only"}
     cases = report["sections"]["steps"]["cases"]
     assert [c["ran"] for c in cases] == [True, True]
     assert all(c["speedup"] > 0 and c["ideal_tokens"] > 1 for c in cases)
@@ -61,3 +68,49 @@ def test_usage_errors(tmp_path, capsys) -> None:
         with pytest.raises(SystemExit) as raised:
             main(["--output", str(tmp_path)])
         assert raised.value.code == 2 and "--smoke" in capsys.readouterr().err
+
+
+def test_issue_46_acceptance_and_autotune_lines() -> None:
+    """The best Triton tree column is held against flex on every shape and against 300 TFLOP/s on the GRPO
+    and agent shapes; each autotune record gets a line in the report."""
+
+    def ran(tflops: float) -> dict:
+        return {"ran": True, "ms": 1.0, "useful_tflops": tflops}
+
+    shapes = {
+        "GRPO: one": {"triton tree": ran(100.0), "triton list tree tuned": ran(320.0), "flex tree": ran(220.0)},
+        "agent: two": {"triton tree": ran(250.0), "triton list tree": ran(290.0), "flex tree": ran(310.0)},
+        "tiny nodes": {"triton tree": ran(20.0), "triton list tree": {"ran": False, "error": "x"}, "flex": ran(9.0)},
+    }
+    table = {
+        name: {"tree_tokens": 8, "flat_tokens": 16, "flat_over_tree_pairs": 1.5, "engines": engines}
+        for name, engines in shapes.items()
+    }
+    record = {
+        "key": (128, "bfloat16", 16384, "list"),
+        "winner": {"forward": (128, 64), "backward": (64, 64), "num_warps": 8, "num_stages": 3},
+        "timings": [{"config": {}, "ms": 2.0}, {"config": {}, "error": "OutOfResources"}, {"config": {}, "ms": 3.0}],
+    }
+    section = {"dtype": "bfloat16", "heads": 32, "kv_heads": 8, "head_dim": 128, "shapes": table}
+    section |= {"flex_compile_s_per_bucket": {}, "autotune": {"search_space": [], "tuned": [record]}}
+    report = {"smoke": False, "environment": {}, "sections": {"kernels": section}}
+    found = acceptance(report)
+    assert found == {
+        "issue 46: best triton tree >= flex tree: GRPO: one": True,
+        "issue 46: best triton tree >= 300 TFLOP/s: GRPO: one": True,
+        "issue 46: best triton tree >= flex tree: agent: two": False,
+        "issue 46: best triton tree >= 300 TFLOP/s: agent: two": False,
+    }
+    report |= {"passed": True, "acceptance": found}
+    text = markdown(report)
+    assert "- autotune (128, 'bfloat16', 16384, 'list')" in text and "2 ms of 3 candidates (3 ms the slowest)" in text
+    assert "- NO: issue 46: best triton tree >= flex tree: agent: two" in text
+
+
+def test_autotune_is_imported_by_the_gpu_kernel_table_only() -> None:
+    """The GPU-only autotune module stays off the CPU path: gpu-check's kernel table is its one importer
+    (there, only when the device is CUDA: the smoke run above reports it skipped)."""
+    from tests.test_layering import import_graph
+
+    importers = {name for name, targets in import_graph().items() if "ds_tree.attention.triton.autotune" in targets}
+    assert importers == {"ds_tree.bench.gpu.attention"}

@@ -629,3 +629,79 @@ def test_dry_run_says_what_plan_predicts_for_a_model_too_large(monkeypatch, caps
     assert re.search(predicted, err), err
     assert re.search(r"GiB in all, against [\d.]+ GiB of (this machine's|the GPU's) memory", err), err
     assert "ds-tree plan predicts" not in dry_run(monkeypatch, capsys, forest_config)[1]
+
+
+# --------------------------------------------------------------- a failing rank tells the others why
+def test_failure_messages_are_read_from_other_ranks_of_this_launch_only(tmp_path: Path) -> None:
+    """Issue 42 #22: ``run/failures`` hands one rank's failure to the others, never an earlier launch's."""
+    import os
+    import time
+
+    from ds_tree.run import failures
+
+    failures.record(tmp_path, 2, "an earlier launch's failure")
+    os.utime(failures.path_for(tmp_path, 2), (1.0, 1.0))
+    started = time.time() - 1
+    failures.record(tmp_path, 0, "this rank's own")
+    assert failures.others(tmp_path, 0, started, wait_s=0) == []
+    failures.record(tmp_path, 1, "DataError: x.jsonl:3: bad")
+    assert failures.others(tmp_path, 0, started, wait_s=0) == [(1, "DataError: x.jsonl:3: bad")]
+    failures.clear(tmp_path, 1)
+    assert failures.others(tmp_path, 0, started, wait_s=0) == []
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer.")
+    assert failures.is_broken_collective(gloo) and failures.is_broken_collective(TimeoutError())
+    assert not failures.is_broken_collective(ValueError("step 3: bad")) and not failures.is_broken_collective(
+        RuntimeError("CUDA out of memory")
+    )
+
+
+def test_a_broken_collective_reports_the_rank_that_failed(monkeypatch, capsys, tmp_path, forest_config):
+    import os
+    import time
+
+    from ds_tree.run import failures
+
+    (tmp_path / "run").mkdir()
+    failures.record(tmp_path / "run", 1, "DataError: rollouts.jsonl:3: a turn reward is nan")
+    later = time.time() + 60  # written during the run that train.main below starts
+    os.utime(failures.path_for(tmp_path / "run", 1), (later, later))
+    reset = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:18818: Connection reset by peer. This is typically")
+    code, err = failing_run(monkeypatch, capsys, forest_config, reset, world_size=2)
+    assert code == 1 and "error: rank 1 failed: DataError: rollouts.jsonl:3: a turn reward is nan" in err, err
+    assert "Traceback" not in err and "collective waiting for it: [pair.cc:537]" in err, err
+    assert not failures.path_for(tmp_path / "run", 0).exists()  # a consequence is not recorded as a cause
+
+
+def test_a_rank_records_its_own_failure_for_the_others(monkeypatch, capsys, tmp_path, forest_config):
+    from ds_tree.run import failures
+
+    code, err = failing_run(monkeypatch, capsys, forest_config, DataError("x.jsonl:3: bad"), world_size=2)
+    assert code == 1 and "error: x.jsonl:3: bad" in err
+    assert failures.path_for(tmp_path / "run", 0).read_text() == "x.jsonl:3: bad\n"
+    code, err = failing_run(monkeypatch, capsys, forest_config, DataError("x.jsonl:3: bad"), world_size=1)
+    assert not failures.path_for(tmp_path / "run", 1).exists()
+
+
+@pytest.mark.distributed
+def test_two_ranks_the_survivor_names_the_failed_ranks_error(tmp_path: Path) -> None:
+    """Rank 1 fails at step 2 (a ValueError injected through sitecustomize); rank 0, waiting in the step's
+    first collective, reports rank 1's error instead of gloo's "Connection reset by peer"."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import ds_tree.engine.trainer as t\n"
+        "    step_once = t.Trainer.train_step\n"
+        "    def train_step(self, step):\n"
+        "        if step == 2:\n"
+        "            raise ValueError('injected on rank 1 at step 2')\n"
+        "        return step_once(self, step)\n"
+        "    t.Trainer.train_step = train_step\n"
+    )
+    config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"), max_steps=3)
+    process = launch_training(config, "logging.tensorboard=false", env={"PYTHONPATH": f"{hook}:{ROOT}"})
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0, output[-4000:]
+    assert "[rank 1] error: ValueError: injected on rank 1 at step 2" in output, output[-4000:]
+    assert "[rank 0] error: rank 1 failed: ValueError: injected on rank 1 at step 2" in output, output[-4000:]

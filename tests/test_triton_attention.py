@@ -10,6 +10,7 @@ Inputs are fresh random numbers every run; a failure prints the seed to replay i
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 
@@ -18,6 +19,7 @@ import torch
 
 from ds_tree.attention.block_stats import block_stats
 from ds_tree.attention.reference import tree_attention_reference, visibility_mask
+from ds_tree.attention.tile_lists import SCHEDULE_VARIABLE, SCHEDULES, classify_tiles
 
 if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -25,6 +27,12 @@ if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
 from ds_tree.attention.triton import kernels, triton_tree_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernels.INTERPRET else "cpu"
+
+
+@pytest.fixture(params=SCHEDULES)
+def tile_schedule(request) -> str:
+    """Every kernel test runs on both tile schedules: the per-tile loop and the full/partial lists."""
+    return request.param
 
 
 def reference(query, key, value, kv_end, scale=None):
@@ -113,7 +121,7 @@ def _max_error(actual, expected):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout,batch,heads_q,heads_kv,head_dim", SHAPES)
-def test_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, dtype, monkeypatch):
+def test_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, dtype, tile_schedule, monkeypatch):
     seed = random.randrange(2**31)
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -129,7 +137,8 @@ def test_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, d
     with monkeypatch.context() as patch:
         patch.setattr(torch, "empty", _poisoned(torch.empty))
         patch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
-        actual = _run(triton_tree_attention, [x.to(DEVICE) for x in inputs], kv_end, grad_out.to(DEVICE))
+        kernel = functools.partial(triton_tree_attention, tile_schedule=tile_schedule)
+        actual = _run(kernel, [x.to(DEVICE) for x in inputs], kv_end, grad_out.to(DEVICE))
     actual = [a.cpu() for a in actual]
 
     if dtype == torch.float32:
@@ -159,6 +168,67 @@ def test_causal_case_uses_the_unmasked_fast_path():
     block_m, block_n = kernels.block_sizes(64)["forward"]
     n = LAYOUTS["causal"][0]
     assert block_stats(torch.full((n,), n), block_m, block_n)["fully_visible_tiles"] > 0
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_layouts_meet_every_tile_class(direction):
+    """The kernel tests above (both schedules) see full, partial and empty tiles below the diagonal, and
+    ragged last blocks, with the tiles each kernel really uses."""
+    block_m, block_n = kernels.block_sizes(64)[direction]
+    rng = random.Random(0)
+    counts = {"full": 0, "partial": 0, "empty below the diagonal": 0}
+    for layout in LAYOUTS:
+        kv_end = _kv_end(layout, 1, rng)
+        n = kv_end.shape[1]
+        assert n % block_m and n % block_n, f"{layout}: no ragged last block"
+        listed, full = classify_tiles(kv_end, block_m, block_n)
+        query_last = torch.clamp(torch.arange(0, n, block_m) + block_m, max=n) - 1
+        below = torch.arange(0, n, block_n)[None, :] <= query_last[:, None]
+        counts["full"] += int(full.sum())
+        counts["partial"] += int((listed & ~full).sum())
+        counts["empty below the diagonal"] += int((below & ~listed[0]).sum())
+    assert all(counts.values()), counts
+
+
+def test_schedule_comes_from_the_argument_or_the_environment(monkeypatch):
+    """``tile_schedule`` wins, else ``$DS_TREE_TRITON_TILES``; an unknown name is refused naming its source."""
+    q = torch.zeros(1, 2, 4, 16, device=DEVICE)
+    monkeypatch.setenv(SCHEDULE_VARIABLE, "tiles")
+    with pytest.raises(ValueError, match=r"\$DS_TREE_TRITON_TILES = 'tiles'"):
+        triton_tree_attention(q, q, q, torch.full((1, 4), 4))
+    assert triton_tree_attention(q, q, q, torch.full((1, 4), 4), tile_schedule="list").shape == (1, 4, 2, 16)
+    with pytest.raises(ValueError, match="tile_schedule = 'bogus': choose one of loop, list"):
+        triton_tree_attention(q, q, q, torch.full((1, 4), 4), tile_schedule="bogus")
+
+
+def test_an_installed_configuration_is_used_and_exact(tile_schedule):
+    """What autotune installs reaches the launch: other tile shapes than the defaults (a backward whose
+    key blocks are wider than its query blocks), still exact on both schedules."""
+    from ds_tree.attention.triton import autotune
+
+    rng = random.Random(1)
+    kv_end = _kv_end("forest", 1, rng)
+    n = kv_end.shape[1]
+    config = {"forward": (32, 16), "backward": (16, 32), "num_warps": 1, "num_stages": 1}
+    key = kernels.tuning_key(32, torch.float32, n, tile_schedule)
+    inputs = [torch.randn(1, heads, n, 32, dtype=torch.float64) for heads in (4, 2, 2)]
+    grad_out = torch.randn(1, n, 4, 32, dtype=torch.float64)
+    expected = _run(reference, inputs, kv_end, grad_out)
+    with autotune.installed([{"key": key, "winner": config}]):
+        assert kernels.launch_config(32, torch.float32, n, tile_schedule) == config
+        kernel = functools.partial(triton_tree_attention, tile_schedule=tile_schedule)
+        actual = _run(kernel, [x.float().to(DEVICE) for x in inputs], kv_end, grad_out.float().to(DEVICE))
+    assert kernels.launch_config(32, torch.float32, n, tile_schedule) == kernels.block_sizes(32)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected, strict=True):
+        error = _max_error(a.cpu(), e)
+        assert error <= 1e-5 * (1 + e.abs().max().item()), f"{name}: max error {error:.3g}"
+
+
+def test_autotune_refuses_the_interpreter_and_the_cpu():
+    from ds_tree.attention.triton import autotune
+
+    with pytest.raises(RuntimeError, match="CUDA GPU only"):
+        autotune.tune(torch.full((1, 8), 8), 2, 1, 16, torch.float32, "list")
 
 
 def test_rejects_mismatched_heads():
@@ -224,7 +294,7 @@ WINDOW_SHAPES = [
 
 
 @pytest.mark.parametrize("layout,batch,heads_q,heads_kv,head_dim,window", WINDOW_SHAPES)
-def test_window_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, window):
+def test_window_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, window, tile_schedule):
     """fp32 with a sliding window on the tokens' depths: forward and dq/dk/dv to fp32 round-off."""
     seed = random.randrange(2**31)
     rng = random.Random(seed)
@@ -243,7 +313,9 @@ def test_window_matches_float64_reference(layout, batch, heads_q, heads_kv, head
     )
     windowed = positions.to(DEVICE)
     actual = _run(
-        lambda q, k, v, e: triton_tree_attention(q, k, v, e, positions=windowed, window=window),
+        lambda q, k, v, e: triton_tree_attention(
+            q, k, v, e, positions=windowed, window=window, tile_schedule=tile_schedule
+        ),
         [x.float().to(DEVICE) for x in inputs],
         kv_end,
         grad_out.float().to(DEVICE),
@@ -266,10 +338,11 @@ SOFTCAP_SHAPES = [
     ("deep_chain", 1, 2, 1, 16, 3, 3.0, torch.float32),
     ("forest", 1, 2, 1, 16, 7 * GROW, 2.0, torch.float32),
     ("one_token_nodes", 1, 2, 1, 32, None, 3.0, torch.bfloat16),
+    ("forest", 1, 4, 1, 16, 7 * GROW, 2.0, torch.float32),  # GQA 4 with a window and a cap
 ]
 
 
-def softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype):
+def softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype, tile_schedule):
     """``{name: (max error, bound)}`` for out, dq, dk, dv of one random soft-capped case."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -295,7 +368,11 @@ def softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap
         return tree_attention_reference(q, k, v, e, **options)
 
     expected = _run(reference_capped, [x.double() for x in inputs], kv_end, grad_out.double())
-    device_options = {**options, "positions": None if positions is None else positions.to(DEVICE)}
+    device_options = {
+        **options,
+        "positions": None if positions is None else positions.to(DEVICE),
+        "tile_schedule": tile_schedule,
+    }
     actual = _run(
         lambda q, k, v, e: triton_tree_attention(q, k, v, e, **device_options),
         [x.to(DEVICE) for x in inputs],
@@ -315,11 +392,13 @@ def softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap
 
 
 @pytest.mark.parametrize("layout,batch,heads_q,heads_kv,head_dim,window,cap,dtype", SOFTCAP_SHAPES)
-def test_softcap_matches_float64_reference(layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype):
+def test_softcap_matches_float64_reference(
+    layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype, tile_schedule
+):
     """Capped scores ``cap * tanh(s / cap)``: forward and dq/dk/dv against the float64 reference, with the
     tolerances of the uncapped tests for the same dtype."""
     seed = random.randrange(2**31)
-    errors = softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype)
+    errors = softcap_errors(seed, layout, batch, heads_q, heads_kv, head_dim, window, cap, dtype, tile_schedule)
     for name, (error, bound) in errors.items():
         assert error <= bound, f"{name}: max error {error:.3g} > {bound:.3g}; seed {seed}, cap {cap}, window {window}"
 

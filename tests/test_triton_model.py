@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_tree.attention.tile_lists import SCHEDULE_VARIABLE, SCHEDULES
 from ds_tree.comparison import gradient_errors
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
@@ -53,7 +54,14 @@ def step(
     return output.loss, {name: p.grad.cpu() for name, p in model.named_parameters()}
 
 
-def test_triton_step_equals_torch_step() -> None:
+@pytest.fixture(params=SCHEDULES)
+def tile_schedule(request, monkeypatch) -> str:
+    """Both tile schedules, chosen as a run chooses one: ``$DS_TREE_TRITON_TILES``."""
+    monkeypatch.setenv(SCHEDULE_VARIABLE, request.param)
+    return request.param
+
+
+def test_triton_step_equals_torch_step(tile_schedule) -> None:
     seed = random.randrange(1 << 30)  # seeded per test by conftest.py
     trajectories = forest(seed)
     loss_torch, grads_torch = step("torch", trajectories)
@@ -89,7 +97,7 @@ GEMMA2 = dict(
 )
 
 
-def test_triton_gemma2_step_equals_torch_step(tmp_path) -> None:
+def test_triton_gemma2_step_equals_torch_step(tmp_path, tile_schedule) -> None:
     source = tmp_path / "gemma2.json"
     source.write_text(json.dumps(GEMMA2))
     seed = random.randrange(1 << 30)  # seeded per test by conftest.py

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ds_tree.rollout.env import EnvironmentCalls, load_environment_class
+from ds_tree.rollout.formats import resolve_format, turn_stop_tokens
 from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, Task, read_tasks
 from ds_tree.rollout.online import slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
@@ -33,13 +34,14 @@ def measure_reuse(model, tokenizer, config, tasks: list[Task]) -> list[dict]:
     ``config`` is a loaded training config with ``rollout.env.path`` (its sampler settings, env
     settings and path limit are used); ``model`` a Hugging Face causal LM in eval mode."""
     env = config.rollout.env
-    stops = stop_token_ids(tokenizer, model.config)
+    turn_format = resolve_format(env.format, tokenizer)
+    stops = stop_token_ids(tokenizer, model.config, turn_stop_tokens(turn_format, tokenizer))
     rows = []
     for name, (independent, carry) in MODES.items():
         settings = dataclasses.replace(config.rollout.sampler_settings(), independent=independent)
         runner = EpisodeRunner(
             load_environment_class(env.path),
-            Renderer(tokenizer, stops, env.max_observation_tokens),
+            Renderer(tokenizer, stops, env.max_observation_tokens, turn_format),
             HFTurnSampler(model, settings, stops, carry=carry),
             settings,
             env,

@@ -3,12 +3,13 @@
 Sections (--sections, run in the order given, by default this one; each writes the report again when
 it ends, so a run cut short keeps what it measured):
 
-  correctness  every tree engine (torch, triton, flex) and the flat varlen engine against the float64
-               reference, forward and backward, float32 and bf16 (GQA 1/2/4, windows, soft caps, rows
-               longer than one tile)
-  kernels      the kernel table: useful TFLOP/s of each tree engine on tree rows, of the Triton and
-               flash varlen kernels and padded SDPA on the flat paths, and dense causal SDPA (the
-               chip's ceiling); FlexAttention's compile time per length bucket
+  correctness  every tree engine (torch, triton on both tile schedules, flex) and the flat varlen
+               engine against the float64 reference, forward and backward, float32 and bf16 (GQA
+               1/2/4, windows, soft caps, rows longer than one tile)
+  kernels      the kernel table: useful TFLOP/s of each tree engine on tree rows (Triton on both tile
+               schedules, default and autotuned configurations), of the Triton and flash varlen
+               kernels and padded SDPA on the flat paths, and dense causal SDPA (the chip's ceiling);
+               FlexAttention's compile time per length bucket; the autotune's timings and winners
   steps        SFT and GRPO steps of a 1B Llama in bf16, tree (flex, triton) against the flash flat
                baseline, each mode alone on the GPU: speedup, token and cost ideals, peak GPU memory
   trainer      launch/train.sh on one GPU (DeepSpeed ZeRO-3, NCCL, bf16, engine auto): SFT steps with

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ds_tree.cli.choices import TOKENIZER_VOCAB_SIZE
 from ds_tree.cli.common import command_parser
+from ds_tree.data.chat_templates import TEMPLATES
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -22,6 +23,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--vocab-size", type=int, default=TOKENIZER_VOCAB_SIZE, help="exact vocabulary size (default %(default)s)"
     )
+    parser.add_argument(
+        "--chat-format",
+        default="hermes",
+        choices=sorted(TEMPLATES),
+        help="the chat template and its family's special tokens (default %(default)s, the project's ChatML): "
+        + "; ".join(f"{name}: {template.description}" for name, template in sorted(TEMPLATES.items())),
+    )
     return parser
 
 
@@ -31,11 +39,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ds_tree.data.tokenizer import save_tokenizer
 
     try:
-        save_tokenizer(args.output, args.vocab_size)
+        save_tokenizer(args.output, args.vocab_size, args.chat_format)
     except FileExistsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except ValueError as error:
         parser.error(str(error))
-    print(f"wrote {args.vocab_size}-token tokenizer to {args.output}")
+    print(f"wrote {args.vocab_size}-token tokenizer ({args.chat_format} chat format) to {args.output}")
     return 0

@@ -28,6 +28,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from ds_tree.data.chat_templates import chat_template
+
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 """Ids 0..4 in this order."""
 
@@ -35,43 +37,6 @@ DEFAULT_VOCAB_SIZE = 1024
 """What the tiny model configs use."""
 
 CORPUS_SEED = 0
-
-# Tool calls render Hermes/Qwen-style inside the assistant turn; tool results as a "tool" turn.
-# Call ids are not rendered (as in Qwen's and Hermes' templates): they are random per sample, and
-# rendering them would make temperature-0 trials diverge at their first tool call. Results match
-# calls by order. Tools (OpenAI function schemas) go into the system block.
-CHAT_TEMPLATE = (
-    "{% set system_first = messages and messages[0].role == 'system' %}"
-    "{% if system_first or tools %}"
-    "<|im_start|>system\n"
-    "{% if system_first and messages[0].content %}{{ messages[0].content }}{% endif %}"
-    # HF renders with trim_blocks: a newline right after a block tag is dropped, hence {{ '\n' }}.
-    "{% if tools %}{{ '\\n\\n# Tools\\n<tools>\\n' }}"
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>{% endif %}"
-    "<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if loop.first and system_first %}"
-    "{% elif message.role == 'assistant' %}"
-    "<|im_start|>assistant\n"
-    "{% if message.content %}{{ message.content }}{% endif %}"
-    "{% for call in message.tool_calls or [] %}"
-    "<tool_call>\n"
-    '{"name": {{ call.function.name | tojson }}, '
-    '"arguments": {{ call.function.arguments }}}\n'
-    "</tool_call>"
-    "{% endfor %}"
-    "<|im_end|>\n"
-    "{% elif message.role == 'tool' %}"
-    "<|im_start|>tool\n"
-    "<tool_response>\n{{ message.content }}\n</tool_response>"
-    "<|im_end|>\n"
-    "{% else %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 _WORDS = (
     "the a an to of and in for on with your you I we it is are was be can will please "
@@ -141,9 +106,14 @@ def training_corpus(n_documents: int = 3000, seed: int = CORPUS_SEED) -> Iterato
         yield rng.choice(makers)(rng)
 
 
-def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Train the byte-level BPE tokenizer; its vocabulary has exactly ``vocab_size`` entries."""
-    minimum = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, chat_format: str = "hermes") -> PreTrainedTokenizerFast:
+    """Train the byte-level BPE tokenizer; its vocabulary has exactly ``vocab_size`` entries.
+
+    ``chat_format`` names a template of :mod:`ds_tree.data.chat_templates`; its family's special
+    tokens follow the project's five (the default ``hermes`` adds none: the same tokenizer as ever)."""
+    template = chat_template(chat_format)
+    special_tokens = SPECIAL_TOKENS + [token for token in template.special_tokens if token not in SPECIAL_TOKENS]
+    minimum = len(special_tokens) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size <= minimum:
         raise ValueError(f"vocab_size must be > {minimum} (special tokens + 256 byte symbols), got {vocab_size}")
     backend = Tokenizer(models.BPE())
@@ -152,13 +122,13 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizer
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # Encoding splits text at special tokens before BPE runs; the trainer does not, so split the
     # corpus the same way, or merges such as ".<|" would waste vocabulary on markup never seen.
-    special = re.compile("|".join(re.escape(token) for token in SPECIAL_TOKENS))
+    special = re.compile("|".join(re.escape(token) for token in special_tokens))
     segments = (segment for document in training_corpus() for segment in special.split(document) if segment)
     backend.train_from_iterator(segments, trainer=trainer)
     if backend.get_vocab_size() != vocab_size:
@@ -171,18 +141,18 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizer
         bos_token="<|bos|>",
         eos_token="<|eos|>",
         pad_token="<|pad|>",
-        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
+        extra_special_tokens=special_tokens[3:],
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = template.template
     return tokenizer
 
 
-def save_tokenizer(output_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
+def save_tokenizer(output_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE, chat_format: str = "hermes") -> Path:
     """Build the tokenizer and ``save_pretrained`` it; ``AutoTokenizer`` loads the directory offline."""
     output_dir = Path(output_dir)
     if output_dir.exists() and not output_dir.is_dir():  # save_pretrained would only log an error
         raise FileExistsError(f"{output_dir}: exists and is not a directory")
-    build_tokenizer(vocab_size).save_pretrained(output_dir)
+    build_tokenizer(vocab_size, chat_format).save_pretrained(output_dir)
     return output_dir
 
 

@@ -66,10 +66,14 @@ class Turn:
     tool_calls: list[ToolCall] = field(default_factory=list)
     raw: str = ""
     """The whole decoded turn, tool-call markup included (what a text env such as SkyRL's takes)."""
+    reasoning: str = ""
+    """The turn's reasoning (a ``<think>`` block, harmony's analysis channel); empty if none."""
 
     def message(self) -> dict:
-        """The turn as an OpenAI-style assistant message."""
+        """The turn as an OpenAI-style assistant message (its reasoning as ``reasoning_content``)."""
         message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [
                 {

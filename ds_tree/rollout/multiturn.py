@@ -60,6 +60,7 @@ from ds_tree.rollout.env import (
     load_environment_class,
     step_result,
 )
+from ds_tree.rollout.formats import list_registered, resolve_format, turn_stop_tokens
 from ds_tree.rollout.online import OnlineRollouts, rank_slots, slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_error_message
@@ -514,7 +515,7 @@ class EpisodeRunner:
             self.end(tree, child, child.node, "length")
             return False
         parsed = self.renderer.parse(sampled.token_ids, call_prefix=f"call_{child.turn}")
-        child.messages.append(parsed.turn.message())
+        child.messages.append(self.renderer.message(parsed.turn))
         if parsed.error is not None:
             tree.counts["parse_errors"] += 1
             result = StepResult(messages=[parse_error_message(parsed.error)])
@@ -623,6 +624,11 @@ def check_env_config(config) -> None:
         load_environment_class(rollout.env.path)
     except ValueError as error:
         raise ConfigError(f"rollout.env.path {error}") from None
+    if rollout.env.format != "auto" and rollout.env.format not in list_registered():
+        raise ConfigError(
+            f"rollout.env.format {rollout.env.format!r} is not a registered chat format; use auto or one of "
+            f"{', '.join(list_registered())}"
+        )
     if rollout.reward:
         raise ConfigError(
             "rollout.reward is not used with rollout.env.path (the environment gives the rewards); remove it"
@@ -782,14 +788,18 @@ class MultiTurnRollouts(OnlineRollouts):
         self.config = config
         self.model_config = model_config
         self.settings = rollout.sampler_settings()
-        self.stop_ids = stop_token_ids(self.tokenizer, model_config)
+        try:
+            turn_format = resolve_format(rollout.env.format, self.tokenizer)
+        except ValueError as error:
+            raise ConfigError(f"rollout.env.format ({rollout.env.format}) with model.tokenizer: {error}") from None
+        self.stop_ids = stop_token_ids(self.tokenizer, model_config, turn_stop_tokens(turn_format, self.tokenizer))
         self.sampler = StepSampler(len(self.tasks), rollout.prompts_per_step, rollout.seed)
         self.env_class = load_environment_class(rollout.env.path)
         try:  # its own tokenizer: episodes may render on the background sampler while demonstrations do here
             renderer_tokenizer = load_tokenizer(config.model.tokenizer) if rollout.max_staleness else self.tokenizer
-            self.renderer = Renderer(renderer_tokenizer, self.stop_ids, rollout.env.max_observation_tokens)
+            self.renderer = Renderer(renderer_tokenizer, self.stop_ids, rollout.env.max_observation_tokens, turn_format)
         except ValueError as error:
-            raise ConfigError(f"model.tokenizer: {error}") from None
+            raise ConfigError(f"model.tokenizer (chat format {turn_format.name}): {error}") from None
         self.model = None
         self.engine = None  # OnlineRollouts.close stops a managed engine; episodes sample on self.model
         self.runner = None

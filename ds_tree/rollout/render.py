@@ -16,84 +16,35 @@ rendering of the turn (tests/test_multiturn.py). When the longer rendering does 
 shorter one (a template that rewrites history, or an environment that returns a new ``history``),
 :class:`NotAppendOnly` is raised and the rollout starts a new branch from the full rendering.
 
-Tool calls are parsed in the Hermes/Qwen format of the project's template: ``<tool_call>`` +
-``{"name": ..., "arguments": {...}}`` + ``</tool_call>``. A malformed call is not an exception:
-:meth:`Renderer.parse` returns it as a parse error, which the rollout shows the policy as a tool
-message (``parse_error_message``).
+Tool calls and reasoning are parsed by the chat format (``rollout.env.format``,
+:mod:`ds_tree.rollout.formats`: Hermes ``<tool_call>`` JSON by default, Qwen3, Qwen3-Coder, Llama 3
+JSON, Mistral, harmony). A malformed call is not an exception: :meth:`Renderer.parse` returns it as
+a parse error, which the rollout shows the policy as a tool message (``parse_error_message``).
+
+A turn whose reasoning the template does not show once it is history (QwQ, DeepSeek-R1, Qwen3 after
+a new user message), or whose stop token the template writes differently in history (harmony's
+``<|return|>``), is not append-only either: the rollout continues it in a new branch whose root is
+the template's rendering, so every turn is sampled and trained in its exact context.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ds_tree.data.chat import ChatText, UnsafeText, encode_rendered, special_token_strings
-from ds_tree.rollout.env import EnvFailure, ToolCall, Turn
-
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+from ds_tree.rollout.env import EnvFailure, Turn
+from ds_tree.rollout.formats import get_format
+from ds_tree.rollout.formats.base import ParsedTurn, TurnFormat
 
 
 class NotAppendOnly(Exception):
     """The conversation's new rendering does not extend the old one (bridging would realign tokens)."""
 
 
-@dataclass
-class ParsedTurn:
-    turn: Turn
-    error: str | None = None
-    """Why the tool calls could not be parsed (None: parsed, or no call)."""
-
-
-MAX_CALL_DEPTH = 32
-"""Deepest nesting of a tool call's JSON that is passed on; deeper is a parse error (re-encoding it,
-rendering it and every environment's use of it would recurse that deep)."""
-
-
-def json_depth(value: object) -> int:
-    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
-    deepest, stack = 0, [(value, 0)]
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if isinstance(item, dict):
-            stack += [(child, depth + 1) for child in item.values()]
-        elif isinstance(item, list):
-            stack += [(child, depth + 1) for child in item]
-    return deepest
-
-
 def parse_tool_calls(text: str, call_prefix: str = "call") -> ParsedTurn:
-    """Text and tool calls of a decoded assistant turn; a malformed call gives ``error``."""
-    calls, errors = [], []
-    for index, match in enumerate(_CALL.finditer(text)):
-        body = match.group(1).strip()
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as error:
-            errors.append(f"tool call {index + 1}: not JSON ({error.msg} at character {error.pos}): {body[:80]!r}")
-            continue
-        except (RecursionError, ValueError) as error:  # nested too deep for the parser, a huge number...
-            errors.append(f"tool call {index + 1}: not usable JSON ({type(error).__name__}): {body[:80]!r}")
-            continue
-        if json_depth(value) > MAX_CALL_DEPTH:
-            errors.append(f"tool call {index + 1}: nested deeper than {MAX_CALL_DEPTH} levels: {body[:80]!r}")
-            continue
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-            errors.append(f"tool call {index + 1}: needs an object with a string 'name', got {body[:80]!r}")
-            continue
-        arguments = value.get("arguments", {})
-        if not isinstance(arguments, dict):
-            errors.append(f"tool call {index + 1}: 'arguments' must be an object, got {json.dumps(arguments)[:80]}")
-            continue
-        calls.append(ToolCall(value["name"], arguments, f"{call_prefix}_{index}"))
-    outside = _CALL.sub("", text)
-    if CALL_OPEN in outside or CALL_CLOSE in outside:
-        errors.append(f"unbalanced {CALL_OPEN} / {CALL_CLOSE} markup")
-    turn = Turn(text=outside.strip(), tool_calls=calls, raw=text)
-    return ParsedTurn(turn, "; ".join(errors) or None)
+    """Text and tool calls of a decoded assistant turn in the Hermes format (the project's template)."""
+    return get_format("hermes").parse(text, call_prefix)
 
 
 def parse_error_message(error: str) -> dict:
@@ -104,12 +55,18 @@ def parse_error_message(error: str) -> dict:
 class Renderer:
     """Chat template and tokenizer of the policy (module docstring)."""
 
-    def __init__(self, tokenizer, stop_ids: Sequence[int], max_observation_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        stop_ids: Sequence[int],
+        max_observation_tokens: int = 0,
+        turn_format: TurnFormat | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop_ids = {int(token) for token in stop_ids}
         self.max_observation_tokens = max_observation_tokens
-        probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
-        text = self.render(probe, None, generation_prompt=False)
+        self.format = turn_format or get_format("hermes")
+        text = self.render(self.format.probe(), None, generation_prompt=False)
         stop = next(
             (
                 tokenizer.convert_ids_to_tokens(i)
@@ -156,7 +113,7 @@ class Renderer:
         ids = list(sampled_ids)
         if ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        parsed = parse_tool_calls(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
+        parsed = self.format.parse(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
         specials = special_token_strings(self.tokenizer)
         for index, call in enumerate(parsed.turn.tool_calls):  # rendered as markup by some templates
             spelled = json.dumps([call.name, call.arguments], ensure_ascii=False)
@@ -165,6 +122,10 @@ class Renderer:
                 parsed.turn.tool_calls = []
                 return ParsedTurn(parsed.turn, "; ".join(filter(None, [parsed.error, error])))
         return parsed
+
+    def message(self, turn: Turn) -> dict:
+        """The parsed turn as the assistant message the chat template renders in history."""
+        return self.format.message(turn)
 
     def cut(self, message: dict) -> dict:
         """``message`` with its content cut to ``max_observation_tokens`` tokens and a visible marker."""
@@ -176,6 +137,19 @@ class Renderer:
             return message
         kept = self.tokenizer.decode(ids[:limit])
         return {**message, "content": f"{kept}\n[observation cut: {len(ids) - limit} more tokens]"}
+
+    def check_turn_kept(self, stop_id: int, messages: list[dict], before: str, tools) -> None:
+        """:class:`NotAppendOnly` where the history the template renders is not what was sampled:
+        the last turn's reasoning is not shown, or its stop token is written as another."""
+        reasoning = messages[-1].get("reasoning_content") if messages else None
+        if reasoning:
+            earlier = self.render(messages[:-1], tools, generation_prompt=False)
+            if not before.startswith(earlier) or reasoning not in before[len(earlier) :]:
+                raise NotAppendOnly("the chat template does not show the turn's reasoning in history")
+        if self.format.history_stop_differs:
+            stop = self.tokenizer.convert_ids_to_tokens(int(stop_id))
+            if not before[: len(before) - len(self.after_stop)].endswith(stop):
+                raise NotAppendOnly(f"the chat template ends the turn with another token than {stop}")
 
     def bridge(
         self,
@@ -193,6 +167,7 @@ class Renderer:
         after, spans = self.render_spans(messages + new_messages, tools, generation_prompt=True)
         if not after.startswith(before) or not before.endswith(self.after_stop):
             raise NotAppendOnly("the rendering of the new conversation does not extend the sampled one")
+        self.check_turn_kept(previous_ids[-1], messages, before, tools)
         shift = len(before) - len(self.after_stop)  # new messages' content spans, in the appended text
         appended = [(start - shift, end - shift) for start, end in spans if start >= len(before)]
         return self.encode(self.after_stop + after[len(before) :], appended)

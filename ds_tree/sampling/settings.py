@@ -94,6 +94,11 @@ class EnvSettings:
     """How an episode is forked at a turn boundary: ``copy`` (deep copy), ``replay`` (a fresh instance
     replays the recorded turns, checking its answers), ``none`` (branch at the prompt only). Empty:
     the environment class's ``fork_mode`` (``copy`` unless it says otherwise)."""
+    format: str = "auto"
+    """The chat format: how a sampled turn splits into reasoning, text and tool calls, and which
+    tokens end it (``ds_tree.rollout.formats``: ``hermes``, ``qwen3``, ``qwen3_coder``,
+    ``llama3_json``, ``mistral``, ``harmony``, or one a project registers). ``auto``: recognised from
+    the tokenizer's chat template (an error naming this field when it cannot tell)."""
     max_turns: int = 4
     """Assistant turns per episode at most; a leaf still going after them stops with ``max_turns``."""
     max_context_tokens: int = 0

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_tree.attention.reference import check_window, gqa_group
+from ds_tree.attention.tile_lists import resolve_schedule
 from ds_tree.attention.triton import kernels
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,16 +31,16 @@ class TreeAttentionFunction(torch.autograd.Function):
     """``tree_attention`` forward/backward on the Triton kernels (FlashAttention-2 style)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, kv_end, scale, positions, window, softcap):
+    def forward(ctx, query, key, value, kv_end, scale, positions, window, softcap, tile_schedule):
         head_dim = query.shape[-1]
         padded = _padded_head_dim(head_dim)
         query, key, value = (_pad(x, padded) for x in (query, key, value))
         kv_end = kv_end.to(device=query.device, dtype=torch.int32).contiguous()
         if window is not None:
             positions = positions.to(device=query.device, dtype=torch.int32).contiguous()
-        out, lse = kernels.forward(query, key, value, kv_end, scale, positions, window, softcap)
+        out, lse = kernels.forward(query, key, value, kv_end, scale, positions, window, softcap, tile_schedule)
         ctx.save_for_backward(query, key, value, out, lse, kv_end, positions)
-        ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
+        ctx.scale, ctx.window, ctx.softcap, ctx.tile_schedule = scale, window, softcap, tile_schedule
         ctx.head_dim = head_dim
         return out if padded == head_dim else out[..., :head_dim].contiguous()
 
@@ -48,10 +49,21 @@ class TreeAttentionFunction(torch.autograd.Function):
         query, key, value, out, lse, kv_end, positions = ctx.saved_tensors
         grad_out = _pad(grad_out, query.shape[-1])
         grads = kernels.backward(
-            grad_out, query, key, value, out, lse, kv_end, ctx.scale, positions, ctx.window, ctx.softcap
+            grad_out,
+            query,
+            key,
+            value,
+            out,
+            lse,
+            kv_end,
+            ctx.scale,
+            positions,
+            ctx.window,
+            ctx.softcap,
+            ctx.tile_schedule,
         )
         grad_q, grad_k, grad_v = (g[..., : ctx.head_dim] for g in grads)
-        return grad_q, grad_k, grad_v, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
 
 def triton_tree_attention(
@@ -64,6 +76,7 @@ def triton_tree_attention(
     positions: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    tile_schedule: str | None = None,
 ) -> torch.Tensor:
     """Tree attention (docs/DESIGN.md section 4 contract) on the Triton kernels.
 
@@ -72,6 +85,8 @@ def triton_tree_attention(
     ``k`` iff ``k <= q < kv_end[k]`` (and, with a ``window``, ``positions[q] - positions[k] <
     window``, ``positions`` ``[B, N]`` the depths). ``softcap`` (Gemma 2's ``attn_logit_softcapping``, > 0)
     maps the scaled scores ``s`` to ``softcap * tanh(s / softcap)`` before the mask. fp32, fp16 or bf16.
+    ``tile_schedule``: ``loop`` or ``list`` (``kernels`` module docstring, "Tile schedules"); None reads
+    ``$DS_TREE_TRITON_TILES``, else ``tile_lists.DEFAULT_SCHEDULE``.
     Returns ``[B, N, Hq, D]`` in the input dtype; differentiable in query, key and value.
     """
     if not (kernels.INTERPRET or (torch.cuda.is_available() and query.is_cuda)):
@@ -99,6 +114,9 @@ def triton_tree_attention(
             raise ValueError(
                 f"attention soft-cap (attn_logit_softcapping) must be a positive finite number, got {softcap}"
             )
+    tile_schedule = resolve_schedule(tile_schedule)
     if scale is None:
         scale = head_dim**-0.5
-    return TreeAttentionFunction.apply(query, key, value, kv_end, float(scale), positions, window, softcap)
+    return TreeAttentionFunction.apply(
+        query, key, value, kv_end, float(scale), positions, window, softcap, tile_schedule
+    )

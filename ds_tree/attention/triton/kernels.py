@@ -15,14 +15,14 @@ Algorithm
   before the block's last query and ``max(kv_end[block j]) > first query``. The queries that see a
   key block form the contiguous range ``[first key, max kv_end)``, so the dK/dV loop covers only
   those query blocks. A tile whose keys all precede its first query and whose ``min(kv_end)``
-  exceeds its last row is fully visible and skips the element mask. The per-key-block max/min of
-  ``kv_end`` come from the host (``block_stats.key_block_end_bounds``), which also reports how
-  many tiles these rules visit.
+  exceeds its last row is fully visible and skips the element mask. The rules are written once, in
+  ``tile_lists.classify_tiles`` (per-key-block max/min of ``kv_end`` from the host,
+  ``tile_lists.key_block_end_bounds``); ``block_stats`` counts the tiles they visit.
 - Sliding window (``HAS_WINDOW``, a constexpr: the kernels without it are unchanged): query ``q``
   sees key ``k`` only if also ``positions[q] - positions[k] < window`` (the tokens' depths). The
   element mask loads the positions; a tile is skipped when its shallowest query is ``window`` or
   more deeper than its deepest key, and stays on the unmasked path only when its deepest query is
-  within ``window`` of its shallowest key (per-block bounds from ``block_stats.block_position_bounds``).
+  within ``window`` of its shallowest key (per-block bounds from ``tile_lists.block_position_bounds``).
 - Soft-capping (``HAS_SOFTCAP``, a constexpr like ``HAS_WINDOW``; Gemma 2's ``attn_logit_softcapping``):
   the scaled scores ``s = scale * q.k`` become ``cap * tanh(s / cap)`` before the mask and the
   softmax. The cap is applied in natural units and then carried into the log2 domain (``cap *
@@ -34,6 +34,22 @@ Algorithm
   repeated in memory; the dK/dV program loops over the ``group`` query heads of its kv head and
   accumulates their contributions in registers, so no atomics are needed.
 
+Tile schedules (``TILE_LIST``, a constexpr; ``tile_lists.SCHEDULES``)
+- ``loop``: each program walks every key block up to its diagonal (the dK/dV program: every query
+  block in its range) and decides per tile, inside the loop, whether to skip it, run it unmasked or
+  run it masked. The branch in the loop body keeps Triton from software-pipelining the loads.
+- ``list``: the host classifies every tile once (``tile_lists``, vectorised torch on the kernel's
+  device) into per-block ordered lists of full and of partial tiles, FlexAttention's
+  ``full_kv_indices`` / ``kv_indices`` pair; each program runs two loops without a branch, the full
+  tiles unmasked, then the partial ones masked (``_forward_list``, ``_query_list``,
+  ``_key_value_list``). The dK/dV lists are the backward classification transposed. The order of
+  accumulation differs from ``loop`` (full tiles first), so results agree to round-off, not bits.
+- The default stays ``loop`` (``tile_lists.DEFAULT_SCHEDULE``): both are exact under the interpreter
+  (every Triton test runs on both), but ``list`` has not been timed on a GPU yet; ``gpu-check``'s
+  kernel table times both (docs/KERNEL.md).
+- Launch configurations: ``block_sizes`` (the defaults) unless ``autotune`` installed a measured
+  winner for the shape bucket (``launch_config``, ``TUNED``; GPU only).
+
 Limits
 - ``HEAD_DIM`` must be a power of two >= 16 (``tl.arange`` and ``tl.dot`` shapes); the autograd
   wrapper pads other head dims with zeros, which changes neither scores nor the real outputs.
@@ -42,8 +58,8 @@ Limits
 - fp32 inputs use IEEE fp32 dots (not TF32) so an fp32 caller gets fp32 accuracy; fp16/bf16
   inputs feed the tensor cores directly and accumulate in fp32. At D=128 the fp32 kernels need
   up to 144 KiB of shared memory (bf16: 64 KiB): fine on A100/H100, too much for consumer GPUs.
-- Compiled for sm_90 in all three dtypes (``triton.compile`` to cubin) but not yet run on a GPU:
-  the tests so far ran under the interpreter only.
+- The ``loop`` kernels ran on an H100 and an H200 (docs/KERNEL.md); the ``list`` kernels have run under
+  the interpreter only.
 
 Caveats
 - The Triton interpreter (``TRITON_INTERPRET=1``, CPU tests) gets bf16 wrong twice: its bf16
@@ -65,14 +81,41 @@ import torch
 import triton
 import triton.language as tl
 
-from ds_tree.attention.block_stats import block_position_bounds, key_block_end_bounds
+from ds_tree.attention.tile_lists import (
+    DEFAULT_SCHEDULE,
+    TileLists,
+    backward_tile_lists,
+    block_position_bounds,
+    key_block_end_bounds,
+    query_tile_lists,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = math.log2(math.e)
 
 
+TUNED: dict[tuple, dict] = {}
+"""Configurations :mod:`ds_tree.attention.triton.autotune` measured fastest, keyed by
+:func:`tuning_key`; empty unless a tuning was installed in this process (on a GPU only)."""
+
+
+def length_bucket(n: int) -> int:
+    """The shape bucket of a row of ``n`` tokens for tuned configurations: the next power of two, >= 128."""
+    return max(128, 1 << (n - 1).bit_length())
+
+
+def tuning_key(head_dim: int, dtype: torch.dtype, n: int, schedule: str) -> tuple:
+    """What a tuned configuration is cached under: head dim, dtype, :func:`length_bucket`, schedule."""
+    return head_dim, str(dtype).removeprefix("torch."), length_bucket(n), schedule
+
+
+def launch_config(head_dim: int, dtype: torch.dtype, n: int, schedule: str) -> dict:
+    """The tuned configuration of this shape bucket if one was measured, else :func:`block_sizes`."""
+    return TUNED.get(tuning_key(head_dim, dtype, n, schedule)) or block_sizes(head_dim)
+
+
 def block_sizes(head_dim: int) -> dict:
-    """Tile shapes and launch options; small tiles under the interpreter keep CPU tests fast.
+    """Default tile shapes and launch options; small tiles under the interpreter keep CPU tests fast.
 
     GPU values follow the FlashAttention-2 Triton tutorial: 128x64 forward tiles, 64x64 backward
     tiles (the dK/dV program holds k, v, dk and dv for its whole key block), 8 warps for D=128.
@@ -249,6 +292,65 @@ def _forward_tile(
 
 
 @triton.jit
+def _forward_list(
+    acc,
+    row_max,
+    row_sum,
+    tiles,
+    count,
+    q,
+    query_index,
+    k_base,
+    v_base,
+    end_base,
+    n,
+    stride_kn,
+    qk_scale,
+    offs_n,
+    offs_d,
+    query_pos,
+    pos_base,
+    window,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """:func:`_forward_tile` over the ``count`` key blocks listed at ``tiles``: all full (``MASKED`` False)
+    or all partial, so the loop body has no branch."""
+    for index in range(0, count):
+        acc, row_max, row_sum = _forward_tile(
+            acc,
+            row_max,
+            row_sum,
+            q,
+            query_index,
+            k_base,
+            v_base,
+            end_base,
+            tl.load(tiles + index) * BLOCK_N,
+            n,
+            stride_kn,
+            qk_scale,
+            offs_n,
+            offs_d,
+            query_pos,
+            pos_base,
+            window,
+            softcap,
+            MASKED,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+    return acc, row_max, row_sum
+
+
+@triton.jit
 def _forward_kernel(
     Q,
     K,
@@ -256,6 +358,11 @@ def _forward_kernel(
     KV_END,
     BLOCK_MAX_END,
     BLOCK_MIN_END,
+    FULL_TILES,
+    FULL_COUNTS,
+    PARTIAL_TILES,
+    PARTIAL_COUNTS,
+    list_width,
     OUT,
     LSE,
     POSITIONS,
@@ -286,6 +393,7 @@ def _forward_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TILE_LIST: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -308,69 +416,127 @@ def _forward_kernel(
     row_max = tl.full([BLOCK_M], -1.0e30, tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
-    for key_block in range(0, last_key_block + 1):
-        key_start = key_block * BLOCK_N
-        visible = tl.load(BLOCK_MAX_END + bounds + key_block) > query_start
-        if HAS_WINDOW:  # no pair in the window: the shallowest query is too deep for the deepest key
-            visible = visible & (query_min_pos - tl.load(KEY_MAX_POS + bounds + key_block) < window)
-        if visible:
-            min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
-            full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
-            if HAS_WINDOW:  # every pair in the window: the deepest query reaches the shallowest key
-                full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
-            if full:
-                acc, row_max, row_sum = _forward_tile(
-                    acc,
-                    row_max,
-                    row_sum,
-                    q,
-                    query_index,
-                    k_base,
-                    v_base,
-                    end_base,
-                    key_start,
-                    n,
-                    stride_kn,
-                    qk_scale,
-                    offs_n,
-                    offs_d,
-                    query_pos,
-                    pos_base,
-                    window,
-                    softcap,
-                    False,
-                    INTERPRET_BF16,
-                    DOT_PRECISION,
-                    HAS_WINDOW,
-                    HAS_SOFTCAP,
-                )
-            else:
-                acc, row_max, row_sum = _forward_tile(
-                    acc,
-                    row_max,
-                    row_sum,
-                    q,
-                    query_index,
-                    k_base,
-                    v_base,
-                    end_base,
-                    key_start,
-                    n,
-                    stride_kn,
-                    qk_scale,
-                    offs_n,
-                    offs_d,
-                    query_pos,
-                    pos_base,
-                    window,
-                    softcap,
-                    True,
-                    INTERPRET_BF16,
-                    DOT_PRECISION,
-                    HAS_WINDOW,
-                    HAS_SOFTCAP,
-                )
+    if TILE_LIST:  # two branch-free loops: the full tiles unmasked, then the partial ones masked
+        row = batch * tl.num_programs(0) + tl.program_id(0)
+        offset = row * list_width
+        acc, row_max, row_sum = _forward_list(
+            acc,
+            row_max,
+            row_sum,
+            FULL_TILES + offset,
+            tl.load(FULL_COUNTS + row),
+            q,
+            query_index,
+            k_base,
+            v_base,
+            end_base,
+            n,
+            stride_kn,
+            qk_scale,
+            offs_n,
+            offs_d,
+            query_pos,
+            pos_base,
+            window,
+            softcap,
+            BLOCK_N,
+            False,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+        acc, row_max, row_sum = _forward_list(
+            acc,
+            row_max,
+            row_sum,
+            PARTIAL_TILES + offset,
+            tl.load(PARTIAL_COUNTS + row),
+            q,
+            query_index,
+            k_base,
+            v_base,
+            end_base,
+            n,
+            stride_kn,
+            qk_scale,
+            offs_n,
+            offs_d,
+            query_pos,
+            pos_base,
+            window,
+            softcap,
+            BLOCK_N,
+            True,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+    else:  # the loop schedule: every key block up to the diagonal, classified per tile
+        last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
+        for key_block in range(0, last_key_block + 1):
+            key_start = key_block * BLOCK_N
+            visible = tl.load(BLOCK_MAX_END + bounds + key_block) > query_start
+            if HAS_WINDOW:  # no pair in the window: the shallowest query is too deep for the deepest key
+                visible = visible & (query_min_pos - tl.load(KEY_MAX_POS + bounds + key_block) < window)
+            if visible:
+                min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
+                full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
+                if HAS_WINDOW:  # every pair in the window: the deepest query reaches the shallowest key
+                    full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
+                if full:
+                    acc, row_max, row_sum = _forward_tile(
+                        acc,
+                        row_max,
+                        row_sum,
+                        q,
+                        query_index,
+                        k_base,
+                        v_base,
+                        end_base,
+                        key_start,
+                        n,
+                        stride_kn,
+                        qk_scale,
+                        offs_n,
+                        offs_d,
+                        query_pos,
+                        pos_base,
+                        window,
+                        softcap,
+                        False,
+                        INTERPRET_BF16,
+                        DOT_PRECISION,
+                        HAS_WINDOW,
+                        HAS_SOFTCAP,
+                    )
+                else:
+                    acc, row_max, row_sum = _forward_tile(
+                        acc,
+                        row_max,
+                        row_sum,
+                        q,
+                        query_index,
+                        k_base,
+                        v_base,
+                        end_base,
+                        key_start,
+                        n,
+                        stride_kn,
+                        qk_scale,
+                        offs_n,
+                        offs_d,
+                        query_pos,
+                        pos_base,
+                        window,
+                        softcap,
+                        True,
+                        INTERPRET_BF16,
+                        DOT_PRECISION,
+                        HAS_WINDOW,
+                        HAS_SOFTCAP,
+                    )
 
     # Rows past n never saw a key; keep them finite (they are not stored).
     row_sum = tl.where(row_sum > 0, row_sum, 1.0)
@@ -561,6 +727,70 @@ def _key_value_block(
 
 
 @triton.jit
+def _key_value_list(
+    grad_k,
+    grad_v,
+    tiles,
+    count,
+    k,
+    v,
+    key_index,
+    key_end,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    n,
+    stride_qn,
+    stride_on,
+    qk_scale,
+    offs_m,
+    offs_d,
+    key_pos,
+    pos_base,
+    window,
+    softcap,
+    BLOCK_M: tl.constexpr,
+    MASKED: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """:func:`_key_value_tile` over the ``count`` query blocks listed at ``tiles``, all full or all partial."""
+    for index in range(0, count):
+        grad_k, grad_v = _key_value_tile(
+            grad_k,
+            grad_v,
+            k,
+            v,
+            key_index,
+            key_end,
+            q_base,
+            do_base,
+            lse_base,
+            delta_base,
+            tl.load(tiles + index) * BLOCK_M,
+            n,
+            stride_qn,
+            stride_on,
+            qk_scale,
+            offs_m,
+            offs_d,
+            key_pos,
+            pos_base,
+            window,
+            softcap,
+            MASKED,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+    return grad_k, grad_v
+
+
+@triton.jit
 def _key_value_kernel(
     Q,
     K,
@@ -571,6 +801,11 @@ def _key_value_kernel(
     KV_END,
     BLOCK_MAX_END,
     BLOCK_MIN_END,
+    FULL_TILES,
+    FULL_COUNTS,
+    PARTIAL_TILES,
+    PARTIAL_COUNTS,
+    list_width,
     GRAD_K,
     GRAD_V,
     POSITIONS,
@@ -603,6 +838,7 @@ def _key_value_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TILE_LIST: tl.constexpr,
 ):
     key_block = tl.program_id(0)
     batch = tl.program_id(1) // heads_kv
@@ -637,15 +873,108 @@ def _key_value_kernel(
         do_base = GRAD_OUT + batch * stride_ob + head * stride_oh
         lse_base = LSE + (batch * heads_q + head) * n
         delta_base = DELTA + (batch * heads_q + head) * n
-        for query_block in range(first_query_block, last_query_block + 1):
-            query_start = query_block * BLOCK_M
-            query_max_pos, query_min_pos = _query_block_positions(
-                QUERY_MAX_POS, QUERY_MIN_POS, batch * num_query_blocks + query_block, HAS_WINDOW
+        if TILE_LIST:
+            row = batch * num_key_blocks + key_block
+            offset = row * list_width
+            grad_k, grad_v = _key_value_list(
+                grad_k,
+                grad_v,
+                FULL_TILES + offset,
+                tl.load(FULL_COUNTS + row),
+                k,
+                v,
+                key_index,
+                key_end,
+                q_base,
+                do_base,
+                lse_base,
+                delta_base,
+                n,
+                stride_qn,
+                stride_on,
+                qk_scale,
+                offs_m,
+                offs_d,
+                key_pos,
+                pos_base,
+                window,
+                softcap,
+                BLOCK_M,
+                False,
+                INTERPRET_BF16,
+                DOT_PRECISION,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
             )
-            full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
-            if HAS_WINDOW:
-                full = full & (query_max_pos - key_min_pos < window)
-                if query_min_pos - key_max_pos < window:  # else no pair of the tile is in the window
+            grad_k, grad_v = _key_value_list(
+                grad_k,
+                grad_v,
+                PARTIAL_TILES + offset,
+                tl.load(PARTIAL_COUNTS + row),
+                k,
+                v,
+                key_index,
+                key_end,
+                q_base,
+                do_base,
+                lse_base,
+                delta_base,
+                n,
+                stride_qn,
+                stride_on,
+                qk_scale,
+                offs_m,
+                offs_d,
+                key_pos,
+                pos_base,
+                window,
+                softcap,
+                BLOCK_M,
+                True,
+                INTERPRET_BF16,
+                DOT_PRECISION,
+                HAS_WINDOW,
+                HAS_SOFTCAP,
+            )
+        else:
+            for query_block in range(first_query_block, last_query_block + 1):
+                query_start = query_block * BLOCK_M
+                query_max_pos, query_min_pos = _query_block_positions(
+                    QUERY_MAX_POS, QUERY_MIN_POS, batch * num_query_blocks + query_block, HAS_WINDOW
+                )
+                full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
+                if HAS_WINDOW:
+                    full = full & (query_max_pos - key_min_pos < window)
+                    if query_min_pos - key_max_pos < window:  # else no pair of the tile is in the window
+                        grad_k, grad_v = _key_value_block(
+                            full,
+                            grad_k,
+                            grad_v,
+                            k,
+                            v,
+                            key_index,
+                            key_end,
+                            q_base,
+                            do_base,
+                            lse_base,
+                            delta_base,
+                            query_start,
+                            n,
+                            stride_qn,
+                            stride_on,
+                            qk_scale,
+                            offs_m,
+                            offs_d,
+                            key_pos,
+                            pos_base,
+                            window,
+                            softcap,
+                            INTERPRET_BF16,
+                            DOT_PRECISION,
+                            HAS_WINDOW,
+                            HAS_SOFTCAP,
+                        )
+                else:
                     grad_k, grad_v = _key_value_block(
                         full,
                         grad_k,
@@ -674,35 +1003,6 @@ def _key_value_kernel(
                         HAS_WINDOW,
                         HAS_SOFTCAP,
                     )
-            else:
-                grad_k, grad_v = _key_value_block(
-                    full,
-                    grad_k,
-                    grad_v,
-                    k,
-                    v,
-                    key_index,
-                    key_end,
-                    q_base,
-                    do_base,
-                    lse_base,
-                    delta_base,
-                    query_start,
-                    n,
-                    stride_qn,
-                    stride_on,
-                    qk_scale,
-                    offs_m,
-                    offs_d,
-                    key_pos,
-                    pos_base,
-                    window,
-                    softcap,
-                    INTERPRET_BF16,
-                    DOT_PRECISION,
-                    HAS_WINDOW,
-                    HAS_SOFTCAP,
-                )
 
     in_range = (key_index < n)[:, None]
     pointers = kv_offset + key_index[:, None] * stride_kn + offs_d[None, :]
@@ -767,6 +1067,66 @@ def _query_tile(
 
 
 @triton.jit
+def _query_list(
+    grad_q,
+    tiles,
+    count,
+    q,
+    grad_out,
+    lse,
+    delta,
+    query_index,
+    k_base,
+    v_base,
+    end_base,
+    n,
+    stride_kn,
+    qk_scale,
+    offs_n,
+    offs_d,
+    query_pos,
+    pos_base,
+    window,
+    softcap,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
+    """:func:`_query_tile` over the ``count`` key blocks listed at ``tiles``, all full or all partial."""
+    for index in range(0, count):
+        grad_q = _query_tile(
+            grad_q,
+            q,
+            grad_out,
+            lse,
+            delta,
+            query_index,
+            k_base,
+            v_base,
+            end_base,
+            tl.load(tiles + index) * BLOCK_N,
+            n,
+            stride_kn,
+            qk_scale,
+            offs_n,
+            offs_d,
+            query_pos,
+            pos_base,
+            window,
+            softcap,
+            MASKED,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+    return grad_q
+
+
+@triton.jit
 def _query_kernel(
     Q,
     K,
@@ -777,6 +1137,11 @@ def _query_kernel(
     KV_END,
     BLOCK_MAX_END,
     BLOCK_MIN_END,
+    FULL_TILES,
+    FULL_COUNTS,
+    PARTIAL_TILES,
+    PARTIAL_COUNTS,
+    list_width,
     GRAD_Q,
     POSITIONS,
     QUERY_MAX_POS,
@@ -807,6 +1172,7 @@ def _query_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TILE_LIST: tl.constexpr,
 ):
     query_start = tl.program_id(0) * BLOCK_M
     batch = tl.program_id(1) // heads_q
@@ -833,71 +1199,131 @@ def _query_kernel(
     )
 
     grad_q = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
-    for key_block in range(0, last_key_block + 1):
-        key_start = key_block * BLOCK_N
-        visible = tl.load(BLOCK_MAX_END + bounds + key_block) > query_start
-        if HAS_WINDOW:
-            visible = visible & (query_min_pos - tl.load(KEY_MAX_POS + bounds + key_block) < window)
-        if visible:
-            min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
-            full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
+    if TILE_LIST:
+        row = batch * tl.num_programs(0) + tl.program_id(0)
+        offset = row * list_width
+        grad_q = _query_list(
+            grad_q,
+            FULL_TILES + offset,
+            tl.load(FULL_COUNTS + row),
+            q,
+            grad_out,
+            lse,
+            delta,
+            query_index,
+            k_base,
+            v_base,
+            end_base,
+            n,
+            stride_kn,
+            qk_scale,
+            offs_n,
+            offs_d,
+            query_pos,
+            pos_base,
+            window,
+            softcap,
+            BLOCK_N,
+            False,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+        grad_q = _query_list(
+            grad_q,
+            PARTIAL_TILES + offset,
+            tl.load(PARTIAL_COUNTS + row),
+            q,
+            grad_out,
+            lse,
+            delta,
+            query_index,
+            k_base,
+            v_base,
+            end_base,
+            n,
+            stride_kn,
+            qk_scale,
+            offs_n,
+            offs_d,
+            query_pos,
+            pos_base,
+            window,
+            softcap,
+            BLOCK_N,
+            True,
+            INTERPRET_BF16,
+            DOT_PRECISION,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+        )
+    else:
+        last_key_block = (tl.minimum(query_start + BLOCK_M, n) - 1) // BLOCK_N
+        for key_block in range(0, last_key_block + 1):
+            key_start = key_block * BLOCK_N
+            visible = tl.load(BLOCK_MAX_END + bounds + key_block) > query_start
             if HAS_WINDOW:
-                full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
-            if full:
-                grad_q = _query_tile(
-                    grad_q,
-                    q,
-                    grad_out,
-                    lse,
-                    delta,
-                    query_index,
-                    k_base,
-                    v_base,
-                    end_base,
-                    key_start,
-                    n,
-                    stride_kn,
-                    qk_scale,
-                    offs_n,
-                    offs_d,
-                    query_pos,
-                    pos_base,
-                    window,
-                    softcap,
-                    False,
-                    INTERPRET_BF16,
-                    DOT_PRECISION,
-                    HAS_WINDOW,
-                    HAS_SOFTCAP,
-                )
-            else:
-                grad_q = _query_tile(
-                    grad_q,
-                    q,
-                    grad_out,
-                    lse,
-                    delta,
-                    query_index,
-                    k_base,
-                    v_base,
-                    end_base,
-                    key_start,
-                    n,
-                    stride_kn,
-                    qk_scale,
-                    offs_n,
-                    offs_d,
-                    query_pos,
-                    pos_base,
-                    window,
-                    softcap,
-                    True,
-                    INTERPRET_BF16,
-                    DOT_PRECISION,
-                    HAS_WINDOW,
-                    HAS_SOFTCAP,
-                )
+                visible = visible & (query_min_pos - tl.load(KEY_MAX_POS + bounds + key_block) < window)
+            if visible:
+                min_end = tl.load(BLOCK_MIN_END + bounds + key_block)
+                full = _tile_is_full(key_start, query_start, min_end, BLOCK_M, BLOCK_N)
+                if HAS_WINDOW:
+                    full = full & (query_max_pos - tl.load(KEY_MIN_POS + bounds + key_block) < window)
+                if full:
+                    grad_q = _query_tile(
+                        grad_q,
+                        q,
+                        grad_out,
+                        lse,
+                        delta,
+                        query_index,
+                        k_base,
+                        v_base,
+                        end_base,
+                        key_start,
+                        n,
+                        stride_kn,
+                        qk_scale,
+                        offs_n,
+                        offs_d,
+                        query_pos,
+                        pos_base,
+                        window,
+                        softcap,
+                        False,
+                        INTERPRET_BF16,
+                        DOT_PRECISION,
+                        HAS_WINDOW,
+                        HAS_SOFTCAP,
+                    )
+                else:
+                    grad_q = _query_tile(
+                        grad_q,
+                        q,
+                        grad_out,
+                        lse,
+                        delta,
+                        query_index,
+                        k_base,
+                        v_base,
+                        end_base,
+                        key_start,
+                        n,
+                        stride_kn,
+                        qk_scale,
+                        offs_n,
+                        offs_d,
+                        query_pos,
+                        pos_base,
+                        window,
+                        softcap,
+                        True,
+                        INTERPRET_BF16,
+                        DOT_PRECISION,
+                        HAS_WINDOW,
+                        HAS_SOFTCAP,
+                    )
 
     pointers = GRAD_Q + q_offset + query_index[:, None] * stride_qn + offs_d[None, :]
     tl.store(pointers, _to_storage(grad_q * scale, GRAD_Q.dtype.element_ty, INTERPRET_BF16), mask=in_range[:, None])
@@ -923,6 +1349,12 @@ def _window_and_cap_arguments(kv_end, positions, window, block_m, block_n, softc
     return [positions, *query_bounds, *key_bounds, window] + cap, switches
 
 
+def _list_arguments(lists: TileLists | None, placeholder: torch.Tensor) -> tuple:
+    """The kernels' ``FULL_TILES, FULL_COUNTS, PARTIAL_TILES, PARTIAL_COUNTS, list_width``; under the
+    loop schedule (``lists`` None) ``placeholder`` stands in for the unused pointers."""
+    return (placeholder,) * 4 + (1,) if lists is None else lists.kernel_arguments()
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -932,17 +1364,22 @@ def forward(
     positions: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    tile_schedule: str = DEFAULT_SCHEDULE,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output ``[B, N, Hq, D]`` and log2-domain log-sum-exp ``[B, Hq, N]`` (fp32).
 
     q ``[B, Hq, N, D]``, k/v ``[B, Hkv, N, D]``, all contiguous with D a power of two >= 16;
     kv_end ``[B, N]`` int32 contiguous; with a ``window``, positions ``[B, N]`` int32 contiguous;
     ``softcap`` (> 0, or None) caps the scaled scores at ``softcap * tanh(s / softcap)``.
+    ``tile_schedule`` is one of ``tile_lists.SCHEDULES``; ``config`` (tile shapes, warps, stages as
+    :func:`block_sizes` returns them) defaults to :func:`launch_config`.
     """
     batch, heads_q, n, head_dim = q.shape
-    config = block_sizes(head_dim)
+    config = config or launch_config(head_dim, q.dtype, n, tile_schedule)
     block_m, block_n = config["forward"]
     max_end, min_end = key_block_end_bounds(kv_end, block_n)
+    lists = query_tile_lists(kv_end, block_m, block_n, positions, window) if tile_schedule == "list" else None
     extra_arguments, switches = _window_and_cap_arguments(kv_end, positions, window, block_m, block_n, softcap)
     out = torch.empty(batch, n, heads_q, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads_q, n, dtype=torch.float32, device=q.device)
@@ -954,6 +1391,7 @@ def forward(
         kv_end,
         max_end,
         min_end,
+        *_list_arguments(lists, kv_end),
         out,
         lse,
         *extra_arguments,
@@ -976,6 +1414,7 @@ def forward(
         HEAD_DIM=head_dim,
         **_dot_options(q.dtype),
         **switches,
+        TILE_LIST=lists is not None,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
@@ -994,17 +1433,22 @@ def backward(
     positions: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    tile_schedule: str = DEFAULT_SCHEDULE,
+    config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` shaped like q, k, v; grad_out and out are ``[B, N, Hq, D]``.
 
-    Same layout requirements as :func:`forward`; ``out`` and ``lse`` are what it returned (with
-    the same ``window`` and ``softcap``).
+    Same layout requirements and options as :func:`forward`; ``out`` and ``lse`` are what it
+    returned (with the same ``window`` and ``softcap``; the schedule and config may differ).
     """
     batch, heads_q, n, head_dim = q.shape
     heads_kv = k.shape[1]
-    config = block_sizes(head_dim)
+    config = config or launch_config(head_dim, q.dtype, n, tile_schedule)
     block_m, block_n = config["backward"]
     max_end, min_end = key_block_end_bounds(kv_end, block_n)
+    query_lists = key_lists = None
+    if tile_schedule == "list":
+        query_lists, key_lists = backward_tile_lists(kv_end, block_m, block_n, positions, window)
     extra_arguments, switches = _window_and_cap_arguments(kv_end, positions, window, block_m, block_n, softcap)
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     out_strides = (out.stride(0), out.stride(2), out.stride(1))
@@ -1014,7 +1458,14 @@ def backward(
     )
 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), *out_strides)
-    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": head_dim, **_dot_options(q.dtype), **switches}
+    constants = {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "HEAD_DIM": head_dim,
+        **_dot_options(q.dtype),
+        **switches,
+        "TILE_LIST": tile_schedule == "list",
+    }
     grad_k = torch.empty_like(k)
     grad_v = torch.empty_like(v)
     _key_value_kernel[(max_end.shape[1], batch * heads_kv)](
@@ -1027,6 +1478,7 @@ def backward(
         kv_end,
         max_end,
         min_end,
+        *_list_arguments(key_lists, kv_end),
         grad_k,
         grad_v,
         *extra_arguments,
@@ -1052,6 +1504,7 @@ def backward(
         kv_end,
         max_end,
         min_end,
+        *_list_arguments(query_lists, kv_end),
         grad_q,
         *extra_arguments,
         *strides,

@@ -11,19 +11,24 @@ implementation at that precision). Tree engines run the tree row; ``varlen`` (fl
 the flat row. Where an engine cannot run (no backward on the CPU for flex, no CUDA for varlen) the
 entry says so and is not a failure.
 
-**Kernel table.** The four shapes of the measurement that motivated ``model.attention: auto``
-(docs/KERNEL.md), bf16, 32 query / 8 key-value heads, head dim 128, forward + backward: each tree
-engine on the tree row; the Triton kernel and the flash varlen kernel on the flat row; SDPA on the
-flat paths padded to one batch (cuDNN where it runs); dense causal SDPA at the tree row's length
-(the chip's ceiling). Useful TFLOP/s = visible (query, key) pairs of the layout x 4 x D x Hq x 3.5 /
+**Kernel table.** The shapes of the measurement that motivated ``model.attention: auto``
+(docs/KERNEL.md) and issue 46's (tiny tool-call nodes, one ~64K-token row), bf16, 32 query / 8
+key-value heads, head dim 128, forward + backward: each tree engine on the tree row, the Triton
+kernel on both tile schedules (``loop``, ``list``) and, on a GPU, with the configuration
+``autotune`` picked for the row's length bucket; the Triton kernel and the flash varlen kernel on the
+flat row; SDPA on the flat paths padded to one batch (cuDNN where it runs); dense causal SDPA at the
+tree row's length (the chip's ceiling). Useful TFLOP/s = visible (query, key) pairs of the layout x 4 x D x Hq x 3.5 /
 time (backward = 2.5x the forward). FlexAttention's first call per length bucket includes its
 compile: :func:`kernel_table` reports it per bucket.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +36,7 @@ import torch
 
 from ds_tree.attention.flex import length_bucket
 from ds_tree.attention.registry import ENGINES, has_backward, tree_attention
+from ds_tree.attention.tile_lists import SCHEDULE_VARIABLE
 from ds_tree.data.synthetic import SyntheticConfig, generate
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.random_trees import TreeShape, random_forest
@@ -38,6 +44,37 @@ from ds_tree.trees.trajectory import Trajectory
 
 TREE_ENGINES = ("torch", "triton", "flex")
 """The engines that run tree rows (``reference`` is the oracle; ``varlen`` runs flat rows only)."""
+TILE_SCHEDULES = {"triton": "loop", "triton list": "list"}
+"""The Triton engine's entries, one per tile schedule (``tile_lists.SCHEDULES``): ``triton`` is the loop
+schedule, ``triton list`` the full/partial tile lists (issue 46)."""
+
+
+@contextmanager
+def tile_schedule(schedule: str | None) -> Iterator[None]:
+    """Within the block the Triton engine runs ``schedule`` (``$DS_TREE_TRITON_TILES``); None: unchanged."""
+    saved = os.environ.get(SCHEDULE_VARIABLE)
+    if schedule is not None:
+        os.environ[SCHEDULE_VARIABLE] = schedule
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(SCHEDULE_VARIABLE, None)
+        else:
+            os.environ[SCHEDULE_VARIABLE] = saved
+
+
+def engine_entries(engines: tuple[str, ...]) -> list[tuple[str, str, str | None]]:
+    """``(name in the report, registered engine, tile schedule)``: Triton once per schedule."""
+    found = []
+    for engine in engines:
+        if engine == "triton":
+            found += [(name, engine, schedule) for name, schedule in TILE_SCHEDULES.items()]
+        else:
+            found.append((engine, engine, None))
+    return found
+
+
 FLOORS = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 """Relative error below which an engine passes whatever the reference's own error in that dtype."""
 FLOPS_PER_PAIR_HEAD_DIM = 4 * 3.5
@@ -142,15 +179,16 @@ def check_case(case: Case, engines: tuple[str, ...], device: str, dtypes, seed: 
         ]
         grad = torch.randn(1, n, case.heads, case.head_dim, generator=generator, dtype=torch.float64).to(device)
         reference = _run("reference", leaves, grad, kv_end, positions, case, torch.float64, True)
-        names = engines if layout == "tree" else ("varlen",)
+        entries = engine_entries(engines) if layout == "tree" else [("varlen", "varlen", None)]
         for dtype in dtypes:
             own = _run("reference", leaves, grad, kv_end, positions, case, dtype, True)
             baseline = max(relative_error(x, r) for x, r in zip(own, reference, strict=True))
-            for engine in names:
-                results.append(
-                    _check_engine(engine, layout, case, leaves, grad, kv_end, positions, dtype, reference, baseline)
-                    | {"tokens": n}
-                )
+            for name, engine, schedule in entries:
+                with tile_schedule(schedule):
+                    entry = _check_engine(
+                        engine, layout, case, leaves, grad, kv_end, positions, dtype, reference, baseline
+                    )
+                results.append(entry | {"engine": name, "tokens": n})
     return results
 
 
@@ -208,13 +246,20 @@ def correctness(device: str, smoke: bool, progress=print) -> dict:
 def table_shapes(smoke: bool) -> dict[str, list[Trajectory]]:
     """The forests of the kernel table (docs/KERNEL.md); tiny ones for the smoke run."""
     if smoke:
-        return {"random": forest(0, 1, 3, 2, 6), "grpo": grpo_groups(0, 1, 12, 2, (4, 10))}
+        return {
+            "random": forest(0, 1, 3, 2, 6),
+            "grpo": grpo_groups(0, 1, 12, 2, (4, 10)),
+            "tiny nodes (1-3 tokens)": forest(2, 2, 4, 3, 2),
+            "long row, few branches": grpo_groups(1, 1, 40, 2, (24, 32)),
+        }
     return {
         "random, 8 trees x depth 4 x <=3 children, nodes ~128": forest(0, 8, 4, 3, 128),
         "GRPO: 4 prompts of 1024 x 16 completions of 384-1152": grpo_groups(0, 4, 1024, 16, (384, 1152)),
         "agent: 2 tasks x 8 trials, POR 0.85, paths to 8K": agent_trials(0, 2, 0.85, 8192),
         "random, 4 x 3 x <=4, nodes ~512": forest(1, 4, 3, 4, 512),
         "tool-call agent: many tiny nodes (1-32 tokens)": forest(2, 16, 6, 3, 16),
+        "tool calls: 128 trees x depth 4 x <=4 children, nodes 1-7 tokens": forest(3, 128, 4, 4, 4),
+        "long context: a 16K prompt x 3 branches of 15-16K (one ~64K row)": grpo_groups(1, 1, 16384, 3, (15360, 16384)),
     }
 
 
@@ -277,8 +322,9 @@ def sdpa_step(lengths, heads, kv_heads, head_dim, dtype, device, cudnn: bool):
     return step, [q, k, v]
 
 
-def kernel_row(trajectories, smoke: bool, device: str, dtype, heads, kv_heads, head_dim, measure) -> dict:
-    """One shape of the kernel table: every engine's time and useful TFLOP/s."""
+def kernel_row(trajectories, smoke: bool, device: str, dtype, heads, kv_heads, head_dim, measure, tuning=None) -> dict:
+    """One shape of the kernel table: every engine's time and useful TFLOP/s. ``tuning`` (on a GPU): a
+    function ``(kv_end, schedule) -> record`` of ``autotune.tune``, whose winners the "tuned" columns run."""
     budget = sum(len(t) for t in trajectories)
     tree_row, flat_row = (pack_trajectories(trajectories, mode, budget)[0] for mode in ("tree", "flat"))
     tree, flat = (torch.as_tensor(r.kv_end, device=device)[None] for r in (tree_row, flat_row))
@@ -286,15 +332,33 @@ def kernel_row(trajectories, smoke: bool, device: str, dtype, heads, kv_heads, h
     lengths = [part.n_tokens for part in flat_row.parts]
     dense_pairs = tree.shape[-1] * (tree.shape[-1] + 1) // 2
     cudnn = device == "cuda"
+
+    def engine(name, kv_end):
+        return lambda: engine_step(name, kv_end, heads, kv_heads, head_dim, dtype, device)
+
+    # name: (build the step, layout, Triton tile schedule, whether with the autotuned configuration)
     entries = {
-        "triton tree": (lambda: engine_step("triton", tree, heads, kv_heads, head_dim, dtype, device), "tree"),
-        "flex tree": (lambda: engine_step("flex", tree, heads, kv_heads, head_dim, dtype, device), "tree"),
-        "triton flat": (lambda: engine_step("triton", flat, heads, kv_heads, head_dim, dtype, device), "flat"),
-        "varlen flat": (lambda: engine_step("varlen", flat, heads, kv_heads, head_dim, dtype, device), "flat"),
-        "sdpa padded flat": (lambda: sdpa_step(lengths, heads, kv_heads, head_dim, dtype, device, cudnn), "flat"),
+        "triton tree": (engine("triton", tree), "tree", "loop", False),
+        "triton list tree": (engine("triton", tree), "tree", "list", False),
+    }
+    if tuning is not None:
+        for schedule, name in (("loop", "triton tree tuned"), ("list", "triton list tree tuned")):
+            entries[name] = (engine("triton", tree), "tree", schedule, True)
+    entries |= {
+        "flex tree": (engine("flex", tree), "tree", None, False),
+        "triton flat": (engine("triton", flat), "flat", "loop", False),
+        "varlen flat": (engine("varlen", flat), "flat", None, False),
+        "sdpa padded flat": (
+            lambda: sdpa_step(lengths, heads, kv_heads, head_dim, dtype, device, cudnn),
+            "flat",
+            None,
+            False,
+        ),
         "dense causal at the tree's length": (
             lambda: sdpa_step([tree.shape[-1]], heads, kv_heads, head_dim, dtype, device, cudnn),
             "dense",
+            None,
+            False,
         ),
     }
     row = {
@@ -303,33 +367,77 @@ def kernel_row(trajectories, smoke: bool, device: str, dtype, heads, kv_heads, h
         "flat_over_tree_pairs": pairs["flat"] / pairs["tree"],
         "engines": {},
     }
-    for name, (build, layout) in entries.items():
+    for name, (build, layout, schedule, tuned) in entries.items():
         count = dense_pairs if layout == "dense" else pairs[layout]
         if smoke and name == "flex tree":  # no FlexAttention backward on the CPU
             row["engines"][name] = {"ran": False, "error": "FlexAttention has no backward on the CPU"}
             continue
         try:
-            timed = measure(*build())
+            records = [tuning(tree, schedule)] if tuned else None
+            with tile_schedule(schedule), _installed(records):
+                timed = measure(*build())
         except Exception as error:  # noqa: BLE001 - an engine that fails here is reported, the table goes on
             row["engines"][name] = {"ran": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
             continue
         flops = count * FLOPS_PER_PAIR_HEAD_DIM * head_dim * heads
         row["engines"][name] = {"ran": True, **timed, "useful_tflops": flops / (timed["ms"] * 1e-3) / 1e12}
+        if records:
+            row["engines"][name]["config"] = records[0]["winner"]
         if device == "cuda":
             torch.cuda.empty_cache()
     return row
 
 
+@contextmanager
+def _installed(records: list[dict] | None) -> Iterator[None]:
+    """The autotuned winners of ``records`` for the block (imports the GPU-only autotune module only then)."""
+    if not records:
+        yield
+        return
+    from ds_tree.attention.triton.autotune import installed
+
+    with installed(records):
+        yield
+
+
+class Tuning:
+    """Autotune once per (length bucket, schedule) on the first row that meets it; keeps every record."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int, dtype, progress) -> None:
+        from ds_tree.attention.triton import autotune, kernels  # GPU only: never imported on the CPU path
+
+        self.autotune, self.kernels = autotune, kernels
+        self.shape = (heads, kv_heads, head_dim, dtype)
+        self.progress = progress
+        self.records: dict[tuple, dict] = {}
+
+    def __call__(self, kv_end: torch.Tensor, schedule: str) -> dict:
+        heads, kv_heads, head_dim, dtype = self.shape
+        key = self.kernels.tuning_key(head_dim, dtype, kv_end.shape[-1], schedule)
+        if key not in self.records:
+            self.progress(f"kernel table: autotune {key}")
+            self.records[key] = self.autotune.tune(kv_end, heads, kv_heads, head_dim, dtype, schedule)
+        return self.records[key]
+
+    def report(self) -> dict:
+        return {
+            "search_space": self.autotune.candidates(self.shape[2]),
+            "tuned": list(self.records.values()),
+        }
+
+
 def kernel_table(device: str, smoke: bool, progress=print) -> dict:
-    """The kernel table on :func:`table_shapes`, and FlexAttention's compile time per length bucket."""
+    """The kernel table on :func:`table_shapes`, FlexAttention's compile time per length bucket, and (on a
+    GPU) the Triton autotune: its search space, and per shape bucket and schedule every timing and the winner."""
     dtype = torch.float32 if smoke else torch.bfloat16
     heads, kv_heads, head_dim = (4, 2, 16) if smoke else (32, 8, 128)
     measure = timer(smoke)
+    tuning = Tuning(heads, kv_heads, head_dim, dtype, progress) if device == "cuda" else None
     started = time.perf_counter()
     rows = {}
     for name, trajectories in table_shapes(smoke).items():
         progress(f"kernel table: {name}")
-        rows[name] = kernel_row(trajectories, smoke, device, dtype, heads, kv_heads, head_dim, measure)
+        rows[name] = kernel_row(trajectories, smoke, device, dtype, heads, kv_heads, head_dim, measure, tuning)
     compile_s = {}
     for row in rows.values():  # the first row of a bucket compiles it; a later one finds it compiled
         flex = row["engines"].get("flex tree", {})
@@ -343,4 +451,5 @@ def kernel_table(device: str, smoke: bool, progress=print) -> dict:
         "seconds": time.perf_counter() - started,
         "shapes": rows,
         "flex_compile_s_per_bucket": compile_s,
+        "autotune": tuning.report() if tuning else {"skipped": "autotune runs on a CUDA GPU only"},
     }

@@ -46,6 +46,7 @@ def acceptance(report: dict) -> dict:
                 found[f"auto (flex) >= flash flat useful TFLOP/s: {shape}"] = (
                     auto["useful_tflops"] >= flash["useful_tflops"]
                 )
+    found |= _kernel_acceptance(table)
     for case in sections.get("steps", {}).get("cases", []):
         if not case.get("ran"):
             continue
@@ -60,6 +61,29 @@ def acceptance(report: dict) -> dict:
     trainer = sections.get("trainer")
     if trainer is not None and "sft" in trainer:
         found["trainer resume identical"] = bool(trainer["sft"].get("resume_identical"))
+    return found
+
+
+TRITON_TREE_COLUMNS = ("triton tree", "triton list tree", "triton tree tuned", "triton list tree tuned")
+"""The Triton kernel's tree columns: the loop and list tile schedules, default and autotuned configurations."""
+ISSUE_46_TFLOPS = 300
+"""Issue 46: useful TFLOP/s the Triton kernel must reach on the GRPO and agent shapes."""
+
+
+def _kernel_acceptance(table: dict) -> dict:
+    """Issue 46 on the kernel table: the best Triton tree column at or above flex on every shape, and at
+    or above :data:`ISSUE_46_TFLOPS` on the GRPO and agent shapes."""
+    found = {}
+    for shape, row in table.items():
+        ran = [row["engines"][name] for name in TRITON_TREE_COLUMNS if row["engines"].get(name, {}).get("ran")]
+        if not ran:
+            continue
+        best = max(entry["useful_tflops"] for entry in ran)
+        flex = row["engines"].get("flex tree", {})
+        if flex.get("ran"):
+            found[f"issue 46: best triton tree >= flex tree: {shape}"] = best >= flex["useful_tflops"]
+        if shape.startswith(("GRPO", "agent")):
+            found[f"issue 46: best triton tree >= {ISSUE_46_TFLOPS} TFLOP/s: {shape}"] = best >= ISSUE_46_TFLOPS
     return found
 
 
@@ -85,7 +109,7 @@ def markdown(report: dict) -> str:
     if "trainer" in sections and "sft" in sections["trainer"]:
         lines += _trainer(sections["trainer"])
     if report["acceptance"]:
-        lines += ["## Acceptance (issue 41)", ""]
+        lines += ["## Acceptance (issues 41 and 46)", ""]
         lines += [f"- {'yes' if ok else 'NO'}: {what}" for what, ok in report["acceptance"].items()]
         lines.append("")
     return "\n".join(lines)
@@ -122,7 +146,7 @@ def _correctness(section: dict) -> list[str]:
 
 def _kernels(section: dict) -> list[str]:
     shapes = section["shapes"]
-    engines = list(next(iter(shapes.values()))["engines"]) if shapes else []
+    engines = list(dict.fromkeys(engine for row in shapes.values() for engine in row["engines"]))
     lines = [
         f"## Kernel table: useful TFLOP/s, forward + backward ({section['dtype']}, {section['heads']} query / "
         f"{section['kv_heads']} key-value heads, head dim {section['head_dim']})",
@@ -133,7 +157,7 @@ def _kernels(section: dict) -> list[str]:
     for shape, row in shapes.items():
         cells = []
         for engine in engines:
-            entry = row["engines"][engine]
+            entry = row["engines"].get(engine, {"ran": False})
             cells.append(f"{entry['useful_tflops']:.3g} ({entry['ms']:.3g} ms)" if entry["ran"] else "-")
         head = f"{shape} ({row['tree_tokens']} / {row['flat_tokens']}, {row['flat_over_tree_pairs']:.2f})"
         lines.append(f"| {head} | " + " | ".join(cells) + " |")
@@ -152,6 +176,14 @@ def _kernels(section: dict) -> list[str]:
             "FlexAttention compile time per length bucket (first call minus the median call): "
             + ", ".join(f"{bucket}: {seconds:.1f} s" for bucket, seconds in compile_s.items()),
         ]
+    tuned = section.get("autotune", {}).get("tuned", [])
+    lines += [""] if tuned else []
+    for record in tuned:
+        timed = [entry["ms"] for entry in record["timings"] if "ms" in entry]
+        lines.append(
+            f"- autotune {record['key']} (head dim, dtype, length bucket, schedule): {record['winner']}, "
+            f"{min(timed):.3g} ms of {len(record['timings'])} candidates ({max(timed):.3g} ms the slowest)"
+        )
     return [*lines, ""]
 
 
