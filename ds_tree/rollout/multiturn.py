@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,11 @@ class HFTurnSampler:
 
 
 # ------------------------------------------------------------------ episode trees
+class EpisodeStopped(RuntimeError):
+    """The run closed while an episode was sampled (on the background sampler): the episode is dropped,
+    its environments closed; a resumed run samples its step anew from the step's seeds."""
+
+
 @dataclass
 class TurnNode:
     """One turn of an episode tree: sampled tokens, then the observation's (context)."""
@@ -263,6 +269,7 @@ class EpisodeTree:
                 trial=trial,
                 source=f"{source} leaf {trial}",
                 logprobs=np.concatenate([np.asarray(n.logprobs, dtype=np.float64) for n in nodes]),
+                policy_version=min(n.version for n in nodes if n.parent >= 0),  # its oldest turn's
             )
             self.leaves.append(
                 Leaf(
@@ -301,6 +308,7 @@ class EpisodeRunner:
         env: EnvSettings,
         max_context_tokens: int,
         calls: EnvironmentCalls,
+        stopping: threading.Event | None = None,
     ) -> None:
         self.make_env = make_env
         self.renderer = renderer
@@ -310,6 +318,10 @@ class EpisodeRunner:
         self.max_context = max_context_tokens
         self.calls = calls
         self.fork_mode = env.fork or getattr(make_env, "fork_mode", "copy")
+        self.stopping = stopping or threading.Event()
+        """Once set, the episode being sampled stops at its next leaf (:class:`EpisodeStopped`)."""
+        self.open: dict[int, Environment] = {}
+        """The environments of the episode being sampled not closed yet (closed when it ends, on every path)."""
 
     # -- environment calls, every one guarded
     def call(self, method, *args, timeout: float | None = None):
@@ -323,6 +335,10 @@ class EpisodeRunner:
             raise EnvFailure(
                 f"{getattr(self.make_env, '__name__', 'the factory')} returned {type(env).__name__}, not an environment"
             )
+        return self.opened(env)
+
+    def opened(self, env: Environment) -> Environment:
+        self.open[id(env)] = env
         return env
 
     def fork(self, live: _Live, task: dict, opening: list[dict]) -> Environment:
@@ -330,10 +346,17 @@ class EpisodeRunner:
             forked = self.call(live.env.fork)
             if not isinstance(forked, Environment) and not hasattr(forked, "step"):
                 raise EnvFailure(f"fork must return an environment, got {type(forked).__name__}")
-            return forked
+            return self.opened(forked)
         if self.fork_mode == "none":  # only at the prompt: a fresh episode
             return self.fresh(task, opening)
-        return self.call(self.replay, live, task, opening, timeout=self.env.step_timeout_s * (len(live.recorded) + 1))
+        made: list[Environment] = []  # a replay that fails or times out after the constructor is still closed
+        try:
+            timeout = self.env.step_timeout_s * (len(live.recorded) + 1)
+            return self.opened(self.call(self.replay, live, task, opening, made, timeout=timeout))
+        except Exception:
+            for env in made:
+                self.close(env)
+            raise
 
     def fresh(self, task: dict, opening: list[dict]) -> Environment:
         env = self.construct()
@@ -344,8 +367,9 @@ class EpisodeRunner:
             )
         return env
 
-    def replay(self, live: _Live, task: dict, opening: list[dict]) -> Environment:
+    def replay(self, live: _Live, task: dict, opening: list[dict], made: list) -> Environment:
         env = self.make_env()  # already in a worker thread, under the replay's deadline
+        made.append(env)
         if check_messages("reset", _run(env.reset(task))) != opening:
             raise EnvFailure("replay: reset gave different opening messages for the same task")
         for index, (turn, messages) in enumerate(live.recorded):
@@ -355,10 +379,16 @@ class EpisodeRunner:
         return env
 
     def close(self, env: Environment) -> None:
+        self.open.pop(id(env), None)
         try:
             self.call(env.close)
         except Exception as error:  # closing is best effort; the leaf is already decided
             logger.warning("environment close failed: %s: %s", type(error).__name__, error)
+
+    def close_open(self) -> None:
+        """Close every environment of the episode still open (an episode stopped or failed midway)."""
+        while self.open:
+            self.close(next(iter(self.open.values())))
 
     # -- one task
     def run(self, task: dict, label: str, slot: int, version: int, generator: torch.Generator) -> EpisodeTree:
@@ -368,7 +398,7 @@ class EpisodeRunner:
         )
         started = time.monotonic()
         forward_before = self.sampler.forward_tokens
-        env = None
+        self.open.clear()
         try:
             env = self.construct()
             opening = check_messages("reset", self.call(env.reset, task))
@@ -378,8 +408,7 @@ class EpisodeRunner:
             self.report(label, 0, error)
             counts["env_errors"] += 1
             tree.nodes.append(TurnNode(-1, stop_reason="env_error", error=f"{type(error).__name__}: {error}"))
-            if env is not None:
-                self.close(env)
+            self.close_open()
             return tree
         tree.nodes.append(TurnNode(-1, list(ids), [0] * len(ids), [math.nan] * len(ids)))
         live = [_Live(0, env, list(opening), list(ids), 0, self.settings.width, [])]
@@ -387,10 +416,13 @@ class EpisodeRunner:
             while live:
                 going = []
                 for leaf in live:
+                    if self.stopping.is_set():
+                        raise EpisodeStopped(f"task {label}: sampling stopped at turn {leaf.turn} (the run is closing)")
                     going += self.expand(tree, leaf, task, opening, tools, version, generator, started)
                 live = going
-        finally:
+        finally:  # every path: an engine error, a stop, a leaf left open by a bug
             getattr(self.sampler, "end_episode", lambda: None)()  # keys/values carried across its turns
+            self.close_open()
         tree.forward_tokens = self.sampler.forward_tokens - forward_before
         tree.sampled_tokens = sum(sum(node.trainable) for node in tree.nodes)
         return tree
@@ -763,14 +795,17 @@ class MultiTurnRollouts(OnlineRollouts):
         self.stop_ids = stop_token_ids(self.tokenizer, model_config, turn_stop_tokens(turn_format, self.tokenizer))
         self.sampler = StepSampler(len(self.tasks), rollout.prompts_per_step, rollout.seed)
         self.env_class = load_environment_class(rollout.env.path)
-        try:
-            self.renderer = Renderer(self.tokenizer, self.stop_ids, rollout.env.max_observation_tokens, turn_format)
+        try:  # its own tokenizer: episodes may render on the background sampler while demonstrations do here
+            renderer_tokenizer = load_tokenizer(config.model.tokenizer) if rollout.max_staleness else self.tokenizer
+            self.renderer = Renderer(renderer_tokenizer, self.stop_ids, rollout.env.max_observation_tokens, turn_format)
         except ValueError as error:
             raise ConfigError(f"model.tokenizer (chat format {turn_format.name}): {error}") from None
         self.model = None
         self.engine = None  # OnlineRollouts.close stops a managed engine; episodes sample on self.model
         self.runner = None
         self.scalars: dict[str, float] = {}
+        self.stopping = threading.Event()
+        """Set by :meth:`close`: the episode being sampled stops at its next leaf, its environments closed."""
 
     def runner_for_model(self) -> EpisodeRunner:
         if self.runner is None:
@@ -785,19 +820,36 @@ class MultiTurnRollouts(OnlineRollouts):
                 env,
                 env.max_context_tokens or path_limit(self.config)[0],
                 EnvironmentCalls(env.workers),
+                stopping=self.stopping,
             )
         return self.runner
 
-    def sample_episode(self, step: int, slot: int, task_index: int) -> EpisodeTree:
-
+    def sample_episode(self, step: int, slot: int, task_index: int, version: int | None = None) -> EpisodeTree:
+        """One task's episode tree, every turn sampled by policy ``version`` (default ``step``)."""
         task = self.tasks[task_index]
         device = next(self.model.parameters()).device if self.model is not None else "cpu"
         generator = slot_generator(self.config.rollout.seed, step, slot, device)
+        version = step if version is None else version
         with torch.no_grad():
-            tree = self.runner_for_model().run(task.task, task.label, slot, step, generator)
+            tree = self.runner_for_model().run(task.task, task.label, slot, version, generator)
         # one numbering: the console's and the saved file's 1-based step (``step`` counts from 0)
         tree.build_leaves(f"{task.label}/step{step + 1}/slot{slot}", f"{task.source} (step {step + 1}, slot {slot})")
         return tree
+
+    def sample_share(self, step: int, version: int) -> list[EpisodeTree]:
+        """This rank's episode trees of ``step`` (no collective: the background sampler runs it too, and
+        its environments are made, forked and closed on that thread)."""
+        indices = self.sampler.groups_for_step(step)
+        slots = rank_slots(len(indices), dist.get_rank(), dist.get_world_size())
+        return [self.sample_episode(step, slot, indices[slot], version) for slot in slots]
+
+    def samples(self, step: int) -> bool:
+        return not self.warming_up(step)
+
+    def join_timeout_s(self) -> float:
+        """Closing stops the episode being sampled at its next leaf (:class:`EpisodeRunner`): one leaf's
+        forks, turn and steps, each environment call within ``step_timeout_s``."""
+        return 5.0 + self.config.rollout.env.step_timeout_s * (self.config.rollout.width + 2)
 
     def warming_up(self, step: int) -> bool:
         """Whether ``step`` (0-based) is an SFT step: one of ``rollout.env.warmup_steps``, or a refresh
@@ -855,20 +907,13 @@ class MultiTurnRollouts(OnlineRollouts):
         return schemas or None
 
     def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
-
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.sync(policy)  # rollout.engine: the generation copy (hf) or the vLLM server
-        started = time.perf_counter()
-        indices = self.sampler.groups_for_step(step)
-        mine = [self.sample_episode(step, slot, indices[slot]) for slot in rank_slots(len(indices), rank, world_size)]
-        gathered: list = [None] * world_size
-        dist.all_gather_object(gathered, (mine, time.perf_counter() - started))
-        trees = sorted((tree for share, _ in gathered for tree in share), key=lambda t: t.slot)
-        self.scalars = episode_scalars(trees)
-        self.scalars["rollout/time_s"] = max(seconds for _, seconds in gathered)
-        if rank == 0 and self.config.rollout.env.save_rollouts:
+        """``step``'s episode trees (every rank's, gathered; saved by rank 0), their kept leaves as
+        trajectories (collective). With ``rollout.max_staleness > 0`` they were sampled ahead."""
+        trees = sorted(self.gathered_shares(step, policy), key=lambda t: t.slot)
+        self.scalars.update(episode_scalars(trees))
+        if dist.get_rank() == 0 and self.config.rollout.env.save_rollouts:
             save_rollouts(self.config.output_dir, step + 1, trees)
-        kept = [leaf.trajectory for tree in trees for leaf in tree.leaves]
+        kept = self.fresh_enough(step, [leaf.trajectory for tree in trees for leaf in tree.leaves])
         groups = len({t.group_id for t in kept})
         if groups < self.config.objective.mini_batches:
             env = self.config.rollout.env
@@ -878,3 +923,8 @@ class MultiTurnRollouts(OnlineRollouts):
                 f"{self.config.objective.mini_batches}; the others lost every leaf to: {why}"
             )
         return kept
+
+    def close(self) -> None:
+        """Stop the episode the background sampler is in (its environments closed), then as online RL."""
+        self.stopping.set()
+        super().close()

@@ -43,7 +43,14 @@ import torch.distributed as dist
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import ConfigError, DataError
-from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
+from ds_tree.rollout.ahead import (
+    AheadSampler,
+    drop_stale,
+    sampling_version,
+    staleness_bound,
+    sync_due,
+    version_used,
+)
 from ds_tree.rollout.prompts import read_prompts, stop_token_ids
 from ds_tree.rollout.rewards import RewardRequest, reward_function, score
 from ds_tree.sampling.interface import EngineError, HFEngine, SamplingEngine
@@ -170,6 +177,9 @@ class OnlineRollouts:
     engine: SamplingEngine | None = None  # class defaults: the multi-turn subclass sets its own fields
     ahead: AheadSampler | None = None
     start: int | None = None
+    begun: int | None = None
+    sync_s: float = 0.0
+    wait_s: float = 0.0
 
     def __init__(self, config, model_config) -> None:
         from ds_tree.errors import ConfigError
@@ -206,6 +216,12 @@ class OnlineRollouts:
         """The run's first step (0, or the checkpoint's): the engine starts with that version."""
         self.ahead: AheadSampler | None = None
         """The background sampler of ``rollout.max_staleness > 0`` (:mod:`ds_tree.rollout.ahead`)."""
+        self.begun: int | None = None
+        """The last step :meth:`begin_step` started (it runs once a step)."""
+        self.sync_s = 0.0
+        """This step's weight sync time (``rollout/sync_s``; 0 on a step without a sync)."""
+        self.wait_s = 0.0
+        """This step's wait for the background sampler before its sync."""
 
     def build_model(self) -> None:
         """The generation model: same architecture and dtype as the policy, its own (unpartitioned) weights.
@@ -281,35 +297,64 @@ class OnlineRollouts:
         else:
             self.copy_weights(policy)
 
-    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
-        """``step``'s sampled and scored trajectories, the same list on every rank (collective).
+    def samples(self, step: int) -> bool:
+        """Whether ``step`` samples (every single-turn step does; multi-turn SFT steps do not)."""
+        return True
 
-        The engine gets the weights at the run's first step and every ``rollout.sync_every`` steps after;
-        with ``rollout.max_staleness > 0`` each rank's slots are sampled ahead by its background sampler
-        (:mod:`ds_tree.rollout.ahead`). A sampling failure on any rank is raised on every rank."""
+    def sync_needed(self, step: int) -> bool:
+        """Whether the weights go into the engine as ``step`` starts: the run's first step and every
+        ``rollout.sync_every``-th, if a step samples with them (:func:`~ds_tree.rollout.ahead.version_used`:
+        a multi-turn run's SFT steps sample nothing, and none samples past the run's end)."""
         rollout = self.config.rollout
+        if step != self.start and not sync_due(step, self.start, rollout.sync_every):
+            return False
+        return version_used(
+            step, self.start, rollout.max_staleness, rollout.sync_every, self.config.max_steps, self.samples
+        )
+
+    def begin_step(self, step: int, policy: torch.nn.Module) -> None:
+        """``step`` starts (every rank; once a step, whether it samples or not): the weight sync when one
+        is needed (a collective; with a background sampler, after every step the old weights sample),
+        then the background sampler may run ``rollout.max_staleness`` steps ahead."""
+        rollout = self.config.rollout
+        if self.begun == step:
+            return
+        self.begun = step
         if self.start is None:
             self.start = step
-        version = sampling_version(step, self.start, rollout.max_staleness, rollout.sync_every)
-        synced, waited = time.perf_counter(), 0.0
-        if step == self.start or sync_due(step, self.start, rollout.sync_every):
+        self.sync_s, self.wait_s = 0.0, 0.0  # no sync: 0
+        if self.sync_needed(step):
+            synced = time.perf_counter()
             if self.ahead is not None:  # every step that samples with the old weights is sampled first
                 failure = self.ahead.before_sync(step)
-                waited = time.perf_counter() - synced
+                self.wait_s = time.perf_counter() - synced
                 raise_any(failure)
             self.sync(policy)
             if self.ahead is not None:
                 self.ahead.synced(step)
-        sync_s = time.perf_counter() - synced - waited
+            self.sync_s = time.perf_counter() - synced - self.wait_s
         if rollout.max_staleness and self.ahead is None:
             self.ahead = AheadSampler(
                 self.sample_share, start=self.start, max_staleness=rollout.max_staleness,
-                sync_every=rollout.sync_every, end=self.config.max_steps,
+                sync_every=rollout.sync_every, end=self.config.max_steps, samples=self.samples,
+                join_timeout_s=self.join_timeout_s(),
             )  # fmt: skip
-        started = time.perf_counter()
-        failure = None
         if self.ahead is not None:
             self.ahead.begin(step)
+
+    def join_timeout_s(self) -> float:
+        """How long closing waits for the background sampler's step to stop (an engine request's bound)."""
+        return 5.0
+
+    def gathered_shares(self, step: int, policy: torch.nn.Module) -> list:
+        """Every rank's :meth:`sample_share` of ``step``, in rank order (collective). A sampling failure on
+        any rank is raised on every rank. Sets the ``rollout/`` timing scalars."""
+        rollout = self.config.rollout
+        self.begin_step(step, policy)
+        version = sampling_version(step, self.start, rollout.max_staleness, rollout.sync_every)
+        started = time.perf_counter()
+        failure, waited = None, self.wait_s
+        if self.ahead is not None:
             sampled, failure = self.ahead.take(step)
             mine, seconds = (sampled.results, sampled.seconds) if sampled is not None else ([], 0.0)
             waited += time.perf_counter() - started
@@ -319,22 +364,36 @@ class OnlineRollouts:
             except EngineError as error:  # raised on every rank below, not only here (no rank left waiting)
                 mine, failure = [], f"{type(error).__name__}: {error}"
             seconds = time.perf_counter() - started
-        gathered: list[tuple[list[SlotResult], float, str | None] | None] = [None] * dist.get_world_size()
+        gathered: list[tuple[list, float, str | None] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (mine, seconds, failure))
         raise_any(*[f"rank {rank}: {failed}" for rank, (_, _, failed) in enumerate(gathered) if failed], gather=False)
-        results = [result for share, _, _ in gathered for result in share]
-        self.scalars = rollout_scalars(results)
-        self.scalars["rollout/time_s"] = max(seconds for _, seconds, _ in gathered)  # the slowest rank's
-        self.scalars["rollout/sync_s"] = sync_s
-        kept, stale = drop_stale(
-            kept_trajectories(results), step, staleness_bound(rollout.max_staleness, rollout.sync_every)
-        )
+        self.scalars = {
+            "rollout/time_s": max(seconds for _, seconds, _ in gathered),  # the slowest rank's
+            "rollout/sync_s": self.sync_s,
+        }
+        if rollout.max_staleness:
+            self.scalars["rollout/wait_s"] = waited  # the time this rank's training waited for sampling
+        return [result for share, _, _ in gathered for result in share]
+
+    def fresh_enough(self, step: int, kept: list[Trajectory]) -> list[Trajectory]:
+        """``kept`` without the trajectories older than the staleness bound; the version scalars."""
+        rollout = self.config.rollout
+        kept, stale = drop_stale(kept, step, staleness_bound(rollout.max_staleness, rollout.sync_every))
         versions = [t.policy_version for t in kept]
         self.scalars["rollout/policy_version"] = float(np.mean(versions)) if versions else float("nan")
         self.scalars["rollout/staleness_max"] = float(step - min(versions)) if versions else 0.0
         self.scalars["rollout/stale_dropped"] = float(stale)
-        if rollout.max_staleness:
-            self.scalars["rollout/wait_s"] = waited  # the time this rank's training waited for sampling
+        return kept
+
+    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
+        """``step``'s sampled and scored trajectories, the same list on every rank (collective).
+
+        The engine gets the weights at the run's first step and every ``rollout.sync_every`` steps after;
+        with ``rollout.max_staleness > 0`` each rank's slots are sampled ahead by its background sampler
+        (:mod:`ds_tree.rollout.ahead`). A sampling failure on any rank is raised on every rank."""
+        results = self.gathered_shares(step, policy)
+        self.scalars.update(rollout_scalars(results))
+        kept = self.fresh_enough(step, kept_trajectories(results))
         groups = len({t.group_id for t in kept})
         if groups < self.config.objective.mini_batches:
             failures = [message for result in results for message in result.failures]

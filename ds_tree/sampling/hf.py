@@ -290,7 +290,7 @@ class _TreeSampler:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         extra = {}
         if self.recurrent:  # some hybrids (Bamba) number positions from 0 unless told: the attention keys' count
-            fed = next(layer.get_seq_length() for layer in cache.layers if type(layer) is DynamicLayer)
+            fed = next(DynamicLayer.get_seq_length(layer) for layer in cache.layers if isinstance(layer, DynamicLayer))
             extra["position_ids"] = torch.arange(fed, fed + input_ids.shape[1], device=self.device).expand_as(input_ids)
         output = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True, **extra)
         self.forward_tokens += input_ids.numel()

@@ -10,7 +10,11 @@ P, N]`` for Mamba2). The sampler keeps one entry per layer and branch and forks 
   *replaces* the entry at each step. A fork is exactly a copy of both (the children continue from the
   parent's state and conv window, as in training: docs/MODELS.md, "Hybrid models").
 
-Both are batched by concatenating branches along the batch dimension into a fresh cache
+- both (Falcon-H1: a Mamba2 mixer and attention side by side in every layer, one
+  ``LinearAttentionAndFullAttentionLayer``): ``(keys, values, conv_state, recurrent_state)``, the
+  keys/values grown, the states replaced, each part as above.
+
+All are batched by concatenating branches along the batch dimension into a fresh cache
 (:func:`stacked_cache`): the model updates that cache in place (``causal_conv1d_update``,
 ``copy_`` of the new state), never a branch's own tensors. What a recurrent entry cannot do is be
 cropped back to an earlier token (its state is the path's last): the sampler re-encodes the path
@@ -21,12 +25,22 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionLayer,
+)
 
-LayerEntry = tuple[torch.Tensor, torch.Tensor]
+LayerEntry = tuple[torch.Tensor, ...]
 """One layer of one branch (module docstring), batch dimension 1."""
 
-SUPPORTED_LAYERS = (DynamicLayer.__name__, LinearAttentionLayer.__name__, DummyLayer.__name__)
+SUPPORTED_LAYERS = (
+    DynamicLayer.__name__,
+    LinearAttentionLayer.__name__,
+    LinearAttentionAndFullAttentionLayer.__name__,
+    DummyLayer.__name__,
+)
 """Cache layers the sampler forks; a ``DummyLayer`` (an MLP-only layer: Nemotron-H) holds nothing."""
 
 
@@ -39,15 +53,21 @@ def has_recurrent_layers(config) -> bool:
     return any(is_recurrent(layer) for layer in DynamicCache(config=config).layers)
 
 
+def has_keys(layer) -> bool:
+    """Whether a cache layer holds attention keys/values (a recurrent state may sit beside them)."""
+    return isinstance(layer, DynamicLayer)
+
+
 def layer_row(layer, row: int) -> LayerEntry:
-    """Row ``row`` of a batched cache layer, as views."""
+    """Row ``row`` of a batched cache layer, as views: keys and values, then the conv and recurrent states."""
     if isinstance(layer, DummyLayer):
         return None, None
+    entry = (layer.keys[row : row + 1], layer.values[row : row + 1]) if has_keys(layer) else ()
     if is_recurrent(layer):
         if not (layer.is_conv_states_initialized[0] and layer.is_recurrent_states_initialized[0]):
             raise RuntimeError("a recurrent cache layer was read before the model filled it")
-        return layer.conv_states[0][row : row + 1], layer.recurrent_states[0][row : row + 1]
-    return layer.keys[row : row + 1], layer.values[row : row + 1]
+        entry += (layer.conv_states[0][row : row + 1], layer.recurrent_states[0][row : row + 1])
+    return entry
 
 
 def stacked_cache(config, entries: list[list[LayerEntry]]) -> DynamicCache:
@@ -56,14 +76,17 @@ def stacked_cache(config, entries: list[list[LayerEntry]]) -> DynamicCache:
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, DummyLayer):
             continue
-        first, second = (torch.cat([entry[index][part] for entry in entries]) for part in (0, 1))
+        parts = [torch.cat([entry[index][part] for entry in entries]) for part in range(len(entries[0][index]))]
+        if has_keys(layer):
+            DynamicLayer.update(layer, parts[0], parts[1])  # the attention part (a combined layer: not its states)
+            parts = parts[2:]
         if not is_recurrent(layer):
-            layer.update(first, second)
             continue
+        conv, recurrent = parts
         # What LinearAttentionLayer.lazy_initialization and a prefill's updates leave behind, with these states.
-        layer.dtype, layer.device = first.dtype, first.device
-        layer.conv_kernel_size[0] = first.shape[-1]
-        layer.conv_states[0], layer.recurrent_states[0] = first, second
+        layer.dtype, layer.device = conv.dtype, conv.device
+        layer.conv_kernel_size[0] = conv.shape[-1]
+        layer.conv_states[0], layer.recurrent_states[0] = conv, recurrent
         layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
         layer.has_previous_state[0] = True
     return cache
