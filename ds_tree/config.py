@@ -831,7 +831,7 @@ def off_default(section: Any) -> list[str]:
 
 # Keys a release replaced: a config that still names one is told what to write instead.
 REPLACED_KEYS = {
-    "logging.tensorboard": "logging.report_to (a list of trackers: `report_to: [tensorboard]` for true, `[]` for false)",
+    "logging.tensorboard": "logging.report_to (a list of trackers: `[tensorboard]` for true, `[]` for false)",
 }
 
 

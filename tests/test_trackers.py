@@ -36,7 +36,10 @@ def test_choices_are_the_registry() -> None:
         ("logging.report_to=[comet]", r"logging.report_to\[0\] must be one of tensorboard, wandb, mlflow, trackio"),
         ("logging.project=mine", "logging.project: only W&B, MLflow and trackio runs have names"),
         ("logging.run_name=x", "logging.run_name: only W&B, MLflow and trackio runs have names"),
-        ("logging.tensorboard=false", r"logging.tensorboard was replaced by logging.report_to .*`\[\]` for false"),
+        (
+            "logging.tensorboard=false",
+            r"logging.tensorboard was replaced by logging.report_to .*`\[tensorboard\]` for true, `\[\]` for false",
+        ),
     ],
 )
 def test_report_to_values_are_checked(tmp_path: Path, override: str, message: str) -> None:
