@@ -165,11 +165,11 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
         if args.limit is not None:
             trajectories = trajectories[: args.limit]
         common = dict(dtype=args.dtype, seed=args.seed, budget=args.budget, block=args.block, attention=args.attention)
-        if args.sequence_parallel > 1 and is_hybrid(load_config(args.model)):
+        if args.sequence_parallel > 1 and dfs is not None and is_hybrid(load_config(args.model)):
             raise ValueError(
-                f"{args.model}: a hybrid model's recurrent layers run on whole packed rows or dfs chunks only: "
-                "--sequence-parallel would need each shard's recurrent state handed from the previous rank "
-                '(refused; docs/MODELS.md, "Hybrid models")'
+                f"{args.model}: a hybrid model's recurrent layers are head-parallel on sequence-parallel rows, "
+                "but the dfs walk sharded over the group (--dfs-chunk with --sequence-parallel) does not exchange "
+                'their chunk states (refused; docs/MODELS.md, "Hybrid models")'
             )
         if objective is None and args.sequence_parallel > 1 and dfs is not None:
             from ds_tree.verify.dfs_sequence_parallel import dfs_sequence_parallel_report

@@ -12,22 +12,22 @@ from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
 
 def check_hybrid_settings(config, model_config) -> None:
     """Refuse, before anything is built, what the recurrent layers cannot do (a ``ConfigError``
-    naming the field): sequence-parallel shards would each need the previous shard's final recurrent
-    and conv state, a sequential hand-off across the group (refused: docs/MODELS.md, "Hybrid models");
-    online RL samples with the in-process tree sampler only (it forks the recurrent states). Packed
-    rows, split parts and the dfs walk carry the states exactly."""
+    naming the field): the dfs walk sharded over a sequence-parallel group (its chunks' recurrent
+    states are not exchanged head-parallel yet); online RL samples with the in-process tree sampler
+    only (it forks the recurrent states). Packed rows, split parts, the dfs walk on one rank and
+    sequence-parallel rows (head-parallel, :mod:`ds_tree.models.head_parallel`) carry the states exactly."""
     if not is_hybrid(model_config):
         return
     kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
     what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
     packing, parallel = config.packing, config.parallel
-    if parallel.sequence_parallel_size > 1 or packing.over_budget == "sequence_parallel":
+    if parallel.sequence_parallel_size > 1 and packing.mode == "dfs":
         raise ConfigError(
-            f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard's "
-            "recurrent and conv state is the previous shard's final state, so the ranks of the group would run "
-            "every recurrent layer one after another (forward and backward): refused for hybrids (docs/MODELS.md, "
-            '"Hybrid models"). For trees over the budget use packing.over_budget: dfs (the walk carries the '
-            "states exactly, in one path plus one chunk of memory) and parallel.sequence_parallel_size: 1"
+            f"packing.mode: dfs with parallel.sequence_parallel_size > 1: {what}; the walk sharded over the group "
+            "does not exchange the recurrent layers' chunk states and conv taps head-parallel (not built; "
+            'docs/MODELS.md, "Hybrid models"). Use packing.mode: tree with packing.over_budget: sequence_parallel '
+            "(rows over the budget sharded, the recurrent layers head-parallel), or packing.mode: dfs with "
+            "parallel.sequence_parallel_size: 1"
         )
     if config.rollout.enabled and model_config.model_type == "falcon_h1":
         raise ConfigError(

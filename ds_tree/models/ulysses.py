@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ds_tree.errors import ConfigError
+from ds_tree.models.head_parallel import check_recurrent_heads
 
 SUFFIX = "_sequence_parallel"
 """Added to the tree attention's name for its sequence-parallel dispatcher."""
@@ -85,7 +86,8 @@ def check_dfs_sequence_parallel(config, model_config) -> None:
 
 
 def check_heads(model_config, size: int, source: str) -> None:
-    """Refuse a model whose heads Ulysses cannot split over ``size`` ranks (config error naming both)."""
+    """Refuse a model whose heads Ulysses cannot split over ``size`` ranks (config error naming both), a
+    hybrid's recurrent heads included (:func:`~ds_tree.models.head_parallel.check_recurrent_heads`)."""
     if size == 1:
         return
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -101,6 +103,7 @@ def check_heads(model_config, size: int, source: str) -> None:
             f"parallel.sequence_parallel_size={size}: model.source {source} has {kv_heads} key/value heads, "
             f"which neither divide {size} nor are a multiple of it"
         )
+    check_recurrent_heads(text, size, source)
 
 
 def enable_sequence_parallel(model, size: int) -> SequenceParallelGroup:
