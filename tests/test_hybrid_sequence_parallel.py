@@ -4,7 +4,8 @@ for its heads of every Gated DeltaNet / Mamba2 layer (:mod:`ds_tree.models.head_
 - head layouts: which conv channels and heads each rank reads, and head counts that do not split refused
   naming the field;
 - ``ds-tree verify --sequence-parallel 2`` in float64 (2 spawned ranks) on Qwen3.5, Bamba and Qwen3-Next,
-  rows over the budget sharded: loss and every gradient equal the single-process flat result;
+  rows over the budget sharded, and the dfs walk sharded: loss and every gradient equal the
+  single-process flat result;
 - 2 ranks, ZeRO-3, S = 2, the self-check on: the trainer's updates equal the single-process flat step.
 """
 
@@ -30,9 +31,11 @@ QWEN3_NEXT = str(ROOT / "configs/models/tiny_qwen3_next.json")
 
 
 def small_model(tmp_path: Path, name: str, source: str, **fields) -> str:
-    """The configs/models entry cut to one recurrent and one attention layer (``SMALLER``), with ``fields``."""
+    """The configs/models entry cut to one recurrent and one attention layer (``SMALLER``; Qwen3-Next as
+    Qwen3.5), with ``fields``."""
     path = tmp_path / f"{name}.json"
-    path.write_text(json.dumps({**json.loads(Path(source).read_text()), **SMALLER.get(name, {}), **fields}))
+    smaller = SMALLER["qwen3_5" if name == "qwen3_next" else name]
+    path.write_text(json.dumps({**json.loads(Path(source).read_text()), **smaller, **fields}))
     return str(path)
 
 
@@ -70,25 +73,43 @@ def test_recurrent_heads_that_do_not_split_over_the_group_are_config_errors(sour
         check_heads(config, size, source)  # what the dry run and verify call
 
 
+def verify_hybrid(tmp_path: Path, model: str, *options: str) -> dict:
+    """``tools/verify.py --sequence-parallel 2`` on the hybrid forest of tests/test_hybrid_models.py (paths of
+    156-281 tokens in trees of depth 4): its JSON report, after asserting that it passed."""
+    data = tmp_path / "forest.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in _forest_records(4)))
+    command = [sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", model]
+    command += ["--sequence-parallel", "2", *options]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    assert report["passed"], report
+    return report
+
+
 @pytest.mark.parametrize(
     "name, source, objective",
     [("qwen3_5", QWEN3_5, "sft"), ("bamba", BAMBA, "grpo"), ("qwen3_next", QWEN3_NEXT, "sft")],
 )
 def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, name, source, objective) -> None:
     """2 spawned ranks, every tree with a path over the budget sharded (rows of up to 2 x 200 tokens); the
-    other objective of each model, and Bamba with one group, were run by hand (docs/MODELS.md)."""
-    data = tmp_path / "forest.jsonl"
-    data.write_text("".join(json.dumps(record) + "\n" for record in _forest_records(4)))
-    model = small_model(tmp_path, name, source)
-    command = [sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", model]
-    command += ["--sequence-parallel", "2", "--budget", "200"]
-    if objective == "grpo":
-        command += ["--objective", "grpo", "--estimator", "grpo"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    report = json.loads(result.stdout)
-    assert report["passed"] and report["sharded_rows"] >= 2 and report["longest_trajectory"] > 200, report
+    other objective of each model was run by hand (docs/MODELS.md)."""
+    options = ["--budget", "200"] + (["--objective", "grpo", "--estimator", "grpo"] if objective == "grpo" else [])
+    report = verify_hybrid(tmp_path, small_model(tmp_path, name, source), *options)
+    assert report["sharded_rows"] >= 2 and report["longest_trajectory"] > 200, report
     # float64: measured <= 1e-14 (gradients) and 2e-15 (loss)
+    assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, source, objective", [("bamba", BAMBA, "sft"), ("qwen3_next", QWEN3_NEXT, "grpo")])
+def test_verify_sharded_walk_on_hybrids_equals_flat_in_float64(tmp_path, name, source, objective) -> None:
+    """The dfs walk sharded over 2 ranks (chunks of 48 tokens): every chunk's recurrent layers exchanged to
+    heads, each rank's chain chunks caching its heads' final states and its channels' conv taps."""
+    options = ["--dfs-chunk", "48"] + (["--objective", "grpo", "--estimator", "grpo"] if objective == "grpo" else [])
+    # Qwen3-Next's router loss is not built for sharded walks (ds_tree/models/ulysses.py): coefficient 0
+    report = verify_hybrid(tmp_path, small_model(tmp_path, name, source, router_aux_loss_coef=0.0), *options)
+    assert report["sequence_parallel_size"] == 2 and report.get("walked_trees", 1) >= 1, report
     assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10, report
 
 
@@ -96,7 +117,8 @@ def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, na
 def test_two_ranks_zero3_sequence_parallel_hybrid_matches_single_process_flat(tmp_path) -> None:
     """The trainer on 2 ranks, ZeRO-3, S = 2 (the mixers' projections, conv and norms gathered by their
     module hooks, the conv weight and the decay parameters sliced to each rank's heads): rows over the
-    budget sharded, tree and flat layouts, then a train step with the self-check on."""
+    budget sharded (tree and flat layouts), every tree walked with its chunks sharded (mode dfs, in
+    ZeRO-3's lockstep), then a train step with the self-check on."""
     data = write_cases(tmp_path / "cases.jsonl")
     model = small_model(tmp_path, "qwen3_5", QWEN3_5)
     zero3 = write_accumulating_ds_config(tmp_path / "zero3.json", 3)
@@ -111,13 +133,15 @@ def test_two_ranks_zero3_sequence_parallel_hybrid_matches_single_process_flat(tm
     out = tmp_path / "report.json"
     torchrun(
         "tests/distributed/sp_grad_check.py", "--config", str(config), "--out", str(out),
-        "--deepspeed", str(zero3), "--modes", "tree,flat", timeout=600,
+        "--deepspeed", str(zero3), "--dfs-chunk", "48", timeout=600,
     )  # fmt: skip
     report = json.loads(out.read_text())
     assert [(run["case"], run["mode"]) for run in report["runs"]] == [
         ("forest", "tree"),
         ("forest", "flat"),
+        ("forest", "dfs"),
         ("path", "tree"),
+        ("path", "dfs"),
     ]
     for run in report["runs"]:
         assert run["stage"] == 3 and run["sharded_rows"] >= 1, run

@@ -123,6 +123,10 @@ class HeadShards:
             )
         return cls(group, size, dist.get_rank(group))
 
+    @classmethod
+    def of_group(cls, group) -> HeadShards:
+        return cls(group, dist.get_world_size(group), dist.get_rank(group))
+
     def to_heads(self, tensor: torch.Tensor, channels: list[list[int]]) -> torch.Tensor:
         """``[n, C]`` (this rank's shard, every channel) -> ``[S n, c]`` (the row, ``channels[position]``);
         ``channels[q]``: the ``c`` channels rank ``q`` scans."""

@@ -195,21 +195,24 @@ def _tree_inputs(
         return None, None, None
     if cache is not None:
         raise ValueError("a recurrent layer on a packed tree runs without a cache (use_cache=False)")
-    if kwargs.get("chunk_shards") is not None:
-        raise ValueError(
-            "a recurrent layer got a dfs chunk sharded over a sequence-parallel group: the sharded walk is not "
-            "built for hybrid models (packing.mode: dfs with parallel.sequence_parallel_size > 1; "
-            'docs/MODELS.md, "Hybrid models")'
-        )
+    chunk_shards = kwargs.get("chunk_shards")
     shards = None
-    if kv_end is not None and hidden_states.shape[:2] != kv_end.shape:
+    if chunk_shards is not None:  # a dfs chunk sharded over the group (ds_tree/engine/dfs_sequence_parallel.py)
+        shards = HeadShards.of_group(chunk_shards.group)
+        kv_end = chunk_shards.kv_end  # the padded chunk's (its padding: roots of one token); None: a chain chunk
+        if kv_end is None:  # the chain's real tokens only: its final state is the one its children start from
+            nodes = chain_nodes(chunk_shards.n_real)
+    elif kv_end is not None and hidden_states.shape[:2] != kv_end.shape:
         if hidden_states.shape[0] != 1 or kv_end.shape[0] != 1:
             raise ValueError(
                 f"a recurrent layer got {tuple(hidden_states.shape[:2])} tokens and kv_end {tuple(kv_end.shape)}: "
                 "a sequence-parallel shard is one row"
             )
         shards = HeadShards.of_shard(int(hidden_states.shape[1]), int(kv_end.shape[1]))
-    nodes = tree_nodes(kv_end) if kv_end is not None else chain_nodes(int(hidden_states.shape[1]))
+    if kv_end is not None:
+        nodes = tree_nodes(kv_end)
+    elif chunk_shards is None:
+        nodes = chain_nodes(int(hidden_states.shape[1]))
     if path_cache is None:
         return nodes, None, shards
     if hidden_states.shape[0] != 1:
@@ -225,6 +228,11 @@ def _tree_inputs(
             )
         state, taps = parent[state_key(layer)]
     return nodes, ChunkContext(path_cache, layer, state, taps, records=kv_end is None), shards
+
+
+def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` ``[n, C]`` with zero rows appended up to ``rows`` (a sharded chain chunk's padding)."""
+    return F.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
 
 
 def _chunk_taps(context: ChunkContext, inputs: torch.Tensor, width: int) -> torch.Tensor:
@@ -285,8 +293,9 @@ def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | Non
     if shards is not None:
         everyone, heads = _gated_delta_channels(self, shards.size)
         channels = everyone[shards.position]
-        projected = shards.to_heads(projected[0], everyone)[None]
-        beta, g = shards.to_heads(beta, heads), shards.to_heads(g, heads)
+        real = nodes.n_tokens  # a sharded chain chunk: its padding is left out of the scan
+        projected = shards.to_heads(projected[0], everyone)[None, :real]
+        beta, g = shards.to_heads(beta, heads)[:real], shards.to_heads(g, heads)[:real]
         key_dim = len(shared_block(self.num_k_heads, self.num_v_heads, shards.size, 0)) * self.head_k_dim
         value_dim = value_dim // shards.size
     taps = None if context is None else context.taps
@@ -307,7 +316,7 @@ def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | Non
     if context is not None:
         context.record(final[0], _chunk_taps(context, projected[0], self.conv1d.kernel_size[0] - 1))
     if shards is not None:
-        core = shards.to_shards(core.reshape(rows, -1))
+        core = shards.to_shards(_padded(core.reshape(rows, -1), shards.size * length))
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(batch, length, -1))
 
@@ -346,8 +355,9 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     if shards is not None:
         everyone, by_head = _mamba2_channels(self, shards.size)
         channels = everyone[shards.position]
-        pre_conv = shards.to_heads(pre_conv[0], everyone)[None]
-        dt = shards.to_heads(dt, by_head)
+        real = nodes.n_tokens  # a sharded chain chunk: its padding is left out of the scan
+        pre_conv = shards.to_heads(pre_conv[0], everyone)[None, :real]
+        dt = shards.to_heads(dt, by_head)[:real]
         mine = torch.as_tensor(by_head[shards.position], device=A.device)
         A, D, heads = A[mine], D[mine], len(mine)
         groups = len(shared_block(self.n_groups, self.num_heads, shards.size, 0))
@@ -371,7 +381,7 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     if context is not None:
         context.record(final[0], _chunk_taps(context, pre_conv[0], self.conv1d.kernel_size[0] - 1))
     if shards is not None:
-        y = shards.to_shards(y.reshape(rows, -1))
+        y = shards.to_shards(_padded(y.reshape(rows, -1), shards.size * length))
     y = y.reshape(batch, length, -1)
     if falcon and not self.mamba_rms_norm:  # Falcon-H1 without its gated norm: the gate alone
         y = y * F.silu(gate.to(y.dtype))

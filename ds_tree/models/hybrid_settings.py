@@ -12,23 +12,13 @@ from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
 
 def check_hybrid_settings(config, model_config) -> None:
     """Refuse, before anything is built, what the recurrent layers cannot do (a ``ConfigError``
-    naming the field): the dfs walk sharded over a sequence-parallel group (its chunks' recurrent
-    states are not exchanged head-parallel yet); online RL samples with the in-process tree sampler
-    only (it forks the recurrent states). Packed rows, split parts, the dfs walk on one rank and
-    sequence-parallel rows (head-parallel, :mod:`ds_tree.models.head_parallel`) carry the states exactly."""
+    naming the field): online RL samples with the in-process tree sampler only (it forks the recurrent
+    states), and not yet for Falcon-H1. Packed rows, split parts, the dfs walk and sequence-parallel rows
+    and walks (head-parallel, :mod:`ds_tree.models.head_parallel`) carry the states exactly."""
     if not is_hybrid(model_config):
         return
     kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
     what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
-    packing, parallel = config.packing, config.parallel
-    if parallel.sequence_parallel_size > 1 and packing.mode == "dfs":
-        raise ConfigError(
-            f"packing.mode: dfs with parallel.sequence_parallel_size > 1: {what}; the walk sharded over the group "
-            "does not exchange the recurrent layers' chunk states and conv taps head-parallel (not built; "
-            'docs/MODELS.md, "Hybrid models"). Use packing.mode: tree with packing.over_budget: sequence_parallel '
-            "(rows over the budget sharded, the recurrent layers head-parallel), or packing.mode: dfs with "
-            "parallel.sequence_parallel_size: 1"
-        )
     if config.rollout.enabled and model_config.model_type == "falcon_h1":
         raise ConfigError(
             f"rollout.enabled: {what}; its layers hold attention keys and a recurrent state in one cache layer "

@@ -9,8 +9,7 @@ and DeepSpeed's gradient norm. Rank 0 computes the reference from the same param
 process, float64, reference attention, flat layout (every trajectory its own sequence), and records
 the relative errors of the loss, every gradient and the norm. The cases run once per DeepSpeed JSON
 of ``--deepspeed`` (a fresh engine on the same model weights each time, the Ulysses registration
-kept), then one ordinary ``train_step``. ``--modes`` limits the modes run (a hybrid model: tree and flat,
-its sharded walk being refused). Results go to ``--out`` as JSON.
+kept), then one ordinary ``train_step``. Results go to ``--out`` as JSON.
 """
 
 from __future__ import annotations
@@ -81,11 +80,8 @@ def run_case(trainer, step: int, trajectories, mode: str) -> dict:
 
 def main() -> None:
     args, config = check_arguments(
-        (("--deepspeed",), {"nargs": "+", "required": True}),
-        (("--dfs-chunk",), {"type": int, "default": 0}),
-        (("--modes",), {"default": "tree,flat,dfs"}),
+        (("--deepspeed",), {"nargs": "+", "required": True}), (("--dfs-chunk",), {"type": int, "default": 0})
     )
-    modes = args.modes.split(",")
     config.deepspeed = args.deepspeed[0]
     config.packing.dfs_chunk = args.dfs_chunk  # of the dfs cases; the config (mode tree) may not set it
     trainer = started_trainer(config)
@@ -100,7 +96,7 @@ def main() -> None:
             rebuild_engine(trainer, ds_path, weights, lambda model: enable_sequence_parallel(model, size))
         stage = trainer.engine.zero_optimization_stage()
         for name, trajectories in cases.items():
-            for mode in [m for m in modes if m != "flat" or len(trajectories) > 1]:
+            for mode in ("tree", "flat", "dfs") if len(trajectories) > 1 else ("tree", "dfs"):
                 step += 1
                 result = run_case(trainer, step, trajectories, mode)
                 report["runs"].append({"stage": stage, "case": name, "mode": mode, **result})
