@@ -104,9 +104,11 @@ def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, na
 @pytest.mark.slow
 @pytest.mark.parametrize("name, source, objective", [("bamba", BAMBA, "sft"), ("qwen3_next", QWEN3_NEXT, "grpo")])
 def test_verify_sharded_walk_on_hybrids_equals_flat_in_float64(tmp_path, name, source, objective) -> None:
-    """The dfs walk sharded over 2 ranks (chunks of 48 tokens): every chunk's recurrent layers exchanged to
-    heads, each rank's chain chunks caching its heads' final states and its channels' conv taps."""
-    options = ["--dfs-chunk", "48"] + (["--objective", "grpo", "--estimator", "grpo"] if objective == "grpo" else [])
+    """The dfs walk sharded over 2 ranks (chunks of 64 tokens): every chunk's recurrent layers exchanged to
+    heads, each rank's chain chunks caching its heads' final states and its channels' conv taps. (A chain
+    chunk that scans its padding too fails the Bamba case at 0.18 relative.)"""
+    options = ["--dfs-chunk", "64", "--limit", "4"]  # the first tree (4 paths of 196-281 tokens)
+    options += ["--objective", "grpo", "--estimator", "grpo"] if objective == "grpo" else []
     # Qwen3-Next's router loss is not built for sharded walks (ds_tree/models/ulysses.py): coefficient 0
     report = verify_hybrid(tmp_path, small_model(tmp_path, name, source, router_aux_loss_coef=0.0), *options)
     assert report["sequence_parallel_size"] == 2 and report.get("walked_trees", 1) >= 1, report

@@ -1,6 +1,7 @@
 """Head-parallel recurrent mixers under Ulysses sequence parallelism (docs/MODELS.md, "Hybrid models").
 
-A sequence-parallel rank holds one contiguous shard of a row (:class:`~ds_tree.packing.sequence_parallel.RowShard`).
+A sequence-parallel rank holds one contiguous shard of a row (:class:`~ds_tree.packing.sequence_parallel.RowShard`)
+or of a dfs chunk (:mod:`ds_tree.engine.dfs_sequence_parallel`).
 A recurrent layer's state at a shard's first token is the previous shard's final state, but the heads of
 a Gated DeltaNet or Mamba2 layer are independent of each other and its causal convolution is per
 channel. So, as Ulysses does for attention, an all-to-all turns the shard's projected, per-channel

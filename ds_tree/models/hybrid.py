@@ -26,6 +26,10 @@ next to the attention layers' keys and values (:class:`ChunkContext`); the walk 
 leaves that require grad for the chunks below and hands their gradients back through its
 surrogate, as it does the keys' and values'.
 
+Under sequence parallelism a mixer gets one shard of a row (or of a dfs chunk) and the whole row's
+``kv_end``: it exchanges its shard's projections for the whole row of its heads, runs the same scan over
+every node for those heads and returns to shards (:mod:`ds_tree.models.head_parallel`).
+
 Supported mixers (:data:`TREE_MIXERS`): ``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet`` and
 ``Qwen3NextGatedDeltaNet`` (``qwen3_5_text``, ``qwen3_5_moe_text``, ``qwen3_next``), ``BambaMixer``,
 ``NemotronHMamba2Mixer`` and ``FalconH1Mixer`` (``bamba``, ``nemotron_h``, ``falcon_h1``). Other
