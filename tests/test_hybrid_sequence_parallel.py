@@ -88,14 +88,18 @@ def verify_hybrid(tmp_path: Path, model: str, *options: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name, source, objective",
-    [("qwen3_5", QWEN3_5, "sft"), ("bamba", BAMBA, "grpo"), ("qwen3_next", QWEN3_NEXT, "sft")],
+    "name, source, objective, fields",
+    [
+        ("qwen3_5", QWEN3_5, "sft", {"linear_num_key_heads": 1}),  # both ranks read the one key head
+        ("bamba", BAMBA, "grpo", {"mamba_n_groups": 1}),  # both ranks read the one group's B and C
+        ("qwen3_next", QWEN3_NEXT, "sft", {}),  # a key head per rank
+    ],
 )
-def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, name, source, objective) -> None:
+def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, name, source, objective, fields) -> None:
     """2 spawned ranks, every tree with a path over the budget sharded (rows of up to 2 x 200 tokens); the
-    other objective of each model was run by hand (docs/MODELS.md)."""
+    other objective of each model, and the other head layouts, were run by hand (docs/MODELS.md)."""
     options = ["--budget", "200"] + (["--objective", "grpo", "--estimator", "grpo"] if objective == "grpo" else [])
-    report = verify_hybrid(tmp_path, small_model(tmp_path, name, source), *options)
+    report = verify_hybrid(tmp_path, small_model(tmp_path, name, source, **fields), *options)
     assert report["sharded_rows"] >= 2 and report["longest_trajectory"] > 200, report
     # float64: measured <= 1e-14 (gradients) and 2e-15 (loss)
     assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10, report
