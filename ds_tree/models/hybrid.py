@@ -234,6 +234,19 @@ def _tree_inputs(
     return nodes, ChunkContext(path_cache, layer, state, taps, records=kv_end is None), shards
 
 
+def _to_heads(
+    shards: HeadShards, nodes: TreeNodes, layout: tuple[list[list[int]], list[list[int]]], pre_conv, *per_head
+) -> tuple[list[int], list[torch.Tensor]]:
+    """This rank's conv channels, and ``pre_conv`` ``[1, n, C]`` and the ``per_head`` tensors ``[n, H]`` of its
+    shard exchanged for the whole row of its heads (``layout``: every rank's pre-conv channels and heads);
+    rows past ``nodes`` (a sharded chain chunk's padding) are left out of the scan."""
+    pre_conv_channels, heads = layout
+    real = nodes.n_tokens
+    exchanged = [shards.to_heads(pre_conv[0], pre_conv_channels)[None, :real]]
+    exchanged += [shards.to_heads(tensor, heads)[:real] for tensor in per_head]
+    return pre_conv_channels[shards.position], exchanged
+
+
 def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     """``tensor`` ``[n, C]`` with zero rows appended up to ``rows`` (a sharded chain chunk's padding)."""
     return F.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
@@ -295,11 +308,8 @@ def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | Non
     g = -self.A_log.to(dtype).exp() * F.softplus(a.reshape(length, -1).to(dtype) + self.dt_bias)
     channels, key_dim, value_dim = None, self.key_dim, self.value_dim
     if shards is not None:
-        everyone, heads = _gated_delta_channels(self, shards.size)
-        channels = everyone[shards.position]
-        real = nodes.n_tokens  # a sharded chain chunk: its padding is left out of the scan
-        projected = shards.to_heads(projected[0], everyone)[None, :real]
-        beta, g = shards.to_heads(beta, heads)[:real], shards.to_heads(g, heads)[:real]
+        layout = _gated_delta_channels(self, shards.size)
+        channels, (projected, beta, g) = _to_heads(shards, nodes, layout, projected, beta, g)
         key_dim = len(shared_block(self.num_k_heads, self.num_v_heads, shards.size, 0)) * self.head_k_dim
         value_dim = value_dim // shards.size
     taps = None if context is None else context.taps
@@ -357,12 +367,9 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     A, D = -torch.exp(self.A_log.to(work)), self.D
     channels, heads, groups = None, self.num_heads, self.n_groups
     if shards is not None:
-        everyone, by_head = _mamba2_channels(self, shards.size)
-        channels = everyone[shards.position]
-        real = nodes.n_tokens  # a sharded chain chunk: its padding is left out of the scan
-        pre_conv = shards.to_heads(pre_conv[0], everyone)[None, :real]
-        dt = shards.to_heads(dt, by_head)[:real]
-        mine = torch.as_tensor(by_head[shards.position], device=A.device)
+        layout = _mamba2_channels(self, shards.size)
+        channels, (pre_conv, dt) = _to_heads(shards, nodes, layout, pre_conv, dt)
+        mine = torch.as_tensor(layout[1][shards.position], device=A.device)
         A, D, heads = A[mine], D[mine], len(mine)
         groups = len(shared_block(self.n_groups, self.num_heads, shards.size, 0))
     taps = None if context is None else context.taps
