@@ -124,14 +124,14 @@ def test_two_ranks_zero3_sequence_parallel_hybrid_matches_single_process_flat(tm
     """The trainer on 2 ranks, ZeRO-3, S = 2 (the mixers' projections, conv and norms gathered by their
     module hooks, the conv weight and the decay parameters sliced to each rank's heads): rows over the
     budget sharded (tree and flat layouts), every tree walked with its chunks sharded (mode dfs, in
-    ZeRO-3's lockstep), then a train step with the self-check on."""
+    ZeRO-3's lockstep), every decoder layer checkpointed, then a train step with the self-check on."""
     data = write_cases(tmp_path / "cases.jsonl")
     model = small_model(tmp_path, "qwen3_5", QWEN3_5)
     zero3 = write_accumulating_ds_config(tmp_path / "zero3.json", 3)
     config = write_config(
         tmp_path,
         data,
-        model={"source": model},
+        model={"source": model, "activation_checkpointing": True},  # the recompute runs the all-to-alls again
         packing={"budget": 256, "block": 16},
         parallel={"sequence_parallel_size": 2},
         objective={"self_check": "first"},
