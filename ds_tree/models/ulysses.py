@@ -9,7 +9,9 @@ returns to shards with a second all-to-all.
 
 The same model also computes rows one rank holds alone. :func:`enable_sequence_parallel` therefore
 gives the model a dispatcher: a query shorter than ``kv_end`` (a shard) goes through Ulysses, a query
-as long as ``kv_end`` (a whole row) straight to the tree attention.
+as long as ``kv_end`` (a whole row) straight to the tree attention. A hybrid's recurrent mixers see
+the same shard and whole-row ``kv_end`` and make their own head-parallel exchange
+(:mod:`ds_tree.models.head_parallel`) over the group this registration built.
 
 Gradient scale: the engine is built without DeepSpeed's ``mpu``, so ZeRO sees all ranks as one
 data-parallel group and divides the summed gradient by the world size at every stage; the trainer's
