@@ -7,7 +7,8 @@
 - ``ds-tree verify`` in float64 on random forests (nodes up to 120 tokens, depth 4), SFT and GRPO,
   trees whole and split into parts: <= 1e-10; float32 within float32 round-off;
 - the stock layers run along the packed row leak between branches (the probe refuses them), the
-  tree forward does not; dfs, sequence parallelism and online RL are refused at config time.
+  tree forward does not; online RL with vLLM is refused at config time (sequence parallelism:
+  tests/test_hybrid_sequence_parallel.py).
 """
 
 from __future__ import annotations
@@ -400,22 +401,18 @@ def test_stock_layers_leak_between_branches_and_tree_layers_do_not(name, hybrids
 
 
 @pytest.mark.parametrize(
-    "overrides, message",
+    "overrides",
     [
-        (["parallel.sequence_parallel_size=2"], "the ranks of the group would run every recurrent layer one after"),
-        (["packing.over_budget=sequence_parallel"], "For trees over the budget use packing.over_budget: dfs"),
-        (["packing.mode=dfs", "packing.dfs_chunk=16"], None),  # the walk carries the states: accepted
+        ["parallel.sequence_parallel_size=2"],  # head-parallel recurrent layers (test_hybrid_sequence_parallel)
+        ["parallel.sequence_parallel_size=2", "packing.over_budget=sequence_parallel"],
+        ["parallel.sequence_parallel_size=2", "packing.mode=dfs", "packing.dfs_chunk=16"],
+        ["packing.mode=dfs", "packing.dfs_chunk=16"],  # the walk carries the states
     ],
 )
-def test_dry_run_refuses_sequence_parallel_and_accepts_dfs_for_hybrids(
-    monkeypatch, capsys, tmp_path, overrides, message
-):
+def test_dry_run_accepts_sequence_parallel_and_dfs_for_hybrids(monkeypatch, capsys, tmp_path, overrides):
     config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))
     code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", *overrides)
-    if message is None:
-        assert code == 0, err
-    else:
-        assert code == 2 and "qwen3_5_text is a hybrid model (Gated DeltaNet layers)" in err and message in err, err
+    assert code == 0, err
 
 
 def test_dry_run_takes_falcon_h1_online_and_refuses_hybrids_on_vllm(monkeypatch, capsys, tmp_path, tokenizer_dir):
@@ -478,10 +475,3 @@ def test_two_ranks_zero3_with_activation_checkpointing_match_single_process_flat
     # error is round-off over almost nothing (measured 3e-2 at 2e-9 absolute); for the same reason
     # AdamW's normalised update of those entries is not compared.
     assert report["max_floored_grad_err"] < 1e-5, report
-
-
-def test_verify_refuses_sequence_parallel_for_hybrids(forest_file, capsys):
-    assert verify_main(["--data", forest_file, "--model", QWEN3_5, "--sequence-parallel", "2"]) == 2
-    assert "--sequence-parallel would need each shard's recurrent state handed from the previous rank" in (
-        capsys.readouterr().err
-    )

@@ -148,8 +148,6 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
     """The exit code and the report (``None`` after bad input, reported on stderr)."""
     from ds_tree.data import load_trajectories
     from ds_tree.engine.dfs import DfsSettings
-    from ds_tree.models.hybrid import is_hybrid
-    from ds_tree.models.loading import load_config
     from ds_tree.verify.sequence_parallel import sequence_parallel_report
     from ds_tree.verify.sequence_parallel_rl import sequence_parallel_rl_report
     from ds_tree.verify.tree_vs_flat import compare, compare_rl
@@ -165,12 +163,6 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
         if args.limit is not None:
             trajectories = trajectories[: args.limit]
         common = dict(dtype=args.dtype, seed=args.seed, budget=args.budget, block=args.block, attention=args.attention)
-        if args.sequence_parallel > 1 and is_hybrid(load_config(args.model)):
-            raise ValueError(
-                f"{args.model}: a hybrid model's recurrent layers run on whole packed rows or dfs chunks only: "
-                "--sequence-parallel would need each shard's recurrent state handed from the previous rank "
-                '(refused; docs/MODELS.md, "Hybrid models")'
-            )
         if objective is None and args.sequence_parallel > 1 and dfs is not None:
             from ds_tree.verify.dfs_sequence_parallel import dfs_sequence_parallel_report
 

@@ -32,28 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
 
 from ds_tree.attention.cached import PathCache
 from ds_tree.engine.dfs import ChunkInputs
 from ds_tree.engine.runners import RunContext, WalkedRunner, register_runner
+from ds_tree.models.head_parallel import exchange, sequence_parallel_group
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
 from ds_tree.packing.dfs_shards import DfsRowShard, shard_length
 from ds_tree.packing.rows import PackedRow
-
-
-def sequence_parallel_group():
-    """The sequence-parallel process group DeepSpeed's Ulysses registration made
-    (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`)."""
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    return parallel_state_sp.get_sequence_parallel_group()
-
-
-def _exchange(tensor: torch.Tensor, group) -> torch.Tensor:
-    """Differentiable all-to-all over dimension 0 (one slice per rank of ``group``)."""
-    tensor = tensor.contiguous()  # (an output ``empty_like`` a strided view would keep its strides, and be misread)
-    return all_to_all_single(torch.empty_like(tensor), tensor, group=group)
 
 
 @dataclass
@@ -76,7 +62,7 @@ class ChunkShards:
             tensor = tensor.repeat_interleave(self.size // heads, dim=1)
             heads = self.size
         split = tensor.reshape(batch, self.size, heads // self.size, length, dim).transpose(0, 1)
-        gathered = _exchange(split, self.group)  # [S (shard), B, H / S, L, D]
+        gathered = exchange(split, self.group)  # [S (shard), B, H / S, L, D]
         return gathered.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * length, dim)
 
     def to_shards(self, output: torch.Tensor) -> torch.Tensor:
@@ -84,7 +70,7 @@ class ChunkShards:
         batch, padded, heads, dim = output.shape
         length = padded // self.size
         split = output.reshape(batch, self.size, length, heads, dim).transpose(0, 1)
-        gathered = _exchange(split, self.group)  # [S (head group), B, L, H / S, D]
+        gathered = exchange(split, self.group)  # [S (head group), B, L, H / S, D]
         return gathered.permute(1, 2, 0, 3, 4).reshape(batch, length, self.size * heads, dim)
 
     def attention(self, core: Callable, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -26,6 +26,10 @@ next to the attention layers' keys and values (:class:`ChunkContext`); the walk 
 leaves that require grad for the chunks below and hands their gradients back through its
 surrogate, as it does the keys' and values'.
 
+Under sequence parallelism a mixer gets one shard of a row (or of a dfs chunk) and the whole row's
+``kv_end``: it exchanges its shard's projections for the whole row of its heads, runs the same scan over
+every node for those heads and returns to shards (:mod:`ds_tree.models.head_parallel`).
+
 Supported mixers (:data:`TREE_MIXERS`): ``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet`` and
 ``Qwen3NextGatedDeltaNet`` (``qwen3_5_text``, ``qwen3_5_moe_text``, ``qwen3_next``), ``BambaMixer``,
 ``NemotronHMamba2Mixer`` and ``FalconH1Mixer`` (``bamba``, ``nemotron_h``, ``falcon_h1``). Other
@@ -42,6 +46,13 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ds_tree.models.head_parallel import (
+    HeadShards,
+    channels_of,
+    head_block,
+    shared_block,
+    sliced_conv_forward,
+)
 from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2, compute_dtype
 from ds_tree.models.tree_nodes import TreeNodes, chain_nodes, tree_nodes
 
@@ -73,7 +84,12 @@ def is_hybrid(config) -> bool:
 
 # ----------------------------------------------------------------------------------- shared steps
 def tree_conv(
-    conv: torch.nn.Conv1d, inputs: torch.Tensor, nodes: TreeNodes, activation: str, taps: torch.Tensor | None = None
+    conv: torch.nn.Conv1d,
+    inputs: torch.Tensor,
+    nodes: TreeNodes,
+    activation: str,
+    taps: torch.Tensor | None = None,
+    channels: list[int] | None = None,
 ) -> torch.Tensor:
     """Depthwise causal convolution of ``inputs`` ``[1, N, C]`` along root paths, then ``activation``.
 
@@ -92,7 +108,9 @@ def tree_conv(
         padded = torch.cat([padded, taps.to(inputs.dtype)[None]], dim=1)
         index = torch.where(gather >= -1, index, n + 1 + (-2 - gather))
     laid_out = padded[:, index].transpose(1, 2)
-    out = conv(laid_out.to(conv.weight.dtype))[:, :, : laid_out.shape[-1]][:, :, place]
+    laid_out = laid_out.to(conv.weight.dtype)
+    out = conv(laid_out) if channels is None else conv(laid_out, channels=channels)
+    out = out[:, :, : laid_out.shape[-1]][:, :, place]
     return ACT2FN[activation](out).transpose(1, 2).to(inputs.dtype)
 
 
@@ -170,23 +188,37 @@ class ChunkContext:
 
 def _tree_inputs(
     self, hidden_states: torch.Tensor, kwargs: dict, cache
-) -> tuple[TreeNodes | None, ChunkContext | None]:
-    """The row's nodes (None for a plain sequence, no ``kv_end``: the stock forward is right) and,
-    for a dfs chunk (the ``path_cache`` kwarg), its :class:`ChunkContext`."""
+) -> tuple[TreeNodes | None, ChunkContext | None, HeadShards | None]:
+    """The row's nodes (None for a plain sequence, no ``kv_end``: the stock forward is right), for a dfs
+    chunk (the ``path_cache`` kwarg) its :class:`ChunkContext`, and for a sequence-parallel shard (fewer
+    tokens than ``kv_end``: :class:`~ds_tree.packing.sequence_parallel.RowShard`) its group's
+    :class:`~ds_tree.models.head_parallel.HeadShards` (the nodes are then the whole row's)."""
     kv_end = kwargs.get("kv_end")
     path_cache = kwargs.get("path_cache")
     if kv_end is None and path_cache is None:
-        return None, None
+        return None, None, None
     if cache is not None:
         raise ValueError("a recurrent layer on a packed tree runs without a cache (use_cache=False)")
-    if kv_end is not None and hidden_states.shape[:2] != kv_end.shape:
-        raise ValueError(
-            f"a recurrent layer got {tuple(hidden_states.shape[:2])} tokens and kv_end {tuple(kv_end.shape)}: "
-            "it runs on whole packed rows (sequence-parallel shards are not supported for hybrid models)"
-        )
-    nodes = tree_nodes(kv_end) if kv_end is not None else chain_nodes(int(hidden_states.shape[1]))
+    chunk_shards = kwargs.get("chunk_shards")
+    shards = None
+    if chunk_shards is not None:  # a dfs chunk sharded over the group (ds_tree/engine/dfs_sequence_parallel.py)
+        shards = HeadShards.of_group(chunk_shards.group)
+        kv_end = chunk_shards.kv_end  # the padded chunk's (its padding: roots of one token); None: a chain chunk
+        if kv_end is None:  # the chain's real tokens only: its final state is the one its children start from
+            nodes = chain_nodes(chunk_shards.n_real)
+    elif kv_end is not None and hidden_states.shape[:2] != kv_end.shape:
+        if hidden_states.shape[0] != 1 or kv_end.shape[0] != 1:
+            raise ValueError(
+                f"a recurrent layer got {tuple(hidden_states.shape[:2])} tokens and kv_end {tuple(kv_end.shape)}: "
+                "a sequence-parallel shard is one row"
+            )
+        shards = HeadShards.of_shard(int(hidden_states.shape[1]), int(kv_end.shape[1]))
+    if kv_end is not None:
+        nodes = tree_nodes(kv_end)
+    elif chunk_shards is None:
+        nodes = chain_nodes(int(hidden_states.shape[1]))
     if path_cache is None:
-        return nodes, None
+        return nodes, None, shards
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a dfs chunk is one sequence, got a batch of {hidden_states.shape[0]}")
     layer = self.layer_idx
@@ -199,7 +231,25 @@ def _tree_inputs(
                 "must be a chain chunk, which records its last token's state; see ds_tree/packing/dfs_chunks.py)"
             )
         state, taps = parent[state_key(layer)]
-    return nodes, ChunkContext(path_cache, layer, state, taps, records=kv_end is None)
+    return nodes, ChunkContext(path_cache, layer, state, taps, records=kv_end is None), shards
+
+
+def _to_heads(
+    shards: HeadShards, nodes: TreeNodes, layout: tuple[list[list[int]], list[list[int]]], pre_conv, *per_head
+) -> tuple[list[int], list[torch.Tensor]]:
+    """This rank's conv channels, and ``pre_conv`` ``[1, n, C]`` and the ``per_head`` tensors ``[n, H]`` of its
+    shard exchanged for the whole row of its heads (``layout``: every rank's pre-conv channels and heads);
+    rows past ``nodes`` (a sharded chain chunk's padding) are left out of the scan."""
+    pre_conv_channels, heads = layout
+    real = nodes.n_tokens
+    exchanged = [shards.to_heads(pre_conv[0], pre_conv_channels)[None, :real]]
+    exchanged += [shards.to_heads(tensor, heads)[:real] for tensor in per_head]
+    return pre_conv_channels[shards.position], exchanged
+
+
+def _padded(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` ``[n, C]`` with zero rows appended up to ``rows`` (a sharded chain chunk's padding)."""
+    return F.pad(tensor, (0, 0, 0, rows - tensor.shape[0]))
 
 
 def _chunk_taps(context: ChunkContext, inputs: torch.Tensor, width: int) -> torch.Tensor:
@@ -211,46 +261,66 @@ def _chunk_taps(context: ChunkContext, inputs: torch.Tensor, width: int) -> torc
 # ------------------------------------------------------------------------------- Gated DeltaNet
 def gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """``Qwen3_5GatedDeltaNet.forward`` over the tree of ``kwargs['kv_end']`` (module docstring)."""
-    nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
+    nodes, context, shards = _tree_inputs(self, hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     projected = self.in_proj_qkv(hidden_states)
     z = self.in_proj_z(hidden_states)
     b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
-    return _gated_delta_tree(self, hidden_states.shape, nodes, context, projected, z, b, a)
+    return _gated_delta_tree(self, hidden_states.shape, nodes, context, shards, projected, z, b, a)
 
 
 def qwen3_next_gated_delta_net_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """``Qwen3NextGatedDeltaNet.forward`` over the tree of ``kwargs['kv_end']``: Qwen3.5's layer with
     fused projections (``in_proj_qkvz``, ``in_proj_ba``, grouped per key head; the model's own
     ``fix_query_key_value_ordering`` unpacks them)."""
-    nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
+    nodes, context, shards = _tree_inputs(self, hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     query, key, value, z, b, a = self.fix_query_key_value_ordering(
         self.in_proj_qkvz(hidden_states), self.in_proj_ba(hidden_states)
     )
     projected = torch.cat([x.reshape(*x.shape[:2], -1) for x in (query, key, value)], dim=-1)
-    return _gated_delta_tree(self, hidden_states.shape, nodes, context, projected, z, b, a)
+    return _gated_delta_tree(self, hidden_states.shape, nodes, context, shards, projected, z, b, a)
 
 
-def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | None, projected, z, b, a):
+def _gated_delta_channels(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per rank of ``size``: its pre-conv channels (q and k of its key heads, v of its value heads) and its
+    value heads (:mod:`ds_tree.models.head_parallel`)."""
+    key_heads = [shared_block(self.num_k_heads, self.num_v_heads, size, q) for q in range(size)]
+    value_heads = [head_block(self.num_v_heads, size, q) for q in range(size)]
+    k, v = self.head_k_dim, self.head_v_dim
+    pre_conv = [
+        channels_of([(0, k, keys), (self.key_dim, k, keys), (2 * self.key_dim, v, values)])
+        for keys, values in zip(key_heads, value_heads, strict=True)
+    ]
+    return pre_conv, [channels_of([(0, 1, values)]) for values in value_heads]
+
+
+def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | None, shards, projected, z, b, a):
     """The Gated DeltaNet mixer from its projections: ``projected`` ``[1, N, 2 Dk + Dv]`` (pre-conv q, k, v),
-    ``z`` (the output gate, ``N * Hv`` heads of ``Dv``), ``b``, ``a`` ``[1, N, Hv]``."""
+    ``z`` (the output gate, ``N * Hv`` heads of ``Dv``), ``b``, ``a`` ``[1, N, Hv]``. With ``shards`` they
+    are this rank's shard of the row, exchanged for the whole row of its heads around the scan."""
     batch, length, _ = shape
-    taps = None if context is None else context.taps
-    if context is not None and taps is None:  # a root chunk: its paths start at the chunk
-        taps = projected.new_zeros(self.conv1d.kernel_size[0] - 1, projected.shape[-1])
-    mixed = tree_conv(self.conv1d, projected, nodes, self.activation, taps)
-    query, key, value = torch.split(mixed[0], [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-    query = query.reshape(length, -1, self.head_k_dim)
-    key = key.reshape(length, -1, self.head_k_dim)
-    value = value.reshape(length, -1, self.head_v_dim)
-    z = z.reshape(-1, self.head_v_dim)
     beta = b.reshape(length, -1).sigmoid()
     # The stock layer takes A_log and a in float32 (".float()", against -inf in fp16): at least float32.
     dtype = compute_dtype(projected.dtype)
     g = -self.A_log.to(dtype).exp() * F.softplus(a.reshape(length, -1).to(dtype) + self.dt_bias)
+    channels, key_dim, value_dim = None, self.key_dim, self.value_dim
+    if shards is not None:
+        layout = _gated_delta_channels(self, shards.size)
+        channels, (projected, beta, g) = _to_heads(shards, nodes, layout, projected, beta, g)
+        key_dim = len(shared_block(self.num_k_heads, self.num_v_heads, shards.size, 0)) * self.head_k_dim
+        value_dim = value_dim // shards.size
+    taps = None if context is None else context.taps
+    if context is not None and taps is None:  # a root chunk: its paths start at the chunk
+        taps = projected.new_zeros(self.conv1d.kernel_size[0] - 1, projected.shape[-1])
+    mixed = tree_conv(self.conv1d, projected, nodes, self.activation, taps, channels)
+    rows = mixed.shape[1]
+    query, key, value = torch.split(mixed[0], [key_dim, key_dim, value_dim], dim=-1)
+    query = query.reshape(rows, -1, self.head_k_dim)
+    key = key.reshape(rows, -1, self.head_k_dim)
+    value = value.reshape(rows, -1, self.head_v_dim)
 
     def scan(gathered, initial):
         return chunk_gated_delta_rule(*gathered, initial, chunk=GATED_DELTA_CHUNK, l2_norm_qk=True)
@@ -259,14 +329,29 @@ def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | Non
     core, final = scan_levels(nodes, GATED_DELTA_CHUNK, [query, key, value, g, beta], scan, root_state)
     if context is not None:
         context.record(final[0], _chunk_taps(context, projected[0], self.conv1d.kernel_size[0] - 1))
-    core = self.norm(core.reshape(-1, self.head_v_dim), z)
+    if shards is not None:
+        core = shards.to_shards(_padded(core.reshape(rows, -1), shards.size * length))
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(batch, length, -1))
 
 
 # ------------------------------------------------------------------------------------------ Mamba2
+def _mamba2_channels(self, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per rank of ``size``: its pre-conv channels (x of its heads, B and C of the groups they read) and its heads."""
+    heads = [head_block(self.num_heads, size, q) for q in range(size)]
+    groups = [shared_block(self.n_groups, self.num_heads, size, q) for q in range(size)]
+    n, x_width = self.ssm_state_size, self.intermediate_size
+    pre_conv = [
+        channels_of([(0, self.head_dim, mine), (x_width, n, read), (x_width + self.n_groups * n, n, read)])
+        for mine, read in zip(heads, groups, strict=True)
+    ]
+    return pre_conv, [channels_of([(0, 1, mine)]) for mine in heads]
+
+
 def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """``BambaMixer.forward`` (its torch path) over the tree of ``kwargs['kv_end']`` (module docstring)."""
-    nodes, context = _tree_inputs(self, hidden_states, kwargs, cache)
+    """``BambaMixer.forward`` (its torch path) over the tree of ``kwargs['kv_end']`` (module docstring); with a
+    sequence-parallel shard, head-parallel (:mod:`ds_tree.models.head_parallel`)."""
+    nodes, context, shards = _tree_inputs(self, hidden_states, kwargs, cache)
     if nodes is None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     batch, length, _ = hidden_states.shape
@@ -276,28 +361,38 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     if falcon:
         projected = projected * self.mup_vector
     gate, pre_conv, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+    work = compute_dtype(dtype)
+    # dt discretised before the scan (the stock scan does it inside): padding must have dt = 0 exactly.
+    dt = F.softplus(dt[0].to(work) + self.dt_bias.to(work)).clamp(*self.time_step_limit)
+    A, D = -torch.exp(self.A_log.to(work)), self.D
+    channels, heads, groups = None, self.num_heads, self.n_groups
+    if shards is not None:
+        layout = _mamba2_channels(self, shards.size)
+        channels, (pre_conv, dt) = _to_heads(shards, nodes, layout, pre_conv, dt)
+        mine = torch.as_tensor(layout[1][shards.position], device=A.device)
+        A, D, heads = A[mine], D[mine], len(mine)
+        groups = len(shared_block(self.n_groups, self.num_heads, shards.size, 0))
     taps = None if context is None else context.taps
     if context is not None and taps is None:  # a root chunk: its paths start at the chunk
         taps = pre_conv.new_zeros(self.conv1d.kernel_size[0] - 1, pre_conv.shape[-1])
-    xbc = tree_conv(self.conv1d, pre_conv, nodes, self.activation, taps)[0]
+    xbc = tree_conv(self.conv1d, pre_conv, nodes, self.activation, taps, channels)[0]
+    rows = xbc.shape[0]
     x, B, C = torch.split(
-        xbc, [self.intermediate_size, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1
+        xbc, [heads * self.head_dim, groups * self.ssm_state_size, groups * self.ssm_state_size], dim=-1
     )
-    work = compute_dtype(dtype)
-    A = -torch.exp(self.A_log.to(work))
-    # dt discretised before the scan (the stock scan does it inside): padding must have dt = 0 exactly.
-    dt = F.softplus(dt[0].to(work) + self.dt_bias.to(work)).clamp(*self.time_step_limit)
-    x = x.reshape(length, self.num_heads, self.head_dim)
-    B = B.reshape(length, self.n_groups, self.ssm_state_size)
-    C = C.reshape(length, self.n_groups, self.ssm_state_size)
+    x = x.reshape(rows, heads, self.head_dim)
+    B = B.reshape(rows, groups, self.ssm_state_size)
+    C = C.reshape(rows, groups, self.ssm_state_size)
 
     def scan(gathered, initial):
-        return chunk_mamba2(gathered[0], gathered[1], A, gathered[2], gathered[3], self.D, initial, self.chunk_size)
+        return chunk_mamba2(gathered[0], gathered[1], A, gathered[2], gathered[3], D, initial, self.chunk_size)
 
     root_state = None if context is None else context.state
     y, final = scan_levels(nodes, self.chunk_size, [x, dt, B, C], scan, root_state)
     if context is not None:
         context.record(final[0], _chunk_taps(context, pre_conv[0], self.conv1d.kernel_size[0] - 1))
+    if shards is not None:
+        y = shards.to_shards(_padded(y.reshape(rows, -1), shards.size * length))
     y = y.reshape(batch, length, -1)
     if falcon and not self.mamba_rms_norm:  # Falcon-H1 without its gated norm: the gate alone
         y = y * F.silu(gate.to(y.dtype))
@@ -407,6 +502,7 @@ def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype) -> int:
         name = type(module).__name__
         if name in TREE_MIXERS:
             module.forward = TREE_MIXERS[name].__get__(module)
+            module.conv1d.forward = sliced_conv_forward.__get__(module.conv1d)
             installed += 1
         elif float64 and name in FLOAT64_GATED_NORMS:
             module.forward = FLOAT64_GATED_NORMS[name].__get__(module)

@@ -12,23 +12,14 @@ from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
 
 def check_hybrid_settings(config, model_config) -> None:
     """Refuse, before anything is built, what the recurrent layers cannot do (a ``ConfigError``
-    naming the field): sequence-parallel shards would each need the previous shard's final recurrent
-    and conv state, a sequential hand-off across the group (refused: docs/MODELS.md, "Hybrid models");
-    online RL samples with the in-process tree sampler only (it forks the recurrent states). Packed
-    rows, split parts and the dfs walk carry the states exactly."""
+    naming the field): online RL samples with the in-process tree sampler only (it forks the recurrent
+    states, Falcon-H1's combined cache layer included). Packed rows, split parts, the dfs walk and
+    sequence-parallel rows and walks (head-parallel, :mod:`ds_tree.models.head_parallel`) carry the
+    states exactly."""
     if not is_hybrid(model_config):
         return
     kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
     what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
-    packing, parallel = config.packing, config.parallel
-    if parallel.sequence_parallel_size > 1 or packing.over_budget == "sequence_parallel":
-        raise ConfigError(
-            f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard's "
-            "recurrent and conv state is the previous shard's final state, so the ranks of the group would run "
-            "every recurrent layer one after another (forward and backward): refused for hybrids (docs/MODELS.md, "
-            '"Hybrid models"). For trees over the budget use packing.over_budget: dfs (the walk carries the '
-            "states exactly, in one path plus one chunk of memory) and parallel.sequence_parallel_size: 1"
-        )
     if config.rollout.enabled and config.rollout.engine != "hf":
         raise ConfigError(
             f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "

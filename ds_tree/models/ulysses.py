@@ -9,7 +9,9 @@ returns to shards with a second all-to-all.
 
 The same model also computes rows one rank holds alone. :func:`enable_sequence_parallel` therefore
 gives the model a dispatcher: a query shorter than ``kv_end`` (a shard) goes through Ulysses, a query
-as long as ``kv_end`` (a whole row) straight to the tree attention.
+as long as ``kv_end`` (a whole row) straight to the tree attention. A hybrid's recurrent mixers see
+the same shard and whole-row ``kv_end`` and make their own head-parallel exchange
+(:mod:`ds_tree.models.head_parallel`) over the group this registration built.
 
 Gradient scale: the engine is built without DeepSpeed's ``mpu``, so ZeRO sees all ranks as one
 data-parallel group and divides the summed gradient by the world size at every stage; the trainer's
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ds_tree.errors import ConfigError
+from ds_tree.models.head_parallel import check_recurrent_heads
 
 SUFFIX = "_sequence_parallel"
 """Added to the tree attention's name for its sequence-parallel dispatcher."""
@@ -85,7 +88,8 @@ def check_dfs_sequence_parallel(config, model_config) -> None:
 
 
 def check_heads(model_config, size: int, source: str) -> None:
-    """Refuse a model whose heads Ulysses cannot split over ``size`` ranks (config error naming both)."""
+    """Refuse a model whose heads Ulysses cannot split over ``size`` ranks (config error naming both), a
+    hybrid's recurrent heads included (:func:`~ds_tree.models.head_parallel.check_recurrent_heads`)."""
     if size == 1:
         return
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -101,6 +105,7 @@ def check_heads(model_config, size: int, source: str) -> None:
             f"parallel.sequence_parallel_size={size}: model.source {source} has {kv_heads} key/value heads, "
             f"which neither divide {size} nor are a multiple of it"
         )
+    check_recurrent_heads(text, size, source)
 
 
 def enable_sequence_parallel(model, size: int) -> SequenceParallelGroup:
