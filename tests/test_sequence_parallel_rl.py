@@ -216,6 +216,37 @@ def test_moe_router_loss_under_sequence_parallelism_equals_flat_in_float64(tmp_p
         assert report[error] < 1e-10, (error, report)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--objective", "grpo"],
+        ["--objective", "grpo", "--dfs-chunk", "24"],
+        ["--dfs-chunk", "24"],
+    ],
+    ids=["grpo", "grpo-dfs", "sft-dfs"],
+)
+def test_moe_router_loss_with_rl_and_sharded_walks_equals_flat_in_float64(tmp_path: Path, options: list[str]) -> None:
+    """The router load-balancing loss under sequence parallelism with GRPO (sharded rows, and trees walked by
+    the group with each rank forwarding one shard of every chunk) and with SFT in sharded walks: the shards'
+    (chunk shards') top-k counts are summed over the group, so loss, router loss, every gradient (and for
+    GRPO the old log-probs and metrics) equal the single-process flat ones."""
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    command = [
+        sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data),
+        "--model", str(ROOT / "configs/models/tiny_qwen3_moe.json"), "--budget", str(BUDGET), "--block", str(BLOCK),
+        "--sequence-parallel", "2", "--router-aux-loss-coef", "0.5", "--limit", "6", *options,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["router_aux_loss_coef"] == 0.5, report
+    assert report.get("sharded_rows", 0) >= 2 or report.get("walked_trees", 0) >= 2, report
+    assert report["router_aux_flat"] > 1.0  # E * sum_e f_e P_e: K = 2 when balanced
+    # float64: measured ~2e-16 (loss, router loss), ~1.5e-15 (gradients)
+    for error in ("loss_rel_err", "router_aux_rel_err", "max_rel_grad_err"):
+        assert report[error] < 1e-10, (error, report)
+
+
 def test_bench_rl_under_sequence_parallelism_times_tree_against_flat(tmp_path: Path) -> None:
     """``bench --objective grpo --sequence-parallel 2``: both modes sharded as the trainer shards them, one
     measured step each from the same weights (their first losses agree to float32 round-off)."""
