@@ -59,12 +59,6 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
         return
     if world_size % size:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) does not divide the world size ({world_size})")
-    if config.packing.mode == "tree" and config.packing.over_budget == "dfs":
-        raise ConfigError(
-            f"parallel.sequence_parallel_size ({size}) > 1 does not combine with packing.over_budget=dfs (not built): "
-            "set packing.over_budget=sequence_parallel to shard long paths, or packing.mode=dfs to walk every tree "
-            "with its chunks sharded over the group"
-        )
     check_heads(model_config, size, config.model.source)
 
 
