@@ -5,6 +5,7 @@ float64 (tiny Qwen3-MoE with its router load-balancing loss, so the sharded walk
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,9 @@ def test_the_plan_walks_the_long_trees_over_their_group_and_packs_the_others(tra
     assert walked_trees.isdisjoint(packed_trees) and walked_trees | packed_trees == set(longest)
     assert {tree for tree, tokens in longest.items() if tokens > BUDGET} == walked_trees and len(walked_trees) == 2
     assert "(over_budget: dfs), its chunks sharded over 2 ranks" in plan.explain()
+    # the flat layout walks nothing (over_budget applies to tree mode): long trajectories go to sharded rows
+    flat = plan_step(trajectories, replace(_plan(), mode="flat", budget=256), world_size=2)
+    assert {row.kind for items in flat.ranks for row in items} == {"shard", "packed"}
 
 
 def _rank(rank: int, trajectories, options: dict) -> dict | None:
@@ -130,3 +134,35 @@ def test_the_memory_plan_shards_the_walk_of_over_budget_trees(tmp_path: Path) ->
         model_config = load_model_config(loaded.model.source)
         walks[size] = plan_of(loaded, str(config), model_config, 2, 80.0, path_tokens=4096)["dfs"]
     assert walks[2]["without_recompute"]["peak"] < walks[1]["without_recompute"]["peak"]
+
+
+@pytest.mark.distributed
+def test_two_ranks_zero3_walk_the_long_trees_and_pack_the_others_as_the_flat_step(tmp_path: Path) -> None:
+    """The trainer's update on 2 ranks, S = 2, ZeRO-3 (lockstep schedule, gradient accumulation): trees over
+    the budget walked by the group and the short ones packed in one update equal the float64 flat step
+    (float32 round-off), and a training step with its self-check runs (``tests/distributed/sp_grad_check.py``)."""
+    import json
+
+    from tests.test_engine import torchrun, write_config
+    from tests.test_sequence_parallel import BLOCK as SP_BLOCK
+    from tests.test_sequence_parallel import BUDGET as SP_BUDGET
+    from tests.test_sequence_parallel import DFS_CHUNK, one_kv_head_model, write_accumulating_ds_config, write_cases
+
+    data = write_cases(tmp_path / "cases.jsonl")
+    zero3 = write_accumulating_ds_config(tmp_path / "zero3.json", 3)
+    packing = {"budget": SP_BUDGET, "block": SP_BLOCK, "over_budget": "dfs", "dfs_chunk": DFS_CHUNK}
+    model = {"source": str(one_kv_head_model(tmp_path / "model.json"))}
+    config = write_config(tmp_path, data, model=model, packing=packing, parallel={"sequence_parallel_size": SIZE})
+    out = tmp_path / "report.json"
+    torchrun(
+        "tests/distributed/sp_grad_check.py", "--config", str(config), "--out", str(out),
+        "--deepspeed", str(zero3), "--dfs-chunk", str(DFS_CHUNK), timeout=600,
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    mixed = [run for run in report["runs"] if run["mode"] == "tree" and run["case"] == "forest"]
+    assert len(mixed) == 1 and mixed[0]["sharded_rows"] >= 1 and mixed[0]["own_rows"] >= 1, report  # both kinds
+    for run in report["runs"]:  # float32 against the float64 flat step
+        assert run["loss_rel_err"] < 1e-6 and run["max_rel_grad_err"] < 1e-5 and run["grad_norm_rel_err"] < 1e-5, run
+    assert (
+        np.isfinite(report["train_step_loss"]) and report["train_step_selfcheck"]["selfcheck/max_grad_rel_err"] < 1e-5
+    )

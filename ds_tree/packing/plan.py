@@ -184,7 +184,7 @@ def plan_step(trajectories: Sequence[Trajectory], settings: PlanSettings, world_
         )
         packed = sum(row.n_tokens for rows in ranks[::size] for row in rows)
         return StepPlan(ranks, counts.flat_tokens, counts.tree_tokens, packed, settings)
-    if settings.sequence_parallel_size > 1 and settings.over_budget == "dfs":
+    if settings.sequence_parallel_size > 1 and settings.mode == "tree" and settings.over_budget == "dfs":
         return _walked_over_budget(layout, counts.flat_tokens, counts.tree_tokens, settings, world_size)
     if settings.sequence_parallel_size > 1:
         rows = plan_sequence_parallel_rows(
