@@ -169,13 +169,15 @@ class RLSteps:
 
     def warmup_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
         """A step of ``rollout.env.warmup_steps``: as many SFT updates as an RL step has (the schedule
-        counts them alike), each on the environment's demonstrations (docs/ENVIRONMENTS.md)."""
+        counts them alike), each on the environment's demonstrations (docs/ENVIRONMENTS.md), an MoE model's
+        router load-balancing loss included as in an SFT run."""
         plans, losses, grad_norm = [], [], None
         for update in range(self.config.objective.updates_per_step):
             trajectories = self.online.demonstrations(step, update)
             self.last_trajectories = trajectories
             plan = self.plan_rows(trajectories)
-            output = self.forward_backward(plan.rows)
+            router_aux = RouterAuxLoss.of_model(self.engine, self.config.model.router_aux_loss_coef, plan.flat_tokens)
+            output = self.forward_backward(plan.rows, router_aux=router_aux)  # the SFT objective, router loss included
             loss, grad_norm = self.apply_update(step + 1, output.loss)
             plans.append(plan)
             losses.append(loss)
