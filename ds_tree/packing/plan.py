@@ -226,11 +226,9 @@ def _walked_over_budget(
     kinds are balanced separately: the walks over the groups, the rows over the ranks."""
     size, chunk = settings.sequence_parallel_size, settings.dfs_chunk or settings.budget
     packed_trees, walked = split_over_budget(trees, settings.mode, settings.over_budget, settings.budget)
-    cost = (settings.cost_per_token, settings.cost_per_pair)
-    shards = plan_walked_shards(walked, world_size, size, chunk, *cost, settings.pad_id)
-    rows = rows_per_rank(
-        tree_parts(packed_trees, settings), world_size, settings.budget, settings.block, *cost, pad_id=settings.pad_id
-    )
+    cost = dict(cost_per_token=settings.cost_per_token, cost_per_pair=settings.cost_per_pair, pad_id=settings.pad_id)
+    shards = plan_walked_shards(walked, world_size, size, chunk, **cost)
+    rows = rows_per_rank(tree_parts(packed_trees, settings), world_size, settings.budget, settings.block, **cost)
     ranks = [walks + [row for row in own if row.n_real] for walks, own in zip(shards, rows, strict=True)]
     packed = sum(row.n_tokens for walks in shards[::size] for row in walks)  # a walk once per group
     packed += sum(row.n_tokens for own in rows for row in own if row.n_real)
