@@ -216,18 +216,14 @@ def test_moe_router_loss_under_sequence_parallelism_equals_flat_in_float64(tmp_p
 
 @pytest.mark.parametrize(
     "options",
-    [
-        ["--objective", "grpo"],
-        ["--objective", "grpo", "--dfs-chunk", "24"],
-        ["--dfs-chunk", "24"],
-    ],
-    ids=["grpo", "grpo-dfs", "sft-dfs"],
+    [["--objective", "grpo"], ["--objective", "grpo", "--dfs-chunk", "24"]],
+    ids=["grpo", "grpo-dfs"],
 )
 def test_moe_router_loss_with_rl_and_sharded_walks_equals_flat_in_float64(tmp_path: Path, options: list[str]) -> None:
     """The router load-balancing loss under sequence parallelism with GRPO (sharded rows, and trees walked by
-    the group with each rank forwarding one shard of every chunk) and with SFT in sharded walks: the shards'
-    (chunk shards') top-k counts are summed over the group, so loss, router loss, every gradient (and for
-    GRPO the old log-probs and metrics) equal the single-process flat ones."""
+    the group with each rank forwarding one shard of every chunk): the shards' (chunk shards') top-k counts
+    are summed over the group, so loss, router loss, every gradient, the old log-probs and the metrics equal
+    the single-process flat ones (SFT in sharded walks: tests/test_walked_over_budget.py)."""
     data = write_rl_cases(tmp_path / "rl.jsonl")
     command = [
         sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data),
