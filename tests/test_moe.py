@@ -3,7 +3,9 @@
 The aux loss is per trajectory, so the tree must weight each shared token's router statistics by
 the trajectories through it. Tree and flat must agree on its value and on every gradient in
 float64, whole and split; its value must be transformers' own ``load_balancing_loss_func`` on each
-trajectory alone; and counting each tree token once instead must fail.
+trajectory alone; and counting each tree token once instead must fail. With an RL objective the same
+term is added to the clipped objective (docs/RL.md): tree, walk and flat agree on Qwen3-MoE and the
+hybrid Qwen3-Next, and the tree equals an oracle built on stock transformers, one trajectory at a time.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from ds_tree.comparison import gradient_errors
 from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.models.loading import load_model
-from ds_tree.models.moe import RouterAuxLoss, router_modules
+from ds_tree.losses.advantages import estimate
+from ds_tree.losses.rl import RLSettings, trajectory_coefficients
+from ds_tree.models.loading import keep_norms_in_float64, load_model
+from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.moe import RouterAuxLoss, router_modules, use_float64_routing
 from ds_tree.trees.random_trees import TreeShape, random_forest
-from ds_tree.verify.tree_vs_flat import run_mode
+from ds_tree.verify.tree_vs_flat import compare_rl, rl_policies, run_mode, run_rl_mode
+from tests.rollouts import rl_trajectories
 from tests.test_engine import launch_training, prepare, write_config, write_forest
+from tests.test_rl_engine import write_rollouts
 
 EXACT = 1e-10
 BASE = dict(
@@ -158,9 +165,13 @@ def test_coefficient_config(tmp_path):
         load_config(write_config(tmp_path, data, model={"router_aux_loss_coef": -1}))
     with pytest.raises(ConfigError, match=r"model.router_aux_loss_coef must be float"):
         load_config(write_config(tmp_path, data, model={"router_aux_loss_coef": "much"}))
-    rl = write_config(tmp_path, data, model={"router_aux_loss_coef": 0.01}, objective={"kind": "grpo"})
-    with pytest.raises(ConfigError, match=r"model.router_aux_loss_coef: .* SFT objective only"):
-        prepare(rl)
+    source = "configs/models/tiny_qwen3_moe.json"  # RL objectives add the loss too (no longer refused)
+    rollouts = write_rollouts(tmp_path / "rollouts.jsonl")
+    model = {"source": source, "router_aux_loss_coef": 0.01}
+    rl = write_config(tmp_path, rollouts, model=model, objective={"kind": "grpo"})
+    assert prepare(rl, f"output_dir={tmp_path / 'rl'}").config.model.router_aux_loss_coef == 0.01
+    walked = ["packing.mode=dfs", "parallel.sequence_parallel_size=2", f"output_dir={tmp_path / 'walked'}"]
+    assert prepare(rl, *walked, world_size=2).dfs_settings is not None  # sharded walks too (no longer refused)
 
 
 @pytest.mark.distributed
@@ -184,5 +195,139 @@ def test_two_rank_training_logs_the_flat_router_aux_loss(tmp_path):
     model = load_model(source, attention="torch", seed=trainer.config.model.seed)
     aux = RouterAuxLoss.of_model(model, 0.5, sum(len(t) for t in trajectories))
     flat = run_mode(model, trajectories, "flat", 4096, 1, "token_mean", "exact", router_aux=aux)
+    assert record["loss/router_aux"] == pytest.approx(flat.router_aux, rel=1e-5)
+    assert record["loss/train"] == pytest.approx(flat.loss, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ RL
+RL_MODELS = {"qwen3_moe": "configs/models/tiny_qwen3_moe.json", "qwen3_next": "configs/models/tiny_qwen3_next.json"}
+
+
+@pytest.mark.parametrize("name", list(RL_MODELS))
+def test_rl_router_aux_loss_tree_and_walk_equal_flat(name):
+    """GRPO with the router loss (float64, the trained policy moved off the old one): split tree parts and
+    a walk in chunks of 16 tokens give the flat loss, router loss, metrics and every gradient."""
+    report = compare_rl(rl_trajectories(), RL_MODELS[name], budget=64, router_aux_loss_coef=0.5, dfs=DfsSettings(16))
+    assert report["passed"] and report["rows_tree"] > 1 and report["router_aux_loss_coef"] == 0.5, report
+    assert report["router_aux_flat"] > 1.0  # E * sum_e f_e P_e: K = 2 when balanced
+    metrics = report["metrics_flat"]
+    assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics
+    # float64: measured 0 to 6e-15
+    for error in ("loss_rel_err", "router_aux_rel_err", "max_rel_grad_err", "dfs_loss_rel_err"):
+        assert report[error] <= EXACT, (error, report)
+    for error in ("dfs_router_aux_rel_err", "dfs_max_rel_grad_err"):
+        assert report[error] <= EXACT, (error, report)
+    if name == "qwen3_moe":  # the term is in the loss: with coefficient 0 the loss drops by 0.5 * aux
+        without = compare_rl(rl_trajectories(), RL_MODELS[name], budget=64, router_aux_loss_coef=0.0)
+        assert report["loss_flat"] - without["loss_flat"] == pytest.approx(0.5 * report["router_aux_flat"], rel=1e-9)
+
+
+def _stock_model(source: str, weights: torch.nn.Module) -> torch.nn.Module:
+    """transformers' own model class with SDPA attention (its eager one takes the softmax in float32) and
+    ``weights``' parameters, in float64 throughout: its RMSNorms' and routers' float32 casts lifted
+    (:func:`keep_norms_in_float64`, :func:`use_float64_routing`), the only changes to its code."""
+    from transformers import AutoModelForCausalLM
+
+    stock = AutoModelForCausalLM.from_config(load_model_config(source), attn_implementation="sdpa")
+    stock = stock.to(torch.float64)
+    stock.load_state_dict(weights.state_dict())
+    keep_norms_in_float64(stock)
+    use_float64_routing(stock)
+    return stock
+
+
+def _per_trajectory_aux(router_logits, experts: int, top_k: int) -> torch.Tensor:
+    """``E * sum_e f_e P_e`` of one sequence (docs/MODELS.md), in float64: ``f`` the top-k counts and ``P`` the
+    router probabilities, each summed over layers and tokens and divided by ``L |i|``."""
+    probabilities = torch.stack([torch.softmax(logits, dim=-1) for logits in router_logits])  # [L, T, E]
+    chosen = torch.topk(probabilities, top_k, dim=-1).indices
+    counts = torch.nn.functional.one_hot(chosen, experts).sum(-2).to(probabilities.dtype)
+    scale = probabilities.shape[0] * probabilities.shape[1]
+    return experts * ((counts.sum((0, 1)) / scale) * (probabilities.sum((0, 1)) / scale)).sum()
+
+
+def test_rl_router_aux_loss_equals_a_stock_transformers_oracle():
+    """The tree's GRPO loss with the router loss and its gradients equal an oracle on stock transformers
+    (Qwen3-MoE, SDPA attention, one trajectory at a time, float64): per trajectory the clipped objective
+    of its own forward's log-probs, plus ``coefficient * |i| / N_flat`` times its load-balancing loss from
+    the router logits that forward returns (transformers' ``load_balancing_loss_func`` to its float32
+    accumulators)."""
+    source, coefficient = RL_MODELS["qwen3_moe"], 0.5
+    trajectories = rl_trajectories(seed=2)
+    settings = RLSettings(eps_low=0.1, eps_high=0.2)
+    old, model = rl_policies(source, "torch", torch.float64, 0, 0.5)
+    advantages = estimate(trajectories, "grpo", False)
+    flat_tokens = sum(len(t) for t in trajectories)
+    aux = RouterAuxLoss.of_model(model, coefficient, flat_tokens)
+    tree = run_rl_mode(
+        model, old, None, trajectories, "tree", 64, 1, advantages.by_trajectory(), settings, router_aux=aux
+    )
+    assert tree.rows > 1
+
+    stock_old, stock = _stock_model(source, old), _stock_model(source, model)
+    experts, top_k = aux.num_experts, aux.top_k
+    trained = [t.trained_tokens for t in trajectories]
+    total, sequences = sum(trained), sum(n > 0 for n in trained)
+    loss, clipped = torch.zeros((), dtype=torch.float64), 0
+    for trajectory, advantage in zip(trajectories, advantages.values, strict=True):
+        ids = torch.as_tensor(trajectory.input_ids)[None]
+        with torch.no_grad():
+            logits_old = stock_old(input_ids=ids, use_cache=False).logits[0, :-1]
+        output = stock(input_ids=ids, use_cache=False, output_router_logits=True)
+        logp = torch.log_softmax(output.logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        logp_old = torch.log_softmax(logits_old, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        c = torch.as_tensor(
+            trajectory_coefficients(trajectory.loss_mask, settings.aggregation, total_tokens=total, sequences=sequences)
+        )[1:]
+        a = torch.as_tensor(advantage[1:])
+        ratio = torch.exp(logp - logp_old)
+        bounded = torch.clamp(ratio, 1 - settings.eps_low, 1 + settings.eps_high)
+        clipped += int(((bounded != ratio) & (c != 0)).sum())
+        loss = loss - (c * torch.minimum(ratio * a, bounded * a)).sum()
+        router = _per_trajectory_aux(output.router_logits, experts, top_k)
+        with torch.no_grad():  # the definition is transformers' function on this trajectory alone
+            assert float(router) == pytest.approx(
+                float(load_balancing_loss_func(output.router_logits, experts, top_k)), rel=1e-6
+            )
+        loss = loss + coefficient * len(trajectory) / flat_tokens * router
+    loss.backward()
+    assert clipped > 0  # the clip is exercised
+
+    loss = float(loss.detach())
+    assert abs(tree.loss - loss) <= EXACT * abs(loss), (tree.loss, loss)
+    expected = {name: p.grad for name, p in stock.named_parameters() if p.grad is not None}
+    errors = gradient_errors(expected, tree.gradients)
+    worst = max(errors, key=errors.get)
+    assert set(errors) == set(expected) and errors[worst] <= EXACT, (worst, errors[worst])
+    assert all(expected[gate].norm() > 0 for gate in _gate_names(stock))
+
+
+@pytest.mark.distributed
+def test_two_rank_grpo_training_adds_the_flat_router_aux_loss(tmp_path):
+    """A 2-rank ZeRO-3 GRPO step of tiny Qwen3-MoE with the router loss and the self-check on: the step's
+    router loss and loss (one update, so at the initial weights, ratio 1) are the single-process flat
+    baseline's (float32), and the self-check (both sides with the router loss) passes."""
+    data = write_rollouts(tmp_path / "rollouts.jsonl")
+    source = "configs/models/tiny_qwen3_moe.json"
+    model_section = {"source": source, "router_aux_loss_coef": 0.5}
+    objective = {"kind": "grpo", "self_check": "first"}
+    config = write_config(tmp_path, data, model=model_section, objective=objective, packing={"budget": 200})
+    process = launch_training(config)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "self-check step 1: tree vs flat" in output, output[-4000:]
+    assert record["selfcheck/max_grad_rel_err"] < 1e-5 and record["selfcheck/loss_rel_err"] < 1e-5, record
+
+    trainer = prepare(config, f"output_dir={tmp_path / 'plan'}")
+    trajectories = [t for g in trainer.sampler.groups_for_step(0) for t in trainer.groups[g]]
+    settings = trainer.config.objective
+    advantages = estimate(trajectories, settings.estimator, settings.normalise_advantages).by_trajectory()
+    model = load_model(source, attention="torch", seed=trainer.config.model.seed)
+    aux = RouterAuxLoss.of_model(model, 0.5, sum(len(t) for t in trajectories))
+    flat = run_rl_mode(
+        model, model, None, trajectories, "flat", 4096, 1, advantages, settings.rl_settings(), router_aux=aux
+    )
+    assert flat.router_aux > 1.0
     assert record["loss/router_aux"] == pytest.approx(flat.router_aux, rel=1e-5)
     assert record["loss/train"] == pytest.approx(flat.loss, rel=1e-5)

@@ -174,3 +174,33 @@ def test_trees_the_run_walks_are_walked_by_the_check_and_a_fault_of_the_walk_sto
     with pytest.raises(self_check.SelfCheckError, match=message):
         self_check.verdict(broken, 3, torch.float32)
     assert broken.max_grad_rel_err > 1e-2 and all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("dfs", [None, DfsSettings(16)])
+def test_the_moe_router_loss_is_checked_with_the_rl_objective(dfs):
+    """GRPO on a tiny Qwen3-MoE with the router load-balancing loss: both sides add it (packed rows, and
+    walked trees), so the check passes and its loss moves by the coefficient times the router loss."""
+    from ds_tree.losses.advantages import estimate
+    from ds_tree.losses.rl import RLSettings
+    from tests.rollouts import rl_trajectories
+
+    data = rl_trajectories(groups=2)
+    model = load_model(str(ROOT / "configs/models/tiny_qwen3_moe.json"), seed=3)
+    settings = RLSettings(eps_low=0.02, eps_high=0.02)
+    advantages = estimate(data, "grpo", False).by_trajectory()
+    plan = PlanSettings(mode="dfs", budget=400, dfs_chunk=16) if dfs else PlanSettings(budget=400)
+    inputs = self_check.rl_inputs(model, data, advantages, settings, plan=plan, dfs=dfs)
+    with torch.no_grad():  # the step's update
+        for parameter in model.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    results = {
+        coefficient: self_check.check_sample(
+            model, None, plan=plan, rl=inputs, dfs=dfs, router_aux_loss_coef=coefficient
+        )
+        for coefficient in (0.0, 1.0)
+    }
+    for result in results.values():
+        self_check.verdict(result, 1, torch.float32)
+        assert result.max_grad_rel_err < 1e-5 and set(result.items) == {"walked" if dfs else "packed"}
+    for side in ("loss_flat", "loss_tree"):  # E * sum_e f_e P_e >= K = 2 on each side
+        assert getattr(results[1.0], side) - getattr(results[0.0], side) > 1.9

@@ -26,6 +26,10 @@ and reports "gradients_checked": false with the reason; "passed" then covers los
 only, and the exit code follows it. RL objectives, --dfs-chunk and --sequence-parallel need
 gradients and are refused with it.
 
+--router-aux-loss-coef W (MoE models; default: the model config's router_aux_loss_coef) weights the
+router load-balancing loss in the compared objective, SFT or RL (docs/MODELS.md, docs/RL.md), in every
+layout above; the report compares its value too (router_aux_*).
+
 --lora R puts LoRA adapters of rank R on every linear layer of the decoder (PEFT, as
 model.lora; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
 trained policy's adapters perturbed, the KL reference the model with its adapters disabled).
@@ -88,7 +92,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--router-aux-loss-coef",
         type=finite_float,
-        help="SFT only, MoE models: weight of the router load-balancing loss (default: the model config's)",
+        help="MoE models: weight of the router load-balancing loss, SFT or RL (default: the model config's)",
     )
     rl_group = add_objective_arguments(parser)
     rl_group.add_argument(
@@ -132,9 +136,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
     if args.lora and args.sequence_parallel > 1:
         parser.error("--lora checks single-process modes (not --sequence-parallel)")
-    objective = objective_config(
-        parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy", "router_aux_loss_coef")
-    )
+    objective = objective_config(parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy"))
     with stdout_to_stderr():
         code, report = run(args, objective)
     if report is not None:
@@ -176,6 +178,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 attention=args.attention,
                 normalisation=args.normalisation or "token_mean",
                 policy=args.policy or "exact",
+                router_aux_loss_coef=args.router_aux_loss_coef,
             )
         elif objective is None and args.sequence_parallel > 1:
             report = sequence_parallel_report(
@@ -205,6 +208,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 tempo_coef=objective.tempo_coef,
                 settings=objective.rl_settings(),
                 perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
+                router_aux_loss_coef=args.router_aux_loss_coef,
                 **common,
             )
             report = {"objective": objective.kind}

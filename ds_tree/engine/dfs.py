@@ -61,7 +61,7 @@ from ds_tree.engine.calls import (
 )
 from ds_tree.losses.sft import weighted_nll
 from ds_tree.models.logprobs import logprobs_at, predicted_tokens
-from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
+from ds_tree.models.moe import RouterAuxLoss, captured_router_logits, layout_paths
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
 from ds_tree.packing.rows import PackedRow
 
@@ -187,16 +187,23 @@ class WalkedRouterLoss:
     time the walk leaves the chunk, so its term is added to the chunk's loss then: the forwards record
     each token's assignments (:meth:`record`), the chunk's last forward keeps its ``Q`` for
     :meth:`chunk_share`.
+
+    A walk sharded over a sequence-parallel group (:mod:`ds_tree.engine.dfs_sequence_parallel`: its
+    chunks know ``own_tokens`` and ``whole_chunk``) forwards one shard of every chunk on each rank:
+    the shard's assignments are summed over the group into the chunk's (no gradient, one all-reduce
+    per chunk forward, which every rank of the group makes alike), so every rank knows every ``F_i``,
+    and each rank adds its own tokens' ``Q_t . G_t``: the shares of a chunk's shards add up to the chunk's.
     """
 
     def __init__(self, aux: RouterAuxLoss, row: PackedRow, chunks: Chunks) -> None:
         self.aux, self.row, self.chunks = aux, row, chunks
-        self.paths = [path for _, _, path in row.trajectory_paths()]
+        self.paths = layout_paths(row)  # a shard's: its whole row's trajectories
         self.through: list[list[int]] = [[] for _ in range(len(chunks))]
-        """The trajectories through each chunk."""
+        """The trajectories with a token in each chunk (a sharded walk's: in this rank's shard of it)."""
         for i, path in enumerate(self.paths):
             for index in np.unique(chunks.of_tokens(path)):
-                self.through[index].append(i)
+                if index >= 0:
+                    self.through[index].append(i)
         self.counts: torch.Tensor | None = None
         """Top-k assignments per row token, summed over layers (filled as chunks are forwarded)."""
         self.layers = 0
@@ -204,17 +211,25 @@ class WalkedRouterLoss:
         """The row's share of the loss so far, before the coefficient (``StepOutput.router_aux``)."""
 
     def record(self, index: int, router_logits: list[torch.Tensor]) -> torch.Tensor:
-        """The chunk's ``Q`` from the router logits of its forward; records its tokens' assignments."""
+        """The chunk's (shard's) ``Q`` from the router logits of its forward; records the chunk's tokens'
+        assignments."""
         if not router_logits:
             raise RuntimeError("no router logits were captured in the forward of an MoE model")
         tokens = self.chunks.tokens(index)
+        own = self.chunks.own_tokens(index) if hasattr(self.chunks, "own_tokens") else tokens
         dtype = torch.float64 if router_logits[0].dtype == torch.float64 else torch.float32
-        probabilities = [torch.softmax(logits.reshape(tokens.size, -1).to(dtype), dim=-1) for logits in router_logits]
+        probabilities = [
+            torch.softmax(logits.reshape(-1, logits.shape[-1]).to(dtype), dim=-1) for logits in router_logits
+        ]  # a shard's rows: its real tokens (``own``), then padding
         with torch.no_grad():
             counts = sum(
-                F.one_hot(torch.topk(p, self.aux.top_k, dim=-1).indices, self.aux.num_experts).sum(-2).to(dtype)
+                F.one_hot(torch.topk(p[: own.size], self.aux.top_k, dim=-1).indices, self.aux.num_experts)
+                .sum(-2)
+                .to(dtype)
                 for p in probabilities
             )
+            if hasattr(self.chunks, "whole_chunk"):  # a shard's: summed over its group into the chunk's
+                counts = self.chunks.whole_chunk(index, counts)
             if self.counts is None:
                 self.counts = counts.new_zeros(self.row.n_tokens, self.aux.num_experts)
             self.counts[torch.as_tensor(tokens, device=counts.device)] = counts
@@ -222,7 +237,8 @@ class WalkedRouterLoss:
         return torch.stack(probabilities).sum(0)
 
     def chunk_share(self, index: int, probabilities: torch.Tensor) -> torch.Tensor:
-        """``scale * sum_{t in chunk} Q_t . G_t`` (differentiable in ``probabilities``, the chunk's ``Q``)."""
+        """``scale * sum_{t in chunk} Q_t . G_t`` (differentiable in ``probabilities``, the chunk's ``Q``;
+        a sharded walk's: its shard's tokens)."""
         weights = torch.zeros_like(probabilities)
         for i in self.through[index]:
             path = self.paths[i]

@@ -138,6 +138,21 @@ class ShardedChunks:
         """Each of ``tokens``' index inside this rank's shard of its chunk (only for tokens of the shard)."""
         return self._within(tokens)[1]
 
+    def own_tokens(self, index: int) -> np.ndarray:
+        """Row indices of the real tokens of this rank's shard of chunk ``index`` (the shard's first rows)."""
+        length = int(self.length[index])
+        return self.chunks.tokens(index)[self.position * length : (self.position + 1) * length]
+
+    def whole_chunk(self, index: int, values: torch.Tensor) -> torch.Tensor:
+        """Per-token ``values`` of :meth:`own_tokens` summed over the group into the whole chunk's
+        (``[chunk tokens, ...]``, every rank alike; one all-reduce, no gradient): the MoE router's
+        assignments (:class:`~ds_tree.engine.dfs.WalkedRouterLoss`)."""
+        start = self.position * int(self.length[index])
+        whole = values.new_zeros(self.chunks.size(index), *values.shape[1:])
+        whole[start : start + values.shape[0]] = values
+        dist.all_reduce(whole, group=self.group)
+        return whole
+
     def chunk_inputs(self, row: PackedRow, index: int, cache: PathCache) -> ShardInputs:
         tokens = self.chunks.tokens(index)
         n, length = tokens.size, int(self.length[index])

@@ -159,8 +159,9 @@ def dfs_plan(config, shape: ModelShape, free: int, path_tokens: int, entropy: bo
     from ds_tree.engine.dfs import settings_of
 
     settings = settings_of(config.packing)
-    # packing.mode dfs with sequence parallelism: each tree walked by a group, every chunk sharded over it
-    size = config.parallel.sequence_parallel_size if config.packing.mode == "dfs" else 1
+    # dfs walks with sequence parallelism (mode dfs, or over_budget dfs): each walked tree walked by a group,
+    # every chunk sharded over it
+    size = config.parallel.sequence_parallel_size
     options = {
         "checkpoint_every": config.model.checkpointed_every,
         "head_chunk": config.model.head_chunk,

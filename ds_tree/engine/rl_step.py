@@ -30,6 +30,7 @@ from ds_tree.engine.runners import RunContext, StepOutput, run_items, runner_of
 from ds_tree.errors import DataError
 from ds_tree.losses.rl import RLSettings, TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
+from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree
@@ -307,12 +308,15 @@ def run_rl_rows(
     head_chunk: int = 0,
     stats: WalkStats | None = None,
     collect_logprobs: bool = False,
+    router_aux: RouterAuxLoss | None = None,
 ) -> RLOutput:
     """Forward every prepared item with gradients and hand its loss to ``backward`` (or the ``backward`` of
     ``backward_for(n)`` for ``n`` calls); ``dfs``: how walked items are walked, a walked row's loss being
     the sum over its chunks of :func:`ppo_tree_loss` on the targets each chunk predicts.
-    ``collect_logprobs``: record the trajectories' log-probs at packed items' targets (NaN elsewhere)."""
-    run = RunContext(device, head_chunk, dfs, stats=stats, collect_logprobs=collect_logprobs)
+    ``collect_logprobs``: record the trajectories' log-probs at packed items' targets (NaN elsewhere).
+    ``router_aux``: an MoE model's router load-balancing loss of the update's trajectories (docs/RL.md, "The
+    MoE router loss"), added to each item's loss as the SFT objective adds it, on this forward's routing."""
+    run = RunContext(device, head_chunk, dfs, router_aux, collect_logprobs, stats)
     if backward_for is None:
         backward_for = lambda _: backward or (lambda loss: None)  # noqa: E731
     rows = [item.row for item in prepared]

@@ -27,6 +27,7 @@ from ds_tree.engine.runners import add_metrics
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import check_finite_statistics, estimate, non_finite_statistics
 from ds_tree.losses.rl import SUMMED_METRICS
+from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.plan import RankPlan
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.trees.trie import build_forest
@@ -113,8 +114,10 @@ class RLSteps:
         ]
         return RLRollouts(trajectories, computed.values, computed.singletons, batches, plans, prepared)
 
-    def rl_backward(self, rows: list[RLRow]) -> RLOutput:
-        """Forward and backward of one mini-batch's items (one optimizer update's gradient)."""
+    def rl_backward(self, rows: list[RLRow], plan: RankPlan) -> RLOutput:
+        """Forward and backward of one mini-batch's items (one optimizer update's gradient); an MoE model's
+        router load-balancing loss over the mini-batch's trajectories (``plan``'s, all ranks) included."""
+        router_aux = RouterAuxLoss.of_model(self.engine, self.config.model.router_aux_loss_coef, plan.flat_tokens)
         return run_rl_rows(
             self.engine,
             rows,
@@ -123,6 +126,7 @@ class RLSteps:
             dfs=self.dfs_settings,
             device=self.engine.device,
             head_chunk=self.config.model.head_chunk,
+            router_aux=router_aux,
         )
 
     def rl_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
@@ -143,15 +147,21 @@ class RLSteps:
             return rollouts.plans, float("nan"), None, {}
         if StepNormalisers.of(rollouts.trajectories).total_tokens == 0:
             self.count_untrained(step + 1)
-        losses, metrics, grad_norm = [], None, None
+        losses, metrics, grad_norm, router_aux = [], None, None, []
         for _ in range(self.config.objective.ppo_epochs):
-            for rows in rollouts.prepared:
-                output = self.rl_backward(rows)
+            for rows, plan in zip(rollouts.prepared, rollouts.plans, strict=True):
+                output = self.rl_backward(rows, plan)
                 if output.metrics is not None:
                     metrics = add_metrics(metrics, output.metrics)
+                if output.router_aux is not None:
+                    router_aux.append(output.router_aux)
                 loss, grad_norm = self.apply_update(step + 1, output.loss)
                 losses.append(loss)
         scalars = rl_scalars(rollouts.trajectories, rollouts.advantages, self.global_metrics(metrics))
+        if router_aux:  # every rank alike (MoE or not is the model's): the mean over the updates, all ranks
+            share = torch.tensor([float(np.mean(router_aux))], dtype=torch.float64)
+            dist.all_reduce(share)
+            scalars["loss/router_aux"] = float(share.item())
         scalars["rl/singleton_trajectories"] = float(rollouts.singletons)
         if self.online is not None:
             scalars.update(self.online.scalars)
@@ -164,13 +174,15 @@ class RLSteps:
 
     def warmup_step(self, step: int) -> tuple[list[RankPlan], float, float | None, dict[str, float]]:
         """A step of ``rollout.env.warmup_steps``: as many SFT updates as an RL step has (the schedule
-        counts them alike), each on the environment's demonstrations (docs/ENVIRONMENTS.md)."""
+        counts them alike), each on the environment's demonstrations (docs/ENVIRONMENTS.md), an MoE model's
+        router load-balancing loss included as in an SFT run."""
         plans, losses, grad_norm = [], [], None
         for update in range(self.config.objective.updates_per_step):
             trajectories = self.online.demonstrations(step, update)
             self.last_trajectories = trajectories
             plan = self.plan_rows(trajectories)
-            output = self.forward_backward(plan.rows)
+            router_aux = RouterAuxLoss.of_model(self.engine, self.config.model.router_aux_loss_coef, plan.flat_tokens)
+            output = self.forward_backward(plan.rows, router_aux=router_aux)  # the SFT objective, router loss included
             loss, grad_norm = self.apply_update(step + 1, output.loss)
             plans.append(plan)
             losses.append(loss)

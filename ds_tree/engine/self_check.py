@@ -60,6 +60,7 @@ from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.engine.step import run_rows
 from ds_tree.losses.rl import RLSettings
 from ds_tree.losses.sft import Normalisers
+from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.rows import PackedRow
@@ -309,10 +310,12 @@ def _run_side(
     dfs: DfsSettings | None,
     device,
     head_chunk: int,
+    router_aux: RouterAuxLoss | None = None,
     every_parameter: bool = False,
 ) -> _Side:
     """One side's loss, log-probs and gradients of the sample: ``items`` run with their kinds' runners
-    (:mod:`ds_tree.engine.runners`), gradients taken by a :class:`GradientCollector`."""
+    (:mod:`ds_tree.engine.runners`), gradients taken by a :class:`GradientCollector`; ``router_aux``: an MoE
+    model's router load-balancing loss over the sample, added to either objective."""
     collector = GradientCollector(model)
     if rl is None:
         output = run_rows(
@@ -325,6 +328,7 @@ def _run_side(
             collect_logprobs=True,
             device=device,
             head_chunk=head_chunk,
+            router_aux=router_aux,
         )
     else:
         prepared = prepare_rl_rows(
@@ -348,6 +352,7 @@ def _run_side(
             device=device,
             head_chunk=head_chunk,
             collect_logprobs=True,
+            router_aux=router_aux,
         )
     gradients = collector.all_gradients() if every_parameter else collector.gradients
     return _Side(output.loss, _by_trajectory(sample, output.trajectory_logprobs), gradients)
@@ -430,13 +435,16 @@ def check_sample(
     rl: RLInputs | None = None,
     sequence_parallel: SequenceParallel | None = None,
     head_chunk: int = 0,
+    router_aux_loss_coef: float | None = None,
 ) -> SelfCheckResult:
     """Tree against flat on ``sample`` (module docstring): loss, log-probs and the trainable parameters'
     gradients, with the SFT objective or, given ``rl``, the RL objective (``rl.sample`` is the sample).
     ``model``: the bare module (not a DeepSpeed engine, whose backward hooks would count the check's
     backwards as training's). The tree side is the sample planned with the run's ``plan`` settings over
     ``sequence_parallel`` (this rank's group; None without sequence parallelism, :func:`tree_items`),
-    its items run by their kinds' runners, walked ones as ``dfs`` says."""
+    its items run by their kinds' runners, walked ones as ``dfs`` says. An MoE model's objective includes
+    its router load-balancing loss over the sample (``router_aux_loss_coef``, None: the model config's),
+    as training adds it."""
     started = time.perf_counter()
     sample = list(rl.sample if rl is not None else sample)
     rng = torch.random.get_rng_state()
@@ -445,7 +453,8 @@ def check_sample(
         longest = max((len(t) for t in sample), default=1)
         flat_rows = pack_trajectories(sample, "flat", max(plan.budget, longest))  # whole rows, on every rank
         items, group_items = tree_items(sample, plan, sequence_parallel)
-        common = dict(normalisation=normalisation, rl=rl, device=device, head_chunk=head_chunk)
+        router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in sample))
+        common = dict(normalisation=normalisation, rl=rl, device=device, head_chunk=head_chunk, router_aux=router_aux)
         flat = _run_side(model, sample, flat_rows, Normalisers.from_rows(flat_rows), dfs=None, **common)
         normalisers = Normalisers.from_rows(group_items)  # the group's sums (as global_normalisers' over ranks)
         tree = _run_side(

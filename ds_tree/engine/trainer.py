@@ -166,11 +166,6 @@ class Trainer(RLSteps):
         self.attention_engine = resolve_engine(config.model.attention)  # auto: flex on CUDA, torch on the CPU
         check_hybrid_settings(config, self.model_config)  # recurrent layers: no SP, online with the hf sampler
         check_sequence_parallel(config, self.world_size, self.model_config)
-        if config.objective.is_rl and config.model.router_aux_loss_coef:
-            raise ConfigError(
-                "model.router_aux_loss_coef: the router load-balancing loss is part of the SFT objective only; "
-                "set it to 0 or null for an RL objective"
-            )
         if config.rollout.enabled:
             self.prepare_online()
         else:
@@ -539,6 +534,7 @@ class Trainer(RLSteps):
                 rl=rl,
                 sequence_parallel=self.self_check_group(),
                 head_chunk=config.model.head_chunk,
+                router_aux_loss_coef=config.model.router_aux_loss_coef,
             )
         self.release_partition_cache()
         dtype = torch.bfloat16 if config.model.dtype == "bfloat16" else torch.float32

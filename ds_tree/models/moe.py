@@ -206,11 +206,7 @@ class RouterAuxLoss:
 
     def trajectory_weights(self, counts: torch.Tensor, row: PackedRow) -> torch.Tensor:
         """``G_t = sum_{i through t} F_i / |i|`` for every row token ``t`` (``F_i``: ``counts`` summed over ``i``)."""
-        paths = []
-        offset = 0
-        for part in row.layout_parts:  # a shard's: its whole row's
-            paths += [path + offset for path in part.paths]
-            offset += part.n_tokens
+        paths = layout_paths(row)
         weights = torch.zeros_like(counts)
         if not paths:
             return weights
@@ -221,6 +217,16 @@ class RouterAuxLoss:
         per_trajectory.index_add_(0, owner, counts[index])
         per_trajectory /= lengths[:, None].to(counts.dtype)
         return weights.index_add_(0, index, per_trajectory[owner])
+
+
+def layout_paths(row: PackedRow) -> list[np.ndarray]:
+    """Row indices of every trajectory laid out in ``row`` (a shard's: its whole row's, on every shard)."""
+    paths = []
+    offset = 0
+    for part in row.layout_parts:
+        paths += [path + offset for path in part.paths]
+        offset += part.n_tokens
+    return paths
 
 
 def _whole_row(counts: torch.Tensor, n_tokens: int, start: int) -> torch.Tensor:

@@ -62,29 +62,7 @@ def check_sequence_parallel(config, world_size: int, model_config) -> None:
         return
     if world_size % size:
         raise ConfigError(f"parallel.sequence_parallel_size ({size}) does not divide the world size ({world_size})")
-    if config.packing.mode == "tree" and config.packing.over_budget == "dfs":
-        raise ConfigError(
-            f"parallel.sequence_parallel_size ({size}) > 1 does not combine with packing.over_budget=dfs (not built): "
-            "set packing.over_budget=sequence_parallel to shard long paths, or packing.mode=dfs to walk every tree "
-            "with its chunks sharded over the group"
-        )
-    if config.packing.mode == "dfs":
-        check_dfs_sequence_parallel(config, model_config)
     check_heads(model_config, size, config.model.source)
-
-
-def check_dfs_sequence_parallel(config, model_config) -> None:
-    """``packing.mode: dfs`` with sequence parallelism (:mod:`ds_tree.engine.dfs_sequence_parallel`) is
-    built for every objective (SFT, RL), for models without a router loss."""
-    size = config.parallel.sequence_parallel_size
-    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
-    if experts and config.model.router_aux_loss_coef != 0:
-        raise ConfigError(
-            f"packing.mode=dfs with parallel.sequence_parallel_size ({size}) > 1: the router load-balancing loss of "
-            f"model.source {config.model.source} (an MoE model) is not built for sharded walks: set "
-            "model.router_aux_loss_coef=0, or packing.mode=tree"
-        )
 
 
 def check_heads(model_config, size: int, source: str) -> None:

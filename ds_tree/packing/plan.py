@@ -11,7 +11,10 @@ cost_per_pair * visible attention pairs``, :mod:`ds_tree.packing.balance`):
   the budget);
 - ``shard`` (:class:`~ds_tree.packing.sequence_parallel.RowShard`): this rank's shard of a row of
   up to ``S x budget`` tokens that a sequence-parallel group of ``S`` ranks computes together
-  (a tree with a path over the budget when ``parallel.sequence_parallel_size`` is ``S > 1``).
+  (a tree with a path over the budget when ``parallel.sequence_parallel_size`` is ``S > 1``);
+- ``walked_shard`` (:class:`~ds_tree.packing.dfs_shards.DfsRowShard`): this rank's shard of every chunk
+  of a tree its sequence-parallel group walks together (``S > 1`` with ``packing.mode: dfs``, every
+  tree; or with ``over_budget: dfs``, a tree with a path over the budget, the others packed).
 
 An item's kind is its class's ``kind``; the engine runs each kind with the runner registered for
 it (:mod:`ds_tree.engine.runners`), whatever the objective. Every rank computes the same plan from
@@ -156,7 +159,11 @@ def why(row: PackedRow, settings: PlanSettings) -> str:
         longest = max((p.tree.max_path_tokens for p in row.parts), default=0)
         return f"a path of {longest} tokens is over packing.budget {settings.budget} (over_budget: dfs)"
     if row.kind == "walked_shard":
-        return f"packing.mode dfs walks every tree, its chunks sharded over {row.size} ranks"
+        sharded = f"its chunks sharded over {row.size} ranks"
+        if settings.mode == "dfs":
+            return f"packing.mode dfs walks every tree, {sharded}"
+        longest = max((p.tree.max_path_tokens for p in row.row_parts), default=0)
+        return f"a path of {longest} tokens is over packing.budget {settings.budget} (over_budget: dfs), {sharded}"
     if row.kind == "shard":
         size = settings.sequence_parallel_size
         return f"its row's paths are over packing.budget {settings.budget}: one of {size} shards"
@@ -177,6 +184,8 @@ def plan_step(trajectories: Sequence[Trajectory], settings: PlanSettings, world_
         )
         packed = sum(row.n_tokens for rows in ranks[::size] for row in rows)
         return StepPlan(ranks, counts.flat_tokens, counts.tree_tokens, packed, settings)
+    if settings.sequence_parallel_size > 1 and settings.mode == "tree" and settings.over_budget == "dfs":
+        return _walked_over_budget(layout, counts.flat_tokens, counts.tree_tokens, settings, world_size)
     if settings.sequence_parallel_size > 1:
         rows = plan_sequence_parallel_rows(
             layout,
@@ -204,6 +213,26 @@ def plan_step(trajectories: Sequence[Trajectory], settings: PlanSettings, world_
     ranks = with_walked_rows(ranks, walked, settings.cost_per_token, settings.cost_per_pair, settings.pad_id)
     packed = sum(row.n_tokens for rows in ranks for row in rows if row.n_real)
     return StepPlan(ranks, counts.flat_tokens, counts.tree_tokens, packed, settings)
+
+
+def _walked_over_budget(
+    trees: Sequence[TokenTree], flat_tokens: int, tree_tokens: int, settings: PlanSettings, world_size: int
+) -> StepPlan:
+    """Tree mode with ``over_budget: dfs`` and ``S > 1``: each tree with a path over the budget walked by one
+    sequence-parallel group (each rank one shard of every chunk, as ``packing.mode: dfs`` walks every tree),
+    the others packed into rows under the budget that each rank computes alone. Every rank runs its walked
+    shards first: the ranks of a group hold the same ones, so they make their calls (and the all-to-alls
+    inside them) in the same order, under ZeRO-3's lockstep schedule too, before their own rows. The two
+    kinds are balanced separately: the walks over the groups, the rows over the ranks."""
+    size, chunk = settings.sequence_parallel_size, settings.dfs_chunk or settings.budget
+    packed_trees, walked = split_over_budget(trees, settings.mode, settings.over_budget, settings.budget)
+    cost = dict(cost_per_token=settings.cost_per_token, cost_per_pair=settings.cost_per_pair, pad_id=settings.pad_id)
+    shards = plan_walked_shards(walked, world_size, size, chunk, **cost)
+    rows = rows_per_rank(tree_parts(packed_trees, settings), world_size, settings.budget, settings.block, **cost)
+    ranks = [walks + [row for row in own if row.n_real] for walks, own in zip(shards, rows, strict=True)]
+    packed = sum(row.n_tokens for walks in shards[::size] for row in walks)  # a walk once per group
+    packed += sum(row.n_tokens for own in rows for row in own if row.n_real)
+    return StepPlan(ranks, flat_tokens, tree_tokens, packed, settings)
 
 
 def tree_parts(trees: Sequence[TokenTree], settings: PlanSettings) -> list[TreePart]:

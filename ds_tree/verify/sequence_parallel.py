@@ -157,7 +157,7 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | N
     plan = plan_sequence_parallel_rows(build_forest(trajectories), size, size, budget, block)
     rows = plan.rank_rows(rank, size)
     normalisers = global_normalisers(rows)
-    router_aux = _router_aux(model, trajectories, settings)
+    router_aux = router_aux_of(model, trajectories, settings)
     parallel = _measured_step(model, rows, normalisers, settings, router_aux)
     loss = torch.tensor([parallel["loss"], parallel["router_aux"] or 0.0], dtype=torch.float64)
     dist.all_reduce(loss)
@@ -170,7 +170,9 @@ def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | N
     return _report(trajectories, settings, plan, (float(loss[0]), aux), gradients, peaks.tolist())
 
 
-def _router_aux(model, trajectories: list[Trajectory], settings: dict) -> RouterAuxLoss | None:
+def router_aux_of(model, trajectories: list[Trajectory], settings: dict) -> RouterAuxLoss | None:
+    """``model``'s router load-balancing loss over ``trajectories`` (None without a router), weighted by
+    ``settings["router_aux_loss_coef"]`` (None: the model config's)."""
     flat_tokens = sum(len(t) for t in trajectories)
     return RouterAuxLoss.of_model(model, settings["router_aux_loss_coef"], flat_tokens)
 
@@ -208,7 +210,7 @@ def _report(trajectories, settings, plan, losses, gradients, peaks) -> dict:
     single = settings_model(settings, torch_dtype)
     size, budget, block = settings["size"], settings["budget"], settings["block"]
     flat_rows = pack_trajectories(trajectories, "flat", size * budget, block)
-    router_aux = _router_aux(single, trajectories, settings)
+    router_aux = router_aux_of(single, trajectories, settings)
     flat = _measured_step(single, flat_rows, Normalisers.from_rows(flat_rows), settings, router_aux)
     flat_gradients = {name: p.grad.detach().clone() for name, p in single.named_parameters()}
     single.zero_grad(set_to_none=True)

@@ -37,7 +37,7 @@ from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from ds_tree.verify.sequence_parallel import check_group, group_gradients, spawn_group
+from ds_tree.verify.sequence_parallel import check_group, group_gradients, router_aux_of, spawn_group
 from ds_tree.verify.tree_vs_flat import checked_advantages, metric_errors, rl_policies, run_rl_mode, verification_dtype
 
 
@@ -58,9 +58,12 @@ def sequence_parallel_rl_report(
     perturbation: float = 0.5,
     threads: int = 1,
     dfs: DfsSettings | None = None,
+    router_aux_loss_coef: float | None = None,
 ) -> dict:
     """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat
-    (``dfs``: every tree walked by the group, its chunks sharded)."""
+    (``dfs``: every tree walked by the group, its chunks sharded). An MoE model's objective includes its
+    router load-balancing loss (docs/RL.md), weighted by ``router_aux_loss_coef`` (None: the model
+    config's), its value compared as well."""
     verification_dtype(trajectories, dtype)
     check_group(trajectories, model_source, size)
     checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)  # bad rewards fail before spawning
@@ -79,6 +82,7 @@ def sequence_parallel_rl_report(
         perturbation=perturbation,
         threads=threads,
         dfs=dfs,
+        router_aux_loss_coef=router_aux_loss_coef,
     )
     return spawn_group(_rank, trajectories, options)
 
@@ -104,13 +108,14 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | No
     normalisers = StepNormalisers.of(trajectories)
     dfs = options["dfs"]
     prepared = prepare_rl_rows(old, rows, advantages, settings, normalisers, reference=reference, dfs=dfs)
-    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, dfs=dfs)
-    loss, metrics = _group_sums(output)
+    router_aux = router_aux_of(model, trajectories, options)
+    output = run_rl_rows(model, prepared, settings, backward=torch.Tensor.backward, dfs=dfs, router_aux=router_aux)
+    losses, metrics = _group_sums(output)
     gradients = group_gradients(model)
     old_logprobs = _gathered_old_logprobs(trajectories, prepared)
     if rank != 0:
         return None
-    return _report(trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded)
+    return _report(trajectories, options, advantages, losses, gradients, metrics, old_logprobs, sharded)
 
 
 def _plan(trajectories: list[Trajectory], options: dict, rank: int) -> tuple[list, list]:
@@ -125,15 +130,19 @@ def _plan(trajectories: list[Trajectory], options: dict, rank: int) -> tuple[lis
     return plan.rank_rows(rank, size), [row for rows in plan.sharded for row in rows if row.n_real]
 
 
-def _group_sums(output: StepOutput) -> tuple[float, dict[str, float]]:
-    """The loss and metric sums over the group (``ratio_max`` by max)."""
+def _group_sums(output: StepOutput) -> tuple[tuple[float, float | None], dict[str, float]]:
+    """The loss and router loss (None without one), and the metric sums over the group (``ratio_max`` by max)."""
     metrics = output.metrics or {}
-    sums = torch.tensor([output.loss] + [metrics.get(name, 0.0) for name in SUMMED_METRICS], dtype=torch.float64)
+    sums = torch.tensor(
+        [output.loss, output.router_aux or 0.0] + [metrics.get(name, 0.0) for name in SUMMED_METRICS],
+        dtype=torch.float64,
+    )
     dist.all_reduce(sums)
     top = torch.tensor([metrics.get("ratio_max", 0.0)], dtype=torch.float64)
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     values = sums.tolist()
-    return values[0], {**dict(zip(SUMMED_METRICS, values[1:], strict=True)), "ratio_max": float(top.item())}
+    aux = values[1] if output.router_aux is not None else None
+    return (values[0], aux), {**dict(zip(SUMMED_METRICS, values[2:], strict=True)), "ratio_max": float(top.item())}
 
 
 def _gathered_old_logprobs(trajectories: list[Trajectory], prepared) -> tuple[np.ndarray, np.ndarray]:
@@ -156,7 +165,7 @@ def _gathered_old_logprobs(trajectories: list[Trajectory], prepared) -> tuple[np
     return gathered[0].numpy(), gathered[1].numpy()
 
 
-def _report(trajectories, options, advantages, loss, gradients, metrics, old_logprobs, sharded) -> dict:
+def _report(trajectories, options, advantages, losses, gradients, metrics, old_logprobs, sharded) -> dict:
     """Process 0: the flat baseline from the same weights, in this process, and the errors."""
     from ds_tree.engine.step import run_rows
     from ds_tree.losses.sft import Normalisers
@@ -167,7 +176,10 @@ def _report(trajectories, options, advantages, loss, gradients, metrics, old_log
     reference = old if settings.kl_coef else None
     longest = max(len(t) for t in trajectories)
     flat_budget = max(size * budget, longest)  # a walked tree's paths may be longer than S x budget
-    flat = run_rl_mode(model, old, reference, trajectories, "flat", flat_budget, block, advantages, settings)
+    router_aux = router_aux_of(model, trajectories, options)
+    flat = run_rl_mode(
+        model, old, reference, trajectories, "flat", flat_budget, block, advantages, settings, router_aux=router_aux
+    )
     with torch.no_grad():
         rows = pack_trajectories(trajectories, "flat", flat_budget, block)
         flat_old = run_rows(old, rows, Normalisers(1.0, 1.0, 1.0), collect_logprobs=True).trajectory_logprobs
@@ -178,7 +190,9 @@ def _report(trajectories, options, advantages, loss, gradients, metrics, old_log
     errors = gradient_errors(flat.gradients, gradients)
     errors_of_metrics = metric_errors(flat.metrics, metrics)
     tolerance = TOLERANCES[torch_dtype]
+    loss, aux = losses
     loss_rel_err = relative_error(loss, flat.loss)
+    aux_rel_err = relative_error(aux, flat.router_aux) if aux is not None else 0.0
     max_rel_grad_err = max(errors.values(), default=0.0)
     max_metric_err = max(errors_of_metrics.values(), default=0.0)
     trained = sum(int((t.loss_mask[1:] != 0).sum()) for t in trajectories)
@@ -203,12 +217,17 @@ def _report(trajectories, options, advantages, loss, gradients, metrics, old_log
         "max_rel_metric_err": max_metric_err,
         "metrics_flat": flat.metrics,
         "metrics_sequence_parallel": metrics,
+        "router_aux_loss_coef": router_aux.coefficient if router_aux else None,
+        "router_aux_flat": flat.router_aux,
+        "router_aux_sequence_parallel": aux,
+        "router_aux_rel_err": aux_rel_err,
         "tolerance": tolerance,
         "passed": bool(
             max_rel_grad_err <= tolerance
             and loss_rel_err <= tolerance
             and logprob_err <= tolerance
             and max_metric_err <= tolerance
+            and aux_rel_err <= tolerance
             and counts.max(initial=0.0) <= 1
         ),
     }

@@ -207,7 +207,13 @@ def compare(
     }
 
 
-DFS_ERRORS = ("dfs_loss_rel_err", "dfs_max_rel_grad_err", "dfs_max_abs_logprob_err", "dfs_max_rel_metric_err")
+DFS_ERRORS = (
+    "dfs_loss_rel_err",
+    "dfs_max_rel_grad_err",
+    "dfs_max_abs_logprob_err",
+    "dfs_max_rel_metric_err",
+    "dfs_router_aux_rel_err",
+)
 """The ``dfs_*`` report fields that must stay within the tolerance."""
 
 
@@ -228,6 +234,8 @@ def dfs_errors(flat, walked, dfs: DfsSettings, flat_logprobs=None, walked_logpro
             max((np.abs(walked_logprobs[k] - flat_logprobs[k]).max(initial=0.0) for k in flat_logprobs), default=0.0)
         ),
     }
+    if walked.router_aux is not None:
+        report["dfs_router_aux_rel_err"] = relative_error(walked.router_aux, flat.router_aux)
     if isinstance(walked, RLModeResult):
         report["dfs_max_rel_metric_err"] = max(metric_errors(flat.metrics, walked.metrics).values(), default=0.0)
     return report
@@ -285,6 +293,8 @@ class RLModeResult:
     metrics: dict[str, float]
     packed_tokens: int
     rows: int
+    router_aux: float | None = None
+    """The router load-balancing loss (MoE models), before its coefficient."""
 
 
 def run_rl_mode(
@@ -299,9 +309,11 @@ def run_rl_mode(
     settings,
     head_chunk: int = 0,
     dfs: DfsSettings | None = None,
+    router_aux: RouterAuxLoss | None = None,
 ) -> RLModeResult:
     """One RL pass (old log-probs from ``old_model``, loss and gradients of ``model``) in ``mode``
-    (``dfs``: every tree walked with ``dfs``, the old and reference log-probs too)."""
+    (``dfs``: every tree walked with ``dfs``, the old and reference log-probs too; ``router_aux``: the
+    MoE router loss added, on ``model``'s routing)."""
     from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 
     rows = pack_trajectories(trajectories, mode, budget, block)
@@ -312,9 +324,13 @@ def run_rl_mode(
     model.zero_grad(set_to_none=True)
     backward_for = lambda _: torch.Tensor.backward  # noqa: E731
     walk = dfs if mode == "dfs" else None
-    output = run_rl_rows(model, prepared, settings, backward_for=backward_for, dfs=walk, head_chunk=head_chunk)
+    output = run_rl_rows(
+        model, prepared, settings, backward_for=backward_for, dfs=walk, head_chunk=head_chunk, router_aux=router_aux
+    )
     gradients = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return RLModeResult(output.loss, gradients, output.metrics or {}, sum(r.n_tokens for r in rows), len(rows))
+    return RLModeResult(
+        output.loss, gradients, output.metrics or {}, sum(r.n_tokens for r in rows), len(rows), output.router_aux
+    )
 
 
 def compare_rl(
@@ -335,6 +351,7 @@ def compare_rl(
     checkpoint_every: int = 0,
     dfs: DfsSettings | None = None,
     lora=None,
+    router_aux_loss_coef: float | None = None,
 ) -> dict:
     """RL objective, tree vs flat: old log-probs, loss, metrics and every gradient (``ds-tree verify --objective``).
 
@@ -347,6 +364,8 @@ def compare_rl(
     ``lora``: both policies carry the same random adapters (:func:`load_checked_model`), the trained
     one's adapters alone are perturbed, and the KL reference is the trained policy with its adapters
     disabled (the base model, as in training).
+    An MoE model's objective includes its router load-balancing loss on the trained policy's routing
+    (docs/RL.md), weighted by ``router_aux_loss_coef`` (None: the model config's), its value compared too.
     """
     from ds_tree.losses.rl import RLSettings
 
@@ -363,6 +382,7 @@ def compare_rl(
         reference = AdaptersDisabled(model)
     computed = checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)
     advantages = computed.by_trajectory()
+    router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
 
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward
         old = {
@@ -377,13 +397,36 @@ def compare_rl(
         }
     logprob_err = max((np.abs(old["tree"][k] - old["flat"][k]).max(initial=0.0) for k in old["flat"]), default=0.0)
     flat, tree = (
-        run_rl_mode(model, old_model, reference, trajectories, mode, budget, block, advantages, settings, head_chunk)
+        run_rl_mode(
+            model,
+            old_model,
+            reference,
+            trajectories,
+            mode,
+            budget,
+            block,
+            advantages,
+            settings,
+            head_chunk,
+            router_aux=router_aux,
+        )
         for mode in ("flat", "tree")
     )
     walked = {}
     if dfs is not None:
         result = run_rl_mode(
-            model, old_model, reference, trajectories, "dfs", budget, block, advantages, settings, head_chunk, dfs
+            model,
+            old_model,
+            reference,
+            trajectories,
+            "dfs",
+            budget,
+            block,
+            advantages,
+            settings,
+            head_chunk,
+            dfs,
+            router_aux=router_aux,
         )
         rows = pack_trajectories(trajectories, "dfs", budget, block)
         old_walked = trajectory_logprobs(old_model, rows, dfs.chunk, head_chunk=head_chunk)
@@ -396,6 +439,7 @@ def compare_rl(
     loss_rel_err = relative_error(tree.loss, flat.loss)
     max_rel_grad_err = max(grad_errors.values(), default=0.0)
     max_metric_err = max(errors_of_metrics.values(), default=0.0)
+    router_aux_rel_err = relative_error(tree.router_aux, flat.router_aux) if router_aux else 0.0
     return {
         "n_trajectories": len(trajectories),
         "flat_tokens": counts.flat_tokens,
@@ -418,12 +462,17 @@ def compare_rl(
         "max_rel_metric_err": max_metric_err,
         "metrics_flat": flat.metrics,
         "metrics_tree": tree.metrics,
+        "router_aux_loss_coef": router_aux.coefficient if router_aux else None,
+        "router_aux_flat": flat.router_aux,
+        "router_aux_tree": tree.router_aux,
+        "router_aux_rel_err": router_aux_rel_err,
         "tolerance": tolerance,
         "passed": bool(
             max_rel_grad_err <= tolerance
             and loss_rel_err <= tolerance
             and logprob_err <= tolerance
             and max_metric_err <= tolerance
+            and router_aux_rel_err <= tolerance
             and all(walked[name] <= tolerance for name in DFS_ERRORS if name in walked)
         ),
         **walked,
