@@ -93,6 +93,7 @@ def verify_hybrid(tmp_path: Path, model: str, *options: str) -> dict:
         ("qwen3_5", QWEN3_5, "sft", {"linear_num_key_heads": 1}),  # both ranks read the one key head
         ("bamba", BAMBA, "grpo", {"mamba_n_groups": 1}),  # both ranks read the one group's B and C
         ("qwen3_next", QWEN3_NEXT, "sft", {}),  # a key head per rank
+        ("qwen3_next", QWEN3_NEXT, "grpo", {"router_aux_loss_coef": 0.5}),  # and its MoE router loss
     ],
 )
 def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, name, source, objective, fields) -> None:
@@ -103,6 +104,8 @@ def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, na
     assert report["sharded_rows"] >= 2 and report["longest_trajectory"] > 200, report
     # float64: measured <= 1e-14 (gradients) and 2e-15 (loss)
     assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10, report
+    if fields.get("router_aux_loss_coef"):
+        assert report["router_aux_rel_err"] <= 1e-10, report
 
 
 @pytest.mark.slow
@@ -113,10 +116,13 @@ def test_verify_sharded_walk_on_hybrids_equals_flat_in_float64(tmp_path, name, s
     chunk that scans its padding too fails the Bamba case at 0.18 relative.)"""
     options = ["--dfs-chunk", "64", "--limit", "4"]  # the first tree (4 paths of 196-281 tokens)
     options += ["--objective", "grpo", "--estimator", "grpo"] if objective == "grpo" else []
-    # Qwen3-Next's router loss is not built for sharded walks (ds_tree/models/ulysses.py): coefficient 0
-    report = verify_hybrid(tmp_path, small_model(tmp_path, name, source, router_aux_loss_coef=0.0), *options)
+    # Qwen3-Next with its MoE router loss: each chunk's top-k counts summed over the group
+    fields = {"router_aux_loss_coef": 0.5} if name == "qwen3_next" else {}
+    report = verify_hybrid(tmp_path, small_model(tmp_path, name, source, **fields), *options)
     assert report["sequence_parallel_size"] == 2 and report.get("walked_trees", 1) >= 1, report
     assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10, report
+    if fields:
+        assert report["router_aux_rel_err"] <= 1e-10, report
 
 
 @pytest.mark.distributed
