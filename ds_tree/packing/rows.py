@@ -45,12 +45,56 @@ class PackedRow(TokenArrays):
         return out
 
     def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Model inputs with a leading batch dimension of 1."""
-        return {
+        """Model inputs with a leading batch dimension of 1. A row with images also passes its images
+        (``row_images``, :meth:`image_inputs`) and ``position_ids`` as ``[4, 1, N]``: the depth, then the
+        multimodal rotary positions (temporal, height, width; :mod:`ds_tree.models.vision`)."""
+        inputs = {
             name: torch.as_tensor(getattr(self, name), device=device)[None]
             for name, spec in TOKEN_FIELDS.items()
             if spec.model_input
         }
+        if np.any(self.image_id >= 0):
+            rope = np.stack([self.position_ids, self.rope_t, self.rope_h, self.rope_w])
+            inputs["position_ids"] = torch.as_tensor(rope, device=device)[:, None]
+            inputs["row_images"] = self.image_inputs()
+        return inputs
+
+    def image_inputs(self) -> RowImages:
+        """The row's distinct images (one per image of each tree, however many copies the row holds) and,
+        per placeholder token in row order, its merged patch's index into their concatenated features."""
+        slots: dict[tuple[int, int], int] = {}
+        offsets: list[int] = []
+        images = []
+        feature_index = []
+        start = 0
+        for part in self.layout_parts:
+            span = slice(start, start + part.n_tokens)
+            start += part.n_tokens
+            for image_id, patch in zip(self.image_id[span], self.image_patch[span], strict=True):
+                if image_id < 0:
+                    continue
+                key = (id(part.tree), int(image_id))
+                if key not in slots:
+                    slots[key] = len(images)
+                    offsets.append(sum(image.tokens for image in images))
+                    images.append(part.tree.images[image_id])
+                feature_index.append(offsets[slots[key]] + int(patch))
+        return RowImages(
+            pixel_values=[image.pixel_values for image in images],
+            grids=[image.grid_thw for image in images],
+            feature_index=np.asarray(feature_index, dtype=np.int64),
+        )
+
+
+@dataclass
+class RowImages:
+    """What a vision-language model needs of a row's images (:mod:`ds_tree.models.vision`)."""
+
+    pixel_values: list[np.ndarray]
+    """Each distinct image's patches, in order of first appearance in the row."""
+    grids: list[tuple[int, int, int]]
+    feature_index: np.ndarray
+    """Per placeholder token of the row, in row order: its index into the images' concatenated merged features."""
 
 
 def assemble_row(parts: list[TreePart], block: int = 1, pad_id: int = 0) -> PackedRow:

@@ -20,6 +20,7 @@ from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
 from ds_tree.models.moe import RouterAuxLoss
+from ds_tree.models.vision import attach_rope_positions, is_vision_language
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
@@ -106,6 +107,26 @@ def load_checked_model(
     return apply_lora(model, lora, init_lora_weights=False)
 
 
+def vocab_size(model) -> int:
+    """The language model's vocabulary (a vision-language config keeps it in its ``text_config``)."""
+    return model.config.get_text_config().vocab_size
+
+
+def check_images(model, trajectories: list[Trajectory], dfs: DfsSettings | None) -> None:
+    """Trajectories with images need a vision-language model, packed rows, and their rope positions
+    by the model's rule (set here, :func:`~ds_tree.models.vision.attach_rope_positions`)."""
+    if not any(t.images for t in trajectories):
+        return
+    if not is_vision_language(model.config):
+        raise ValueError(
+            f"the data has images and the model ({model.config.model_type}) has no vision tower; "
+            "use a vision-language model config (configs/models/tiny_qwen2_5_vl.json)"
+        )
+    if dfs is not None:
+        raise ValueError("--dfs-chunk: the dfs walk does not carry image features yet; verify packed rows")
+    attach_rope_positions(model, trajectories)
+
+
 def verification_dtype(trajectories: list[Trajectory], dtype: str) -> torch.dtype:
     """The torch dtype of a verification run (float64 or float32), with something to verify."""
     if not trajectories:
@@ -141,7 +162,8 @@ def compare(
     check_objective(normalisation, policy)
     torch_dtype = verification_dtype(trajectories, dtype)
     model = load_checked_model(model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora)
-    check_vocab(trajectories, model.config.vocab_size)
+    check_vocab(trajectories, vocab_size(model))
+    check_images(model, trajectories, dfs)
     router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
     gradients_checked = has_backward(attention)
     if not gradients_checked and dfs is not None:
@@ -355,7 +377,8 @@ def compare_rl(
     old_model, model = rl_policies(
         model_source, attention, torch_dtype, seed, perturbation, lora=lora, checkpoint_every=checkpoint_every
     )
-    check_vocab(trajectories, old_model.config.vocab_size)
+    check_vocab(trajectories, vocab_size(old_model))
+    check_images(old_model, trajectories, dfs)
     reference = old_model if settings.kl_coef else None
     if lora is not None and settings.kl_coef:
         from ds_tree.models.lora import AdaptersDisabled

@@ -1,0 +1,170 @@
+"""Vision-language models on trees: Qwen2.5-VL and Qwen3-VL.
+
+Only the language model gets the tree attention. The vision tower keeps its own attention
+(bidirectional inside each image, transformers' ``sdpa``), and runs **once per distinct image of a
+row**: a packed row lists its distinct images (a shared screenshot once, however many trajectories
+of its tree pass through it) and, per placeholder token, which image and patch it is
+(:meth:`~ds_tree.packing.rows.PackedRow.image_inputs`). The model's forward (replaced per instance
+by :func:`install_vision`) encodes those images, gathers the merged-patch features at the row's
+placeholders and hands them to the model as its ``mm_encoder_outputs`` (transformers' own entry for
+precomputed vision features, which it scatters into the input embeddings; Qwen3-VL's deepstack
+features go the same way). The gather sums every copy's gradient into the one encoding, so each
+image's gradient reaches the tower once, the sum over all trajectories through it.
+
+Positions: the row passes ``position_ids`` as ``[4, 1, N]``: the depth (the text position the tree
+attention and the mask builders read) and the three multimodal rotary sections laid out on the
+tree (:func:`attach_rope_positions` computes each trajectory's with the model's own
+``get_rope_index``; the trie checks that shared tokens agree).
+
+float64: transformers computes the vision tower's rotary embedding in float32
+(``apply_rotary_pos_emb_vision`` casts ``q``/``k`` with ``.float()``); in a float64 model the
+gradient of an image encoded once (tree) and the sum of the gradients of its copies (flat) would
+then differ at float32 round-off. :func:`install_vision` makes that function compute in
+``promote_types(dtype, float32)``: unchanged for float32/bf16, float64 for float64.
+
+Refused (:func:`check_vision_settings`, naming the field): sequence parallelism (a shard would need
+the features of images in other shards), the dfs walk (an image's features would have to ride in
+the walk's cache), vLLM rollouts, and models whose image tokens attend to each other bidirectionally
+inside the language model (Gemma 3): the tree mask is causal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = ("gemma3", "gemma3n", "paligemma")
+"""Models whose image tokens attend bidirectionally among themselves in the language model."""
+VISION_ATTENTION = "sdpa"
+"""The vision tower's attention: transformers' own, per image (float64 on the CPU's math kernel)."""
+
+
+def is_vision_language(config) -> bool:
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
+
+
+def check_vision_model_type(config) -> None:
+    """Refuse a vision-language model type whose language model attends bidirectionally among image tokens."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in BIDIRECTIONAL_IMAGE_MODEL_TYPES:
+        raise ValueError(
+            f"{type(config).__name__} ({model_type}): its image tokens attend to each other bidirectionally inside "
+            "the language model; the tree mask is causal (k <= q), so tree training would change the model. "
+            f"Supported vision-language models: {', '.join(VISION_MODEL_TYPES)}"
+        )
+
+
+def attention_implementations(text_implementation: str) -> dict[str, str]:
+    """``attn_implementation`` per sub-config: the tree engine for the language model, the tower's own."""
+    return {"": text_implementation, "text_config": text_implementation, "vision_config": VISION_ATTENTION}
+
+
+def check_vision_settings(*, sequence_parallel_size: int, mode: str, over_budget: str, rollout_engine) -> None:
+    """What the trainer does not run with a vision-language model yet, refused naming the field."""
+    if sequence_parallel_size > 1:
+        raise ValueError(
+            "parallel.sequence_parallel_size: vision-language models run without sequence parallelism (a shard "
+            "would need the vision features of images in other shards); set it to 1"
+        )
+    if mode == "dfs" or over_budget == "dfs":
+        field = "packing.mode" if mode == "dfs" else "packing.over_budget"
+        raise ValueError(
+            f"{field}: the dfs walk does not carry image features in its cache yet; use packed rows "
+            "(packing.mode: tree) with a budget that holds a path"
+        )
+    if rollout_engine == "vllm":
+        raise ValueError("rollout.engine: vllm is not wired for images; use the hf sampler or offline data")
+
+
+# --------------------------------------------------------------------------- rotary positions
+def _language_backbone(model):
+    model = getattr(model, "module", model)  # the DeepSpeed engine wraps the Hugging Face model
+    return model.model
+
+
+def rope_positions(model, input_ids: np.ndarray, image_index: np.ndarray | None, grids) -> np.ndarray:
+    """``[3, length]`` rotary positions of one trajectory by the model's own ``get_rope_index``."""
+    if image_index is None or not len(grids):
+        return np.broadcast_to(np.arange(input_ids.size), (3, input_ids.size)).copy()
+    ids = torch.as_tensor(input_ids)[None]
+    token_types = torch.as_tensor((image_index >= 0).astype(np.int32))[None]
+    positions, _ = _language_backbone(model).get_rope_index(
+        ids, mm_token_type_ids=token_types, image_grid_thw=torch.as_tensor(np.asarray(grids, dtype=np.int64))
+    )
+    return positions[:, 0].numpy().astype(np.int64)
+
+
+def attach_rope_positions(model, trajectories) -> None:
+    """Set ``rope_positions`` of every trajectory with images (in place; text-only ones keep None)."""
+    for trajectory in trajectories:
+        if trajectory.images and trajectory.rope_positions is None:
+            grids = [image.grid_thw for image in trajectory.images]
+            trajectory.rope_positions = rope_positions(model, trajectory.input_ids, trajectory.image_index, grids)
+
+
+# --------------------------------------------------------------------------- the forward
+def _rotary_vision_promoted(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb_vision`` in ``promote_types(dtype, float32)`` (module docstring)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import rotate_half
+
+    wide = torch.promote_types(q.dtype, torch.float32)
+    q_wide, k_wide = q.to(wide), k.to(wide)
+    cos, sin = cos.unsqueeze(-2).to(wide), sin.unsqueeze(-2).to(wide)
+    q_embed = (q_wide * cos) + (rotate_half(q_wide) * sin)
+    k_embed = (k_wide * cos) + (rotate_half(k_wide) * sin)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
+
+
+def _modeling_module(model):
+    import importlib
+
+    return importlib.import_module(type(model).__module__)
+
+
+def install_vision(model) -> None:
+    """Make ``model``'s forward accept ``row_images`` (:class:`~ds_tree.packing.rows.RowImages`) and its
+    vision rotary embedding keep a float64 model's precision (module docstring). Idempotent."""
+    if not is_vision_language(model.config):
+        return
+    module = _modeling_module(model)
+    module.apply_rotary_pos_emb_vision = _rotary_vision_promoted  # same result for float32/bf16 (docstring)
+    if getattr(model, "_ds_tree_vision", False):
+        return
+    original = model.forward
+
+    def forward(*args, row_images=None, **kwargs):
+        if row_images is not None:
+            kwargs["mm_encoder_outputs"] = {"image": encode_row_images(model, row_images)}
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    model._ds_tree_vision = True
+
+
+def encode_row_images(model, row_images):
+    """The tower once per distinct image of the row, features gathered at the row's placeholders."""
+    visual = _language_backbone(model).visual
+    device = next(visual.parameters()).device
+    dtype = next(visual.parameters()).dtype
+    pooled, deepstack = [], []
+    for pixels, grid in zip(row_images.pixel_values, row_images.grids, strict=True):
+        output = visual(
+            torch.as_tensor(pixels, device=device).to(dtype),
+            grid_thw=torch.as_tensor([grid], device=device),
+            return_dict=True,
+        )
+        pooled.append(output.pooler_output)
+        deepstack.append(getattr(output, "deepstack_features", None))
+    index = torch.as_tensor(row_images.feature_index, device=device)
+    features = torch.cat(pooled)[index]
+    if deepstack[0] is None:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return BaseModelOutputWithPooling(pooler_output=[features])
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    levels = [torch.cat([per_image[level] for per_image in deepstack])[index] for level in range(len(deepstack[0]))]
+    return BaseModelOutputWithDeepstackFeatures(
+        pooler_output=[features], deepstack_features=[[level] for level in levels]
+    )

@@ -1,0 +1,200 @@
+"""Vision-language trees: processor folders, image identity in the trie, rotary positions on the tree,
+and Qwen2.5-VL / Qwen3-VL tree vs flat in float64 with the vision tower run once per distinct image."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ds_tree.cli.make_tokenizer import VISION_FAMILIES
+from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
+from ds_tree.data.vision_processor import FAMILIES, VISION_TOKENS, build_image_processor, load_vision_processor
+from ds_tree.errors import DataError
+from ds_tree.models.loading import load_model
+from ds_tree.models.vision import attach_rope_positions, check_vision_settings
+from ds_tree.trees import trie as trie_module
+from ds_tree.trees.images import TrajectoryImage
+from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.trie import build_trees
+from ds_tree.verify.tree_vs_flat import compare, compare_rl, run_mode
+
+CONFIGS = {"qwen2_5_vl": "configs/models/tiny_qwen2_5_vl.json", "qwen3_vl": "configs/models/tiny_qwen3_vl.json"}
+VISION_START, VISION_END, IMAGE_PAD = 1024, 1025, 1026
+
+
+def make_image(family: str, seed: int, width_patches: int = 2) -> TrajectoryImage:
+    """A random image of 1 x width_patches merged patches (28x56 pixels for Qwen2.5-VL), processed by its family."""
+    side = FAMILIES[family].patch_size * 2
+    pixels = (np.random.default_rng(seed).random((side, side * width_patches, 3)) * 255).astype(np.uint8)
+    out = build_image_processor(FAMILIES[family])(images=[pixels], return_tensors="np")
+    return TrajectoryImage.of(out["pixel_values"], out["image_grid_thw"][0])
+
+
+def trajectory(parts, group="g", reward=None) -> Trajectory:
+    """Ids and images in order: a list is text ids, an image becomes <|vision_start|> pads <|vision_end|>."""
+    ids, index, images = [], [], []
+    for part in parts:
+        if isinstance(part, TrajectoryImage):
+            ids += [VISION_START] + [IMAGE_PAD] * part.tokens + [VISION_END]
+            index += [-1] + [len(images)] * part.tokens + [-1]
+            images.append(part)
+        else:
+            ids += part
+            index += [-1] * len(part)
+    return Trajectory(
+        np.array(ids), np.ones(len(ids)), group_id=group, reward=reward, images=tuple(images), image_index=index
+    )
+
+
+def agent_trees(family: str) -> list[Trajectory]:
+    """Two tasks: a screenshot shared by every trial, one shared by a subtree, distinct ones with the same
+    placeholder ids at the same place (they must not merge), a text-only trial, and a repeated image."""
+    shared, subtree, other, late = (make_image(family, seed) for seed in range(4))
+    wide = make_image(family, 4, width_patches=3)
+    task = [3, 10, 11]
+    return [
+        trajectory([task, shared, [12, 13], subtree, [20, 21, 22]], reward=1.0),
+        trajectory([task, shared, [12, 13], subtree, [30, 31]], reward=0.0),
+        trajectory([task, shared, [12, 13], other, [20, 21, 22]], reward=1.0),  # same ids as the first: other image
+        trajectory([task, shared, [12, 13], late, [5], shared, [40, 41]], reward=0.0),
+        trajectory([task, [50, 51, 52]], reward=0.5),
+        trajectory([[3, 60], wide, [61, 62]], group="h", reward=1.0),
+        trajectory([[3, 60], wide, [63]], group="h", reward=0.0),
+    ]
+
+
+# ----------------------------------------------------------------------------- processor folders
+@pytest.fixture(scope="module")
+def processor_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("processor")
+    assert make_tokenizer_main(["--output", str(folder), "--vision", "qwen2_5_vl"]) == 0
+    return folder
+
+
+def test_make_tokenizer_vision_writes_a_processor_folder(processor_folder):
+    processor = load_vision_processor(processor_folder)
+    assert processor.token_ids == dict(zip(VISION_TOKENS, [1024, 1025, 1026, 1027], strict=True))
+    assert (processor_folder / "preprocessor_config.json").is_file()
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "image": "a.png"}]},
+        {"role": "assistant", "content": "ok"},
+    ]
+    ids = processor.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    start = ids.index(VISION_START)
+    assert ids[start : start + 3] == [VISION_START, IMAGE_PAD, VISION_END]
+    grid = build_image_processor(processor.family)(images=[np.zeros((28, 56, 3), np.uint8)])["image_grid_thw"]
+    assert [int(v) for v in grid[0]] == [1, 2, 4]  # 28x56 pixels: 2 merged tokens
+    assert set(VISION_FAMILIES) == set(FAMILIES)
+
+
+# ----------------------------------------------------------------------------- trees
+def test_images_merge_by_identity_never_by_placeholder_ids():
+    family = "qwen2_5_vl"
+    a, b = make_image(family, 0), make_image(family, 1)
+    same = [trajectory([[3, 4], a, [5]]), trajectory([[3, 4], a, [6]])]
+    different = [trajectory([[3, 4], a, [5]]), trajectory([[3, 4], b, [5]])]
+    for group in (same, different):
+        for t in group:
+            t.rope_positions = np.broadcast_to(np.arange(len(t)), (3, len(t)))
+    (tree_same,) = build_trees(same)
+    (tree_different,) = build_trees(different)
+    assert tree_same.n_tokens == len(same[0]) + 1 and len(tree_same.images) == 1
+    assert tree_different.n_tokens == 2 * len(different[0]) - 3 and len(tree_different.images) == 2
+    assert np.array_equal(different[0].input_ids, different[1].input_ids)  # only identity tells them apart
+
+
+def test_dropping_image_identity_fails_loudly(monkeypatch):
+    family = "qwen2_5_vl"
+    different = [trajectory([[3, 4], make_image(family, 0), [5]]), trajectory([[3, 4], make_image(family, 1), [5]])]
+    for t in different:
+        t.rope_positions = np.broadcast_to(np.arange(len(t)), (3, len(t)))
+    monkeypatch.setattr(trie_module, "trie_keys", lambda ids, *_: ids)  # a trie keyed on ids alone
+    with pytest.raises(AssertionError, match="merged different images"):
+        build_trees(different)
+
+
+def test_rope_positions_must_agree_on_shared_tokens():
+    image = make_image("qwen2_5_vl", 0)
+    first, second = trajectory([[3, 4], image, [5]]), trajectory([[3, 4], image, [6]])
+    first.rope_positions = np.broadcast_to(np.arange(len(first)), (3, len(first)))
+    second.rope_positions = first.rope_positions.copy()
+    second.rope_positions[1, 3] += 1  # a height position of the shared image differs
+    with pytest.raises(DataError, match="rope positions .* at token 3 differ"):
+        build_trees([first, second])
+    second.rope_positions = None
+    with pytest.raises(DataError, match="needs its rope positions"):
+        build_trees([first, second])
+
+
+def test_bad_image_layouts_are_data_errors():
+    image = make_image("qwen2_5_vl", 0)
+    with pytest.raises(DataError, match="needs 2 placeholder tokens, the trajectory has 1"):
+        Trajectory(np.array([3, IMAGE_PAD, 5]), np.ones(3), images=(image,), image_index=[-1, 0, -1])
+    with pytest.raises(DataError, match="has 8 patches but pixel_values"):
+        TrajectoryImage.of(image.pixel_values[:4], image.grid_thw)
+
+
+def test_refused_settings_name_their_field():
+    with pytest.raises(ValueError, match="parallel.sequence_parallel_size"):
+        check_vision_settings(sequence_parallel_size=2, mode="tree", over_budget="error", rollout_engine=None)
+    with pytest.raises(ValueError, match="packing.over_budget"):
+        check_vision_settings(sequence_parallel_size=1, mode="tree", over_budget="dfs", rollout_engine=None)
+    with pytest.raises(ValueError, match="rollout.engine"):
+        check_vision_settings(sequence_parallel_size=1, mode="tree", over_budget="error", rollout_engine="vllm")
+
+
+def test_bidirectional_image_attention_models_are_refused(tmp_path):
+    config = tmp_path / "gemma3.json"
+    config.write_text('{"model_type": "gemma3"}')
+    with pytest.raises(ValueError, match="bidirectionally"):
+        load_model(config)
+
+
+# ----------------------------------------------------------------------------- tree vs flat
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_vision_tower_runs_once_per_distinct_image(family):
+    trajectories = agent_trees(family)
+    model = load_model(CONFIGS[family], dtype="float64")
+    attach_rope_positions(model, trajectories)
+    calls = []
+    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact")
+    groups = (trajectories[:5], trajectories[5:])
+    distinct_per_tree = sum(len({image.key for t in group for image in t.images}) for group in groups)
+    assert len(calls) == distinct_per_tree == 5
+    calls.clear()
+    run_mode(model, trajectories, "flat", 4096, 1, "token_mean", "exact")
+    # flat: once per trajectory and distinct image (the fourth shows one screenshot twice)
+    assert len(calls) == sum(len({image.key for image in t.images}) for t in trajectories) == 10
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("budget", [4096, 40])
+def test_sft_tree_equals_flat_in_float64(family, budget):
+    report = compare(agent_trees(family), CONFIGS[family], dtype="float64", budget=budget)
+    assert report["passed"], report
+    assert report["tree_tokens"] < report["flat_tokens"]
+    assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10
+    assert report["max_abs_logprob_err"] <= 1e-10
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_grpo_tree_equals_flat_in_float64(family):
+    report = compare_rl(agent_trees(family), CONFIGS[family], estimator="grpo", dtype="float64")
+    assert report["passed"], report
+    assert report["max_rel_grad_err"] <= 1e-10 and report["max_abs_old_logprob_err"] <= 1e-10
+
+
+def test_vision_gradients_are_checked():
+    """The tower's parameters are among the compared gradients, and a gradient sent to it twice would fail."""
+    trajectories = agent_trees("qwen2_5_vl")
+    model = load_model(CONFIGS["qwen2_5_vl"], dtype="float64")
+    attach_rope_positions(model, trajectories)
+    flat = run_mode(model, trajectories, "flat", 4096, 1, "token_mean", "exact")
+    tree = run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact")
+    tower = [name for name in flat.gradients if ".visual." in name]
+    assert len(tower) >= 20 and all(torch.count_nonzero(flat.gradients[name]) for name in tower)
+    doubled = {name: grad * (2 if ".visual." in name else 1) for name, grad in tree.gradients.items()}
+    errors = [(doubled[n] - flat.gradients[n]).abs().max() / flat.gradients[n].abs().max() for n in tower]
+    assert max(errors) > 0.5
