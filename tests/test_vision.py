@@ -13,6 +13,8 @@ from ds_tree.data.vision_processor import FAMILIES, VISION_TOKENS, build_image_p
 from ds_tree.errors import DataError
 from ds_tree.models.loading import load_model
 from ds_tree.models.vision import attach_rope_positions, check_vision_settings
+from ds_tree.packing.parts import whole_tree
+from ds_tree.packing.rows import assemble_row
 from ds_tree.trees import trie as trie_module
 from ds_tree.trees.images import TrajectoryImage
 from ds_tree.trees.trajectory import Trajectory
@@ -122,9 +124,11 @@ def test_rope_positions_must_agree_on_shared_tokens():
     second.rope_positions[1, 3] += 1  # a height position of the shared image differs
     with pytest.raises(DataError, match="rope positions .* at token 3 differ"):
         build_trees([first, second])
-    second.rope_positions = None
-    with pytest.raises(DataError, match="needs its rope positions"):
-        build_trees([first, second])
+    second.rope_positions = None  # not attached: the tree can be counted, not forwarded
+    first.rope_positions = None
+    row = assemble_row([whole_tree(tree) for tree in build_trees([first, second])])
+    with pytest.raises(ValueError, match="without its rope positions"):
+        row.tensors()
 
 
 def test_bad_image_layouts_are_data_errors():
@@ -198,3 +202,116 @@ def test_vision_gradients_are_checked():
     doubled = {name: grad * (2 if ".visual." in name else 1) for name, grad in tree.gradients.items()}
     errors = [(doubled[n] - flat.gradients[n]).abs().max() / flat.gradients[n].abs().max() for n in tower]
     assert max(errors) > 0.5
+
+
+# ----------------------------------------------------------------------------- chat data with images
+def write_png(path, seed: int, size=(56, 28), mode="RGB") -> None:
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((size[1], size[0], 3)) * 255).astype(np.uint8)
+    Image.fromarray(pixels).convert(mode).save(path)
+
+
+def data_url(path) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def click(x: int) -> dict:
+    return {"id": "c", "type": "function", "function": {"name": "click", "arguments": f'{{"x": {x}, "y": 4}}'}}
+
+
+def gui_records(folder) -> list[dict]:
+    """Two tasks; every trial of a task starts from the same screenshot (a file, or the same data URL)."""
+    write_png(folder / "start.png", 0)
+    for seed in (1, 2):
+        write_png(folder / f"after{seed}.png", seed)
+    start = {"type": "image", "image": "start.png"}
+    records = []
+    for trial, after in enumerate(("after1.png", "after2.png", "after1.png")):
+        records.append(
+            {
+                "group_id": "task1",
+                "trial": trial,
+                "reward": float(trial == 0),
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "Open the settings."}, start]},
+                    {"role": "assistant", "content": None, "tool_calls": [click(trial)]},
+                    {"role": "tool", "tool_call_id": "c", "content": [{"type": "image", "image": after}]},
+                    {"role": "assistant", "content": "done"},
+                ],
+            }
+        )
+    shot = {"type": "image_url", "image_url": {"url": data_url(folder / "after2.png")}}
+    for trial in range(2):
+        records.append(
+            {
+                "group_id": "task2",
+                "messages": [
+                    {"role": "user", "content": [shot, {"type": "text", "text": "Where is the menu?"}]},
+                    {"role": "assistant", "content": ["top", "left"][trial]},
+                ],
+            }
+        )
+    return records
+
+
+def write_jsonl(path, records) -> None:
+    import json
+
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
+def test_chat_with_images_converts_stores_each_image_once_and_verifies(processor_folder, tmp_path):
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.convert import ConvertOptions, convert
+    from ds_tree.data.tree_dataset import IMAGES_FILE
+
+    write_jsonl(tmp_path / "gui.jsonl", gui_records(tmp_path))
+    summary = convert([tmp_path / "gui.jsonl"], tmp_path / "dataset", processor_folder, ConvertOptions(format="chat"))
+    assert summary["format_version"] == 3
+    with np.load(tmp_path / "dataset" / IMAGES_FILE) as stored:
+        assert len(stored["keys"]) == 3  # start, after1, after2 (a file and a data URL of one picture: one image)
+    trajectories = load_trajectories(tmp_path / "dataset")
+    assert [len(t.images) for t in trajectories] == [2, 2, 2, 1, 1]
+    assert trajectories[0].images[0].key == trajectories[1].images[0].key
+    assert trajectories[1].images[1].key == trajectories[3].images[0].key
+    for t in trajectories:  # placeholders are untrained, the assistant's words are trained
+        assert not np.any(t.loss_mask[t.image_index >= 0]) and t.loss_mask.sum() > 0
+    report = compare(trajectories, CONFIGS["qwen2_5_vl"], dtype="float64")
+    assert report["passed"] and report["tree_tokens"] < report["flat_tokens"], report
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        ({"type": "image", "image": "missing.png"}, "image file 'missing.png' not found"),
+        ({"type": "image", "image": "garbage.png"}, "unreadable image"),
+        ({"type": "image", "image": "cmyk.jpg"}, "image mode 'CMYK' is not supported"),
+        ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "base64 data URL"),
+        ({"type": "image", "image": 3}, "needs 'image': a path"),
+    ],
+)
+def test_bad_images_are_one_error_naming_file_and_line(processor_folder, tmp_path, broken, message):
+    from ds_tree.data.convert import ConvertOptions, convert
+
+    (tmp_path / "garbage.png").write_bytes(b"not a png")
+    write_png(tmp_path / "cmyk.jpg", 3, mode="CMYK")
+    records = gui_records(tmp_path)
+    records[3]["messages"][0]["content"][0] = broken
+    write_jsonl(tmp_path / "gui.jsonl", records)
+    with pytest.raises(DataError, match=rf"gui\.jsonl:4: message 0: content part 0: .*{message}"):
+        convert([tmp_path / "gui.jsonl"], tmp_path / "dataset", processor_folder, ConvertOptions(format="chat"))
+
+
+def test_image_parts_need_a_processor_folder(tmp_path):
+    from ds_tree.data.chat import render_chat
+    from ds_tree.data.tokenizer import build_tokenizer
+
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": "a.png"}]},
+        {"role": "assistant", "content": "ok"},
+    ]
+    with pytest.raises(DataError, match="make-tokenizer --vision"):
+        render_chat(build_tokenizer(300), messages, where="x.jsonl:1")

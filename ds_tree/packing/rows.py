@@ -55,6 +55,11 @@ class PackedRow(TokenArrays):
         }
         if np.any(self.image_id >= 0):
             rope = np.stack([self.position_ids, self.rope_t, self.rope_h, self.rope_w])
+            if np.any(rope[:, : self.n_real] < 0):
+                raise ValueError(
+                    "a row with images holds a trajectory without its rope positions: attach them with the "
+                    "model's rule before packing (ds_tree.models.vision.attach_rope_positions)"
+                )
             inputs["position_ids"] = torch.as_tensor(rope, device=device)[:, None]
             inputs["row_images"] = self.image_inputs()
         return inputs

@@ -231,16 +231,14 @@ def _check_paths(own, paths, input_ids, images, image_id) -> None:
 
 def _rope_on_tree(own, paths, n: int) -> np.ndarray:
     """``[3, n]``: each trajectory's rotary positions laid out on its path, checked to agree wherever
-    paths share a token (they depend on the prefix only, so a disagreement is a wrong rule or input)."""
+    paths share a token (they depend on the prefix only, so a disagreement is a wrong rule or input).
+    A trajectory with images whose positions are not attached yet gets ``-1`` (see ``PackedRow.tensors``)."""
     rope = np.zeros((3, n), dtype=np.int64)
     seen = np.zeros(n, dtype=bool)
     for trajectory, path in zip(own, paths, strict=True):
         positions = trajectory.rope_positions
-        if positions is None and trajectory.images:
-            raise DataError(
-                f"{trajectory.where}: a trajectory with images needs its rope positions before its tree is built "
-                "(ds_tree.models.vision.attach_rope_positions, with the model's own rule)"
-            )
+        if positions is None and trajectory.images:  # not attached yet: counts and stats need no positions,
+            positions = np.full((3, len(trajectory)), -1, dtype=np.int64)  # a forward refuses them (PackedRow)
         if positions is None:
             positions = np.broadcast_to(np.arange(len(trajectory)), (3, len(trajectory)))
         shared = seen[path]
