@@ -248,6 +248,7 @@ def gui_records(folder) -> list[dict]:
         records.append(
             {
                 "group_id": "task2",
+                "reward": float(trial),
                 "messages": [
                     {"role": "user", "content": [shot, {"type": "text", "text": "Where is the menu?"}]},
                     {"role": "assistant", "content": ["top", "left"][trial]},
