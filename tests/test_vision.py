@@ -157,20 +157,25 @@ def test_bidirectional_image_attention_models_are_refused(tmp_path):
 
 # ----------------------------------------------------------------------------- tree vs flat
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_vision_tower_runs_once_per_distinct_image(family):
+def test_vision_tower_encodes_each_distinct_image_once(family):
     trajectories = agent_trees(family)
     model = load_model(CONFIGS[family], dtype="float64")
-    attach_rope_positions(model, trajectories)
-    calls = []
-    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    attach_rope_positions(model.config, trajectories)
+    encoded = []  # images per tower call
+    model.model.visual.register_forward_hook(
+        lambda _module, _args, kwargs, _out: encoded.append(len(kwargs["grid_thw"])), with_kwargs=True
+    )
     run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact")
     groups = (trajectories[:5], trajectories[5:])
     distinct_per_tree = sum(len({image.key for t in group for image in t.images}) for group in groups)
-    assert len(calls) == distinct_per_tree == 5
-    calls.clear()
+    assert encoded == [distinct_per_tree] == [5]  # one row, one call
+    encoded.clear()
     run_mode(model, trajectories, "flat", 4096, 1, "token_mean", "exact")
     # flat: once per trajectory and distinct image (the fourth shows one screenshot twice)
-    assert len(calls) == sum(len({image.key for image in t.images}) for t in trajectories) == 10
+    assert sum(encoded) == sum(len({image.key for image in t.images}) for t in trajectories) == 10
+    encoded.clear()
+    run_mode(model, trajectories[4:5], "tree", 4096, 1, "token_mean", "exact")  # text only: one blank image
+    assert encoded == [1]
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -194,7 +199,7 @@ def test_vision_gradients_are_checked():
     """The tower's parameters are among the compared gradients, and a gradient sent to it twice would fail."""
     trajectories = agent_trees("qwen2_5_vl")
     model = load_model(CONFIGS["qwen2_5_vl"], dtype="float64")
-    attach_rope_positions(model, trajectories)
+    attach_rope_positions(model.config, trajectories)
     flat = run_mode(model, trajectories, "flat", 4096, 1, "token_mean", "exact")
     tree = run_mode(model, trajectories, "tree", 4096, 1, "token_mean", "exact")
     tower = [name for name in flat.gradients if ".visual." in name]

@@ -1,20 +1,22 @@
 """Vision-language models on trees: Qwen2.5-VL and Qwen3-VL.
 
 Only the language model gets the tree attention. The vision tower keeps its own attention
-(bidirectional inside each image, transformers' ``sdpa``), and runs **once per distinct image of a
-row**: a packed row lists its distinct images (a shared screenshot once, however many trajectories
-of its tree pass through it) and, per placeholder token, which image and patch it is
-(:meth:`~ds_tree.packing.rows.PackedRow.image_inputs`). The model's forward (replaced per instance
-by :func:`install_vision`) encodes those images, gathers the merged-patch features at the row's
-placeholders and hands them to the model as its ``mm_encoder_outputs`` (transformers' own entry for
-precomputed vision features, which it scatters into the input embeddings; Qwen3-VL's deepstack
-features go the same way). The gather sums every copy's gradient into the one encoding, so each
-image's gradient reaches the tower once, the sum over all trajectories through it.
+(bidirectional inside each image, transformers' ``sdpa``) and encodes **each distinct image of a row
+once**, in one call per forward: a packed row lists its distinct images (a shared screenshot once,
+however many trajectories of its tree pass through it) and, per placeholder token, which image and
+patch it is (:meth:`~ds_tree.packing.rows.PackedRow.image_inputs`). The model's forward (replaced
+per instance by :func:`install_vision`) encodes those images (``cu_seqlens`` keeps each image's
+attention to itself), gathers the merged-patch features at the row's placeholders and hands them to
+the model as its ``mm_encoder_outputs`` (transformers' own entry for precomputed vision features,
+which it scatters into the input embeddings; Qwen3-VL's deepstack features go the same way). The
+gather sums every copy's gradient into the one encoding, so each image's gradient reaches the tower
+once, the sum over all trajectories through it. The flat baseline encodes an image once per
+trajectory (each trajectory is its own tree).
 
 Positions: the row passes ``position_ids`` as ``[4, 1, N]``: the depth (the text position the tree
 attention and the mask builders read) and the three multimodal rotary sections laid out on the
 tree (:func:`attach_rope_positions` computes each trajectory's with the model's own
-``get_rope_index``; the trie checks that shared tokens agree).
+``get_rope_index``, from the config alone; the trie checks that shared tokens agree).
 
 float64: transformers computes the vision tower's rotary embedding in float32
 (``apply_rotary_pos_emb_vision`` casts ``q``/``k`` with ``.float()``); in a float64 model the
@@ -29,6 +31,9 @@ inside the language model (Gemma 3): the tree mask is causal.
 """
 
 from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -78,29 +83,45 @@ def check_vision_settings(*, sequence_parallel_size: int, mode: str, over_budget
 
 
 # --------------------------------------------------------------------------- rotary positions
-def _language_backbone(model):
-    model = getattr(model, "module", model)  # the DeepSpeed engine wraps the Hugging Face model
-    return model.model
+def _backbone_class(config):
+    """The family's ``...VLModel`` class (it holds ``get_rope_index``), from transformers' model mapping."""
+    from transformers import MODEL_MAPPING
+
+    return MODEL_MAPPING[type(config)]
 
 
-def rope_positions(model, input_ids: np.ndarray, image_index: np.ndarray | None, grids) -> np.ndarray:
-    """``[3, length]`` rotary positions of one trajectory by the model's own ``get_rope_index``."""
+def rope_positions(config, input_ids: np.ndarray, image_index: np.ndarray | None, grids) -> np.ndarray:
+    """``[3, length]`` rotary positions of one trajectory by the model's own ``get_rope_index``.
+
+    Called unbound on a stand-in that holds the config (the rule reads ``self.config`` and
+    ``self.get_vision_position_ids`` only), so the data can be prepared before any model is built."""
     if image_index is None or not len(grids):
         return np.broadcast_to(np.arange(input_ids.size), (3, input_ids.size)).copy()
-    ids = torch.as_tensor(input_ids)[None]
-    token_types = torch.as_tensor((image_index >= 0).astype(np.int32))[None]
-    positions, _ = _language_backbone(model).get_rope_index(
-        ids, mm_token_type_ids=token_types, image_grid_thw=torch.as_tensor(np.asarray(grids, dtype=np.int64))
+    backbone = _backbone_class(config)
+    stand_in = SimpleNamespace(config=config)
+    stand_in.get_vision_position_ids = functools.partial(backbone.get_vision_position_ids, stand_in)
+    positions, _ = backbone.get_rope_index(
+        stand_in,
+        torch.as_tensor(input_ids)[None],
+        mm_token_type_ids=torch.as_tensor((image_index >= 0).astype(np.int32))[None],
+        image_grid_thw=torch.as_tensor(np.asarray(grids, dtype=np.int64)),
     )
     return positions[:, 0].numpy().astype(np.int64)
 
 
-def attach_rope_positions(model, trajectories) -> None:
-    """Set ``rope_positions`` of every trajectory with images (in place; text-only ones keep None)."""
+def attach_rope_positions(config, trajectories) -> None:
+    """Set ``rope_positions`` of every trajectory with images (in place; text-only ones keep None).
+    ``config``: the model's config (or the model)."""
+    config = getattr(getattr(config, "module", config), "config", config)
+    if any(t.images for t in trajectories) and not is_vision_language(config):
+        raise ValueError(
+            f"the data has images and the model ({config.model_type}) has no vision tower; use a vision-language "
+            f"model ({', '.join(VISION_MODEL_TYPES)}: configs/models/tiny_qwen2_5_vl.json)"
+        )
     for trajectory in trajectories:
         if trajectory.images and trajectory.rope_positions is None:
             grids = [image.grid_thw for image in trajectory.images]
-            trajectory.rope_positions = rope_positions(model, trajectory.input_ids, trajectory.image_index, grids)
+            trajectory.rope_positions = rope_positions(config, trajectory.input_ids, trajectory.image_index, grids)
 
 
 # --------------------------------------------------------------------------- the forward
@@ -134,37 +155,57 @@ def install_vision(model) -> None:
     original = model.forward
 
     def forward(*args, row_images=None, **kwargs):
-        if row_images is not None:
-            kwargs["mm_encoder_outputs"] = {"image": encode_row_images(model, row_images)}
+        kwargs["mm_encoder_outputs"] = {"image": encode_row_images(model, row_images)}
         return original(*args, **kwargs)
 
     model.forward = forward
     model._ds_tree_vision = True
 
 
+def _language_backbone(model):
+    return getattr(model, "module", model).model  # the DeepSpeed engine wraps the Hugging Face model
+
+
 def encode_row_images(model, row_images):
-    """The tower once per distinct image of the row, features gathered at the row's placeholders."""
+    """The tower called once on the row's distinct images (``cu_seqlens`` keeps each image's attention
+    to itself), its merged features gathered at the row's placeholders.
+
+    A row without images (``None``) encodes one blank image of one merged patch and passes no features,
+    its output joined to them times 0: every forward calls the tower once, forward and backward, so
+    ZeRO-3's parameter gathers (collectives) pair up across ranks whatever images each rank's rows hold.
+    """
     visual = _language_backbone(model).visual
-    device = next(visual.parameters()).device
-    dtype = next(visual.parameters()).dtype
-    pooled, deepstack = [], []
-    for pixels, grid in zip(row_images.pixel_values, row_images.grids, strict=True):
-        output = visual(
-            torch.as_tensor(pixels, device=device).to(dtype),
-            grid_thw=torch.as_tensor([grid], device=device),
-            return_dict=True,
-        )
-        pooled.append(output.pooler_output)
-        deepstack.append(getattr(output, "deepstack_features", None))
-    index = torch.as_tensor(row_images.feature_index, device=device)
-    features = torch.cat(pooled)[index]
-    if deepstack[0] is None:
+    parameter = next(visual.parameters())
+    if row_images is None:
+        merge = visual.spatial_merge_size
+        grids = [(1, merge, merge)]
+        pixels = torch.zeros(merge * merge, _patch_dim(visual), dtype=parameter.dtype)  # config: ZeRO-3 partitions
+        index = torch.zeros(0, dtype=torch.long)
+    else:
+        grids = row_images.grids
+        pixels = torch.cat([torch.as_tensor(p).to(parameter.dtype) for p in row_images.pixel_values])
+        index = torch.as_tensor(row_images.feature_index)
+    output = visual(
+        pixels.to(parameter.device), grid_thw=torch.as_tensor(grids, device=parameter.device), return_dict=True
+    )
+    index = index.to(parameter.device)
+    features = output.pooler_output[index]
+    deepstack = getattr(output, "deepstack_features", None)
+    if row_images is None:  # keep the tower in the graph with a zero contribution
+        features = features + 0.0 * output.pooler_output.sum()
+        deepstack = [level[index] + 0.0 * level.sum() for level in deepstack] if deepstack is not None else None
+    elif deepstack is not None:
+        deepstack = [level[index] for level in deepstack]
+    if deepstack is None:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
         return BaseModelOutputWithPooling(pooler_output=[features])
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-    levels = [torch.cat([per_image[level] for per_image in deepstack])[index] for level in range(len(deepstack[0]))]
-    return BaseModelOutputWithDeepstackFeatures(
-        pooler_output=[features], deepstack_features=[[level] for level in levels]
-    )
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=[features], deepstack_features=[[d] for d in deepstack])
+
+
+def _patch_dim(visual) -> int:
+    """Values per patch (channels x temporal patch x patch x patch), from the config."""
+    config = visual.config
+    return config.in_channels * config.temporal_patch_size * config.patch_size * config.patch_size

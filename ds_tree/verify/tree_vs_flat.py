@@ -20,7 +20,7 @@ from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
 from ds_tree.models.moe import RouterAuxLoss
-from ds_tree.models.vision import attach_rope_positions, is_vision_language
+from ds_tree.models.vision import attach_rope_positions
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
@@ -117,14 +117,9 @@ def check_images(model, trajectories: list[Trajectory], dfs: DfsSettings | None)
     by the model's rule (set here, :func:`~ds_tree.models.vision.attach_rope_positions`)."""
     if not any(t.images for t in trajectories):
         return
-    if not is_vision_language(model.config):
-        raise ValueError(
-            f"the data has images and the model ({model.config.model_type}) has no vision tower; "
-            "use a vision-language model config (configs/models/tiny_qwen2_5_vl.json)"
-        )
     if dfs is not None:
         raise ValueError("--dfs-chunk: the dfs walk does not carry image features yet; verify packed rows")
-    attach_rope_positions(model, trajectories)
+    attach_rope_positions(model.config, trajectories)
 
 
 def verification_dtype(trajectories: list[Trajectory], dtype: str) -> torch.dtype:
