@@ -26,7 +26,8 @@ then differ at float32 round-off. :func:`install_vision` makes that function com
 
 Refused (:func:`check_vision_settings`, naming the field): sequence parallelism (a shard would need
 the features of images in other shards), the dfs walk (an image's features would have to ride in
-the walk's cache), vLLM rollouts, and models whose image tokens attend to each other bidirectionally
+the walk's cache), online rollouts (HF and vLLM samplers with image observations); and at load
+(:func:`check_vision_model_type`) models whose image tokens attend to each other bidirectionally
 inside the language model (Gemma 3): the tree mask is causal.
 """
 
@@ -37,6 +38,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+from ds_tree.errors import ConfigError
 
 VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 BIDIRECTIONAL_IMAGE_MODEL_TYPES = ("gemma3", "gemma3n", "paligemma")
@@ -65,21 +68,29 @@ def attention_implementations(text_implementation: str) -> dict[str, str]:
     return {"": text_implementation, "text_config": text_implementation, "vision_config": VISION_ATTENTION}
 
 
-def check_vision_settings(*, sequence_parallel_size: int, mode: str, over_budget: str, rollout_engine) -> None:
-    """What the trainer does not run with a vision-language model yet, refused naming the field."""
-    if sequence_parallel_size > 1:
-        raise ValueError(
-            "parallel.sequence_parallel_size: vision-language models run without sequence parallelism (a shard "
-            "would need the vision features of images in other shards); set it to 1"
+def check_vision_settings(config, model_config) -> None:
+    """What the trainer does not run with a vision-language model yet, refused before anything is built
+    (a ``ConfigError`` naming the field)."""
+    if not is_vision_language(model_config):
+        return
+    what = f"{model_config.model_type} is a vision-language model"
+    packing = config.packing
+    if config.parallel.sequence_parallel_size > 1 or packing.over_budget == "sequence_parallel":
+        raise ConfigError(
+            f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard would need "
+            "the vision features of images in other shards (not built): set sequence_parallel_size: 1"
         )
-    if mode == "dfs" or over_budget == "dfs":
-        field = "packing.mode" if mode == "dfs" else "packing.over_budget"
-        raise ValueError(
-            f"{field}: the dfs walk does not carry image features in its cache yet; use packed rows "
-            "(packing.mode: tree) with a budget that holds a path"
+    if packing.mode == "dfs" or packing.over_budget == "dfs":
+        field = "packing.mode" if packing.mode == "dfs" else "packing.over_budget"
+        raise ConfigError(
+            f"{field}: dfs: {what}; the dfs walk does not carry image features in its cache yet: use packed rows "
+            "(packing.mode: tree) with a packing.budget that holds every path"
         )
-    if rollout_engine == "vllm":
-        raise ValueError("rollout.engine: vllm is not wired for images; use the hf sampler or offline data")
+    if config.rollout.enabled:
+        raise ConfigError(
+            f"rollout.enabled: {what}; online sampling with image observations (the environment interface, the "
+            "samplers, vLLM) is not built: train on converted data (rollout.enabled: false)"
+        )
 
 
 # --------------------------------------------------------------------------- rotary positions
