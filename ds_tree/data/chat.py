@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ds_tree.data.chat_images import check_parts, image_parts
-from ds_tree.data.vision_processor import expand_image_pads
+from ds_tree.data.chat_images import check_parts, expand_image_pads, image_parts
 from ds_tree.errors import RecordError
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -119,3 +119,18 @@ class ImageReader:
         except ValueError as error:  # e.g. an aspect ratio the processor refuses
             raise RecordError("bad_image", f"{where}: the image processor refused the image ({error})") from None
         return TrajectoryImage.of(out["pixel_values"], out["image_grid_thw"][0], self.merge_size)
+
+
+def expand_image_pads(ids: list[int], image_token_id: int, counts: list[int], where: str) -> list[int]:
+    """``ids`` with the k-th ``<|image_pad|>`` repeated ``counts[k]`` times (the image's merged patches)."""
+    pads = [index for index, token in enumerate(ids) if token == image_token_id]
+    if len(pads) != len(counts):
+        raise ValueError(f"{where}: {len(counts)} image(s) but {len(pads)} image placeholder(s) in the rendering")
+    out: list[int] = []
+    previous = 0
+    for index, count in zip(pads, counts, strict=True):
+        out.extend(ids[previous:index])
+        out.extend([image_token_id] * count)
+        previous = index + 1
+    out.extend(ids[previous:])
+    return out

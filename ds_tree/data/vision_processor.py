@@ -9,7 +9,8 @@ Layout of an image inside a message (Qwen2-VL, Qwen2.5-VL and Qwen3-VL alike)::
     <|vision_start|><|image_pad|><|vision_end|>
 
 The template writes one ``<|image_pad|>``; rendering expands it to the image's merged patch count
-``t * h * w / merge_size**2`` (:func:`expand_image_pads`), as the family's processor does. The template
+``t * h * w / merge_size**2`` (:func:`ds_tree.data.chat_images.expand_image_pads`), as the family's
+processor does. The template
 stays prefix-stable (each message renders from itself alone), so the chat renderer's loss spans hold.
 
 Image tokens take the ids right after the tokenizer's vocabulary, in :data:`VISION_TOKENS` order:
@@ -133,18 +134,3 @@ def load_vision_processor(directory: str | Path) -> VisionProcessor | None:
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     # Built in code from the family's settings: the saved preprocessor_config.json is for other tools.
     return VisionProcessor(tokenizer, build_image_processor(settings), settings, fields["token_ids"])
-
-
-def expand_image_pads(ids: list[int], image_token_id: int, counts: list[int], where: str) -> list[int]:
-    """``ids`` with the k-th ``<|image_pad|>`` repeated ``counts[k]`` times (the image's merged patches)."""
-    pads = [index for index, token in enumerate(ids) if token == image_token_id]
-    if len(pads) != len(counts):
-        raise ValueError(f"{where}: {len(counts)} image(s) but {len(pads)} image placeholder(s) in the rendering")
-    out: list[int] = []
-    previous = 0
-    for index, count in zip(pads, counts, strict=True):
-        out.extend(ids[previous:index])
-        out.extend([image_token_id] * count)
-        previous = index + 1
-    out.extend(ids[previous:])
-    return out
