@@ -14,6 +14,7 @@ from ds_tree.cli.make_tokenizer import VISION_FAMILIES
 from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
 from ds_tree.data.vision_processor import FAMILIES, VISION_TOKENS, build_image_processor, load_vision_processor
 from ds_tree.errors import ConfigError, DataError
+from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.models.vision import attach_rope_positions, check_vision_settings
 from ds_tree.packing.parts import whole_tree
@@ -159,7 +160,6 @@ ONLINE = (
 )
 def test_refused_settings_name_their_field(tmp_path, override, field):
     from ds_tree.config import load_config
-    from ds_tree.models.loading import load_config as load_model_config
     from tests.test_engine import write_config
 
     path = write_config(tmp_path, tmp_path / "data", model={"source": str(ROOT / CONFIGS["qwen2_5_vl"])})
@@ -370,3 +370,20 @@ def test_two_ranks_zero3_match_single_process_flat(processor_folder, tmp_path):
     # float32 round-off, as for the text models (tests/test_engine.py): measured 6.8e-7 and 5.5e-6
     assert report["max_rel_grad_err"] < 1e-5, report
     assert report["max_rel_param_err"] < 1e-5, report
+
+
+def test_gui_synthetic_data_shares_screenshots_as_trees_do(processor_folder, tmp_path):
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.convert import ConvertOptions, convert
+    from ds_tree.data.gui_synthetic import write_gui_chat
+    from ds_tree.data.tree_dataset import IMAGES_FILE
+
+    path = write_gui_chat(tmp_path / "gui", tasks=2, trials=4, side=28)
+    convert([path], tmp_path / "dataset", processor_folder, ConvertOptions(format="chat"))
+    with np.load(tmp_path / "dataset" / IMAGES_FILE) as stored:
+        assert len(stored["keys"]) == 2 * 7  # per task: 1 shared by all, 2 by halves, 4 by quarters
+    trajectories = load_trajectories(tmp_path / "dataset")
+    assert [len(t.images) for t in trajectories] == [3] * 8
+    attach_rope_positions(load_model_config(CONFIGS["qwen2_5_vl"]), trajectories)
+    trees = build_trees(trajectories[:4])
+    assert len(trees) == 1 and len(trees[0].images) == 7
