@@ -21,8 +21,9 @@ from ds_tree.packing.parts import whole_tree
 from ds_tree.packing.rows import assemble_row
 from ds_tree.trees import trie as trie_module
 from ds_tree.trees.images import TrajectoryImage
+from ds_tree.trees.stats import tree_stats
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.trees.trie import build_trees
+from ds_tree.trees.trie import build_forest, build_trees
 from ds_tree.verify.tree_vs_flat import compare, compare_rl, run_mode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -384,6 +385,14 @@ def test_gui_synthetic_data_shares_screenshots_as_trees_do(processor_folder, tmp
         assert len(stored["keys"]) == 2 * 7  # per task: 1 shared by all, 2 by halves, 4 by quarters
     trajectories = load_trajectories(tmp_path / "dataset")
     assert [len(t.images) for t in trajectories] == [3] * 8
+    stats = tree_stats(build_forest(trajectories))  # ds-tree stats
+    assert stats["images"] == {
+        "images_flat": 24,
+        "images_tree": 14,
+        "patches_flat": 24 * 4,  # 28x28 pixels: grid (1, 2, 2) of 14-pixel patches
+        "patches_tree": 14 * 4,
+        "patches_saved": 1 - 14 / 24,
+    }
     attach_rope_positions(load_model_config(CONFIGS["qwen2_5_vl"]), trajectories)
     trees = build_trees(trajectories[:4])
     assert len(trees) == 1 and len(trees[0].images) == 7
