@@ -164,8 +164,12 @@ def _serialise(root: _Node, trajectories: Sequence[Trajectory]) -> TokenTree:
     paths = [_path(node, node_start, node_end, node_parent) for node in end_node]
     own = [trajectories[index] for index in members]
     images, image_id, image_patch = _tree_images(nodes, trajectories, node_start, node_end, n)
-    _check_paths(own, paths, input_ids, images, image_id)
-    rope = _rope_on_tree(own, paths, n)
+    if images:
+        _check_paths(own, paths, input_ids, images, image_id)
+    if any(t.images or t.rope_positions is not None for t in own):
+        rope = _rope_on_tree(own, paths, n)
+    else:  # text: the rotary position is the depth
+        rope = np.tile(position_ids, (3, 1))
     return TokenTree(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -195,10 +199,13 @@ def _tree_images(nodes, trajectories, node_start, node_end, n: int):
     slots: dict[str, int] = {}
     image_id = np.full(n, -1, dtype=np.int64)
     image_patch = np.full(n, -1, dtype=np.int64)
+    patches: dict[int, np.ndarray] = {}  # per source trajectory
     for node_id, node in enumerate(nodes):
         source = trajectories[node.source]
         if not source.images:
             continue
+        if node.source not in patches:
+            patches[node.source] = patch_index(source.image_index)
         span = slice(node_start[node_id], node_end[node_id])
         local = source.image_index[node.start : node.end]
         to_tree = np.array([slots.setdefault(image.key, len(slots)) for image in source.images], dtype=np.int64)
@@ -206,13 +213,13 @@ def _tree_images(nodes, trajectories, node_start, node_end, n: int):
             if slot == len(images):
                 images.append(image)
         image_id[span] = np.where(local >= 0, to_tree[np.maximum(local, 0)], -1)
-        image_patch[span] = patch_index(source.image_index)[node.start : node.end]
+        image_patch[span] = patches[node.source][node.start : node.end]
     return images, image_id, image_patch
 
 
 def _check_paths(own, paths, input_ids, images, image_id) -> None:
-    """Every trajectory reads back from the tree: its ids, and at its image tokens its own images
-    (identity and patch). A trie that merged two different images would fail here, loudly."""
+    """Every trajectory of a tree with images reads back from it: its ids, and at its image tokens its
+    own images' identities. A trie that merged two different images would fail here, loudly."""
     tree_keys = np.array([image.key for image in images] + [""], dtype=object)
     for trajectory, path in zip(own, paths, strict=True):
         wrong = np.flatnonzero(input_ids[path] != trajectory.input_ids)
