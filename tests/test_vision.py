@@ -154,8 +154,6 @@ ONLINE = (
     ("override", "field"),
     [
         ("parallel.sequence_parallel_size=2", "parallel.sequence_parallel_size"),
-        ("packing.mode=dfs", "packing.mode: dfs"),
-        ("packing.over_budget=dfs", "packing.over_budget: dfs"),
         (ONLINE, "rollout.enabled"),
     ],
 )
@@ -411,3 +409,15 @@ def test_training_self_check_passes_with_images(family):
     self_check.verdict(result, 1, torch.float32)
     assert result.trajectories == len(trajectories)
     assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_dfs_walk_equals_flat_in_float64(family, chunk):
+    """The walk in chunks that cut images (5 tokens) and hold whole subtrees (64): SFT and GRPO."""
+    from ds_tree.engine.dfs import DfsSettings
+
+    report = compare(agent_trees(family), CONFIGS[family], dtype="float64", dfs=DfsSettings(chunk))
+    assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
+    report = compare_rl(agent_trees(family), CONFIGS[family], estimator="grpo", dtype="float64", dfs=DfsSettings(chunk))
+    assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report

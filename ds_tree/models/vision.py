@@ -24,9 +24,15 @@ gradient of an image encoded once (tree) and the sum of the gradients of its cop
 then differ at float32 round-off. :func:`install_vision` makes that function compute in
 ``promote_types(dtype, float32)``: unchanged for float32/bf16, float64 for float64.
 
+The dfs walk (``ds_tree.engine.dfs``) gives each chunk the images among its tokens and their rotary
+positions: a chunk encodes the images it holds tokens of and gathers its own tokens' features (an
+image cut by a chunk boundary is encoded by each chunk holding part of it; exact, as every chunk's
+gradient reaches the tower through its own encoding). The text config alone switches to the walk's
+cached attention.
+
 Refused (:func:`check_vision_settings`, naming the field): sequence parallelism (a shard would need
-the features of images in other shards), the dfs walk (an image's features would have to ride in
-the walk's cache), online rollouts (HF and vLLM samplers with image observations); and at load
+the features of images in other shards), online rollouts (HF and vLLM samplers with image
+observations); and at load
 (:func:`check_vision_model_type`) models whose image tokens attend to each other bidirectionally
 inside the language model (Gemma 3): the tree mask is causal.
 """
@@ -79,12 +85,6 @@ def check_vision_settings(config, model_config) -> None:
         raise ConfigError(
             f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard would need "
             "the vision features of images in other shards (not built): set sequence_parallel_size: 1"
-        )
-    if packing.mode == "dfs" or packing.over_budget == "dfs":
-        field = "packing.mode" if packing.mode == "dfs" else "packing.over_budget"
-        raise ConfigError(
-            f"{field}: dfs: {what}; the dfs walk does not carry image features in its cache yet: use packed rows "
-            "(packing.mode: tree) with a packing.budget that holds every path"
         )
     if config.rollout.enabled:
         raise ConfigError(

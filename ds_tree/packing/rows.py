@@ -54,41 +54,51 @@ class PackedRow(TokenArrays):
             if spec.model_input
         }
         if np.any(self.image_id >= 0):
-            rope = np.stack([self.position_ids, self.rope_t, self.rope_h, self.rope_w])
-            if np.any(rope[:, : self.n_real] < 0):
-                raise ValueError(
-                    "a row with images holds a trajectory without its rope positions: attach them with the "
-                    "model's rule before packing (ds_tree.models.vision.attach_rope_positions)"
-                )
-            inputs["position_ids"] = torch.as_tensor(rope, device=device)[:, None]
+            inputs["position_ids"] = torch.as_tensor(self.rope_positions(), device=device)[:, None]
             inputs["row_images"] = self.image_inputs()
         return inputs
 
-    def image_inputs(self) -> RowImages:
+    def image_inputs(self, tokens: np.ndarray | None = None) -> RowImages:
         """The row's distinct images (one per image of each tree, however many copies the row holds) and,
-        per placeholder token in row order, its merged patch's index into their concatenated features."""
+        per placeholder token in row order, its merged patch's index into their concatenated features.
+        ``tokens`` (ascending row indices; default all): only the images and placeholders among them
+        (a dfs chunk's)."""
+        chosen = np.zeros(self.n_tokens, dtype=bool)
+        chosen[slice(None) if tokens is None else tokens] = True
         slots: dict[tuple[int, int], int] = {}
         offsets: list[int] = []
         images = []
         feature_index = []
         start = 0
         for part in self.layout_parts:
-            span = slice(start, start + part.n_tokens)
-            start += part.n_tokens
-            for image_id, patch in zip(self.image_id[span], self.image_patch[span], strict=True):
-                if image_id < 0:
+            for k in range(start, start + part.n_tokens):
+                image_id = int(self.image_id[k])
+                if image_id < 0 or not chosen[k]:
                     continue
-                key = (id(part.tree), int(image_id))
+                key = (id(part.tree), image_id)
                 if key not in slots:
                     slots[key] = len(images)
                     offsets.append(sum(image.tokens for image in images))
                     images.append(part.tree.images[image_id])
-                feature_index.append(offsets[slots[key]] + int(patch))
+                feature_index.append(offsets[slots[key]] + int(self.image_patch[k]))
+            start += part.n_tokens
         return RowImages(
             pixel_values=[image.pixel_values for image in images],
             grids=[image.grid_thw for image in images],
             feature_index=np.asarray(feature_index, dtype=np.int64),
         )
+
+    def rope_positions(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        """``[4, n]``: the depth and the multimodal rotary positions of ``tokens`` (default all); refused when a
+        trajectory's positions were not attached."""
+        rope = np.stack([self.position_ids, self.rope_t, self.rope_h, self.rope_w])
+        rope = rope if tokens is None else rope[:, tokens]
+        if np.any(rope < 0):
+            raise ValueError(
+                "a row with images holds a trajectory without its rope positions: attach them with the "
+                "model's rule before packing (ds_tree.models.vision.attach_rope_positions)"
+            )
+        return rope
 
 
 @dataclass

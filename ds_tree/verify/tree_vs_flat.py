@@ -112,13 +112,9 @@ def vocab_size(model) -> int:
     return model.config.get_text_config().vocab_size
 
 
-def check_images(model, trajectories: list[Trajectory], dfs: DfsSettings | None) -> None:
-    """Trajectories with images need a vision-language model, packed rows, and their rope positions
-    by the model's rule (set here, :func:`~ds_tree.models.vision.attach_rope_positions`)."""
-    if not any(t.images for t in trajectories):
-        return
-    if dfs is not None:
-        raise ValueError("--dfs-chunk: the dfs walk does not carry image features yet; verify packed rows")
+def check_images(model, trajectories: list[Trajectory]) -> None:
+    """Trajectories with images need a vision-language model and their rope positions by the model's
+    rule (set here, :func:`~ds_tree.models.vision.attach_rope_positions`)."""
     attach_rope_positions(model.config, trajectories)
 
 
@@ -158,7 +154,7 @@ def compare(
     torch_dtype = verification_dtype(trajectories, dtype)
     model = load_checked_model(model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora)
     check_vocab(trajectories, vocab_size(model))
-    check_images(model, trajectories, dfs)
+    check_images(model, trajectories)
     router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
     gradients_checked = has_backward(attention)
     if not gradients_checked and dfs is not None:
@@ -373,7 +369,7 @@ def compare_rl(
         model_source, attention, torch_dtype, seed, perturbation, lora=lora, checkpoint_every=checkpoint_every
     )
     check_vocab(trajectories, vocab_size(old_model))
-    check_images(old_model, trajectories, dfs)
+    check_images(old_model, trajectories)
     reference = old_model if settings.kl_coef else None
     if lora is not None and settings.kl_coef:
         from ds_tree.models.lora import AdaptersDisabled
