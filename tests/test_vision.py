@@ -421,3 +421,11 @@ def test_dfs_walk_equals_flat_in_float64(family, chunk):
     assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
     report = compare_rl(agent_trees(family), CONFIGS[family], estimator="grpo", dtype="float64", dfs=DfsSettings(chunk))
     assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_lora_adapters_tree_equals_flat_in_float64(family):
+    from ds_tree.config import LoraSettings
+
+    report = compare(agent_trees(family), CONFIGS[family], dtype="float64", lora=LoraSettings(rank=4))
+    assert report["passed"] and report["max_rel_grad_err"] <= 1e-10, report
