@@ -353,7 +353,13 @@ def test_two_ranks_zero3_match_single_process_flat(processor_folder, tmp_path):
     from ds_tree.data.convert import ConvertOptions, convert
     from tests.test_engine import torchrun, write_accumulating_ds_config, write_config
 
-    write_jsonl(tmp_path / "gui.jsonl", gui_records(tmp_path))
+    text_only = [  # a task without images: rows of it call the tower on a blank patch (ZeRO-3 pairs the calls)
+        {"group_id": "task3", "reward": float(trial), "messages": [{"role": "user", "content": "Hi"}, answer]}
+        for trial, answer in enumerate(
+            [{"role": "assistant", "content": "Hello."}, {"role": "assistant", "content": "Hey"}]
+        )
+    ]
+    write_jsonl(tmp_path / "gui.jsonl", gui_records(tmp_path) + text_only)
     convert([tmp_path / "gui.jsonl"], tmp_path / "dataset", processor_folder, ConvertOptions(format="chat"))
     config = write_config(
         tmp_path,
@@ -363,7 +369,7 @@ def test_two_ranks_zero3_match_single_process_flat(processor_folder, tmp_path):
         packing={"budget": 120},
     )
     out = tmp_path / "report.json"
-    torchrun("tests/distributed/grad_check.py", "--config", str(config), "--out", str(out), "data.groups_per_step=2")
+    torchrun("tests/distributed/grad_check.py", "--config", str(config), "--out", str(out), "data.groups_per_step=3")
     report = json.loads(out.read_text())
     assert report["zero_stage"] == 3 and report["world_size"] == 2 and report["min_micro_batches_per_rank"] >= 2
     # float32 round-off, as for the text models (tests/test_engine.py): measured 6.8e-7 and 5.5e-6
