@@ -435,3 +435,8 @@ def test_lora_adapters_tree_equals_flat_in_float64(family):
 
     report = compare(agent_trees(family), CONFIGS[family], dtype="float64", lora=LoraSettings(rank=4))
     assert report["passed"] and report["max_rel_grad_err"] <= 1e-10, report
+
+
+def test_images_need_a_vision_language_model():
+    with pytest.raises(ValueError, match="has no vision tower"):
+        attach_rope_positions(load_model_config("configs/models/tiny_qwen3.json"), agent_trees("qwen2_5_vl"))

@@ -121,9 +121,8 @@ def rope_positions(config, input_ids: np.ndarray, image_index: np.ndarray | None
 
 
 def attach_rope_positions(config, trajectories) -> None:
-    """Set ``rope_positions`` of every trajectory with images (in place; text-only ones keep None).
-    ``config``: the model's config (or the model)."""
-    config = getattr(getattr(config, "module", config), "config", config)
+    """Set ``rope_positions`` of every trajectory with images (in place; text-only ones keep None) by the
+    rule of the model whose ``config`` is given; a ValueError when there are images and it has no tower."""
     if any(t.images for t in trajectories) and not is_vision_language(config):
         raise ValueError(
             f"the data has images and the model ({config.model_type}) has no vision tower; use a vision-language "
