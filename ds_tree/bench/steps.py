@@ -42,6 +42,7 @@ from ds_tree.losses.sft import Normalisers
 from ds_tree.memory.meters import PeakSavedMeter, SavedTensorMeter
 from ds_tree.memory.predict import profiled_peak_bytes
 from ds_tree.models.loading import load_model
+from ds_tree.models.vision import attach_rope_positions
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import TokenCounts, token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
@@ -70,6 +71,12 @@ class ModeTimes:
     """SFT: per step, every row's (tokens, visible pairs, forward+backward seconds), for the cost fit."""
     calls: list[int] = field(default_factory=list)
     """Forward-and-backward model calls of a step (RL: of one update): rows, or a walk's chunks."""
+
+
+def check_data(trajectories, config) -> None:
+    """Token ids within the language model's vocabulary; images' rope positions by the model's rule."""
+    check_vocab(trajectories, config.get_text_config().vocab_size)
+    attach_rope_positions(config, trajectories)
 
 
 def run_measuring(run, items: list, measure_memory: bool, exclude=()) -> int:
@@ -389,7 +396,7 @@ def run_benchmark(
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             bench = BenchModels.build([mode], model_source, engines, dtype, seed, checkpoint_every, device, kl)
-            check_vocab(trajectories, bench.models[mode].config.vocab_size)
+            check_data(trajectories, bench.models[mode].config)
             step_of = step_with(bench)
             timed, flat_tokens, tree_tokens = timed_steps([mode], groups, sampler, warmup, steps, step_of, progress)
             times |= timed
@@ -398,7 +405,7 @@ def run_benchmark(
             del bench, step_of
     else:
         bench = BenchModels.build(modes, model_source, engines, dtype, seed, checkpoint_every, device, kl)
-        check_vocab(trajectories, bench.models[modes[0]].config.vocab_size)
+        check_data(trajectories, bench.models[modes[0]].config)
         step_of = step_with(bench)
         times, flat_tokens, tree_tokens = timed_steps(modes, groups, sampler, warmup, steps, step_of, progress)
     after = sampler.trajectories_for_step(groups, warmup + steps)  # a batch the timed steps did not see

@@ -64,6 +64,12 @@ def print_text(stats: dict) -> None:
         "per-tree ideal speedup: "
         + "  ".join(f"{key} {speedup[key]:.2f}" for key in ("min", "p50", "mean", "p90", "max"))
     )
+    images = stats.get("images")
+    if images:
+        print(
+            f"images encoded flat {images['images_flat']}  tree {images['images_tree']}  (vision patches "
+            f"{images['patches_flat']} / {images['patches_tree']}: {images['patches_saved']:.4f} saved)"
+        )
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds_tree.data.chat_images import check_parts, expand_image_pads, image_parts
 from ds_tree.errors import RecordError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -97,8 +98,10 @@ def validate_messages(where: str, messages: object, tools: object = None) -> Non
             continue
         if calls:
             raise RecordError("malformed_message", f"{at}: only assistant messages may have 'tool_calls'")
-        if not _is_str(content):
-            raise RecordError("malformed_message", f"{at}: {role} message needs a string 'content'")
+        if isinstance(content, list):  # content parts: text and images (ds_tree.data.chat_images)
+            check_parts(at, content)
+        elif not _is_str(content):
+            raise RecordError("malformed_message", f"{at}: {role} message needs a string 'content' or a list of parts")
         if role == "tool" and message.get("tool_call_id") not in issued:
             raise RecordError(
                 "unmatched_tool_result",
@@ -207,6 +210,11 @@ class ChatText:
             message = dict(message)
             if isinstance(message.get("content"), str):
                 message["content"] = self._placeholder(message["content"])
+            elif isinstance(message.get("content"), list):  # text parts are content too
+                message["content"] = [
+                    {**part, "text": self._placeholder(part["text"])} if part.get("type") == "text" else part
+                    for part in message["content"]
+                ]
             if isinstance(message.get("tool_calls"), list):
                 calls = []
                 for call in message["tool_calls"]:
@@ -286,6 +294,19 @@ def encode_rendered(
     return out
 
 
+def _expanded(encoded: list[list[int]], image_token_id, image_tokens, where: str) -> list[list[int]]:
+    """Each rendering with its images' placeholders expanded (the first k images: renderings are prefixes)."""
+    if image_token_id is None:
+        return encoded
+    out = []
+    for ids in encoded:
+        count = sum(1 for token in ids if token == image_token_id)
+        if count > len(image_tokens):
+            raise RecordError("bad_image", f"{where}: the rendering has more image placeholders than image parts")
+        out.append(expand_image_pads(ids, image_token_id, list(image_tokens[:count]), where))
+    return out
+
+
 def _is_prefix(prefix: list[int], sequence: list[int]) -> bool:
     return len(prefix) <= len(sequence) and sequence[: len(prefix)] == prefix
 
@@ -297,19 +318,29 @@ def render_chat(
     *,
     where: str = "",
     train_on: str = "assistant",
+    image_token_id: int | None = None,
+    image_tokens: list[int] = (),
 ) -> RenderedChat:
     """Render ``messages`` with ``tokenizer``'s chat template into token ids and a loss mask.
 
     ``train_on``: ``"assistant"`` trains every assistant turn, ``"last_assistant"`` only the last
-    one, ``"all"`` every token but the first (never predicted).
+    one, ``"all"`` every token but the first (never predicted). Messages with image parts need a
+    vision processor folder's tokenizer, its ``image_token_id`` and each image's token count
+    (``image_tokens``, in order): every rendering's ``<|image_pad|>`` are expanded to them.
     """
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on must be one of {TRAIN_ON}, got {train_on!r}")
     validate_messages(where, messages, tools)
+    if image_parts(messages) and image_token_id is None:
+        raise RecordError(
+            "images_without_processor",
+            f"{where}: the record has image parts; convert with a processor folder "
+            "(ds-tree make-tokenizer --vision FAMILY) as --tokenizer",
+        )
     try:
         chat = ChatText(tokenizer, messages, tools)
         if train_on == "all":
-            (full,) = chat.encode([chat.render(len(messages), False)])
+            (full,) = _expanded(chat.encode([chat.render(len(messages), False)]), image_token_id, image_tokens, where)
     except UnsafeText as error:
         raise RecordError("special_token_text", f"{where}: {error}") from None
     if train_on == "all":
@@ -325,7 +356,7 @@ def render_chat(
         texts = [chat.render(len(messages), False)]
         for index in turns:
             texts += [chat.render(index, True), chat.render(index + 1, False)]
-        encoded = chat.encode(texts)
+        encoded = _expanded(chat.encode(texts), image_token_id, image_tokens, where)
     except UnsafeText as error:
         raise RecordError("special_token_text", f"{where}: {error}") from None
     full = encoded[0]

@@ -15,6 +15,7 @@ succeeds.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -25,14 +26,17 @@ import numpy as np
 from tqdm import tqdm
 
 from ds_tree.data.chat import TRAIN_ON, check_text, render_chat
+from ds_tree.data.chat_images import ImageReader, check_parts, image_parts
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.records import MISSING, PER_TOKEN_FIELDS, group_id
 from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tokens import trajectory_from_record
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
+from ds_tree.data.vision_processor import VisionProcessor, load_vision_processor
 from ds_tree.errors import DataError, RecordError
 from ds_tree.hub import TOKENIZER_FILES, local_path
+from ds_tree.trees.images import TrajectoryImage
 from ds_tree.trees.stats import TokenCounts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 
@@ -101,9 +105,12 @@ def load_tokenizer(path: str | Path):
 class Converter:
     """Turns records of one format into trajectories and keeps the counts for the summary."""
 
-    def __init__(self, options: ConvertOptions, tokenizer) -> None:
+    def __init__(self, options: ConvertOptions, tokenizer, vision: VisionProcessor | None = None) -> None:
         self.options = options
         self.tokenizer = tokenizer
+        self.vision = vision
+        """A processor folder's image side: chat records may then hold image parts (ds_tree.data.chat_images)."""
+        self.images = ImageReader(vision.image_processor, vision.family.merge_size) if vision else None
         self.prefix_unstable = 0  # trajectories kept with unstable turns untrained (policy "full")
 
     def group_id(self, where: str, record: dict, default: object = MISSING) -> str | int:
@@ -114,8 +121,28 @@ class Converter:
             raise RecordError("invalid_text", str(error)) from None
         return value
 
-    def render(self, where: str, messages: object, tools: object) -> tuple[np.ndarray, np.ndarray]:
-        rendered = render_chat(self.tokenizer, messages, tools, where=where, train_on=self.options.train_on)
+    def read_images(self, where: str, messages: object) -> list[TrajectoryImage]:
+        """The images of a chat record's messages, in rendering order (none without a processor folder)."""
+        if self.images is None or not isinstance(messages, list):
+            return []
+        images = []
+        for index, j, part in image_parts(messages):
+            check_parts(f"{where}: message {index}", messages[index]["content"])
+            images.append(self.images.read(where, f"{where}: message {index}: content part {j}", part))
+        return images
+
+    def render(
+        self, where: str, messages: object, tools: object, images: list[TrajectoryImage] = ()
+    ) -> tuple[np.ndarray, np.ndarray]:
+        rendered = render_chat(
+            self.tokenizer,
+            messages,
+            tools,
+            where=where,
+            train_on=self.options.train_on,
+            image_token_id=self.vision.image_token_id if self.vision else None,
+            image_tokens=[image.tokens for image in images],
+        )
         if rendered.unstable_turns:
             message = f"{where}: the chat template is not prefix-stable for {rendered.unstable_turns} assistant turn(s)"
             if self.options.prefix_policy != "full":
@@ -144,9 +171,17 @@ class Converter:
                     f"{where}: field {carried[0]!r} is not allowed in a chat record (its tokens are known only "
                     "after rendering); give rollouts with their tokens (--format tokens or tree)",
                 )
-            input_ids, loss_mask = self.render(where, record.get("messages"), record.get("tools"))
+            images = self.read_images(where, record.get("messages"))
+            input_ids, loss_mask = self.render(where, record.get("messages"), record.get("tools"), images)
             # Reuse the tokens reader's field checks (reward, trial) on the rendered record.
             record = {**record, "input_ids": input_ids.tolist(), "loss_mask": loss_mask.tolist()}
+            trajectory = trajectory_from_record(where, {**record, "group_id": group})
+            if images:
+                placeholders = trajectory.input_ids == self.vision.image_token_id
+                index = np.full(len(trajectory), -1, dtype=np.int64)
+                index[placeholders] = np.repeat(np.arange(len(images)), [image.tokens for image in images])
+                trajectory = dataclasses.replace(trajectory, images=tuple(images), image_index=index)
+            return [trajectory]
         trajectory = trajectory_from_record(where, {**record, "group_id": group})
         return [trajectory]
 
@@ -157,7 +192,7 @@ def convert(
     """Run the conversion; returns the summary (the dataset's meta file, its path and its POR)."""
     check_output_dir(output, overwrite, inputs)  # fail before the work, not after
     tokenizer = load_tokenizer(tokenizer_dir)
-    converter = Converter(options, tokenizer)
+    converter = Converter(options, tokenizer, load_vision_processor(tokenizer_dir))
     trajectories: list[Trajectory] = []
     skipped: Counter[str] = Counter()
     lines = 0

@@ -35,12 +35,19 @@ from ds_tree.atomic import replace_directory
 from ds_tree.data.jsonl import json_text
 from ds_tree.data.records import group_id as group_id_of
 from ds_tree.errors import DataError
+from ds_tree.trees.images import TrajectoryImage
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+IMAGES_FORMAT_VERSION = 3
+"""Written when the trajectories hold images (older readers must refuse such a dataset, not drop its images)."""
+READABLE_VERSIONS = (1, 2, 3)
 META_FILE = "ds_tree_meta.json"
+IMAGES_FILE = "ds_tree_images.npz"
+"""Each distinct image once (by identity): keys, grids, merge sizes and the processed pixels, concatenated."""
+IMAGE_COLUMNS = ("image_keys", "image_index")
+"""Per trajectory: the keys of its images in order, and per token its image (-1 text); null without images."""
 ROLLOUT_COLUMNS = ("logprobs", "advantages")
 """The per-token RL columns, new in format version 2."""
 COLUMNS = ("group_id", "input_ids", "loss_mask", "reward", "trial", *ROLLOUT_COLUMNS)
@@ -48,11 +55,13 @@ SCALAR_COLUMNS = ("group_id", "reward", "trial")
 """Columns with one value per trajectory (the group id: one per row); the others hold one list per trajectory."""
 
 
-def _features(mask_dtype: str):
+def _features(mask_dtype: str, with_images: bool = False):
     from datasets import Features, List, Value
 
+    images = {"image_keys": List(List(Value("string"))), "image_index": List(List(Value("int32")))}
     return Features(
         {
+            **(images if with_images else {}),
             "group_id": Value("string"),
             "integer_group_id": Value("bool"),
             "input_ids": List(List(Value("int32"))),
@@ -75,7 +84,9 @@ def dataset_counts(trajectories: list[Trajectory]) -> dict:
     }
 
 
-DATASET_FILE = re.compile(rf"^(data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|{re.escape(META_FILE)})$")
+DATASET_FILE = re.compile(
+    rf"^(data-\d+-of-\d+\.arrow|dataset_info\.json|state\.json|{re.escape(META_FILE)}|{re.escape(IMAGES_FILE)})$"
+)
 """The files of a dataset :func:`save_tree_dataset` writes (``datasets``' Arrow shards and their
 descriptions, and the meta file): ``--overwrite`` replaces a directory holding only these."""
 
@@ -165,8 +176,14 @@ def save_tree_dataset(
         "trial": [[-1 if t.trial is None else t.trial for t in members] for members in groups],
         **{name: [[getattr(t, name) for t in members] for members in groups] for name in ROLLOUT_COLUMNS},
     }
+    with_images = any(t.images for t in trajectories)
+    if with_images:
+        columns["image_keys"] = [[[i.key for i in t.images] if t.images else None for t in group] for group in groups]
+        columns["image_index"] = [
+            [t.image_index.astype(np.int32) if t.images else None for t in group] for group in groups
+        ]
     full_meta = {
-        "format_version": FORMAT_VERSION,
+        "format_version": IMAGES_FORMAT_VERSION if with_images else FORMAT_VERSION,
         "loss_mask_dtype": mask_dtype,
         "counts": dataset_counts(trajectories),
         **meta,
@@ -175,12 +192,53 @@ def save_tree_dataset(
     temporary = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     try:
-        Dataset.from_dict(columns, features=_features(mask_dtype)).save_to_disk(str(temporary))
+        Dataset.from_dict(columns, features=_features(mask_dtype, with_images)).save_to_disk(str(temporary))
+        if with_images:
+            save_images(trajectories, temporary / IMAGES_FILE)
         (temporary / META_FILE).write_text(json_text(full_meta, indent=2) + "\n")
         replace_directory(temporary, output_dir)  # the old output aside, the new one in, the old one deleted
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return full_meta
+
+
+def save_images(trajectories: list[Trajectory], path: Path) -> None:
+    """Each distinct image of ``trajectories`` once, in order of first appearance (:data:`IMAGES_FILE`)."""
+    distinct = {}
+    for trajectory in trajectories:
+        for image in trajectory.images:
+            distinct.setdefault(image.key, image)
+    images = list(distinct.values())
+    np.savez(
+        path,
+        keys=np.array([image.key for image in images]),
+        grids=np.array([image.grid_thw for image in images], dtype=np.int64),
+        merge_sizes=np.array([image.merge_size for image in images], dtype=np.int64),
+        offsets=np.cumsum([0] + [image.pixel_values.shape[0] for image in images]),
+        pixels=np.concatenate([image.pixel_values for image in images]),
+    )
+
+
+def load_images(dataset_dir: Path) -> dict[str, TrajectoryImage]:
+    """The images of a dataset by key, each checked against its key (a changed pixel is a damaged file)."""
+    path = dataset_dir / IMAGES_FILE
+    if not path.is_file():
+        raise DataError(f"{dataset_dir}: the dataset has image columns but no {IMAGES_FILE}")
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            fields = {name: stored[name] for name in ("keys", "grids", "merge_sizes", "offsets", "pixels")}
+    except (OSError, ValueError, KeyError) as error:
+        raise DataError(f"{path}: damaged images file ({type(error).__name__}: {error})") from None
+    images = {}
+    for index, key in enumerate(fields["keys"].tolist()):
+        start, end = fields["offsets"][index], fields["offsets"][index + 1]
+        image = TrajectoryImage.of(
+            fields["pixels"][start:end], fields["grids"][index], int(fields["merge_sizes"][index])
+        )
+        if image.key != key:
+            raise DataError(f"{path}: image {index} does not match its key (damaged file)")
+        images[key] = image
+    return images
 
 
 def read_meta(dataset_dir: str | Path) -> dict:
@@ -240,6 +298,11 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
     if missing:
         raise DataError(f"{dataset_dir}: missing column(s) {', '.join(missing)}")
     per_token = {name: _NestedLists(table.column(name)) for name in required if name not in SCALAR_COLUMNS}
+    with_images = meta["format_version"] >= IMAGES_FORMAT_VERSION
+    if with_images:
+        images = load_images(dataset_dir)
+        image_keys = table.column("image_keys").to_pylist()
+        image_index = _NestedLists(table.column("image_index"))
     group_ids = table.column("group_id").to_pylist()
     if "integer_group_id" in table.column_names:  # written since integer ids are kept apart from strings
         marks = table.column("integer_group_id").to_pylist()
@@ -254,6 +317,15 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
             raise DataError(f"{where}: the columns {', '.join(required[1:])} hold different numbers of trajectories")
         for j in range(count):
             reward, trial = rewards[row][j], trials[row][j]
+            extra = {}
+            if with_images and image_keys[row][j]:
+                missing_keys = [key for key in image_keys[row][j] if key not in images]
+                if missing_keys:
+                    raise DataError(f"{where}:trajectory {j}: image {missing_keys[0]} is not in {IMAGES_FILE}")
+                extra = {
+                    "images": tuple(images[key] for key in image_keys[row][j]),
+                    "image_index": image_index.get(row, j),
+                }
             trajectories.append(
                 Trajectory(
                     group_id=group_id_of(where, group_id),
@@ -261,6 +333,7 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
                     trial=None if trial < 0 else trial,
                     source=f"{where}:trajectory {j}",
                     **{name: column.get(row, j) for name, column in per_token.items()},
+                    **extra,
                 )
             )
     expected = meta["counts"]["trajectories"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ from ds_tree.losses.sft import weighted_nll
 from ds_tree.models.logprobs import logprobs_at, predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits, layout_paths
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
-from ds_tree.packing.rows import PackedRow
+from ds_tree.packing.rows import PackedRow, RowImages
 
 
 @dataclass(frozen=True)
@@ -96,20 +96,34 @@ class ChunkInputs:
     position_ids: np.ndarray
     path_cache: PathCache
     kv_end: np.ndarray | None = None
+    row_images: RowImages | None = field(default=None, kw_only=True)
+    """The images among the chunk's tokens (a vision-language row; an image cut by a chunk boundary is
+    encoded by each chunk that holds some of its tokens, each gathering its own tokens' features)."""
+    rope_positions: np.ndarray | None = field(default=None, kw_only=True)
+    """``[4, n]`` depths and multimodal rotary positions, with ``row_images``."""
 
     @classmethod
     def of_chunk(cls, row: PackedRow, chunks: Chunks, index: int, cache: PathCache) -> ChunkInputs:
         if hasattr(chunks, "chunk_inputs"):  # chunks sharded over a sequence-parallel group (dfs_sequence_parallel)
             return chunks.chunk_inputs(row, index, cache)
         tokens = chunks.tokens(index)
-        return cls(row.input_ids[tokens], row.position_ids[tokens], cache, chunks.local_kv_end(row, index))
+        inputs = cls(row.input_ids[tokens], row.position_ids[tokens], cache, chunks.local_kv_end(row, index))
+        if np.any(row.image_id[tokens] >= 0):
+            inputs.row_images, inputs.rope_positions = row.image_inputs(tokens), row.rope_positions(tokens)
+        return inputs
 
     def tensors(self, device: torch.device | str = "cpu") -> dict:
+        if self.rope_positions is None:
+            positions = torch.as_tensor(self.position_ids, device=device)[None]
+        else:  # [4, 1, n]: the depth, then the rotary sections (ds_tree.models.vision)
+            positions = torch.as_tensor(self.rope_positions, device=device)[:, None]
         inputs = {
             "input_ids": torch.as_tensor(self.input_ids, device=device)[None],
-            "position_ids": torch.as_tensor(self.position_ids, device=device)[None],
+            "position_ids": positions,
             "path_cache": self.path_cache,
         }
+        if self.row_images is not None:
+            inputs["row_images"] = self.row_images
         if self.kv_end is not None:
             inputs["kv_end"] = torch.as_tensor(self.kv_end, device=device)[None]
         return inputs
@@ -120,6 +134,8 @@ def chunk_attention(model):
     """The model (or the DeepSpeed engine around it) attends with :func:`cached_attention` inside."""
     register_cached_attention()
     config = getattr(model, "module", model).config
+    if getattr(config, "vision_config", None) is not None:  # the language model's alone: the tower keeps its own
+        config = config.get_text_config()
     previous = config._attn_implementation
     config._attn_implementation = IMPLEMENTATION
     try:

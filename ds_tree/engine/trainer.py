@@ -49,6 +49,7 @@ from ds_tree.models.lora import AdaptersDisabled, apply_lora, trainable_paramete
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.models.ulysses import check_sequence_parallel, enable_sequence_parallel
+from ds_tree.models.vision import attach_rope_positions, check_vision_settings
 from ds_tree.packing.plan import PlanSettings, RankPlan, plan_step
 from ds_tree.packing.rows import PackedRow
 from ds_tree.run import checkpoint, run_dir, run_lock
@@ -165,12 +166,13 @@ class Trainer(RLSteps):
         check_model_settings(config)  # attention engine, objective.reference
         self.attention_engine = resolve_engine(config.model.attention)  # auto: flex on CUDA, torch on the CPU
         check_hybrid_settings(config, self.model_config)  # recurrent layers: no SP, online with the hf sampler
+        check_vision_settings(config, self.model_config)  # images: packed rows, offline data
         check_sequence_parallel(config, self.world_size, self.model_config)
         if config.rollout.enabled:
             self.prepare_online()
         else:
             self.prepare_dataset()
-        hidden = getattr(self.model_config, "hidden_size", None)
+        hidden = getattr(self.model_config.get_text_config(), "hidden_size", None)
         self.ds_config = resolve_deepspeed_config(config, self.world_size, hidden)
         warning = check_memory(config, self.model_config, self.world_size)  # what `ds-tree plan` predicts
         if warning:
@@ -201,7 +203,11 @@ class Trainer(RLSteps):
             self.trajectories = load_trajectories(config.data.path)
         except DataError as error:
             raise ConfigError(f"data.path: {error}") from None
-        check_vocab(self.trajectories, self.model_config.vocab_size)
+        check_vocab(self.trajectories, self.model_config.get_text_config().vocab_size)
+        try:  # images: positions by the model's rule, laid out on the trees when they are built
+            attach_rope_positions(self.model_config, self.trajectories)
+        except ValueError as error:
+            raise ConfigError(f"model.source: {error} (data.path {config.data.path})") from None
         size = config.parallel.sequence_parallel_size
         budget = config.packing.budget * size
         longest = max(self.trajectories, key=len)
@@ -264,7 +270,7 @@ class Trainer(RLSteps):
     @property
     def plan_settings(self) -> PlanSettings:
         """What the step plan depends on, from the config as it is now."""
-        return PlanSettings.of_config(self.config, pad_id=self.model_config.pad_token_id or 0)
+        return PlanSettings.of_config(self.config, pad_id=self.model_config.get_text_config().pad_token_id or 0)
 
     @property
     def dfs_settings(self) -> dfs.DfsSettings | None:

@@ -73,10 +73,13 @@ class ModelShape:
         """From a Hugging Face config (``ds_tree.models.loading.load_config``): parameters counted on
         a model built on the ``meta`` device (no memory), so any architecture is counted exactly."""
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        vision = getattr(config, "vision_config", None) is not None  # a vision-language model: its tower counted
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config)
+        if vision:  # the sizes below are the language model's
+            config = config.get_text_config()
         parameters = sum(p.numel() for p in model.parameters())
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         qk_norm = any(name.endswith((".q_norm", ".k_norm")) for name, _ in model.named_modules())

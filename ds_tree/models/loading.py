@@ -14,7 +14,13 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
@@ -24,6 +30,7 @@ from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
+from ds_tree.models.vision import attention_implementations, check_vision_model_type, install_vision, is_vision_language
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -182,8 +189,12 @@ def load_model(
             )
     config = load_config(source)
     check_layer_types(config)
+    check_vision_model_type(config)
+    model_class = AutoModelForCausalLM
+    if is_vision_language(config):  # the tree engine for the language model only (ds_tree.models.vision)
+        model_class, implementation = AutoModelForImageTextToText, attention_implementations(implementation)
     if has_weights(source):
-        model = AutoModelForCausalLM.from_pretrained(
+        model = model_class.from_pretrained(
             source, attn_implementation=implementation, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
     else:
@@ -191,11 +202,12 @@ def load_model(
         # Initialised in float32 whatever the dtype, so float64 and float32 runs of one seed hold
         # the same weights. Under ZeRO-3 init the parameters are partitioned as they are made;
         # DeepSpeed itself casts them (bf16) when the engine starts.
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32)
+        model = model_class.from_config(config, attn_implementation=implementation, dtype=torch.float32)
         if not is_deepspeed_zero3_enabled():
             model.to(dtype)
     check_router_noise(model)
     install_tree_mixers(model, dtype)
+    install_vision(model)
     if dtype == torch.float64:
         keep_norms_in_float64(model)
         use_float64_routing(model)

@@ -72,14 +72,17 @@ def check_layer_types(config) -> None:
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The outermost modules of the classes the model lists as its blocks (``_no_split_modules``)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = [module for module in model.modules() if type(module).__name__ in names]
+    # A vision-language model lists its vision tower's blocks too: they mix patches of one image, not tokens.
+    blocks = [
+        module for module in model.modules() if type(module).__name__ in names and "Vision" not in type(module).__name__
+    ]
     inner = {id(child) for block in blocks for child in block.modules() if child is not block}
     return [block for block in blocks if id(block) not in inner]
 
 
 def check_branch_isolation(model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
     """Refuse ``model`` if a layer lets tree branch A change the hidden states of the root or branch B."""
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     first = torch.arange(12) % vocab
     second = first.clone()
     second[list(BRANCH_A)] = (first[list(BRANCH_A)] + vocab // 2) % vocab

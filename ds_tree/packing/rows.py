@@ -45,12 +45,71 @@ class PackedRow(TokenArrays):
         return out
 
     def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Model inputs with a leading batch dimension of 1."""
-        return {
+        """Model inputs with a leading batch dimension of 1. A row with images also passes its images
+        (``row_images``, :meth:`image_inputs`) and ``position_ids`` as ``[4, 1, N]``: the depth, then the
+        multimodal rotary positions (temporal, height, width; :mod:`ds_tree.models.vision`)."""
+        inputs = {
             name: torch.as_tensor(getattr(self, name), device=device)[None]
             for name, spec in TOKEN_FIELDS.items()
             if spec.model_input
         }
+        if np.any(self.image_id >= 0):
+            inputs["position_ids"] = torch.as_tensor(self.rope_positions(), device=device)[:, None]
+            inputs["row_images"] = self.image_inputs()
+        return inputs
+
+    def image_inputs(self, tokens: np.ndarray | None = None) -> RowImages:
+        """The row's distinct images (one per image of each tree, however many copies the row holds) and,
+        per placeholder token in row order, its merged patch's index into their concatenated features.
+        ``tokens`` (ascending row indices; default all): only the images and placeholders among them
+        (a dfs chunk's)."""
+        chosen = np.zeros(self.n_tokens, dtype=bool)
+        chosen[slice(None) if tokens is None else tokens] = True
+        slots: dict[tuple[int, int], int] = {}
+        offsets: list[int] = []
+        images = []
+        feature_index = []
+        start = 0
+        for part in self.layout_parts:
+            for k in range(start, start + part.n_tokens):
+                image_id = int(self.image_id[k])
+                if image_id < 0 or not chosen[k]:
+                    continue
+                key = (id(part.tree), image_id)
+                if key not in slots:
+                    slots[key] = len(images)
+                    offsets.append(sum(image.tokens for image in images))
+                    images.append(part.tree.images[image_id])
+                feature_index.append(offsets[slots[key]] + int(self.image_patch[k]))
+            start += part.n_tokens
+        return RowImages(
+            pixel_values=[image.pixel_values for image in images],
+            grids=[image.grid_thw for image in images],
+            feature_index=np.asarray(feature_index, dtype=np.int64),
+        )
+
+    def rope_positions(self, tokens: np.ndarray | None = None) -> np.ndarray:
+        """``[4, n]``: the depth and the multimodal rotary positions of ``tokens`` (default all); refused when a
+        trajectory's positions were not attached."""
+        rope = np.stack([self.position_ids, self.rope_t, self.rope_h, self.rope_w])
+        rope = rope if tokens is None else rope[:, tokens]
+        if np.any(rope < 0):
+            raise ValueError(
+                "a row with images holds a trajectory without its rope positions: attach them with the "
+                "model's rule before packing (ds_tree.models.vision.attach_rope_positions)"
+            )
+        return rope
+
+
+@dataclass
+class RowImages:
+    """What a vision-language model needs of a row's images (:mod:`ds_tree.models.vision`)."""
+
+    pixel_values: list[np.ndarray]
+    """Each distinct image's patches, in order of first appearance in the row."""
+    grids: list[tuple[int, int, int]]
+    feature_index: np.ndarray
+    """Per placeholder token of the row, in row order: its index into the images' concatenated merged features."""
 
 
 def assemble_row(parts: list[TreePart], block: int = 1, pad_id: int = 0) -> PackedRow:

@@ -74,9 +74,27 @@ def tree_arrays(trees: Sequence[TokenTree]) -> dict[str, np.ndarray]:
     }
 
 
+def image_counts(trees: Sequence[TokenTree]) -> dict | None:
+    """What the vision tower encodes, flat (each trajectory's distinct images) against tree (each
+    tree's), in images and patches (its sequence length: t x h x w); None without images."""
+    patches = lambda image: int(np.prod(image.grid_thw))  # noqa: E731
+    flat = [image for tree in trees for t in tree.trajectories for image in {i.key: i for i in t.images}.values()]
+    tree_images = [image for tree in trees for image in tree.images]
+    if not flat:
+        return None
+    flat_patches, tree_patches = sum(map(patches, flat)), sum(map(patches, tree_images))
+    return {
+        "images_flat": len(flat),
+        "images_tree": len(tree_images),
+        "patches_flat": flat_patches,
+        "patches_tree": tree_patches,
+        "patches_saved": 1.0 - tree_patches / flat_patches,
+    }
+
+
 def tree_stats(trees: Sequence[TokenTree]) -> dict:
     """Counts, token counts, depth (nodes on a root-to-leaf path), branching (children per internal
-    node) and per-tree ideal speedups, as a JSON-ready dict."""
+    node), per-tree ideal speedups and, with images, :func:`image_counts`, as a JSON-ready dict."""
     arrays = tree_arrays(trees)
     branching = arrays["branching"]
     return {
@@ -88,4 +106,5 @@ def tree_stats(trees: Sequence[TokenTree]) -> dict:
         # A forest of single paths has no internal node: no branching to summarise.
         "branching": {"mean": float(branching.mean()), "max": int(branching.max())} if branching.size else None,
         "tree_speedup": _summary(arrays["tree_speedup"]),
+        **({"images": images} if (images := image_counts(trees)) else {}),
     }

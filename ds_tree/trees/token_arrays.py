@@ -74,6 +74,16 @@ class TokenArrays:
     """Sum over those trajectories of loss coefficient / the trajectory's trained tokens."""
     mask_max: np.ndarray = _token_field(np.float64, ArrayKind.WEIGHT)
     """Largest loss coefficient of any trajectory through the token (the ``dedup`` policy)."""
+    image_id: np.ndarray = _token_field(np.int64, ArrayKind.VALUE, pad=-1)
+    """The image the token is a placeholder of, an index into its tree's ``images``; ``-1`` for text."""
+    image_patch: np.ndarray = _token_field(np.int64, ArrayKind.VALUE, pad=-1)
+    """The token's merged patch inside its image; ``-1`` for text."""
+    rope_t: np.ndarray = _token_field(np.int64, ArrayKind.VALUE)
+    """Multimodal rotary position, temporal section (text: the depth shifted by the images before it)."""
+    rope_h: np.ndarray = _token_field(np.int64, ArrayKind.VALUE)
+    """Multimodal rotary position, height section."""
+    rope_w: np.ndarray = _token_field(np.int64, ArrayKind.VALUE)
+    """Multimodal rotary position, width section."""
 
     def __post_init__(self) -> None:
         length = None

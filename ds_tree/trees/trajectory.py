@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ds_tree.errors import DataError
+from ds_tree.trees.images import TrajectoryImage, check_image_layout
 
 LOGPROB_ROUNDOFF = 1e-6
 LOSS_COEFFICIENT_MAX = 1e30
@@ -46,6 +47,13 @@ class Trajectory:
     same length as input_ids; ``None`` when the data has none."""
     policy_version: int | None = None
     """Online RL: the policy that sampled it (training steps taken before); ``None`` for data from a file."""
+    images: tuple[TrajectoryImage, ...] = ()
+    """The images of a vision-language trajectory, in order of appearance (:mod:`ds_tree.trees.images`)."""
+    image_index: np.ndarray | None = None
+    """Per token: which of ``images`` it is a placeholder of, ``-1`` for text; ``None`` without images."""
+    rope_positions: np.ndarray | None = None
+    """``[3, length]`` int64 multimodal rotary positions (temporal, height, width) by the model's rule;
+    ``None`` for text (positions are then the token's index)."""
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, dtype=np.int64).reshape(-1)
@@ -69,6 +77,7 @@ class Trajectory:
             )
         if self.input_ids.min() < 0:
             raise DataError(f"{where}: negative token id {int(self.input_ids.min())}")
+        self._check_images()
         if self.advantages is not None:
             self.advantages = self._per_token("advantages")
             if not np.all(np.isfinite(self.advantages)):
@@ -83,6 +92,31 @@ class Trajectory:
                     f"{where}: logprobs has {float(self.logprobs[above[0]])!r} at token {above[0]}; "
                     "a log-probability is at most 0"
                 )
+
+    def _check_images(self) -> None:
+        self.images = tuple(self.images)
+        if self.image_index is None and not self.images:
+            if self.rope_positions is not None:
+                self.rope_positions = self._rope_positions()
+            return
+        if self.image_index is None:
+            raise DataError(f"{self.where}: {len(self.images)} image(s) but no image_index saying where they are")
+        self.image_index = np.asarray(self.image_index, dtype=np.int64).reshape(-1)
+        if self.image_index.shape != self.input_ids.shape:
+            raise DataError(
+                f"{self.where}: image_index has {self.image_index.size} entries but input_ids has {self.input_ids.size}"
+            )
+        if self.rope_positions is not None:
+            self.rope_positions = self._rope_positions()
+        check_image_layout(self.where, self.image_index, self.images)
+
+    def _rope_positions(self) -> np.ndarray:
+        positions = np.asarray(self.rope_positions, dtype=np.int64)
+        if positions.shape != (3, self.input_ids.size):
+            raise DataError(
+                f"{self.where}: rope_positions has shape {positions.shape}, expected (3, {self.input_ids.size})"
+            )
+        return positions
 
     @property
     def where(self) -> str:

@@ -22,10 +22,12 @@ The per-token arrays are those of :class:`~ds_tree.trees.token_arrays.TokenArray
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from ds_tree.errors import DataError
+from ds_tree.trees.images import TrajectoryImage, patch_index, trie_keys
 from ds_tree.trees.token_arrays import TokenArrays
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.trees.weights import restoration_sums
@@ -46,6 +48,8 @@ class TokenTree(TokenArrays):
     """Node at whose end each trajectory stops."""
     paths: list[np.ndarray]
     """Per trajectory: indices of its tokens in this tree, in order."""
+    images: list[TrajectoryImage] = field(default_factory=list)
+    """The tree's distinct images (``image_id`` indexes them)."""
 
     @property
     def n_nodes(self) -> int:
@@ -91,14 +95,14 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def _build_nodes(trajectories: Sequence[Trajectory]) -> list[_Node]:
-    """Root nodes of the trie (one per distinct first token), children in token order."""
-    order = sorted(range(len(trajectories)), key=lambda i: trajectories[i].input_ids.tolist())
+def _build_nodes(keys: Sequence[np.ndarray]) -> list[_Node]:
+    """Root nodes of the trie of the key sequences (one per distinct first key), children in key order."""
+    order = sorted(range(len(keys)), key=lambda i: keys[i].tolist())
     top = _Node(0, 0, -1)  # virtual node above the roots, holds no tokens
     stack = [top]
     previous = None
     for index in order:
-        ids = trajectories[index].input_ids
+        ids = keys[index]
         shared = 0 if previous is None else _common_prefix(previous, ids)
         while stack[-1].start >= shared and stack[-1] is not top:
             stack.pop()
@@ -159,6 +163,13 @@ def _serialise(root: _Node, trajectories: Sequence[Trajectory]) -> TokenTree:
             end_node[local[index]] = node_id
     paths = [_path(node, node_start, node_end, node_parent) for node in end_node]
     own = [trajectories[index] for index in members]
+    images, image_id, image_patch = _tree_images(nodes, trajectories, node_start, node_end, n)
+    if images:
+        _check_paths(own, paths, input_ids, images, image_id)
+    if any(t.images or t.rope_positions is not None for t in own):
+        rope = _rope_on_tree(own, paths, n)
+    else:  # text: the rotary position is the depth
+        rope = np.tile(position_ids, (3, 1))
     return TokenTree(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -166,6 +177,12 @@ def _serialise(root: _Node, trajectories: Sequence[Trajectory]) -> TokenTree:
         pred_pos=pred_pos,
         owned=np.ones(n, dtype=bool),
         **restoration_sums(own, paths, n),
+        image_id=image_id,
+        image_patch=image_patch,
+        rope_t=rope[0],
+        rope_h=rope[1],
+        rope_w=rope[2],
+        images=images,
         trajectories=own,
         node_start=node_start,
         node_end=node_end,
@@ -174,6 +191,75 @@ def _serialise(root: _Node, trajectories: Sequence[Trajectory]) -> TokenTree:
         end_node=end_node,
         paths=paths,
     )
+
+
+def _tree_images(nodes, trajectories, node_start, node_end, n: int):
+    """The tree's distinct images (by identity, first appearance) and per token its image and patch."""
+    images: list[TrajectoryImage] = []
+    slots: dict[str, int] = {}
+    image_id = np.full(n, -1, dtype=np.int64)
+    image_patch = np.full(n, -1, dtype=np.int64)
+    patches: dict[int, np.ndarray] = {}  # per source trajectory
+    for node_id, node in enumerate(nodes):
+        source = trajectories[node.source]
+        if not source.images:
+            continue
+        if node.source not in patches:
+            patches[node.source] = patch_index(source.image_index)
+        span = slice(node_start[node_id], node_end[node_id])
+        local = source.image_index[node.start : node.end]
+        to_tree = np.array([slots.setdefault(image.key, len(slots)) for image in source.images], dtype=np.int64)
+        for image, slot in zip(source.images, to_tree, strict=True):
+            if slot == len(images):
+                images.append(image)
+        image_id[span] = np.where(local >= 0, to_tree[np.maximum(local, 0)], -1)
+        image_patch[span] = patches[node.source][node.start : node.end]
+    return images, image_id, image_patch
+
+
+def _check_paths(own, paths, input_ids, images, image_id) -> None:
+    """Every trajectory of a tree with images reads back from it: its ids, and at its image tokens its
+    own images' identities. A trie that merged two different images would fail here, loudly."""
+    tree_keys = np.array([image.key for image in images] + [""], dtype=object)
+    for trajectory, path in zip(own, paths, strict=True):
+        wrong = np.flatnonzero(input_ids[path] != trajectory.input_ids)
+        keys = tree_keys[image_id[path]]  # index -1 (text) reads the trailing ""
+        if trajectory.images:
+            expected = np.array([image.key for image in trajectory.images] + [""], dtype=object)
+            wrong = np.union1d(wrong, np.flatnonzero(keys != expected[trajectory.image_index]))
+        elif np.any(image_id[path] >= 0):
+            wrong = np.union1d(wrong, np.flatnonzero(image_id[path] >= 0))
+        if wrong.size:
+            raise AssertionError(
+                f"{trajectory.where}: the tree holds other tokens than the trajectory at token {int(wrong[0])} "
+                "(a trie that merged different images or ids); the trie must key images by identity"
+            )
+
+
+def _rope_on_tree(own, paths, n: int) -> np.ndarray:
+    """``[3, n]``: each trajectory's rotary positions laid out on its path, checked to agree wherever
+    paths share a token (they depend on the prefix only, so a disagreement is a wrong rule or input).
+    A trajectory with images whose positions are not attached yet gets ``-1`` (see ``PackedRow.tensors``)."""
+    rope = np.zeros((3, n), dtype=np.int64)
+    seen = np.zeros(n, dtype=bool)
+    for trajectory, path in zip(own, paths, strict=True):
+        positions = trajectory.rope_positions
+        if positions is None and trajectory.images:  # not attached yet: counts and stats need no positions,
+            positions = np.full((3, len(trajectory)), -1, dtype=np.int64)  # a forward refuses them (PackedRow)
+        if positions is None:
+            positions = np.broadcast_to(np.arange(len(trajectory)), (3, len(trajectory)))
+        shared = seen[path]
+        differs = np.flatnonzero(shared & np.any(rope[:, path] != positions, axis=0))
+        if differs.size:
+            token = int(differs[0])
+            raise DataError(
+                f"{trajectory.where}: rope positions {positions[:, token].tolist()} at token {token} differ from "
+                f"{rope[:, path[token]].tolist()}, which another trajectory through the same tree token has; "
+                "positions must depend on the prefix only"
+            )
+        rope[:, path] = positions
+        seen[path] = True
+    return rope
 
 
 def _path(node: int, node_start: np.ndarray, node_end: np.ndarray, node_parent: np.ndarray) -> np.ndarray:
@@ -185,10 +271,13 @@ def _path(node: int, node_start: np.ndarray, node_end: np.ndarray, node_parent: 
 
 
 def build_trees(trajectories: Sequence[Trajectory]) -> list[TokenTree]:
-    """Trie of ``trajectories``: one tree per distinct first token (usually exactly one)."""
+    """Trie of ``trajectories``: one tree per distinct first token (usually exactly one). Image
+    tokens are compared by their image's identity (:func:`~ds_tree.trees.images.trie_keys`)."""
     if not trajectories:
         return []
-    return [_serialise(root, trajectories) for root in _build_nodes(trajectories)]
+    codes: dict[str, int] = {}
+    keys = [trie_keys(t.input_ids, t.image_index, t.images, codes) for t in trajectories]
+    return [_serialise(root, trajectories) for root in _build_nodes(keys)]
 
 
 def build_forest(trajectories: Sequence[Trajectory], merge: str = "group") -> list[TokenTree]:

@@ -20,6 +20,7 @@ from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
 from ds_tree.models.moe import RouterAuxLoss
+from ds_tree.models.vision import attach_rope_positions
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
@@ -106,6 +107,17 @@ def load_checked_model(
     return apply_lora(model, lora, init_lora_weights=False)
 
 
+def vocab_size(model) -> int:
+    """The language model's vocabulary (a vision-language config keeps it in its ``text_config``)."""
+    return model.config.get_text_config().vocab_size
+
+
+def check_images(model, trajectories: list[Trajectory]) -> None:
+    """Trajectories with images need a vision-language model and their rope positions by the model's
+    rule (set here, :func:`~ds_tree.models.vision.attach_rope_positions`)."""
+    attach_rope_positions(model.config, trajectories)
+
+
 def verification_dtype(trajectories: list[Trajectory], dtype: str) -> torch.dtype:
     """The torch dtype of a verification run (float64 or float32), with something to verify."""
     if not trajectories:
@@ -141,7 +153,8 @@ def compare(
     check_objective(normalisation, policy)
     torch_dtype = verification_dtype(trajectories, dtype)
     model = load_checked_model(model_source, attention=attention, dtype=torch_dtype, seed=seed, lora=lora)
-    check_vocab(trajectories, model.config.vocab_size)
+    check_vocab(trajectories, vocab_size(model))
+    check_images(model, trajectories)
     router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
     gradients_checked = has_backward(attention)
     if not gradients_checked and dfs is not None:
@@ -374,7 +387,8 @@ def compare_rl(
     old_model, model = rl_policies(
         model_source, attention, torch_dtype, seed, perturbation, lora=lora, checkpoint_every=checkpoint_every
     )
-    check_vocab(trajectories, old_model.config.vocab_size)
+    check_vocab(trajectories, vocab_size(old_model))
+    check_images(old_model, trajectories)
     reference = old_model if settings.kl_coef else None
     if lora is not None and settings.kl_coef:
         from ds_tree.models.lora import AdaptersDisabled

@@ -1,0 +1,221 @@
+"""Vision-language models on trees: Qwen2.5-VL and Qwen3-VL.
+
+Only the language model gets the tree attention. The vision tower keeps its own attention
+(bidirectional inside each image, transformers' ``sdpa``) and encodes **each distinct image of a row
+once**, in one call per forward: a packed row lists its distinct images (a shared screenshot once,
+however many trajectories of its tree pass through it) and, per placeholder token, which image and
+patch it is (:meth:`~ds_tree.packing.rows.PackedRow.image_inputs`). The model's forward (replaced
+per instance by :func:`install_vision`) encodes those images (``cu_seqlens`` keeps each image's
+attention to itself), gathers the merged-patch features at the row's placeholders and hands them to
+the model as its ``mm_encoder_outputs`` (transformers' own entry for precomputed vision features,
+which it scatters into the input embeddings; Qwen3-VL's deepstack features go the same way). The
+gather sums every copy's gradient into the one encoding, so each image's gradient reaches the tower
+once, the sum over all trajectories through it. The flat baseline encodes an image once per
+trajectory (each trajectory is its own tree).
+
+Positions: the row passes ``position_ids`` as ``[4, 1, N]``: the depth (the text position the tree
+attention and the mask builders read) and the three multimodal rotary sections laid out on the
+tree (:func:`attach_rope_positions` computes each trajectory's with the model's own
+``get_rope_index``, from the config alone; the trie checks that shared tokens agree).
+
+float64: transformers computes the vision tower's rotary embedding in float32
+(``apply_rotary_pos_emb_vision`` casts ``q``/``k`` with ``.float()``); in a float64 model the
+gradient of an image encoded once (tree) and the sum of the gradients of its copies (flat) would
+then differ at float32 round-off. :func:`install_vision` makes that function compute in
+``promote_types(dtype, float32)``: unchanged for float32/bf16, float64 for float64.
+
+The dfs walk (``ds_tree.engine.dfs``) gives each chunk the images among its tokens and their rotary
+positions: a chunk encodes the images it holds tokens of and gathers its own tokens' features (an
+image cut by a chunk boundary is encoded by each chunk holding part of it; exact, as every chunk's
+gradient reaches the tower through its own encoding). The text config alone switches to the walk's
+cached attention.
+
+Refused (:func:`check_vision_settings`, naming the field): sequence parallelism (a shard would need
+the features of images in other shards), online rollouts (HF and vLLM samplers with image
+observations); and at load
+(:func:`check_vision_model_type`) models whose image tokens attend to each other bidirectionally
+inside the language model (Gemma 3): the tree mask is causal.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from ds_tree.errors import ConfigError
+
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+BIDIRECTIONAL_IMAGE_MODEL_TYPES = ("gemma3", "gemma3n", "paligemma")
+"""Models whose image tokens attend bidirectionally among themselves in the language model."""
+VISION_ATTENTION = "sdpa"
+"""The vision tower's attention: transformers' own, per image (float64 on the CPU's math kernel)."""
+
+
+def is_vision_language(config) -> bool:
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
+
+
+def check_vision_model_type(config) -> None:
+    """Refuse a vision-language model type whose language model attends bidirectionally among image tokens."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in BIDIRECTIONAL_IMAGE_MODEL_TYPES:
+        raise ValueError(
+            f"{type(config).__name__} ({model_type}): its image tokens attend to each other bidirectionally inside "
+            "the language model; the tree mask is causal (k <= q), so tree training would change the model. "
+            f"Supported vision-language models: {', '.join(VISION_MODEL_TYPES)}"
+        )
+
+
+def attention_implementations(text_implementation: str) -> dict[str, str]:
+    """``attn_implementation`` per sub-config: the tree engine for the language model, the tower's own."""
+    return {"": text_implementation, "text_config": text_implementation, "vision_config": VISION_ATTENTION}
+
+
+def check_vision_settings(config, model_config) -> None:
+    """What the trainer does not run with a vision-language model yet, refused before anything is built
+    (a ``ConfigError`` naming the field)."""
+    if not is_vision_language(model_config):
+        return
+    what = f"{model_config.model_type} is a vision-language model"
+    packing = config.packing
+    if config.parallel.sequence_parallel_size > 1 or packing.over_budget == "sequence_parallel":
+        raise ConfigError(
+            f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard would need "
+            "the vision features of images in other shards (not built): set sequence_parallel_size: 1"
+        )
+    if config.rollout.enabled:
+        raise ConfigError(
+            f"rollout.enabled: {what}; online sampling with image observations (the environment interface, the "
+            "samplers, vLLM) is not built: train on converted data (rollout.enabled: false)"
+        )
+
+
+# --------------------------------------------------------------------------- rotary positions
+def _backbone_class(config):
+    """The family's ``...VLModel`` class (it holds ``get_rope_index``), from transformers' model mapping."""
+    from transformers import MODEL_MAPPING
+
+    return MODEL_MAPPING[type(config)]
+
+
+def rope_positions(config, input_ids: np.ndarray, image_index: np.ndarray | None, grids) -> np.ndarray:
+    """``[3, length]`` rotary positions of one trajectory by the model's own ``get_rope_index``.
+
+    Called unbound on a stand-in that holds the config (the rule reads ``self.config`` and
+    ``self.get_vision_position_ids`` only), so the data can be prepared before any model is built."""
+    if image_index is None or not len(grids):
+        return np.broadcast_to(np.arange(input_ids.size), (3, input_ids.size)).copy()
+    backbone = _backbone_class(config)
+    stand_in = SimpleNamespace(config=config)
+    stand_in.get_vision_position_ids = functools.partial(backbone.get_vision_position_ids, stand_in)
+    positions, _ = backbone.get_rope_index(
+        stand_in,
+        torch.as_tensor(input_ids)[None],
+        mm_token_type_ids=torch.as_tensor((image_index >= 0).astype(np.int32))[None],
+        image_grid_thw=torch.as_tensor(np.asarray(grids, dtype=np.int64)),
+    )
+    return positions[:, 0].numpy().astype(np.int64)
+
+
+def attach_rope_positions(config, trajectories) -> None:
+    """Set ``rope_positions`` of every trajectory with images (in place; text-only ones keep None) by the
+    rule of the model whose ``config`` is given; a ValueError when there are images and it has no tower."""
+    if any(t.images for t in trajectories) and not is_vision_language(config):
+        raise ValueError(
+            f"the data has images and the model ({config.model_type}) has no vision tower; use a vision-language "
+            f"model ({', '.join(VISION_MODEL_TYPES)}: configs/models/tiny_qwen2_5_vl.json)"
+        )
+    for trajectory in trajectories:
+        if trajectory.images and trajectory.rope_positions is None:
+            grids = [image.grid_thw for image in trajectory.images]
+            trajectory.rope_positions = rope_positions(config, trajectory.input_ids, trajectory.image_index, grids)
+
+
+# --------------------------------------------------------------------------- the forward
+def _rotary_vision_promoted(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb_vision`` in ``promote_types(dtype, float32)`` (module docstring)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import rotate_half
+
+    wide = torch.promote_types(q.dtype, torch.float32)
+    q_wide, k_wide = q.to(wide), k.to(wide)
+    cos, sin = cos.unsqueeze(-2).to(wide), sin.unsqueeze(-2).to(wide)
+    q_embed = (q_wide * cos) + (rotate_half(q_wide) * sin)
+    k_embed = (k_wide * cos) + (rotate_half(k_wide) * sin)
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
+
+
+def _modeling_module(model):
+    import importlib
+
+    return importlib.import_module(type(model).__module__)
+
+
+def install_vision(model) -> None:
+    """Make ``model``'s forward accept ``row_images`` (:class:`~ds_tree.packing.rows.RowImages`) and its
+    vision rotary embedding keep a float64 model's precision (module docstring). Idempotent."""
+    if not is_vision_language(model.config):
+        return
+    module = _modeling_module(model)
+    module.apply_rotary_pos_emb_vision = _rotary_vision_promoted  # same result for float32/bf16 (docstring)
+    if getattr(model, "_ds_tree_vision", False):
+        return
+    original = model.forward
+
+    def forward(*args, row_images=None, **kwargs):
+        kwargs["mm_encoder_outputs"] = {"image": encode_row_images(model, row_images)}
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    model._ds_tree_vision = True
+
+
+def _language_backbone(model):
+    return getattr(model, "module", model).model  # the DeepSpeed engine wraps the Hugging Face model
+
+
+def encode_row_images(model, row_images):
+    """The tower called once on the row's distinct images (``cu_seqlens`` keeps each image's attention
+    to itself), its merged features gathered at the row's placeholders.
+
+    A row without images (``None``) encodes one blank image of one merged patch and passes no features,
+    its output joined to them times 0: every forward calls the tower once, forward and backward, so
+    ZeRO-3's parameter gathers (collectives) pair up across ranks whatever images each rank's rows hold.
+    """
+    visual = _language_backbone(model).visual
+    parameter = next(visual.parameters())
+    if row_images is None:
+        merge = visual.spatial_merge_size
+        grids = [(1, merge, merge)]
+        pixels = torch.zeros(merge * merge, _patch_dim(visual), dtype=parameter.dtype)  # config: ZeRO-3 partitions
+        index = torch.zeros(0, dtype=torch.long)
+    else:
+        grids = row_images.grids
+        pixels = torch.cat([torch.as_tensor(p).to(parameter.dtype) for p in row_images.pixel_values])
+        index = torch.as_tensor(row_images.feature_index)
+    output = visual(
+        pixels.to(parameter.device), grid_thw=torch.as_tensor(grids, device=parameter.device), return_dict=True
+    )
+    index = index.to(parameter.device)
+    features = output.pooler_output[index]
+    deepstack = getattr(output, "deepstack_features", None)
+    if row_images is None:  # keep the tower in the graph with a zero contribution
+        features = features + 0.0 * output.pooler_output.sum()
+        deepstack = [level[index] + 0.0 * level.sum() for level in deepstack] if deepstack is not None else None
+    elif deepstack is not None:
+        deepstack = [level[index] for level in deepstack]
+    if deepstack is None:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return BaseModelOutputWithPooling(pooler_output=[features])
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+    return BaseModelOutputWithDeepstackFeatures(pooler_output=[features], deepstack_features=[[d] for d in deepstack])
+
+
+def _patch_dim(visual) -> int:
+    """Values per patch (channels x temporal patch x patch x patch), from the config."""
+    config = visual.config
+    return config.in_channels * config.temporal_patch_size * config.patch_size * config.patch_size
