@@ -76,6 +76,21 @@ _CHATML_TOOLS = (
 )
 
 
+# The end of a Qwen-family assistant turn and the other turns: consecutive tool results share one
+# user turn, each in <tool_response> tags (Qwen3 and Qwen3-Coder alike).
+_QWEN_TURN_END_AND_OTHER_TURNS = (
+    "<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ message.content }}{{ '\\n</tool_response>' }}"
+    "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+
 def _chatml_reasoning(keep: str, generation_prompt: str) -> str:
     """Qwen3-style ChatML with ``<think>`` reasoning; ``keep`` is a Jinja test of whether message
     ``loop.index0`` shows its reasoning."""
@@ -104,16 +119,10 @@ def _chatml_reasoning(keep: str, generation_prompt: str) -> str:
         "{% if call.function.arguments is string %}{{ call.function.arguments }}"
         "{% else %}{{ call.function.arguments | tojson }}{% endif %}}\n</tool_call>"
         "{% endfor %}"
-        "<|im_end|>\n"
-        "{% elif message.role == 'tool' %}"
-        "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
-        "{{ '\\n<tool_response>\\n' }}{{ message.content }}{{ '\\n</tool_response>' }}"
-        "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
-        "{% else %}"
-        "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-        "{% endif %}"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}" + generation_prompt + "{% endif %}"
+        + _QWEN_TURN_END_AND_OTHER_TURNS
+        + "{% if add_generation_prompt %}"
+        + generation_prompt
+        + "{% endif %}"
     )
 
 
@@ -157,17 +166,7 @@ QWEN3_CODER_TEMPLATE = (
     "{{ '\\n</parameter>\\n' }}"
     "{% endfor %}"
     "</function>\n</tool_call>"
-    "{% endfor %}"
-    "<|im_end|>\n"
-    "{% elif message.role == 'tool' %}"
-    "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
-    "{{ '\\n<tool_response>\\n' }}{{ message.content }}{{ '\\n</tool_response>' }}"
-    "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
-    "{% else %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endfor %}" + _QWEN_TURN_END_AND_OTHER_TURNS + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 # ------------------------------------------------------------------ Llama 3.1: JSON calls, ipython results
