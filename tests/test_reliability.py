@@ -700,7 +700,7 @@ def test_two_ranks_the_survivor_names_the_failed_ranks_error(tmp_path: Path) -> 
         "    t.Trainer.train_step = train_step\n"
     )
     config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"), max_steps=3)
-    process = launch_training(config, "logging.tensorboard=false", env={"PYTHONPATH": f"{hook}:{ROOT}"})
+    process = launch_training(config, "logging.report_to=[]", env={"PYTHONPATH": f"{hook}:{ROOT}"})
     output, _ = process.communicate(timeout=300)
     assert process.returncode != 0, output[-4000:]
     assert "[rank 1] error: ValueError: injected on rank 1 at step 2" in output, output[-4000:]

@@ -92,8 +92,8 @@ def rl_case(trainer, step: int) -> dict:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             reference = {name: p.detach().clone() for name, p in module.named_parameters()}
     rollouts = trainer.rl_rollouts(0)
-    (rows,) = rollouts.prepared
-    output = trainer.rl_backward(rows)
+    (rows,), (plan,) = rollouts.prepared, rollouts.plans
+    output = trainer.rl_backward(rows, plan)
     gradients = gather_full_gradients(trainer.engine)
     trainer.apply_update(step, output.loss)
     loss = torch.tensor([output.loss], dtype=torch.float64)

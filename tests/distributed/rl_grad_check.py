@@ -99,7 +99,7 @@ def rl_case(trainer) -> tuple[dict | None, float]:
     module = trainer.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
         perturb_parameters(module, PERTURBATION, SEED)
-    output = trainer.rl_backward(rollouts.prepared[0])
+    output = trainer.rl_backward(rollouts.prepared[0], rollouts.plans[0])
     gradients = gather_full_gradients(trainer.engine)
     metrics = trainer.global_metrics(output.metrics)
     rows = rollouts.plans[0].rows
