@@ -516,9 +516,18 @@ def dfs_activation_bytes(
     full, rest = divmod(path_tokens, chunk)
     last = (rest, full * chunk) if rest else (chunk, (full - 1) * chunk)  # the deepest chunk: (n, context)
 
-    def layer(n: int, context: int) -> int:
-        """What a decoder layer that is not checkpointed keeps for the chunk's backward."""
-        return (per_layer - kv) * shard(n) + kv_here * (context + padded(n))
+    attention = attention_bytes_per_token(shape, dtype)
+    attending = shape.layers - len(
+        shape.attention_free
+    )  # the layers with keys and values (not a hybrid's recurrent ones)
+
+    def layer(index: int, n: int, context: int) -> int:
+        """What decoder layer ``index``, not checkpointed, keeps for the chunk's backward (a recurrent layer: its
+        mixer's scan of the chunk, one node on its parent's state, in place of attention's or beside it)."""
+        mixer = shape.recurrent.bytes(dtype, shard(n)) if index in shape.recurrent_layers else 0
+        if index in shape.attention_free:
+            return (per_layer - attention) * shard(n) + mixer
+        return (per_layer - kv) * shard(n) + kv_here * (context + padded(n)) + mixer
 
     def mask(n: int, context: int) -> int:
         """The chunk's attention mask (made once, shared by its layers; whole on every rank of a group)."""
@@ -526,7 +535,10 @@ def dfs_activation_bytes(
 
     def body(n: int, context: int) -> int:
         """What the decoder layers keep for the chunk's backward, and its attention mask (made once)."""
-        kept = [width * shape.hidden * shard(n) if again else layer(n, context) for again in checkpointed]
+        kept = [
+            width * shape.hidden * shard(n) if again else layer(index, n, context)
+            for index, again in enumerate(checkpointed)
+        ]
         return sum(kept) + (mask(n, context) if not all(checkpointed) else 0)
 
     def graph(n: int, context: int) -> int:
@@ -548,18 +560,19 @@ def dfs_activation_bytes(
         below = body(n, context)  # the head's backward is done
         # SDPA's gradients of the keys and values it attended to, per query head before the sum over a group
         attended = kv_here * (context + padded(n)) * heads_here // kv_heads_here
-        working = gradient_working_set_per_token(shape, dtype) * shard(n) + attended
         for index in reversed(range(shape.layers)):  # each layer's backward, top first
+            working = gradient_working_set_per_token(shape, dtype) * shard(n)
+            working += 0 if index in shape.attention_free else attended
             if checkpointed[index]:  # recomputed: its activations (and the mask, if none is held) again
-                again = layer(n, context) + (mask(n, context) if all(checkpointed) else 0)
+                again = layer(index, n, context) + (mask(n, context) if all(checkpointed) else 0)
                 moments.append(below + again + working)
                 below -= width * shape.hidden * shard(n)
             else:
                 moments.append(below + working)
-                below -= layer(n, context)
+                below -= layer(index, n, context)
         return max(moments)
 
-    layers = shape.layers
+    layers = attending  # the caches below hold keys and values of the attention layers
 
     # The path's first chunk (no context) attends to its keys and values as recorded, uncopied
     # (``attention.cached`` concatenates only onto a context): without recompute the cache's leaves share
