@@ -197,7 +197,11 @@ class ModelShape:
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         qk_norm = any(name.endswith((".q_norm", ".k_norm")) for name, _ in model.named_modules())
         mixers = {m.layer_idx: m for m in model.modules() if hasattr(m, "conv1d") and hasattr(m, "layer_idx")}
-        attention = {int(name.split(".")[-2]) for name, _ in model.named_modules() if name.endswith(".self_attn")}
+        attention = {  # the decoder layers with attention (``...layers.<i>.self_attn``)
+            int(parts[-2])
+            for parts in (name.split(".") for name, _ in model.named_modules())
+            if parts[-1] == "self_attn" and len(parts) > 1 and parts[-2].isdigit()
+        }
         recurrent = RecurrentMixer.of(next(iter(mixers.values()))) if mixers else None
         heads = config.num_attention_heads
         return cls(
