@@ -28,6 +28,12 @@ key/value heads of width ``d``, ``b`` bytes per element of the model dtype):
   projection: ``b (3 Hq d + 2 Hkv d)``, and the float32 log-sum-exp per query head ``4 Hq``;
 - the gated MLP: gate and up projections, the activation and the product: ``4 b I``.
 
+A recurrent layer of a hybrid model (Gated DeltaNet: Qwen3.5, Qwen3-Next; Mamba2: Bamba, Falcon-H1)
+keeps its mixer's tensors instead of attention's (a Falcon-H1 layer: both), counted tensor by tensor
+from ``ds_tree/models/hybrid.py`` and ``ds_tree/models/linear_scans.py`` in :class:`RecurrentMixer`:
+per token, per token of the scan (each node padded to a multiple of the scan's chunk) and per scan
+chunk of a node (the state it starts from), so a row's nodes matter (:class:`RowNodes`).
+
 With checkpointing (layers ``0, k, 2k, ...``) a checkpointed layer keeps only its input, ``b h`` per
 token, and the backward recomputes one layer at a time: its activations and the first gradients of
 its backward (:func:`gradient_working_set_per_token`) are live on top of what the layers below keep.
@@ -51,6 +57,107 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
+class RowNodes:
+    """How a packed row's tokens fall into tree nodes, for the recurrent layers' tree scan
+    (``ds_tree.models.hybrid.scan_levels``): ``nodes`` nodes, and the tokens the scan runs over for a scan
+    chunk (each level's nodes batched in groups right-padded to a multiple of the chunk)."""
+
+    nodes: int
+    scan_tokens: dict[int, int]
+    """Scan chunk -> tokens the scan runs over, padding included (a chunk not listed: :meth:`padded`)."""
+
+    def padded(self, tokens: int, chunk: int) -> int:
+        """Tokens scanned at ``chunk``; not listed: the row as one node, ``tokens`` rounded up to the chunk."""
+        return self.scan_tokens.get(chunk, -(-tokens // chunk) * chunk)
+
+
+ONE_NODE = RowNodes(1, {})
+"""A row that is one node (a chain; the plan's row of ``packing.budget`` tokens)."""
+
+
+@dataclass(frozen=True)
+class RecurrentMixer:
+    """The sizes of a hybrid model's recurrent mixer that decide what its tree forward keeps.
+
+    Per token (``b`` bytes of the model dtype, ``f = 4``: the scans and the gated norm compute in
+    float32 for float32 and bf16 models), counted on the autograd graph of
+    ``ds_tree/models/hybrid.py`` and ``ds_tree/models/linear_scans.py`` (every saved tensor, parameters
+    and the layer's input excluded: 11780 of 11788 bytes per token for tiny Qwen3.5's mixer, 10637.5 of
+    10640 for tiny Bamba's; the rest is the scan's constant ``chunk x chunk`` mask):
+
+    - the tree convolution: its input laid out with ``K - 1`` history inputs before each node, and the
+      activation's input: ``b C (2 + (K - 1) nodes / tokens)`` for ``C`` conv channels; four int64
+      gather indices and a bool mask (the conv's and the scan's): 33;
+    - Gated DeltaNet (``H`` value heads of ``Dk`` / ``Dv``): on the row, q and k and their L2 norms
+      before the chunked layout ``2 f H (Dk + 1)``, beta and the decay's softplus ``3 f H``, the gated
+      norm ``4 (5 H Dv + H)`` (float32 inside) and ``out_proj``'s input ``b H Dv``; on the scan's padded
+      tokens five ``H x chunk`` float32 matrices per token (the decays between positions, the two
+      ``k k^T`` and ``q k^T`` products, the solved system, the within-chunk scores), ten ``H Dk`` and
+      three ``H Dv`` float32 tensors (keys, queries and their decayed and solved forms, the two batched
+      products' copies; values, corrected values, the per-chunk new values) and ``4 f H``; per scan
+      chunk of a node its starting state ``f H Dk Dv``;
+    - Mamba2 (``H`` heads of ``P``, ``G`` groups of state size ``N``): on the row, ``in_proj``'s whole output
+      ``b W`` (the gated norm holds the gate, a view of it), x ``f H P``, the gated norm ``4 (4 H P + G)``,
+      ``out_proj``'s input ``b H P``, dt ``3 f H``; on the scan's padded tokens five ``H x chunk`` float32
+      matrices (the decays, the scores, the einsums' copies), B and C per head and the einsums' copies
+      ``5 f H N``, the carried output ``f H P``, ``2 f H``; per scan chunk the state ``f H P N``.
+    """
+
+    kind: str
+    """``gated_delta`` or ``mamba2``."""
+    heads: int
+    """Value heads (Gated DeltaNet) or heads (Mamba2)."""
+    key_dim: int
+    """Gated DeltaNet: a key head's width ``Dk``; Mamba2: the state size ``N``."""
+    value_dim: int
+    """Gated DeltaNet: a value head's width ``Dv``; Mamba2: a head's width ``P``."""
+    groups: int
+    """Mamba2: the groups of B and C (and of the gated norm); Gated DeltaNet: key heads."""
+    conv_channels: int
+    conv_kernel: int
+    chunk: int
+    """The scan's chunk (Gated DeltaNet: ``ds_tree.models.hybrid.GATED_DELTA_CHUNK``; Mamba2: ``chunk_size``)."""
+    projected: int = 0
+    """Mamba2: ``in_proj``'s output width (gate, conv input and dt)."""
+
+    def bytes(self, dtype: str, tokens: int, row: RowNodes = ONE_NODE) -> int:
+        """What the mixer keeps for the backward over ``tokens`` tokens in ``row``'s nodes (class docstring)."""
+        b, f, h = DTYPE_BYTES[dtype], 4, self.heads
+        scanned = row.padded(tokens, self.chunk)
+        conv = b * self.conv_channels * (2 * tokens + (self.conv_kernel - 1) * row.nodes) + 33 * tokens
+        if self.kind == "gated_delta":
+            dk, dv = self.key_dim, self.value_dim
+            on_row = 2 * f * h * (dk + 1) + 3 * f * h + 4 * (5 * h * dv + h) + b * h * dv
+            on_scan = 5 * f * h * self.chunk + f * h * (10 * dk + 3 * dv) + 4 * f * h
+            state = f * h * dk * dv
+        else:
+            p, n = self.value_dim, self.key_dim
+            on_row = b * self.projected + f * h * p + 4 * (4 * h * p + self.groups) + b * h * p + 3 * f * h
+            on_scan = 5 * f * h * self.chunk + 5 * f * h * n + f * h * p + 2 * f * h
+            state = f * h * p * n
+        return conv + on_row * tokens + on_scan * scanned + state * (scanned // self.chunk)
+
+    @classmethod
+    def of(cls, module) -> RecurrentMixer:
+        """From a mixer module (the attributes ``ds_tree/models/hybrid.py`` reads)."""
+        conv = (module.conv1d.in_channels, module.conv1d.kernel_size[0])
+        if hasattr(module, "num_v_heads"):  # Gated DeltaNet; 64: hybrid.GATED_DELTA_CHUNK (tested equal)
+            return cls(
+                "gated_delta", module.num_v_heads, module.head_k_dim, module.head_v_dim, module.num_k_heads, *conv, 64
+            )
+        return cls(
+            "mamba2",
+            module.num_heads,
+            module.ssm_state_size,
+            module.head_dim,
+            module.n_groups,
+            *conv,
+            module.chunk_size,
+            projected=module.in_proj.out_features,
+        )
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the plan needs of a decoder-only model's config."""
 
@@ -67,6 +174,12 @@ class ModelShape:
     """Parameters of the largest module ZeRO-3 gathers at once (an embedding or the LM head)."""
     qk_norm: bool = False
     """Queries and keys are RMS-normalised per head before RoPE (Qwen3)."""
+    recurrent: RecurrentMixer | None = None
+    """A hybrid model's recurrent mixer (None: attention only)."""
+    recurrent_layers: tuple[int, ...] = ()
+    """The decoder layers that run the recurrent mixer."""
+    attention_free: tuple[int, ...] = ()
+    """The recurrent layers without attention (all of them but Falcon-H1's, which run both)."""
 
     @classmethod
     def of(cls, config) -> ModelShape:
@@ -83,6 +196,13 @@ class ModelShape:
         parameters = sum(p.numel() for p in model.parameters())
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         qk_norm = any(name.endswith((".q_norm", ".k_norm")) for name, _ in model.named_modules())
+        mixers = {m.layer_idx: m for m in model.modules() if hasattr(m, "conv1d") and hasattr(m, "layer_idx")}
+        attention = {  # the decoder layers with attention (``...layers.<i>.self_attn``)
+            int(parts[-2])
+            for parts in (name.split(".") for name, _ in model.named_modules())
+            if parts[-1] == "self_attn" and len(parts) > 1 and parts[-2].isdigit()
+        }
+        recurrent = RecurrentMixer.of(next(iter(mixers.values()))) if mixers else None
         heads = config.num_attention_heads
         return cls(
             vocab=config.vocab_size,
@@ -95,6 +215,9 @@ class ModelShape:
             parameters=parameters,
             largest_module=largest,
             qk_norm=qk_norm,
+            recurrent=recurrent,
+            recurrent_layers=tuple(sorted(mixers)),
+            attention_free=tuple(sorted(set(mixers) - attention)),
         )
 
 
@@ -173,14 +296,31 @@ def checkpointed_layers(shape: ModelShape, checkpoint_every: int) -> list[bool]:
 
 
 def layer_bytes_per_token(shape: ModelShape, dtype: str) -> int:
-    """Bytes one decoder layer keeps for the backward per token (module docstring)."""
-    width = DTYPE_BYTES[dtype]
-    norms = 2 * norm_bytes_per_token(shape)
-    if shape.qk_norm:  # RMSNorm over each query and key head; RoPE, next, keeps only cos and sin
-        norms += (8 * shape.head_dim + 4) * (shape.heads + shape.kv_heads)
-    attention = width * (3 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + 4 * shape.heads
-    mlp = 4 * width * shape.intermediate
-    return norms + attention + mlp
+    """Bytes one attention decoder layer keeps for the backward per token (module docstring)."""
+    return (
+        2 * norm_bytes_per_token(shape)
+        + attention_bytes_per_token(shape, dtype)
+        + 4 * DTYPE_BYTES[dtype] * shape.intermediate
+    )
+
+
+def attention_bytes_per_token(shape: ModelShape, dtype: str) -> int:
+    """What a layer's attention keeps per token: the query/key norms (Qwen3), RoPE'd queries and keys, values,
+    the output and its copy, the log-sum-exp (module docstring)."""
+    norms = (8 * shape.head_dim + 4) * (shape.heads + shape.kv_heads) if shape.qk_norm else 0
+    return norms + DTYPE_BYTES[dtype] * (3 * shape.heads + 2 * shape.kv_heads) * shape.head_dim + 4 * shape.heads
+
+
+def layer_bytes(shape: ModelShape, dtype: str, index: int, tokens: int, row: RowNodes = ONE_NODE) -> int:
+    """What decoder layer ``index`` keeps for the backward of a row of ``tokens`` tokens in ``row``'s nodes:
+    a recurrent layer its mixer's tensors (:class:`RecurrentMixer`) in place of attention's (with them, in
+    a layer that runs both)."""
+    kept = layer_bytes_per_token(shape, dtype) * tokens
+    if index not in shape.recurrent_layers:
+        return kept
+    if index in shape.attention_free:
+        kept -= attention_bytes_per_token(shape, dtype) * tokens
+    return kept + shape.recurrent.bytes(dtype, tokens, row)
 
 
 def norm_bytes_per_token(shape: ModelShape) -> int:
@@ -212,8 +352,9 @@ class ActivationBytes:
     also two ``targets x hidden`` gradients of the gathered hidden states (each chunk's slice
     gradient comes back full-length and is summed into a buffer)."""
     recompute: int
-    """At the recompute of the highest checkpointed layer: what the layers below it keep, its input, its
-    recomputed activations and its backward's first gradients (0 without checkpointing)."""
+    """At the recompute of a checkpointed layer, the worst of them (the highest, or a hybrid's recurrent layer):
+    what the layers below it keep, its input, its recomputed activations and its backward's first gradients
+    (0 without checkpointing)."""
 
     @property
     def peak(self) -> int:
@@ -231,25 +372,31 @@ def activation_bytes(
     head_chunk: int = 0,
     targets: int | None = None,
     entropy: bool = False,
+    row: RowNodes = ONE_NODE,
 ) -> ActivationBytes:
     """Activation memory of one packed row of ``tokens`` tokens, ``targets`` of them scored (default all).
 
-    ``checkpoint_every = k > 0``: layers ``0, k, 2k, ...`` are checkpointed (transformers' choice)."""
+    ``checkpoint_every = k > 0``: layers ``0, k, 2k, ...`` are checkpointed (transformers' choice).
+    ``row``: the row's tree nodes, for a hybrid model's recurrent layers (default: one node)."""
     targets = tokens if targets is None else targets
     width = DTYPE_BYTES[dtype]
-    per_layer = layer_bytes_per_token(shape, dtype)
     checkpointed = checkpointed_layers(shape, checkpoint_every)
-    kept = [width * shape.hidden if again else per_layer for again in checkpointed]
+    whole = [layer_bytes(shape, dtype, index, tokens, row) for index in range(shape.layers)]
+    kept = [width * shape.hidden * tokens if again else layer for again, layer in zip(checkpointed, whole, strict=True)]
     recompute = 0
     if any(checkpointed):
-        top = max(index for index, again in enumerate(checkpointed) if again)
-        recompute = sum(kept[: top + 1]) + per_layer + gradient_working_set_per_token(shape, dtype)
+        # each checkpointed layer's recompute, with what the layers below it keep: the highest one has the
+        # most below it, but a hybrid's recurrent layer recomputes more than an attention layer above it
+        working = gradient_working_set_per_token(shape, dtype) * tokens
+        recompute = max(
+            sum(kept[: index + 1]) + whole[index] + working for index in range(shape.layers) if checkpointed[index]
+        )
     held = min(targets, head_chunk) if head_chunk else targets
     final_norm = norm_bytes_per_token(shape)
     head = final_norm * tokens + head_bytes_per_target(shape, entropy) * held + width * shape.vocab * shape.hidden
     if head_chunk and targets > head_chunk:  # each chunk's gradient arrives as a whole-length one, summed in a buffer
         head += 2 * width * targets * shape.hidden
-    return ActivationBytes(sum(kept) * tokens, head, recompute * tokens)
+    return ActivationBytes(sum(kept), head, recompute)
 
 
 def largest_budget(
@@ -373,9 +520,18 @@ def dfs_activation_bytes(
     full, rest = divmod(path_tokens, chunk)
     last = (rest, full * chunk) if rest else (chunk, (full - 1) * chunk)  # the deepest chunk: (n, context)
 
-    def layer(n: int, context: int) -> int:
-        """What a decoder layer that is not checkpointed keeps for the chunk's backward."""
-        return (per_layer - kv) * shard(n) + kv_here * (context + padded(n))
+    attention = attention_bytes_per_token(shape, dtype)
+    attending = shape.layers - len(
+        shape.attention_free
+    )  # the layers with keys and values (not a hybrid's recurrent ones)
+
+    def layer(index: int, n: int, context: int) -> int:
+        """What decoder layer ``index``, not checkpointed, keeps for the chunk's backward (a recurrent layer: its
+        mixer's scan of the chunk, one node on its parent's state, in place of attention's or beside it)."""
+        mixer = shape.recurrent.bytes(dtype, shard(n)) if index in shape.recurrent_layers else 0
+        if index in shape.attention_free:
+            return (per_layer - attention) * shard(n) + mixer
+        return (per_layer - kv) * shard(n) + kv_here * (context + padded(n)) + mixer
 
     def mask(n: int, context: int) -> int:
         """The chunk's attention mask (made once, shared by its layers; whole on every rank of a group)."""
@@ -383,7 +539,10 @@ def dfs_activation_bytes(
 
     def body(n: int, context: int) -> int:
         """What the decoder layers keep for the chunk's backward, and its attention mask (made once)."""
-        kept = [width * shape.hidden * shard(n) if again else layer(n, context) for again in checkpointed]
+        kept = [
+            width * shape.hidden * shard(n) if again else layer(index, n, context)
+            for index, again in enumerate(checkpointed)
+        ]
         return sum(kept) + (mask(n, context) if not all(checkpointed) else 0)
 
     def graph(n: int, context: int) -> int:
@@ -405,18 +564,19 @@ def dfs_activation_bytes(
         below = body(n, context)  # the head's backward is done
         # SDPA's gradients of the keys and values it attended to, per query head before the sum over a group
         attended = kv_here * (context + padded(n)) * heads_here // kv_heads_here
-        working = gradient_working_set_per_token(shape, dtype) * shard(n) + attended
         for index in reversed(range(shape.layers)):  # each layer's backward, top first
+            working = gradient_working_set_per_token(shape, dtype) * shard(n)
+            working += 0 if index in shape.attention_free else attended
             if checkpointed[index]:  # recomputed: its activations (and the mask, if none is held) again
-                again = layer(n, context) + (mask(n, context) if all(checkpointed) else 0)
+                again = layer(index, n, context) + (mask(n, context) if all(checkpointed) else 0)
                 moments.append(below + again + working)
                 below -= width * shape.hidden * shard(n)
             else:
                 moments.append(below + working)
-                below -= layer(n, context)
+                below -= layer(index, n, context)
         return max(moments)
 
-    layers = shape.layers
+    layers = attending  # the caches below hold keys and values of the attention layers
 
     # The path's first chunk (no context) attends to its keys and values as recorded, uncopied
     # (``attention.cached`` concatenates only onto a context): without recompute the cache's leaves share

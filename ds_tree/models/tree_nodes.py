@@ -71,6 +71,16 @@ class TreeNodes:
     def n_tokens(self) -> int:
         return int(self.predecessor.size)
 
+    def scanned_tokens(self, chunk: int) -> int:
+        """Tokens a scan with ``chunk`` runs over, padding included: each group of a level, its nodes times
+        its longest node rounded up to the chunk (``ds_tree.models.linear_scans`` pads to chunk multiples);
+        what the memory plan counts per scanned token (:class:`ds_tree.memory.predict.RowNodes`)."""
+        return sum(
+            len(group.nodes) * -(-group.tokens.shape[1] // chunk) * chunk
+            for level in self.levels(chunk)
+            for group in level
+        )
+
     def levels(self, chunk: int) -> list[list[LevelGroup]]:
         """Per level, the groups of its nodes for a scan that pads to multiples of ``chunk``."""
         if chunk not in self._levels:
