@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import ast
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from ds_tree.comparison import gradient_errors
 from ds_tree.errors import ConfigError
-from ds_tree.models import fla_scan, linear_scans
+from ds_tree.models import fla_scan, hybrid, linear_scans
+from ds_tree.models.loading import load_model
+from ds_tree.trees.random_trees import TreeShape, random_forest
+from ds_tree.verify.tree_vs_flat import run_mode
+from tests import test_hybrid_models
 
 pytest.importorskip("fla", reason="fla-core not installed (the fla extra)")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+hybrids = test_hybrid_models.hybrids  # the fixture: tiny Qwen3.5 and Bamba, one GDN / Mamba2 and one attention layer
 
 
 class _LoopVariablesAsTensors:
@@ -132,3 +140,25 @@ def test_selection_and_refusals(monkeypatch):
     assert fla_scan.resolve_recurrent_kernels("auto", "cuda") == "torch"
     with pytest.raises(ConfigError, match="pip install"):
         fla_scan.resolve_recurrent_kernels("fla", "cpu")
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "bamba"])
+def test_hybrid_tree_on_fla_equals_the_torch_scans_and_its_flat_paths(name, hybrids):
+    """A forest of 2 trees (depth 3, nodes of 1-40 tokens): several levels, each node from its parent's state."""
+    forest = random_forest(
+        random.Random(2), TreeShape(trees=2, depth=3, children=(1, 3), node_tokens=(1, 40), alphabet=(3, 1023))
+    )
+    runs = {}
+    for kernels in ("torch", "fla"):
+        model = load_model(hybrids[name], attention="torch", dtype=torch.float32, seed=3, recurrent_kernels=kernels)
+        assert {m.tree_scans for m in model.modules() if hasattr(m, "tree_scans")} == {hybrid.RECURRENT_SCANS[kernels]}
+        for mode in ("tree", "flat"):
+            runs[kernels, mode] = run_mode(model, forest, mode, 4096, 1, "token_mean", "exact")
+    reference = runs["torch", "tree"]
+    for key in (("fla", "tree"), ("fla", "flat")):
+        assert abs(runs[key].loss - reference.loss) <= 1e-5 * abs(reference.loss), key
+        assert max(gradient_errors(reference.gradients, runs[key].gradients).values()) <= 1e-5, key
+        for trajectory in forest:
+            np.testing.assert_allclose(
+                runs[key].logprobs[id(trajectory)], reference.logprobs[id(trajectory)], rtol=0, atol=1e-5
+            )

@@ -42,26 +42,35 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def resolve_recurrent_kernels(name: str, device: torch.device | str | None = None) -> str:
-    """``torch`` or ``fla`` for ``name`` on ``device`` (None: CUDA when visible, else the CPU): ``auto`` is
-    ``fla`` on CUDA when importable; ``fla`` without the package is a ConfigError with the install command."""
+def resolve_recurrent_kernels(
+    name: str, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
+) -> str:
+    """``torch`` or ``fla`` for ``name`` on ``device`` (None: CUDA when visible, else the CPU) and model
+    ``dtype``: ``auto`` is ``fla`` on CUDA when importable and the model is not float64; ``fla`` without the
+    package, or for a float64 model, is a ConfigError (with the install command)."""
     if name not in RECURRENT_KERNELS:
         raise ConfigError(f"model.recurrent_kernels: {name!r} is not one of {', '.join(RECURRENT_KERNELS)}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "auto":
-        return "fla" if torch.device(device).type == "cuda" and fla_available() else "torch"
+        usable = torch.device(device).type == "cuda" and dtype != torch.float64 and fla_available()
+        return "fla" if usable else "torch"
     if name == "fla" and not fla_available():
         raise ConfigError(f"model.recurrent_kernels: fla needs flash-linear-attention's kernels: {FLA_INSTALL}")
+    if name == "fla" and dtype == torch.float64:
+        raise ConfigError(FLOAT64_REFUSAL)
     return name
+
+
+FLOAT64_REFUSAL = (
+    "model.recurrent_kernels: fla: flash-linear-attention's kernels have no float64; a float64 model "
+    "(verify) runs the torch scans (model.recurrent_kernels: torch or auto)"
+)
 
 
 def _float32(*tensors: torch.Tensor) -> list[torch.Tensor]:
     if any(t.dtype == torch.float64 for t in tensors):
-        raise ValueError(
-            "model.recurrent_kernels: fla: flash-linear-attention's kernels have no float64; a float64 model "
-            "(verify) runs the torch scans (model.recurrent_kernels: torch)"
-        )
+        raise ValueError(FLOAT64_REFUSAL)
     return [t.float().contiguous() for t in tensors]
 
 
