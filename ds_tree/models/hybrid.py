@@ -61,8 +61,9 @@ GATED_DELTA_CHUNK = 64
 """The chunk of transformers' ``torch_chunk_gated_delta_rule`` (its default, what the stock layer uses)."""
 
 RECURRENT_SCANS = {"torch": linear_scans, "fla": fla_scan}
-"""``model.recurrent_kernels`` (resolved) -> the module whose ``chunk_gated_delta_rule`` and ``chunk_mamba2``
-the mixers call: the torch scans (CPU, float64 oracle) or flash-linear-attention's Triton kernels (GPU)."""
+"""``model.recurrent_kernels`` (resolved; each mixer's ``tree_scans``) -> the module whose
+``chunk_gated_delta_rule`` and ``chunk_mamba2`` the mixers call: the torch scans (CPU, float64 oracle) or
+flash-linear-attention's Triton kernels (GPU)."""
 
 HYBRID_MODEL_TYPES = {
     "qwen3_5_text": "Gated DeltaNet",
@@ -328,7 +329,8 @@ def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | Non
     value = value.reshape(rows, -1, self.head_v_dim)
 
     def scan(gathered, initial):
-        return self.tree_scans.chunk_gated_delta_rule(*gathered, initial, chunk=GATED_DELTA_CHUNK, l2_norm_qk=True)
+        scans = RECURRENT_SCANS[self.tree_scans]
+        return scans.chunk_gated_delta_rule(*gathered, initial, chunk=GATED_DELTA_CHUNK, l2_norm_qk=True)
 
     root_state = None if context is None else context.state
     core, final = scan_levels(nodes, GATED_DELTA_CHUNK, [query, key, value, g, beta], scan, root_state)
@@ -390,7 +392,7 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     C = C.reshape(rows, groups, self.ssm_state_size)
 
     def scan(gathered, initial):
-        return self.tree_scans.chunk_mamba2(
+        return RECURRENT_SCANS[self.tree_scans].chunk_mamba2(
             gathered[0], gathered[1], A, gathered[2], gathered[3], D, initial, self.chunk_size
         )
 
@@ -510,7 +512,7 @@ def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype, scans: str =
         name = type(module).__name__
         if name in TREE_MIXERS:
             module.forward = TREE_MIXERS[name].__get__(module)
-            module.tree_scans = RECURRENT_SCANS[scans]
+            module.tree_scans = scans  # a name, not the module: a model with it still deep-copies
             module.conv1d.forward = sliced_conv_forward.__get__(module.conv1d)
             installed += 1
         elif float64 and name in FLOAT64_GATED_NORMS:
