@@ -33,6 +33,7 @@ from ds_tree.sampling.settings import EnvSettings, SamplerSettings, TurnBranched
 # that the two agree.
 Dtype = Literal["float32", "bfloat16"]
 AttentionEngine = Literal["auto", "reference", "torch", "triton", "flex", "varlen"]
+RecurrentKernels = Literal["auto", "torch", "fla"]  # ds_tree.models.fla_scan.RECURRENT_KERNELS
 Merge = Literal["group", "global"]
 PackingMode = Literal["tree", "flat", "dfs"]
 OverBudget = Literal["error", "dfs", "sequence_parallel"]
@@ -131,6 +132,11 @@ class ModelConfig:
     (GPU), ``flex`` (PyTorch's FlexAttention; GPU only for training, it has no backward on the CPU),
     ``varlen`` (the flat baseline on flash kernels: ``packing.mode: flat``, bfloat16, CUDA only) or
     ``reference``."""
+    recurrent_kernels: RecurrentKernels = "auto"
+    """Hybrid models' Gated DeltaNet / Mamba2 scans: ``torch`` (the chunked PyTorch scans, any dtype, the
+    float64 oracle), ``fla`` (flash-linear-attention's Triton kernels, float32 compute; ``pip install
+    --no-deps fla-core==0.6.0 einops``) or ``auto`` (the default: ``fla`` on CUDA when installed and the
+    model is not float64, ``torch`` otherwise). Ignored by models without recurrent layers."""
     seed: int = 0
     """Seed of the random init."""
     zero_init: bool = False

@@ -114,3 +114,20 @@ def test_autotune_is_imported_by_the_gpu_kernel_table_only() -> None:
 
     importers = {name for name, targets in import_graph().items() if "ds_tree.attention.triton.autotune" in targets}
     assert importers == {"ds_tree.bench.gpu.attention"}
+
+
+def test_hybrid_section_is_skipped_on_the_cpu_and_its_table_renders(tmp_path) -> None:
+    """The fla section runs on CUDA only (tests/test_fla_scan.py runs the kernels under the interpreter);
+    its markdown table, which only a GPU run fills, renders from a report of that shape."""
+    assert main(["--smoke", "--sections", "hybrid", "--output", str(tmp_path)]) == 0
+    section = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]["hybrid"]
+    assert section["passed"] and "CUDA only" in section["skipped"]
+    row = {"model": "tiny_bamba", "fla tree against": "torch tree", "loss_rel": 1e-7, "grad_rel_max": 3e-6}
+    hybrid = {"tolerance": 1e-5, "correctness": [row | {"logprob_abs_max": 2e-6, "passed": True}]}
+    hybrid["timing"] = [{"kernels": "torch", "tree_tokens": 16001, "step_s": 2.5}]
+    hybrid["timing"].append({"kernels": "fla", "tree_tokens": 16001, "step_s": 0.25})
+    report = {"smoke": False, "environment": {}, "sections": {"hybrid": hybrid | {"passed": True}}}
+    report |= {"passed": True, "acceptance": acceptance(report)}
+    assert list(report["acceptance"].values()) == [True, True]
+    text = markdown(report)
+    assert "| tiny_bamba | torch tree | 1e-07 | 3e-06 | 2e-06 | True |" in text and "| fla | 16001 | 0.25 |" in text

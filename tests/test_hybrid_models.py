@@ -415,6 +415,21 @@ def test_dry_run_accepts_sequence_parallel_and_dfs_for_hybrids(monkeypatch, caps
     assert code == 0, err
 
 
+def test_dry_run_refuses_fla_scans_without_the_package(monkeypatch, capsys, tmp_path):
+    """``model.recurrent_kernels: fla`` needs fla-core: without it the dry run stops with the install command
+    (``auto`` falls back to the torch scans instead; an unknown engine is a type error)."""
+    from ds_tree.models import fla_scan
+
+    monkeypatch.setattr(fla_scan, "fla_available", lambda: False)
+    config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", "model.recurrent_kernels=fla")
+    assert code == 2 and "model.recurrent_kernels: fla needs flash-linear-attention" in err and "pip install" in err
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", "model.recurrent_kernels=auto")
+    assert code == 0, err
+    code, err = dry_run(monkeypatch, capsys, config, f"model.source={QWEN3_5}", "model.recurrent_kernels=cuda")
+    assert code == 2 and "model.recurrent_kernels" in err, err
+
+
 def test_dry_run_takes_falcon_h1_online_and_refuses_hybrids_on_vllm(monkeypatch, capsys, tmp_path, tokenizer_dir):
     """Falcon-H1 samples online on the hf engine (its combined cache layer is forked); hybrids on vLLM
     stay refused, naming the reason measured (docs/MODELS.md)."""

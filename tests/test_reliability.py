@@ -27,6 +27,7 @@ from ds_tree.config import ConfigError, load_config
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError, RolloutError
 from ds_tree.losses.sft import NORMALISATIONS, POLICIES
+from ds_tree.models.fla_scan import RECURRENT_KERNELS
 from ds_tree.models.loading import load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation, check_layer_types
 from ds_tree.packing.modes import MODES
@@ -104,6 +105,7 @@ def test_choices_are_the_library_registries() -> None:
     assert typing.get_args(config_module.PackingMode) == MODES
     assert typing.get_args(config_module.Normalisation) == NORMALISATIONS
     assert typing.get_args(config_module.WeightPolicy) == POLICIES
+    assert typing.get_args(config_module.RecurrentKernels) == RECURRENT_KERNELS
 
 
 # ------------------------------------------------------------------- dry run

@@ -15,6 +15,9 @@ it ends, so a run cut short keeps what it measured):
   trainer      launch/train.sh on one GPU (DeepSpeed ZeRO-3, NCCL, bf16, engine auto): SFT steps with
                the self-check, a SIGTERM and the resume (losses against an uninterrupted run), GRPO
                steps, the exported model loaded by plain transformers
+  hybrid       the hybrids' GDN / Mamba2 scans on fla's Triton kernels (model.recurrent_kernels: fla)
+               against the torch scans in float32 (tree, and fla's tree against its flat paths), and a
+               bf16 step of a Qwen3.5-shaped model on a ~16K-token tree with each; skipped without fla-core
 
 Writes OUTPUT/gpu_check.json and OUTPUT/gpu_check.md. Exit 0 when every engine that ran is exact and
 the trainer section passed, 1 otherwise, 2 on a usage error (no CUDA GPU without --smoke). --smoke
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from ds_tree.cli.common import command_parser
 
-SECTIONS = ("correctness", "kernels", "steps", "trainer")
+SECTIONS = ("correctness", "kernels", "steps", "trainer", "hybrid")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -70,7 +73,7 @@ def environment(device: str) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if device == "cuda" else None,
     }
-    for name in ("triton", "deepspeed", "flash_attn"):
+    for name in ("triton", "deepspeed", "flash_attn", "fla"):
         try:
             found[name] = __import__(name).__version__
         except ImportError:
@@ -91,6 +94,10 @@ def run_section(name: str, device: str, smoke: bool, output: Path, progress) -> 
         from ds_tree.bench.gpu.steps import end_to_end
 
         return end_to_end(device, smoke, progress)
+    if name == "hybrid":
+        from ds_tree.bench.gpu.hybrid import hybrid_check
+
+        return hybrid_check(device, smoke, progress)
     from ds_tree.bench.gpu.trainer import trainer_check
 
     return trainer_check(output / "trainer", smoke=smoke, progress=progress)

@@ -63,7 +63,13 @@ def build_reference(config, ds_config: dict, dtype: torch.dtype, device, policy_
     source = config.objective.reference or config.model.source
     size = config.parallel.sequence_parallel_size
     if not config.model.zero_init:
-        reference = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
+        reference = load_model(
+            source,
+            attention=config.model.attention,
+            dtype=dtype,
+            seed=config.model.seed,
+            recurrent_kernels=config.model.recurrent_kernels,
+        )
         reference.to(device).eval().requires_grad_(False)
         if size > 1:  # it scores the same shards as the policy
             enable_sequence_parallel(reference, size)
@@ -76,7 +82,13 @@ def build_reference(config, ds_config: dict, dtype: torch.dtype, device, policy_
     engine_config = reference_ds_config(ds_config, config.objective.reference_offload)
     holder = HfDeepSpeedConfig(engine_config)  # transformers builds the model inside zero.Init with it
     try:
-        model = load_model(source, attention=config.model.attention, dtype=dtype, seed=config.model.seed)
+        model = load_model(
+            source,
+            attention=config.model.attention,
+            dtype=dtype,
+            seed=config.model.seed,
+            recurrent_kernels=config.model.recurrent_kernels,
+        )
     finally:
         if policy_hf_config is not None:
             set_hf_deepspeed_config(policy_hf_config)

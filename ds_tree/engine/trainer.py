@@ -311,6 +311,7 @@ class Trainer(RLSteps):
             dtype=dtype,
             seed=config.model.seed,
             checkpoint_every=config.model.checkpointed_every,
+            recurrent_kernels=config.model.recurrent_kernels,
         )
         if self.rank == 0:
             logger.info("attention engine: %s (model.attention: %s)", self.attention_engine, config.model.attention)

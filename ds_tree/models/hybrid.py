@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from ds_tree.models import fla_scan, linear_scans
 from ds_tree.models.head_parallel import (
     HeadShards,
     channels_of,
@@ -53,11 +54,16 @@ from ds_tree.models.head_parallel import (
     shared_block,
     sliced_conv_forward,
 )
-from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2, compute_dtype
+from ds_tree.models.linear_scans import compute_dtype
 from ds_tree.models.tree_nodes import TreeNodes, chain_nodes, tree_nodes
 
 GATED_DELTA_CHUNK = 64
 """The chunk of transformers' ``torch_chunk_gated_delta_rule`` (its default, what the stock layer uses)."""
+
+RECURRENT_SCANS = {"torch": linear_scans, "fla": fla_scan}
+"""``model.recurrent_kernels`` (resolved; each mixer's ``tree_scans``) -> the module whose
+``chunk_gated_delta_rule`` and ``chunk_mamba2`` the mixers call: the torch scans (CPU, float64 oracle) or
+flash-linear-attention's Triton kernels (GPU)."""
 
 HYBRID_MODEL_TYPES = {
     "qwen3_5_text": "Gated DeltaNet",
@@ -323,7 +329,8 @@ def _gated_delta_tree(self, shape, nodes: TreeNodes, context: ChunkContext | Non
     value = value.reshape(rows, -1, self.head_v_dim)
 
     def scan(gathered, initial):
-        return chunk_gated_delta_rule(*gathered, initial, chunk=GATED_DELTA_CHUNK, l2_norm_qk=True)
+        scans = RECURRENT_SCANS[self.tree_scans]
+        return scans.chunk_gated_delta_rule(*gathered, initial, chunk=GATED_DELTA_CHUNK, l2_norm_qk=True)
 
     root_state = None if context is None else context.state
     core, final = scan_levels(nodes, GATED_DELTA_CHUNK, [query, key, value, g, beta], scan, root_state)
@@ -385,7 +392,9 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     C = C.reshape(rows, groups, self.ssm_state_size)
 
     def scan(gathered, initial):
-        return chunk_mamba2(gathered[0], gathered[1], A, gathered[2], gathered[3], D, initial, self.chunk_size)
+        return RECURRENT_SCANS[self.tree_scans].chunk_mamba2(
+            gathered[0], gathered[1], A, gathered[2], gathered[3], D, initial, self.chunk_size
+        )
 
     root_state = None if context is None else context.state
     y, final = scan_levels(nodes, self.chunk_size, [x, dt, B, C], scan, root_state)
@@ -489,11 +498,12 @@ FLOAT64_FORWARDS = {"NemotronHForCausalLM": _nemotron_h_forward_float64}
 """Model classes whose own forward casts the logits to float32, with a float64 forward."""
 
 
-def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Replace the ``forward`` of every supported recurrent mixer of ``model`` by its tree forward;
-    for a float64 model (``dtype``) also lift the gated norms' float32 casts (the stock norms round
-    every mixer output to float32: float64 verification could not see float64 round-off). Returns
-    how many mixers."""
+def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype, scans: str = "torch") -> int:
+    """Replace the ``forward`` of every supported recurrent mixer of ``model`` by its tree forward, scanning
+    with :data:`RECURRENT_SCANS` ``[scans]`` (``torch`` or ``fla``, resolved by
+    :func:`~ds_tree.models.fla_scan.resolve_recurrent_kernels`); for a float64 model (``dtype``) also lift the
+    gated norms' float32 casts (the stock norms round every mixer output to float32: float64 verification
+    could not see float64 round-off). Returns how many mixers."""
     installed = 0
     float64 = dtype == torch.float64
     if float64 and type(model).__name__ in FLOAT64_FORWARDS:
@@ -502,6 +512,7 @@ def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype) -> int:
         name = type(module).__name__
         if name in TREE_MIXERS:
             module.forward = TREE_MIXERS[name].__get__(module)
+            module.tree_scans = scans  # a name, not the module: a model with it still deep-copies
             module.conv1d.forward = sliced_conv_forward.__get__(module.conv1d)
             installed += 1
         elif float64 and name in FLOAT64_GATED_NORMS:

@@ -27,6 +27,7 @@ from ds_tree.attention import implementation_name, register_tree_attention
 from ds_tree.attention.registry import resolve_engine
 from ds_tree.errors import HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
+from ds_tree.models.fla_scan import resolve_recurrent_kernels
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
@@ -107,10 +108,10 @@ def load_config(source: str | Path) -> PretrainedConfig:
 def check_model_settings(config) -> None:
     """What the training config asks of the model that can be checked before anything is built, for the
     engine ``model.attention`` resolves to here (``auto``: flex with a CUDA GPU, torch without):
-    ``triton`` needs a CUDA GPU (or ``TRITON_INTERPRET=1``, Triton's CPU interpreter, which the tests
-    use); ``flex`` needs one too (FlexAttention has no backward on the CPU); ``varlen`` runs flat rows
-    only (``packing.mode: flat``), in bfloat16, on a CUDA GPU; ``objective.reference`` must be a
-    loadable model config."""
+    ``model.recurrent_kernels: fla`` needs ``fla-core`` installed; ``triton`` needs a CUDA GPU (or
+    ``TRITON_INTERPRET=1``, Triton's CPU interpreter, which the tests use); ``flex`` needs one too
+    (FlexAttention has no backward on the CPU); ``varlen`` runs flat rows only (``packing.mode: flat``), in
+    bfloat16, on a CUDA GPU; ``objective.reference`` must be a loadable model config."""
     import os
 
     from ds_tree.errors import ConfigError
@@ -140,6 +141,9 @@ def check_model_settings(config) -> None:
             "model.attention: flex cannot train on the CPU: torch's FlexAttention does not support backward on "
             "CPU (it has a forward only there); use torch on the CPU, or flex on a CUDA GPU"
         )
+    # fla named but not installed is refused here; model.dtype has no float64 (verify's own dtype is checked
+    # where verify loads the model)
+    resolve_recurrent_kernels(config.model.recurrent_kernels)
     reference = config.objective.reference
     if config.objective.is_rl and reference:
         try:
@@ -161,6 +165,7 @@ def load_model(
     seed: int = 0,
     checkpoint_every: int = 0,
     device: torch.device | str | None = None,
+    recurrent_kernels: str = "auto",
 ) -> PreTrainedModel:
     """A causal LM with ``attn_implementation = tree_<attention>``, in training mode.
 
@@ -175,6 +180,8 @@ def load_model(
     config whose ``layer_types`` name token mixing outside the attention interface is refused
     before anything is built. ``checkpoint_every = k > 0``
     recomputes every k-th decoder layer in the backward (:func:`enable_activation_checkpointing`).
+    ``recurrent_kernels`` (hybrids): the GDN / Mamba2 scans' engine for ``device``
+    (:func:`~ds_tree.models.fla_scan.resolve_recurrent_kernels`: ``auto`` is fla on CUDA when installed).
     """
     register_tree_attention()
     implementation = implementation_name(resolve_engine(attention, device))
@@ -206,7 +213,7 @@ def load_model(
         if not is_deepspeed_zero3_enabled():
             model.to(dtype)
     check_router_noise(model)
-    install_tree_mixers(model, dtype)
+    install_tree_mixers(model, dtype, resolve_recurrent_kernels(recurrent_kernels, device, dtype))
     install_vision(model)
     if dtype == torch.float64:
         keep_norms_in_float64(model)

@@ -61,6 +61,11 @@ def acceptance(report: dict) -> dict:
     trainer = sections.get("trainer")
     if trainer is not None and "sft" in trainer:
         found["trainer resume identical"] = bool(trainer["sft"].get("resume_identical"))
+    hybrid = sections.get("hybrid", {})
+    if "correctness" in hybrid:
+        found["issue 46: hybrid fla scans equal the torch scans (float32)"] = hybrid["passed"]
+        step = {row["kernels"]: row["step_s"] for row in hybrid["timing"]}
+        found["issue 46: hybrid fla step faster than torch's on a ~16K-token tree"] = step["fla"] < step["torch"]
     return found
 
 
@@ -108,6 +113,8 @@ def markdown(report: dict) -> str:
         lines += _steps(sections["steps"])
     if "trainer" in sections and "sft" in sections["trainer"]:
         lines += _trainer(sections["trainer"])
+    if "hybrid" in sections and "correctness" in sections["hybrid"]:
+        lines += _hybrid(sections["hybrid"])
     if report["acceptance"]:
         lines += ["## Acceptance (issues 41 and 46)", ""]
         lines += [f"- {'yes' if ok else 'NO'}: {what}" for what, ok in report["acceptance"].items()]
@@ -222,3 +229,20 @@ def _trainer(section: dict) -> list[str]:
     ]
     lines += [f"- error: {error}" for error in section.get("errors", [])]
     return [*lines, ""]
+
+
+def _hybrid(section: dict) -> list[str]:
+    lines = [
+        f"## Hybrid scans: fla against torch (float32, IEEE products; tolerance {section['tolerance']:g} relative)",
+        "",
+        "| model | fla tree against | loss rel | max grad rel | max log-prob abs | passed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in section["correctness"]:
+        lines.append(
+            f"| {row['model']} | {row['fla tree against']} | {_number(row['loss_rel'])} | "
+            f"{_number(row['grad_rel_max'])} | {_number(row['logprob_abs_max'])} | {row['passed']} |"
+        )
+    lines += ["", "| bf16 tree step, Qwen3.5-shaped model | tree tokens | step s |", "|---|---|---|"]
+    lines += [f"| {row['kernels']} | {row['tree_tokens']} | {_number(row['step_s'])} |" for row in section["timing"]]
+    return lines + [""]
