@@ -131,6 +131,8 @@ def test_mamba2_equals_the_torch_scan_with_initial_states_and_padding():
 
 def test_selection_and_refusals(monkeypatch):
     assert fla_scan.resolve_recurrent_kernels("auto", "cpu") == "torch"
+    assert fla_scan.resolve_recurrent_kernels("auto", "cuda") == "torch"  # until a GPU run has checked fla
+    monkeypatch.setattr(fla_scan, "AUTO_PICKS_FLA", True)
     assert fla_scan.resolve_recurrent_kernels("auto", "cuda") == "fla"
     assert fla_scan.resolve_recurrent_kernels("fla", "cpu") == "fla"
     with pytest.raises(ValueError, match="float64"):

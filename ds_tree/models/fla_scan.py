@@ -18,8 +18,9 @@ models, so both engines agree to float32 round-off); fla's kernels have no float
 model (``verify``) is refused: the torch scans are its oracle.
 
 The selection is ``model.recurrent_kernels`` (:data:`RECURRENT_KERNELS`, :func:`resolve_recurrent_kernels`):
-``auto`` is ``fla`` on CUDA when ``fla`` imports, ``torch`` otherwise. Nothing imports ``fla`` until
-a scan runs on it, so the CPU path never needs the package.
+``auto`` is ``torch`` for now: fla is checked under the Triton interpreter only, and becomes ``auto``'s
+choice on CUDA (:data:`AUTO_PICKS_FLA`) once gpu-check's hybrid section has passed on a GPU. Nothing
+imports ``fla`` until a scan runs on it, so the CPU path never needs the package.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from ds_tree.errors import ConfigError
 
 RECURRENT_KERNELS = ("auto", "torch", "fla")
 """``model.recurrent_kernels`` choices: the engine of the hybrids' GDN and Mamba2 scans."""
+
+AUTO_PICKS_FLA = False
+"""Whether ``auto`` picks ``fla`` on CUDA (when importable, the model not float64). False until a GPU run of
+``ds-tree gpu-check --sections hybrid`` shows fla equal to the torch scans (float32 round-off) and faster."""
 
 FLA_INSTALL = "pip install --no-deps fla-core==0.6.0 einops  (or: pip install -e '.[fla]')"
 """How to install the kernels (``fla-core`` needs only ``einops`` beside torch and triton)."""
@@ -47,13 +52,14 @@ def resolve_recurrent_kernels(
 ) -> str:
     """``torch`` or ``fla`` for ``name`` on ``device`` (None: CUDA when visible, else the CPU) and model
     ``dtype``: ``auto`` is ``fla`` on CUDA when importable and the model is not float64; ``fla`` without the
-    package, or for a float64 model, is a ConfigError (with the install command)."""
+    package, or for a float64 model, is a ConfigError (with the install command). ``auto`` picks ``fla`` only
+    where :data:`AUTO_PICKS_FLA` says so (not yet: see the module docstring)."""
     if name not in RECURRENT_KERNELS:
         raise ConfigError(f"model.recurrent_kernels: {name!r} is not one of {', '.join(RECURRENT_KERNELS)}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "auto":
-        usable = torch.device(device).type == "cuda" and dtype != torch.float64 and fla_available()
+        usable = AUTO_PICKS_FLA and torch.device(device).type == "cuda" and dtype != torch.float64 and fla_available()
         return "fla" if usable else "torch"
     if name == "fla" and not fla_available():
         raise ConfigError(f"model.recurrent_kernels: fla needs flash-linear-attention's kernels: {FLA_INSTALL}")
