@@ -178,10 +178,11 @@ def test_train_sh_forwards_signals_and_never_reports_an_unfinished_run(tmp_path:
 RANK_WITH_A_WORKER = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
-    # a child of the rank that ignores SIGTERM and outlives it by a moment, as torch.compile's workers do
-    worker = "import os, signal, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" \\
-        "parent = os.getppid()\\nwhile os.getppid() == parent: time.sleep(0.05)\\ntime.sleep(3)"
-    subprocess.Popen([sys.executable, "-c", worker])
+    # a child of the rank that ignores SIGTERM and outlives it by a moment, as torch.compile's workers do;
+    # it is told its parent's pid: on a loaded machine the rank may be gone before the worker's first line
+    worker = "import os, signal, sys, time\\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" \\
+        "while os.getppid() == int(sys.argv[1]): time.sleep(0.05)\\ntime.sleep(3)"
+    subprocess.Popen([sys.executable, "-c", worker, str(os.getpid())])
     signal.signal(signal.SIGTERM, lambda *_: os._exit(75))  # the trainer: save the step, exit 75
     # a mask inherited from whoever started the test must not hold the signal back
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
@@ -230,7 +231,8 @@ def test_train_sh_signals_the_ranks_only_not_their_children(tmp_path: Path) -> N
             output = process.communicate(timeout=60)[0].decode()
         except subprocess.TimeoutExpired as timeout:  # what the rank's signal state was, for the report
             raise AssertionError(
-                f"train.sh still ran 60 s after SIGTERM; the rank's {masks}: {timeout.output}"
+                f"train.sh, or a process holding its output, still ran 60 s after SIGTERM; the rank's {masks}: "
+                f"{timeout.output}"
             ) from None
         assert process.returncode == EXIT_PREEMPTED, output
         assert f"train.sh: SIGTERM: forwarded to the ranks (pids {rank.pid}); waiting for them" in output
