@@ -38,8 +38,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   "$VENV/bin/python" -m pip install --quiet torch==2.13.0
 fi
 # The trackers' extras (logging.report_to) are small (wandb ~20 MB of wheels, mlflow-skinny and trackio
-# ~5 MB each beyond what is here; 11 s to install all three) and their tests run offline. The fla extra
-# (fla-core 0.6, 1.1 MB, pure Python; its only other need, einops, is already here: 7 s with --no-deps on a
-# loaded machine) runs the hybrids' fla scans under the Triton interpreter (tests/test_fla_scan.py).
-"$VENV/bin/python" -m pip install --quiet -c tools/constraints.txt -e ".[dev,wandb,mlflow,trackio,fla]"
+# ~5 MB each beyond what is here; 11 s to install all three) and their tests run offline.
+"$VENV/bin/python" -m pip install --quiet -c tools/constraints.txt -e ".[dev,wandb,mlflow,trackio]"
+# The fla extra (fla-core 0.6, 1.1 MB, pure Python; its einops comes with deepspeed) goes beside the venv, not
+# into it: where fla imports, transformers' stock Gated DeltaNet calls its Triton kernels even on the CPU,
+# which breaks the stock-model oracles. tests/test_fla_scan.py runs the fla scans' tests with it on the path.
+rm -rf .cache/fla-site
+"$VENV/bin/python" -m pip install --quiet --no-deps --target .cache/fla-site "fla-core==0.6.0"
 echo "$want" > "$stamp"
