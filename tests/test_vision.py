@@ -154,7 +154,7 @@ ONLINE = (
     ("override", "field"),
     [
         ("parallel.sequence_parallel_size=2", "parallel.sequence_parallel_size"),
-        (ONLINE, "rollout.enabled"),
+        (ONLINE, "rollout.env.path"),  # single-turn online RL: text prompts only
     ],
 )
 def test_refused_settings_name_their_field(tmp_path, override, field):

@@ -30,9 +30,14 @@ image cut by a chunk boundary is encoded by each chunk holding part of it; exact
 gradient reaches the tower through its own encoding). The text config alone switches to the walk's
 cached attention.
 
+Online rollouts: multi-turn environments return image observations (:mod:`ds_tree.rollout.images`),
+sampled on the HF engine, whose tree sampler feeds the prompt's images and rotary positions
+(``ds_tree.sampling.hf.sample_tree``: ``images``); the sampler's own forward passes ``pixel_values``
+(the stock path, below).
+
 Refused (:func:`check_vision_settings`, naming the field): sequence parallelism (a shard would need
-the features of images in other shards), online rollouts (HF and vLLM samplers with image
-observations); and at load
+the features of images in other shards), sampling on vLLM, single-turn online RL (its prompts are
+text); and at load
 (:func:`check_vision_model_type`) models whose image tokens attend to each other bidirectionally
 inside the language model (Gemma 3): the tree mask is causal.
 """
@@ -86,10 +91,16 @@ def check_vision_settings(config, model_config) -> None:
             f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard would need "
             "the vision features of images in other shards (not built): set sequence_parallel_size: 1"
         )
-    if config.rollout.enabled:
+    rollout = config.rollout
+    if rollout.enabled and rollout.engine == "vllm":
         raise ConfigError(
-            f"rollout.enabled: {what}; online sampling with image observations (the environment interface, the "
-            "samplers, vLLM) is not built: train on converted data (rollout.enabled: false)"
+            f'rollout.engine: vllm: {what}; sampling with images on vLLM is not built (docs/MODELS.md, "vLLM with '
+            'images"): use rollout.engine: hf'
+        )
+    if rollout.enabled and not rollout.env.path:
+        raise ConfigError(
+            f"rollout.env.path: {what}; single-turn online RL samples text prompts only: image observations come from "
+            'a multi-turn environment (docs/ENVIRONMENTS.md, "Image observations")'
         )
 
 
@@ -165,6 +176,8 @@ def install_vision(model) -> None:
     original = model.forward
 
     def forward(*args, row_images=None, **kwargs):
+        if kwargs.get("pixel_values") is not None:  # the sampler's prefill: the stock path (one process, no ZeRO)
+            return original(*args, **kwargs)
         kwargs["mm_encoder_outputs"] = {"image": encode_row_images(model, row_images)}
         return original(*args, **kwargs)
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ds_tree.data.chat import check_text
+from ds_tree.rollout.images import ImageFailure, normalize_parts, tool_content
 from ds_tree.sampling.settings import FORK_MODES  # noqa: F401  (re-exported)
 
 
@@ -134,10 +135,15 @@ def tool_schema(function: Callable) -> dict:
     return schema if "function" in schema else {"type": "function", "function": schema}
 
 
-def tool_result(value: object) -> str:
-    """A tool's return value as observation text: strings as they are, anything else as JSON."""
+def tool_result(value: object) -> str | list:
+    """A tool's return value as observation content: strings as they are, images (a PIL image, a uint8
+    array, a list holding some: a screenshot tool's) as content parts (:func:`~ds_tree.rollout.images.tool_content`),
+    anything else as JSON."""
     if isinstance(value, str):
         return value
+    parts = tool_content(value)
+    if parts is not None:
+        return parts
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
@@ -156,7 +162,7 @@ class ToolEnvironment(Environment):
         """The final reward of an episode whose last turn is ``turn`` (0 by default)."""
         return 0.0
 
-    def call_tool(self, call: ToolCall) -> str:
+    def call_tool(self, call: ToolCall) -> str | list:
         tools = {function.__name__: function for function in self.tools}
         if call.name not in tools:
             return f"error: unknown tool {call.name!r} (tools: {', '.join(sorted(tools))})"
@@ -323,9 +329,9 @@ def step_result(value: object) -> StepResult:
     if value.history is not None:
         if value.messages:
             raise EnvFailure("step returned both messages and history: history replaces the conversation, give one")
-        check_messages("step's history", value.history)
+        value.history = check_messages("step's history", value.history)
     else:
-        check_messages("step", value.messages)
+        value.messages = check_messages("step", value.messages)
     reward = value.reward
     if isinstance(reward, bool) or not isinstance(reward, int | float | np.integer | np.floating):
         raise EnvFailure(f"step's reward must be a number, got {reward!r}")
@@ -346,9 +352,12 @@ MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 def check_messages(method: str, messages: object) -> list[dict]:
     """Messages an environment returned, checked as strictly as a chat record's: a list of objects
     with a known ``role`` and a string ``content`` of valid Unicode text; ``tool_calls`` only on
-    assistant messages, each with a string id and ``function.name``/``function.arguments`` strings."""
+    assistant messages, each with a string id and ``function.name``/``function.arguments`` strings.
+    A non-assistant message's ``content`` may be a list of text and image parts
+    (:mod:`ds_tree.rollout.images`); the messages are returned with image arrays as PIL images."""
     if not isinstance(messages, list):
         raise EnvFailure(f"{method} must return a list of messages, got {type(messages).__name__}")
+    messages = list(messages)
     for index, message in enumerate(messages):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
             raise EnvFailure(f"{method}: message {index} is not an object with a string 'role'")
@@ -357,8 +366,17 @@ def check_messages(method: str, messages: object) -> list[dict]:
             raise EnvFailure(
                 f"{method}: message {index} has unknown role {role!r} (expected one of {', '.join(MESSAGE_ROLES)})"
             )
-        if not isinstance(message.get("content"), str):
-            raise EnvFailure(f"{method}: message {index} ({role}) needs a string 'content'")
+        if isinstance(message.get("content"), list) and role != "assistant":
+            try:
+                parts = normalize_parts(f"{method}: message {index}", message["content"])
+                message = messages[index] = {**message, "content": parts}
+            except ImageFailure as error:
+                raise EnvFailure(str(error)) from None
+        elif not isinstance(message.get("content"), str):
+            raise EnvFailure(
+                f"{method}: message {index} ({role}) needs a string 'content' (or, not on an assistant message, a "
+                "list of text and image parts)"
+            )
         calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):

@@ -50,6 +50,7 @@ from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import ConfigError, DataError, RolloutError
+from ds_tree.models.vision import attach_rope_positions
 from ds_tree.rollout.env import (
     EnvFailure,
     Environment,
@@ -61,11 +62,13 @@ from ds_tree.rollout.env import (
     step_result,
 )
 from ds_tree.rollout.formats import list_registered, resolve_format, turn_stop_tokens
+from ds_tree.rollout.images import observation_images, rendering_stand_ins
 from ds_tree.rollout.online import OnlineRollouts, rank_slots, slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_error_message
 from ds_tree.sampling.interface import EngineTurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings, path_limit
+from ds_tree.trees.images import TrajectoryImage
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -126,8 +129,14 @@ class HFTurnSampler:
         self.carried.clear()
 
     def sample(
-        self, prefix_ids: Sequence[int], n: int, max_new_tokens: int, generator: torch.Generator
+        self,
+        prefix_ids: Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        generator: torch.Generator,
+        images: Sequence[TrajectoryImage] = (),
     ) -> list[SampledTurn]:
+        """``images``: the prefix's images in order (a vision-language policy; ``sample_tree``'s)."""
         from ds_tree.sampling.hf import sample_tree
 
         settings = dataclasses.replace(
@@ -147,6 +156,7 @@ class HFTurnSampler:
             eos_token_ids=self.stop_ids,
             prefix_key_values=self.take_carried(prefix_ids) if self.carry else None,
             keep_key_values=self.carry,
+            images=images,
         )
         self.forward_tokens += tree.forward_tokens
         turns = []
@@ -188,6 +198,8 @@ class TurnNode:
     """On a root made by a rewritten conversation: the node whose episode it continues."""
     score: float = 0.0
     """The environment's ``score`` added on this leaf."""
+    images: list[TrajectoryImage] = field(default_factory=list)
+    """The images whose placeholders are among ``token_ids`` (image observations), in order."""
 
 
 @dataclass
@@ -213,6 +225,8 @@ class EpisodeTree:
     counts: dict[str, int] = field(default_factory=dict)
     """``parse_errors``, ``step_timeouts``, ``env_errors``, ``rewritten``, ``observations_cut``."""
     leaves: list[Leaf] = field(default_factory=list)
+    image_token_id: int | None = None
+    """A vision-language policy's ``<|image_pad|>`` (never sampled: each run of it is one node image)."""
 
     def children(self) -> list[list[int]]:
         children: list[list[int]] = [[] for _ in self.nodes]
@@ -261,8 +275,15 @@ class EpisodeTree:
             if not mask[1:].any():
                 continue
             trial = len(self.leaves)
+            input_ids = np.concatenate([np.asarray(n.token_ids, dtype=np.int64) for n in nodes])
+            images = [image for n in nodes for image in n.images]
+            image_index = None
+            if images:
+                image_index = np.full(input_ids.shape, -1, dtype=np.int64)
+                placeholders = input_ids == self.image_token_id
+                image_index[placeholders] = np.repeat(np.arange(len(images)), [image.tokens for image in images])
             trajectory = Trajectory(
-                input_ids=np.concatenate([np.asarray(n.token_ids, dtype=np.int64) for n in nodes]),
+                input_ids=input_ids,
                 loss_mask=mask,
                 group_id=group_id,
                 reward=returns[index],
@@ -270,6 +291,8 @@ class EpisodeTree:
                 source=f"{source} leaf {trial}",
                 logprobs=np.concatenate([np.asarray(n.logprobs, dtype=np.float64) for n in nodes]),
                 policy_version=min(n.version for n in nodes if n.parent >= 0),  # its oldest turn's
+                images=tuple(images),
+                image_index=image_index,
             )
             self.leaves.append(
                 Leaf(
@@ -294,6 +317,8 @@ class _Live:
     quota: int
     recorded: list[tuple[Turn, list[dict]]]
     """Turns stepped in ``env`` and the messages each gave back (what ``replay`` re-applies)."""
+    images: list[TrajectoryImage] = field(default_factory=list)
+    """The images of ``ids``, in order (image observations)."""
 
 
 class EpisodeRunner:
@@ -393,6 +418,8 @@ class EpisodeRunner:
     # -- one task
     def run(self, task: dict, label: str, slot: int, version: int, generator: torch.Generator) -> EpisodeTree:
         tree = EpisodeTree(slot, label, [])
+        if self.renderer.images is not None:
+            tree.image_token_id = self.renderer.images.image_token_id
         counts = tree.counts = dict.fromkeys(
             ("parse_errors", "step_timeouts", "env_errors", "rewritten", "observations_cut"), 0
         )
@@ -404,14 +431,15 @@ class EpisodeRunner:
             opening = check_messages("reset", self.call(env.reset, task))
             tools = self.tools(env)
             ids = self.renderer.prompt(opening, tools)
+            images = self.renderer.images_of(opening)
         except Exception as error:
             self.report(label, 0, error)
             counts["env_errors"] += 1
             tree.nodes.append(TurnNode(-1, stop_reason="env_error", error=f"{type(error).__name__}: {error}"))
             self.close_open()
             return tree
-        tree.nodes.append(TurnNode(-1, list(ids), [0] * len(ids), [math.nan] * len(ids)))
-        live = [_Live(0, env, list(opening), list(ids), 0, self.settings.width, [])]
+        tree.nodes.append(TurnNode(-1, list(ids), [0] * len(ids), [math.nan] * len(ids), images=list(images)))
+        live = [_Live(0, env, list(opening), list(ids), 0, self.settings.width, [], list(images))]
         try:
             while live:
                 going = []
@@ -487,7 +515,8 @@ class EpisodeRunner:
                 self.report(tree.task, leaf.turn, error)
                 tree.counts["env_errors"] += 1
         shares = [leaf.quota // len(envs) + (i < leaf.quota % len(envs)) for i in range(len(envs))]
-        turns = self.sampler.sample(leaf.ids, len(envs), min(self.settings.max_new_tokens, room), generator)
+        seen = {"images": leaf.images} if leaf.images else {}  # an engine without images is refused at the config
+        turns = self.sampler.sample(leaf.ids, len(envs), min(self.settings.max_new_tokens, room), generator, **seen)
         going = []
         for env, share, sampled in zip(envs, shares, turns, strict=True):
             index = len(tree.nodes)
@@ -502,7 +531,14 @@ class EpisodeRunner:
                 )
             )
             child = _Live(
-                index, env, list(leaf.messages), leaf.ids + sampled.token_ids, leaf.turn + 1, share, list(leaf.recorded)
+                index,
+                env,
+                list(leaf.messages),
+                leaf.ids + sampled.token_ids,
+                leaf.turn + 1,
+                share,
+                list(leaf.recorded),
+                list(leaf.images),
             )
             if self.step(tree, child, sampled, tools):
                 going.append(child)
@@ -562,6 +598,9 @@ class EpisodeRunner:
         if len(child.ids) + len(observation) >= self.max_context:
             self.end(tree, child, child.node, "length")
             return False
+        images = self.renderer.images_of(new)  # read once per content: already read by the bridge
+        node.images += images
+        child.images += images
         child.messages += new
         child.ids += observation
         node.token_ids += observation
@@ -573,15 +612,24 @@ class EpisodeRunner:
         """Continue ``child`` from a rewritten conversation: a new root, the old path ends ``rewritten``."""
         tree.counts["rewritten"] += 1
         ids = self.renderer.prompt(history, tools)
+        images = self.renderer.images_of(history)
         if len(ids) >= self.max_context:
             self.end(tree, child, child.node, "length")
             return False
         tree.nodes[child.node].stop_reason = "rewritten"
         index = len(tree.nodes)
         tree.nodes.append(
-            TurnNode(-1, list(ids), [0] * len(ids), [math.nan] * len(ids), turn=child.turn, continues=child.node)
+            TurnNode(
+                -1,
+                list(ids),
+                [0] * len(ids),
+                [math.nan] * len(ids),
+                turn=child.turn,
+                continues=child.node,
+                images=list(images),
+            )
         )
-        child.node, child.messages, child.ids = index, list(history), list(ids)
+        child.node, child.messages, child.ids, child.images = index, list(history), list(ids), list(images)
         return True
 
 
@@ -753,6 +801,11 @@ def leaf_record(leaf: Leaf, task: str) -> dict:
         "turn_rewards": leaf.turn_rewards,
         "stop_reason": leaf.stop_reason,
         "task": task,
+        **(
+            {"images": [{"key": image.key, "grid_thw": list(image.grid_thw)} for image in trajectory.images]}
+            if trajectory.images
+            else {}
+        ),
     }
 
 
@@ -797,7 +850,13 @@ class MultiTurnRollouts(OnlineRollouts):
         self.env_class = load_environment_class(rollout.env.path)
         try:  # its own tokenizer: episodes may render on the background sampler while demonstrations do here
             renderer_tokenizer = load_tokenizer(config.model.tokenizer) if rollout.max_staleness else self.tokenizer
-            self.renderer = Renderer(renderer_tokenizer, self.stop_ids, rollout.env.max_observation_tokens, turn_format)
+            self.renderer = Renderer(
+                renderer_tokenizer,
+                self.stop_ids,
+                rollout.env.max_observation_tokens,
+                turn_format,
+                observation_images(config.model.tokenizer, model_config),
+            )
         except ValueError as error:
             raise ConfigError(f"model.tokenizer (chat format {turn_format.name}): {error}") from None
         self.model = None
@@ -878,10 +937,14 @@ class MultiTurnRollouts(OnlineRollouts):
             try:
                 env = calls.call(self.env_class, timeout=settings.step_timeout_s)
                 messages = calls.call(env.demonstration, task.task, rng, timeout=settings.step_timeout_s)
-                rendered = render_chat(self.tokenizer, messages, self.tools_of(env), where=where)
+                messages = check_messages("demonstration", messages)
+                images = self.renderer.images_of(messages)
+                seen = {"image_token_id": self.vision_token(), "image_tokens": [i.tokens for i in images]}
+                messages = rendering_stand_ins(messages)  # image parts as the records' paths: rendered alike
+                rendered = render_chat(self.tokenizer, messages, self.tools_of(env), where=where, **seen)
                 if step >= self.config.rollout.env.warmup_steps:  # a refresh: every assistant turn but the last
                     last = render_chat(
-                        self.tokenizer, messages, self.tools_of(env), where=where, train_on="last_assistant"
+                        self.tokenizer, messages, self.tools_of(env), where=where, train_on="last_assistant", **seen
                     )
                     rendered.loss_mask = rendered.loss_mask - last.loss_mask
             except Exception as error:  # a broken demonstration is the environment's bug: stop, naming it
@@ -892,15 +955,27 @@ class MultiTurnRollouts(OnlineRollouts):
                         _run(env.close())
                 except Exception as error:  # best effort, as after an episode
                     logger.warning("environment close failed: %s: %s", type(error).__name__, error)
+            index = None
+            if images:
+                index = np.full(rendered.input_ids.shape, -1, dtype=np.int64)
+                index[rendered.input_ids == self.vision_token()] = np.repeat(
+                    np.arange(len(images)), [image.tokens for image in images]
+                )
             trajectories.append(
                 Trajectory(
                     input_ids=rendered.input_ids,
                     loss_mask=rendered.loss_mask,
                     group_id=f"{task.label}/step{step + 1}/update{update}/slot{slot}",
                     source=where,
+                    images=tuple(images),
+                    image_index=index,
                 )
             )
+        attach_rope_positions(self.model_config, trajectories)
         return trajectories
+
+    def vision_token(self) -> int | None:
+        return self.renderer.images.image_token_id if self.renderer.images is not None else None
 
     def tools_of(self, env: Environment) -> list[dict] | None:
         schemas = env.tool_schemas() if hasattr(env, "tool_schemas") else []
@@ -914,6 +989,7 @@ class MultiTurnRollouts(OnlineRollouts):
         if dist.get_rank() == 0 and self.config.rollout.env.save_rollouts:
             save_rollouts(self.config.output_dir, step + 1, trees)
         kept = self.fresh_enough(step, [leaf.trajectory for tree in trees for leaf in tree.leaves])
+        attach_rope_positions(self.model_config, kept)  # image observations: the model's own rotary rule
         groups = len({t.group_id for t in kept})
         if groups < self.config.objective.mini_batches:
             env = self.config.rollout.env

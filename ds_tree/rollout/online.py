@@ -229,12 +229,16 @@ class OnlineRollouts:
         Built on the CPU before the policy, outside any ZeRO-3 ``zero.Init``; :meth:`copy_weights` moves it
         to the policy's device and fills it each step.
         """
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from ds_tree.models.vision import is_vision_language
 
         if self.config.rollout.engine == "vllm":  # the server holds the weights: no copy on any rank
             return
         dtype = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
-        model = AutoModelForCausalLM.from_config(self.model_config, attn_implementation="sdpa", dtype=dtype)
+        # a vision-language policy: the same class as the trainer's (ds_tree.models.loading), the tower's sdpa too
+        auto = AutoModelForImageTextToText if is_vision_language(self.model_config) else AutoModelForCausalLM
+        model = auto.from_config(self.model_config, attn_implementation="sdpa", dtype=dtype)
         self.model = model.eval().requires_grad_(False)
 
     def copy_weights(self, policy: torch.nn.Module) -> None:

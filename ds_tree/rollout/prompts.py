@@ -92,7 +92,8 @@ def prompt_ids(where: str, record: dict, tokenizer) -> list[int]:
 def stop_token_ids(tokenizer, model_config, extra: Sequence[str] = ()) -> list[int]:
     """Where a completion ends: the model's and the tokenizer's EOS, the chat turn's end token, and
     each token of ``extra`` (a :class:`DataError` names one the tokenizer does not have)."""
-    ids = model_config.eos_token_id
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    ids = getattr(text_config, "eos_token_id", None)  # a vision-language model's: its text model's
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     ids.add(tokenizer.eos_token_id)
     turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -36,6 +36,7 @@ from ds_tree.data.chat import ChatText, UnsafeText, encode_rendered, special_tok
 from ds_tree.rollout.env import EnvFailure, Turn
 from ds_tree.rollout.formats import get_format
 from ds_tree.rollout.formats.base import ParsedTurn, TurnFormat
+from ds_tree.rollout.images import ImageFailure, ObservationImages, has_images
 
 
 class NotAppendOnly(Exception):
@@ -61,8 +62,11 @@ class Renderer:
         stop_ids: Sequence[int],
         max_observation_tokens: int = 0,
         turn_format: TurnFormat | None = None,
+        images: ObservationImages | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = images
+        """A vision-language policy's image reader: image parts become their merged patches' placeholders."""
         self.stop_ids = {int(token) for token in stop_ids}
         self.max_observation_tokens = max_observation_tokens
         self.format = turn_format or get_format("hermes")
@@ -105,8 +109,33 @@ class Renderer:
 
     def prompt(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """Ids of a conversation's full rendering, ending in the generation prompt; content that
-        spells a special token is encoded as text (only the template's structure gives special ids)."""
-        return self.encode(*self.render_spans(messages, tools, generation_prompt=True))
+        spells a special token is encoded as text (only the template's structure gives special ids).
+        Each image part's placeholder is expanded to the image's merged patches (:meth:`images_of`)."""
+        return self.expand(self.encode(*self.render_spans(messages, tools, generation_prompt=True)), messages)
+
+    def images_of(self, messages: list[dict]) -> list:
+        """The :class:`~ds_tree.trees.images.TrajectoryImage` of every image part of ``messages``, in order;
+        :class:`EnvFailure` for one that cannot be read, or for images without a vision-language policy."""
+        if not has_images(messages):
+            return []
+        if self.images is None:
+            raise EnvFailure(
+                "an observation holds an image but the policy has no vision tower (model.tokenizer is not a processor "
+                "folder of a vision-language model: ds-tree make-tokenizer --vision FAMILY)"
+            )
+        try:
+            return self.images.of(messages)
+        except ImageFailure as error:
+            raise EnvFailure(str(error)) from None
+
+    def expand(self, ids: list[int], messages: list[dict]) -> list[int]:
+        images = self.images_of(messages)
+        if not images:
+            return ids
+        try:
+            return self.images.expand(ids, images)
+        except ImageFailure as error:
+            raise EnvFailure(str(error)) from None
 
     def parse(self, sampled_ids: Sequence[int], call_prefix: str = "call") -> ParsedTurn:
         """The sampled assistant turn (its final stop token left out) as text and tool calls."""
@@ -132,6 +161,12 @@ class Renderer:
         limit = self.max_observation_tokens
         if not limit:
             return message
+        if isinstance(message["content"], list):  # text parts cut one by one; images are kept whole
+            parts = [
+                {**part, "text": self.cut({"content": part["text"]})["content"]} if part.get("type") == "text" else part
+                for part in message["content"]
+            ]
+            return message if parts == message["content"] else {**message, "content": parts}
         ids = self.encode_content(message["content"])
         if len(ids) <= limit:
             return message
@@ -170,4 +205,4 @@ class Renderer:
         self.check_turn_kept(previous_ids[-1], messages, before, tools)
         shift = len(before) - len(self.after_stop)  # new messages' content spans, in the appended text
         appended = [(start - shift, end - shift) for start, end in spans if start >= len(before)]
-        return self.encode(self.after_stop + after[len(before) :], appended)
+        return self.expand(self.encode(self.after_stop + after[len(before) :], appended), new_messages)

@@ -50,6 +50,7 @@ from ds_tree.sampling.state_cache import (
     layer_row,
     stacked_cache,
 )
+from ds_tree.trees.images import TrajectoryImage, check_image_layout, image_runs
 from ds_tree.trees.trajectory import Trajectory
 
 FINISH_REASONS = ("eos", "repetition", "logprob_floor", "length")
@@ -62,6 +63,73 @@ KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 """Per layer, the keys and values ``[1, kv_heads, tokens, head_dim]`` of every token fed on a branch's path
 (a hybrid's recurrent layer: its conv and recurrent state after that path,
 :mod:`ds_tree.sampling.state_cache`)."""
+
+
+@dataclass
+class PromptImages:
+    """The images of a vision-language model's prompt: the placeholders' pixels and every token's
+    multimodal rotary positions (:func:`prompt_images`)."""
+
+    images: tuple[TrajectoryImage, ...]
+    image_index: np.ndarray
+    """Per prompt token: the image it is a placeholder of, -1 for text."""
+    rope: np.ndarray
+    """``[3, prompt tokens]`` positions by the model's own rule (``get_rope_index``)."""
+
+    def positions(self, start: int, length: int) -> np.ndarray:
+        """``[3, length]`` positions of the path's tokens ``start ..``: the prompt's, then text after it
+        (each one past the prompt's last position, the rule for text after the last image)."""
+        prompt = self.rope.shape[1]
+        index = np.arange(start, start + length)
+        inside = np.minimum(index, prompt - 1)
+        return self.rope[:, inside] + np.maximum(index - (prompt - 1), 0)[None]
+
+    def fed_images(self, start: int, end: int) -> list[TrajectoryImage]:
+        """The images whose placeholders are the prompt tokens ``start..end - 1`` (whole images only)."""
+        fed = []
+        for image, first, last in image_runs(self.image_index):
+            if first >= start and last <= end:
+                fed.append(self.images[image])
+            elif first < end and last > start:
+                raise ValueError(
+                    f"image {image} (tokens {first}..{last - 1}) is cut by the fed tokens {start}..{end - 1}"
+                )
+        return fed
+
+
+def placeholder_ids(config) -> list[int]:
+    """A vision-language model's image and video placeholder ids (never sampled: a placeholder means
+    an image's features), or none."""
+    from ds_tree.models.vision import is_vision_language
+
+    if not is_vision_language(config):
+        return []
+    tokens = (config.image_token_id, getattr(config, "video_token_id", None))
+    return [int(token) for token in tokens if token is not None]
+
+
+def prompt_images(config, prompt_ids: Sequence[int], images: Sequence[TrajectoryImage]) -> PromptImages | None:
+    """The :class:`PromptImages` of a prompt with ``images`` (in order; each one run of its merged patches
+    of ``<|image_pad|>``) for the model of ``config``; None for a model without a vision tower."""
+    from ds_tree.models.vision import is_vision_language, rope_positions
+
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    if not is_vision_language(config):
+        if images:
+            raise ValueError(f"the prompt has images and the model ({config.model_type}) has no vision tower")
+        return None
+    index = np.full(ids.shape, -1, dtype=np.int64)
+    placeholders = np.flatnonzero(ids == config.image_token_id)
+    counts = [image.tokens for image in images]
+    if placeholders.size != sum(counts):
+        raise ValueError(
+            f"the prompt has {placeholders.size} image placeholder tokens; its {len(images)} image(s) need "
+            f"{sum(counts)}"
+        )
+    index[placeholders] = np.repeat(np.arange(len(images)), counts).astype(np.int64)
+    check_image_layout("the prompt", index, tuple(images))
+    grids = [image.grid_thw for image in images]
+    return PromptImages(tuple(images), index, rope_positions(config, ids, index if images else None, grids))
 
 
 @dataclass
@@ -220,15 +288,22 @@ def repeats_ngram(completion: Sequence[int], n: int) -> bool:
 def generation_mode(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
     """``model`` in eval mode with a cached causal attention; its attention and mode restored afterwards."""
     implementation = model.config._attn_implementation
+    # per sub-config (a vision-language model's tower keeps its own attention): restored as they were
+    restore = {"": implementation} | {
+        name: getattr(model.config, name)._attn_implementation
+        for name in getattr(model.config, "sub_configs", {})
+        if getattr(model.config, name, None) is not None
+    }
+    changed = set(restore.values()) != {GENERATION_ATTENTION}
     training = model.training
-    if implementation != GENERATION_ATTENTION:
+    if changed:
         model.set_attn_implementation(GENERATION_ATTENTION)
     model.eval()
     try:
         yield model
     finally:
-        if implementation != GENERATION_ATTENTION:
-            model.set_attn_implementation(implementation)
+        if changed:
+            model.set_attn_implementation(restore if len(restore) > 1 else implementation)
         model.train(training)
 
 
@@ -249,7 +324,8 @@ def cache_keyword(model: PreTrainedModel) -> str:
     """The forward argument that takes a :class:`DynamicCache`: ``cache`` in current transformers
     (5.24 here, where ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values``
     in a release whose forward has no ``cache``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    forward = type(model).forward  # the class's: a vision-language policy's instance forward is a wrapper
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def fed_tokens(key_values: KeyValues) -> int:
@@ -270,8 +346,12 @@ class _TreeSampler:
         generator: torch.Generator,
         eos_token_ids: Sequence[int],
         keep_key_values: bool = False,
+        vision: PromptImages | None = None,
     ):
         self.model = model
+        self.vision = vision
+        self.never = placeholder_ids(model.config)
+        """Ids never sampled: a vision-language model's placeholders (an image's features, not a word)."""
         self.keep_key_values = keep_key_values
         self.leaf_key_values: dict[int, KeyValues] = {}
         self.settings = settings
@@ -292,14 +372,34 @@ class _TreeSampler:
         if self.recurrent:  # some hybrids (Bamba) number positions from 0 unless told: the attention keys' count
             fed = next(DynamicLayer.get_seq_length(layer) for layer in cache.layers if isinstance(layer, DynamicLayer))
             extra["position_ids"] = torch.arange(fed, fed + input_ids.shape[1], device=self.device).expand_as(input_ids)
+        if self.vision is not None:  # every row stands at the same path length
+            extra = self.vision_inputs(cache.get_seq_length(), input_ids.shape)
         output = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True, **extra)
         self.forward_tokens += input_ids.numel()
         self.forward_passes += 1
         return output.logits[:, -1], cache
 
+    def vision_inputs(self, start: int, shape) -> dict:
+        """A vision-language model's inputs for the path tokens ``start ..`` fed in rows of ``shape``:
+        their multimodal rotary positions, and the pixels of the prompt's images among them."""
+        rows, length = shape
+        positions = torch.as_tensor(self.vision.positions(start, length), device=self.device)
+        extra = {"position_ids": positions[:, None, :].expand(3, rows, length)}
+        images = self.vision.fed_images(start, start + length)
+        if images:
+            dtype = next(self.model.parameters()).dtype
+            pixels = torch.cat([torch.as_tensor(image.pixel_values) for image in images]).to(self.device, dtype)
+            extra["pixel_values"] = pixels
+            extra["image_grid_thw"] = torch.as_tensor([image.grid_thw for image in images], device=self.device)
+        return extra
+
     def sample(self, logits: torch.Tensor) -> tuple[int, float]:
-        """A token from ``logits`` (temperature, top-p) and the model's log-prob of it."""
+        """A token from ``logits`` (temperature, top-p) and the model's log-prob of it (the raw model's,
+        before the placeholders are taken out of the choice)."""
         logprobs = torch.log_softmax(logits.double(), dim=-1)
+        if self.never:
+            logits = logits.clone()
+            logits[self.never] = -torch.inf
         settings = self.settings
         if settings.temperature == 0:
             token = int(torch.argmax(logits))
@@ -436,7 +536,8 @@ class _TreeSampler:
             return logits[0], cache_row(cache, 0)
         cache = DynamicCache(config=self.model.config)
         input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True).logits[0, -1]
+        extra = self.vision_inputs(0, input_ids.shape) if self.vision is not None else {}
+        logits = self.model(input_ids=input_ids, **{self.cache_keyword: cache}, use_cache=True, **extra).logits[0, -1]
         self.forward_tokens += len(prompt_ids)
         self.forward_passes += 1
         return logits, cache_row(cache, 0)
@@ -452,6 +553,7 @@ def sample_tree(
     eos_token_ids: Sequence[int],
     prefix_key_values: KeyValues | None = None,
     keep_key_values: bool = False,
+    images: Sequence[TrajectoryImage] = (),
 ) -> SampledTree:
     """Sample one prompt's group as a tree (module docstring); ``model`` is left as it was given.
 
@@ -459,6 +561,11 @@ def sample_tree(
     from an earlier call's ``leaf_key_values`` (``keep_key_values``): only the rest of the prompt is
     fed (a multi-turn episode's next turn, :class:`~ds_tree.rollout.multiturn.HFTurnSampler`). Refused
     for models with recurrent layers (continuing their state by a multi-token forward is not checked).
+
+    ``images`` (a vision-language model): the prompt's images in order, each one run of its merged
+    patches of ``<|image_pad|>`` in ``prompt_ids``. The tower encodes those among the fed tokens, every
+    token gets its multimodal rotary positions (the model's own rule, :class:`PromptImages`), and the
+    placeholder ids are never sampled (their log-probs are still the raw model's).
     """
     prompt_ids = [int(token) for token in prompt_ids]
     if not prompt_ids:
@@ -470,7 +577,8 @@ def sample_tree(
         fed = fed_tokens(prefix_key_values)
         if not 0 < fed < len(prompt_ids):
             raise ValueError(f"prefix_key_values hold {fed} tokens: give fewer than the prompt's {len(prompt_ids)}")
+    vision = prompt_images(model.config, prompt_ids, images)
     with generation_mode(model):
-        return _TreeSampler(model, settings, generator, eos_token_ids, keep_key_values).run(
+        return _TreeSampler(model, settings, generator, eos_token_ids, keep_key_values, vision).run(
             prompt_ids, prefix_key_values
         )
