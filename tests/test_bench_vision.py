@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from ds_tree.bench.vision import patch_weight
+from ds_tree.bench.vision import distinct_images, patch_weight, tower_seconds_per_patch
 from ds_tree.cli.bench import main as bench_main
 from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
 from ds_tree.data import load_trajectories
@@ -93,3 +93,29 @@ def test_bench_counts_the_towers_images_tree_against_flat(gui_dataset, tmp_path,
     assert report["efficiency_with_patches"] == pytest.approx(report["speedup"] / report["ideal_speedup_with_patches"])
     assert report["tower_call_ratio"] == flat["tower_calls_per_step"] / tree["tower_calls_per_step"]
     assert report["tower_patch_ratio"] == pytest.approx(96 / 56)
+    if objective:  # RL: no measured prices (the tower's price is a forward and backward's)
+        assert "tower_s_per_patch" not in report
+        return
+    price = report["tower_s_per_patch"]
+    assert price > 0
+    rest = sum(modes[m]["forward_backward_time_s"] - price * modes[m]["patches_per_step"] for m in modes)
+    assert report["lm_s_per_token"] == pytest.approx(rest / sum(modes[m]["packed_tokens_per_step"] for m in modes))
+    assert report["patch_weight_measured"] == pytest.approx(price / report["lm_s_per_token"])
+    work = {
+        m: modes[m]["packed_tokens_per_step"] + report["patch_weight_measured"] * modes[m]["patches_per_step"]
+        for m in modes
+    }
+    assert report["ideal_speedup_with_patches_measured"] == pytest.approx(work["flat"] / work["tree"])
+    assert report["efficiency_with_patches_measured"] == pytest.approx(
+        report["speedup"] / report["ideal_speedup_with_patches_measured"]
+    )
+
+
+def test_timing_the_tower_leaves_no_gradient(gui_dataset):
+    """The bench times the tower on one mode's model before its steps: no gradient may reach that step."""
+    _, trajectories = gui_dataset
+    model = load_model(MODEL)
+    images = distinct_images(trajectories[:4])
+    assert len(images) == 7  # one task: 1 + 2 + 4 screenshots
+    assert tower_seconds_per_patch(model, images, lambda: None, repeats=1) > 0
+    assert all(parameter.grad is None for parameter in model.parameters())

@@ -26,6 +26,8 @@ trajectory's. Its calls, images and patches are counted during the measured step
 (:mod:`ds_tree.bench.vision`), and the ideal with patches prices each mode's step as packed tokens
 + ``patch_weight`` x patches, a patch weighing the tower's matrix-multiply weights per patch over
 the decoder's per token (the dense FLOPs rule); ``efficiency_with_patches`` = speedup / that ideal.
+SFT also gives the ideal at this machine's prices (``..._measured``): the tower timed alone per
+patch, a token at the rest of the forward-and-backward time (:func:`measured_prices`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ds_tree.bench.vision import TowerCounter, patch_weight, row_images
+from ds_tree.bench.vision import TowerCounter, distinct_images, patch_weight, row_images, tower_seconds_per_patch
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.dfs import DfsSettings, WalkStats
@@ -414,7 +416,14 @@ def run_benchmark(
 
         return step_of
 
+    def price_patch(model) -> float | None:  # the tower's seconds per patch on the first measured step's images
+        images = distinct_images(sampler.trajectories_for_step(groups, warmup))
+        if rl or patch_weight(model) is None or not images:
+            return None
+        return tower_seconds_per_patch(model, images, lambda: synchronize(device))
+
     gpu_peaks = {}
+    patch_price = None
     if one_mode_at_a_time:
         times = {}
         for mode in modes:
@@ -424,6 +433,7 @@ def run_benchmark(
             bench = BenchModels.build([mode], model_source, engines, dtype, seed, checkpoint_every, device, kl)
             check_data(trajectories, bench.models[mode].config)
             patch_cost = patch_weight(bench.models[mode])
+            patch_price = patch_price or price_patch(bench.models[mode])
             step_of = step_with(bench)
             timed, flat_tokens, tree_tokens = timed_steps([mode], groups, sampler, warmup, steps, step_of, progress)
             times |= timed
@@ -434,6 +444,7 @@ def run_benchmark(
         bench = BenchModels.build(modes, model_source, engines, dtype, seed, checkpoint_every, device, kl)
         check_data(trajectories, bench.models[modes[0]].config)
         patch_cost = patch_weight(bench.models[modes[0]])
+        patch_price = price_patch(bench.models[modes[0]])
         step_of = step_with(bench)
         times, flat_tokens, tree_tokens = timed_steps(modes, groups, sampler, warmup, steps, step_of, progress)
     after = sampler.trajectories_for_step(groups, warmup + steps)  # a batch the timed steps did not see
@@ -471,7 +482,8 @@ def run_benchmark(
         report["estimator"] = objective.estimator
         report["ppo_epochs"] = objective.ppo_epochs
         report["rl_settings"] = asdict(objective.rl_settings())
-    return report | mode_ratios(report_modes, times, peak_bytes, rl) | vision_ratios(report_modes, patch_cost)
+    ratios = mode_ratios(report_modes, times, peak_bytes, rl)
+    return report | ratios | vision_ratios(report_modes, patch_cost, patch_price)
 
 
 def timed_steps(modes, groups, sampler, warmup: int, steps: int, step_of, progress=None):
@@ -603,23 +615,45 @@ def mode_ratios(report_modes: dict, times: dict, peak_bytes: dict, rl: bool) -> 
     return report
 
 
-def vision_ratios(report_modes: dict, patch_cost: float | None) -> dict:
+def vision_ratios(report_modes: dict, patch_cost: float | None, patch_price: float | None) -> dict:
     """A vision-language model's flat over tree: the ideal that counts language-model tokens and vision
     patches, a patch weighing ``patch_cost`` tokens (:func:`~ds_tree.bench.vision.patch_weight`), the
-    speedup's fraction of it, and the tower's calls and encoded patches."""
+    speedup's fraction of it, and the tower's calls and encoded patches. With ``patch_price`` (SFT: the
+    tower's measured seconds per patch) also the same ideal with measured prices (:func:`measured_prices`)."""
     if patch_cost is None or "flat" not in report_modes or "tree" not in report_modes:
         return {}
     flat, tree = report_modes["flat"], report_modes["tree"]
-
-    def work(mode: dict) -> float:  # in language-model tokens
-        return mode["packed_tokens_per_step"] + patch_cost * mode["patches_per_step"]
-
-    ideal = work(flat) / work(tree)
     speedup = flat["step_time_s"] / tree["step_time_s"]
-    return {
+
+    def ideal(weight: float) -> float:  # work in language-model tokens, flat over tree
+        return (flat["packed_tokens_per_step"] + weight * flat["patches_per_step"]) / (
+            tree["packed_tokens_per_step"] + weight * tree["patches_per_step"]
+        )
+
+    report = {
         "patch_weight": patch_cost,
-        "ideal_speedup_with_patches": ideal,
-        "efficiency_with_patches": speedup / ideal,
+        "ideal_speedup_with_patches": ideal(patch_cost),
+        "efficiency_with_patches": speedup / ideal(patch_cost),
         "tower_call_ratio": flat["tower_calls_per_step"] / tree["tower_calls_per_step"],
         "tower_patch_ratio": flat["tower_patches_per_step"] / tree["tower_patches_per_step"],
     }
+    token_price = measured_prices(flat, tree, patch_price) if patch_price is not None else 0.0
+    if not token_price:  # RL, no images, or the tower's measured time above the whole step's
+        return report
+    weight = patch_price / token_price
+    measured = ideal(weight)
+    return report | {
+        "tower_s_per_patch": patch_price,
+        "lm_s_per_token": token_price,
+        "patch_weight_measured": weight,
+        "ideal_speedup_with_patches_measured": measured,
+        "efficiency_with_patches_measured": speedup / measured,
+    }
+
+
+def measured_prices(flat: dict, tree: dict, patch_price: float) -> float:
+    """Seconds per language-model token: both modes' forward-and-backward time less their patches at
+    ``patch_price``, over both modes' packed tokens (pooled, so both modes pay the same prices; >= 0)."""
+    modes = (flat, tree)
+    rest = sum(m["forward_backward_time_s"] - patch_price * m["patches_per_step"] for m in modes)
+    return max(0.0, rest / sum(m["packed_tokens_per_step"] for m in modes))

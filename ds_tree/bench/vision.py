@@ -14,11 +14,17 @@ costs the weights of every matrix product it passes through in the tower (the pa
 block, and the mergers' weights shared among the ``merge^2`` patches of a merged token), a token the
 weights of the decoder layers. Left out of both, as the token ideal leaves them out: attention scores
 (per visible pair, which ``ideal_cost`` prices for the language model), the LM head (it scores
-trained targets, not tokens), embedding lookups and norms.
+trained targets, not tokens), embedding lookups and norms. That is the price at scale, where matrix
+products dominate; on a small model on the CPU they do not, so SFT reports also price with this
+machine's times: a patch at the tower's own seconds per patch (:func:`tower_seconds_per_patch`, timed
+alone on the first measured step's images), a token at the rest of both modes' forward-and-backward
+time per packed token.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +81,33 @@ def row_images(rows) -> dict:
             images += distinct.size
             patches += sum(image_patches(part.tree.images[i].grid_thw) for i in distinct)
     return {"images": images, "patches": patches}
+
+
+def tower_seconds_per_patch(model, images, synchronize, repeats: int = 3) -> float:
+    """Seconds per patch of the tower's forward and backward on ``images`` (distinct
+    :class:`~ds_tree.trees.images.TrajectoryImage` s, encoded in one call as a row's are): the median of
+    ``repeats`` timed calls after one untimed. ``synchronize()`` waits for the device before each clock
+    read. The parameters' gradients are dropped after."""
+    tower = tower_of(model)
+    parameter = next(tower.parameters())
+    pixels = torch.cat([torch.as_tensor(image.pixel_values) for image in images]).to(parameter)
+    grids = torch.as_tensor([image.grid_thw for image in images], device=parameter.device)
+    seconds = []
+    for _ in range(repeats + 1):
+        synchronize()
+        started = time.perf_counter()
+        output = tower(pixels, grid_thw=grids, return_dict=True)
+        deepstack = getattr(output, "deepstack_features", None) or []  # Qwen3-VL's, fed to the decoder too
+        sum([output.pooler_output.sum(), *(level.sum() for level in deepstack)]).backward()
+        synchronize()
+        seconds.append(time.perf_counter() - started)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(seconds[1:]) / sum(image_patches(image.grid_thw) for image in images)
+
+
+def distinct_images(trajectories) -> list:
+    """The distinct images of ``trajectories`` (by identity), in order of first appearance."""
+    return list({image.key: image for trajectory in trajectories for image in trajectory.images}.values())
 
 
 @dataclass
