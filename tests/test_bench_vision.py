@@ -48,19 +48,29 @@ def data_images(trajectories, mode: str) -> tuple[int, int]:
     return sum(len(scope) for scope in scopes.values()), sum(sum(scope.values()) for scope in scopes.values())
 
 
-def test_patch_weight_is_the_towers_multiply_adds_per_patch_over_the_decoders_per_token():
-    config = load_config(MODEL)
+@pytest.mark.parametrize(
+    "config_path, mlp_matrices, mergers",
+    [(MODEL, 3, 1), ("configs/models/tiny_qwen3_vl.json", 2, 2)],  # gated MLP; Qwen3-VL: plain MLP, deepstack merger
+    ids=["qwen2_5_vl", "qwen3_vl"],
+)
+def test_patch_weight_is_the_towers_multiply_adds_per_patch_over_the_decoders_per_token(
+    config_path, mlp_matrices, mergers
+):
+    config = load_config(config_path)
     vision, text = config.vision_config, config.text_config
     merged = vision.hidden_size * vision.spatial_merge_size**2
     per_patch = (
         vision.in_channels * vision.temporal_patch_size * vision.patch_size**2 * vision.hidden_size  # patch embed
-        + vision.depth * (4 * vision.hidden_size**2 + 3 * vision.hidden_size * vision.intermediate_size)
-        + (merged * merged + merged * vision.out_hidden_size) / vision.spatial_merge_size**2  # per merged token
+        + vision.depth * (4 * vision.hidden_size**2 + mlp_matrices * vision.hidden_size * vision.intermediate_size)
+        + mergers * (merged * merged + merged * vision.out_hidden_size) / vision.spatial_merge_size**2  # per merged
     )
-    head_dim = text.hidden_size // text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     attention = text.hidden_size * head_dim * (2 * text.num_attention_heads + 2 * text.num_key_value_heads)
     per_token = text.num_hidden_layers * (attention + 3 * text.hidden_size * text.intermediate_size)
-    assert patch_weight(load_model(MODEL)) == pytest.approx(per_patch / per_token)
+    assert patch_weight(load_model(config_path)) == pytest.approx(per_patch / per_token)
+
+
+def test_text_models_have_no_patch_weight():
     assert patch_weight(load_model("configs/models/tiny_qwen3.json")) is None
 
 
