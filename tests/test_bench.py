@@ -68,6 +68,7 @@ def test_bench_report(synthetic, tmp_path, objective):
         assert report["modes"][mode]["page_faults_per_step"] >= 0
     if "--objective" not in objective:
         assert "objective" not in report and "old_forward_time_s" not in modes["tree"]
+        assert "patch_weight" not in report and "tower_calls_per_step" not in modes["tree"]  # text only
         a, b = report["cost_per_token_s"], report["cost_per_pair_s"]
         assert a >= 0 and b >= 0 and a + b > 0
         cost = {m: a * modes[m]["packed_tokens_per_step"] + b * modes[m]["visible_pairs_per_step"] for m in modes}

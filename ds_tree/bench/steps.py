@@ -19,6 +19,15 @@ short-context prefix tokens: so the token ideal can be out of reach by construct
 cost-weighted ideal (SFT) prices each mode's step as ``a * tokens + b * visible pairs``, with ``a``
 and ``b`` fitted to every measured row of both modes (:func:`fit_token_pair_cost`);
 ``efficiency_cost`` = speedup / that ideal.
+
+A vision-language model's tower works on the images of the rows: a tree's distinct images once
+(a split tree's parts each encode the images of their ancestor path), the flat baseline's each
+trajectory's. Its calls, images and patches are counted during the measured steps
+(:mod:`ds_tree.bench.vision`), and the ideal with patches prices each mode's step as packed tokens
++ ``patch_weight`` x patches, a patch weighing the tower's matrix-multiply weights per patch over
+the decoder's per token (the dense FLOPs rule); ``efficiency_with_patches`` = speedup / that ideal.
+SFT also gives the ideal at this machine's prices (``..._measured``): the tower timed alone per
+patch, a token at the rest of the forward-and-backward time (:func:`measured_prices`).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ds_tree.bench.vision import TowerCounter, distinct_images, patch_weight, row_images, tower_seconds_per_patch
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.dfs import DfsSettings, WalkStats
@@ -71,6 +81,14 @@ class ModeTimes:
     """SFT: per step, every row's (tokens, visible pairs, forward+backward seconds), for the cost fit."""
     calls: list[int] = field(default_factory=list)
     """Forward-and-backward model calls of a step (RL: of one update): rows, or a walk's chunks."""
+    images: list[int] = field(default_factory=list)
+    """The distinct images of a step's rows (one pass), and their patches (:func:`~ds_tree.bench.vision.row_images`)."""
+    patches: list[int] = field(default_factory=list)
+    tower_calls: list[int] = field(default_factory=list)
+    """Vision-language models: the tower's calls in a step (every pass), and the images and patches they
+    encoded (:class:`~ds_tree.bench.vision.TowerCounter`)."""
+    tower_images: list[int] = field(default_factory=list)
+    tower_patches: list[int] = field(default_factory=list)
 
 
 def check_data(trajectories, config) -> None:
@@ -100,6 +118,7 @@ def row_counts(rows) -> dict:
     return {
         "packed_tokens": sum(row.n_tokens for row in rows),
         "visible_pairs": sum(part.visible_pairs for row in rows for part in row.parts),
+        **row_images(rows),
     }
 
 
@@ -376,19 +395,35 @@ def run_benchmark(
     dfs_settings = DfsSettings(dfs_chunk or budget, dfs_recompute)
 
     def step_with(bench: BenchModels):
+        towers = {mode: TowerCounter.attach(bench.models[mode], bench.references[mode]) for mode in bench.models}
+
         def step_of(mode: str, batch: list[Trajectory], measure_memory: bool) -> dict:
             model, optimizer = bench.models[mode], bench.optimizers[mode]
             measure = measure_memory and device == "cpu"
+            tower = towers[mode]
+            if tower is not None:
+                tower.take()  # from zero: nothing of another step or of the memory and profile passes
             if rl:
                 reference = bench.references[mode]
-                return rl_step_once(
+                result = rl_step_once(
                     model, optimizer, reference, batch, mode, budget, block, objective, measure, dfs_settings, device
                 )
-            return step_once(model, optimizer, batch, mode, budget, block, normalisation, measure, dfs_settings, device)
+            else:
+                result = step_once(
+                    model, optimizer, batch, mode, budget, block, normalisation, measure, dfs_settings, device
+                )
+            return result | (tower.take() if tower is not None else {})
 
         return step_of
 
+    def price_patch(model) -> float | None:  # the tower's seconds per patch on the first measured step's images
+        images = distinct_images(sampler.trajectories_for_step(groups, warmup))
+        if rl or patch_weight(model) is None or not images:
+            return None
+        return tower_seconds_per_patch(model, images, lambda: synchronize(device))
+
     gpu_peaks = {}
+    patch_price = None
     if one_mode_at_a_time:
         times = {}
         for mode in modes:
@@ -397,6 +432,8 @@ def run_benchmark(
                 torch.cuda.reset_peak_memory_stats(device)
             bench = BenchModels.build([mode], model_source, engines, dtype, seed, checkpoint_every, device, kl)
             check_data(trajectories, bench.models[mode].config)
+            patch_cost = patch_weight(bench.models[mode])
+            patch_price = patch_price or price_patch(bench.models[mode])
             step_of = step_with(bench)
             timed, flat_tokens, tree_tokens = timed_steps([mode], groups, sampler, warmup, steps, step_of, progress)
             times |= timed
@@ -406,6 +443,8 @@ def run_benchmark(
     else:
         bench = BenchModels.build(modes, model_source, engines, dtype, seed, checkpoint_every, device, kl)
         check_data(trajectories, bench.models[modes[0]].config)
+        patch_cost = patch_weight(bench.models[modes[0]])
+        patch_price = price_patch(bench.models[modes[0]])
         step_of = step_with(bench)
         times, flat_tokens, tree_tokens = timed_steps(modes, groups, sampler, warmup, steps, step_of, progress)
     after = sampler.trajectories_for_step(groups, warmup + steps)  # a batch the timed steps did not see
@@ -443,7 +482,8 @@ def run_benchmark(
         report["estimator"] = objective.estimator
         report["ppo_epochs"] = objective.ppo_epochs
         report["rl_settings"] = asdict(objective.rl_settings())
-    return report | mode_ratios(report_modes, times, peak_bytes, rl)
+    ratios = mode_ratios(report_modes, times, peak_bytes, rl)
+    return report | ratios | vision_ratios(report_modes, patch_cost, patch_price)
 
 
 def timed_steps(modes, groups, sampler, warmup: int, steps: int, step_of, progress=None):
@@ -520,6 +560,14 @@ def mode_report(record: ModeTimes, flat_tokens: list, tree_tokens: list, peak: i
         "page_faults_per_step": statistics.median(record.page_faults),
         "calls_per_step": float(np.mean(record.calls)),
     }
+    if record.tower_calls:  # a vision-language model: its rows' images and what its tower encoded
+        report |= {
+            "images_per_step": float(np.mean(record.images)),
+            "patches_per_step": float(np.mean(record.patches)),
+            "tower_calls_per_step": float(np.mean(record.tower_calls)),
+            "tower_images_per_step": float(np.mean(record.tower_images)),
+            "tower_patches_per_step": float(np.mean(record.tower_patches)),
+        }
     if rl:
         report |= {
             "old_forward_time_s": statistics.median(record.old_forward),
@@ -565,3 +613,47 @@ def mode_ratios(report_modes: dict, times: dict, peak_bytes: dict, rl: bool) -> 
         report["updates_speedup"] = flat["updates_time_s"] / tree["updates_time_s"]
         report["target_ratio"] = flat["targets_per_step"] / tree["targets_per_step"]
     return report
+
+
+def vision_ratios(report_modes: dict, patch_cost: float | None, patch_price: float | None) -> dict:
+    """A vision-language model's flat over tree: the ideal that counts language-model tokens and vision
+    patches, a patch weighing ``patch_cost`` tokens (:func:`~ds_tree.bench.vision.patch_weight`), the
+    speedup's fraction of it, and the tower's calls and encoded patches. With ``patch_price`` (SFT: the
+    tower's measured seconds per patch) also the same ideal with measured prices (:func:`measured_prices`)."""
+    if patch_cost is None or "flat" not in report_modes or "tree" not in report_modes:
+        return {}
+    flat, tree = report_modes["flat"], report_modes["tree"]
+    speedup = flat["step_time_s"] / tree["step_time_s"]
+
+    def ideal(weight: float) -> float:  # work in language-model tokens, flat over tree
+        return (flat["packed_tokens_per_step"] + weight * flat["patches_per_step"]) / (
+            tree["packed_tokens_per_step"] + weight * tree["patches_per_step"]
+        )
+
+    report = {
+        "patch_weight": patch_cost,
+        "ideal_speedup_with_patches": ideal(patch_cost),
+        "efficiency_with_patches": speedup / ideal(patch_cost),
+        "tower_call_ratio": flat["tower_calls_per_step"] / tree["tower_calls_per_step"],
+        "tower_patch_ratio": flat["tower_patches_per_step"] / tree["tower_patches_per_step"],
+    }
+    token_price = measured_prices(flat, tree, patch_price) if patch_price is not None else 0.0
+    if not token_price:  # RL, no images, or the tower's measured time above the whole step's
+        return report
+    weight = patch_price / token_price
+    measured = ideal(weight)
+    return report | {
+        "tower_s_per_patch": patch_price,
+        "lm_s_per_token": token_price,
+        "patch_weight_measured": weight,
+        "ideal_speedup_with_patches_measured": measured,
+        "efficiency_with_patches_measured": speedup / measured,
+    }
+
+
+def measured_prices(flat: dict, tree: dict, patch_price: float) -> float:
+    """Seconds per language-model token: both modes' forward-and-backward time less their patches at
+    ``patch_price``, over both modes' packed tokens (pooled, so both modes pay the same prices; >= 0)."""
+    modes = (flat, tree)
+    rest = sum(m["forward_backward_time_s"] - patch_price * m["patches_per_step"] for m in modes)
+    return max(0.0, rest / sum(m["packed_tokens_per_step"] for m in modes))

@@ -20,6 +20,18 @@ the walk holds at once, and dfs_time_over_tree / dfs_memory_over_tree compare it
 modes.<mode>.calls_per_step counts forward-and-backward model calls (RL: of one update): a
 packed mode's rows, the walk's chunks.
 
+A vision-language model (--model a qwen2_5_vl / qwen3_vl config; data with images) also reports
+modes.<mode>.images_per_step and patches_per_step (the distinct images of the step's rows, one
+pass), tower_calls_per_step, tower_images_per_step and tower_patches_per_step (what its vision
+tower encoded, every pass, counted by a hook), and patch_weight (language-model tokens a vision
+patch costs: the tower's matrix-multiply weights per patch over the decoder layers' per token),
+ideal_speedup_with_patches (flat over tree of packed tokens + patch_weight x patches),
+efficiency_with_patches, tower_call_ratio and tower_patch_ratio (flat / tree). SFT reports
+also price at this machine's times: tower_s_per_patch (the tower's forward and backward timed
+alone on the first measured step's images), lm_s_per_token (both modes' forward-and-backward
+time less their patches, per packed token), patch_weight_measured (their ratio),
+ideal_speedup_with_patches_measured and efficiency_with_patches_measured.
+
 --objective grpo / ppo times RL steps instead (docs/RL.md; the data needs rewards, or per-token
 advantages for the given estimator): the old policy's no-grad forward, then --ppo-epochs
 updates. modes.<mode> then also has old_forward_time_s, updates_time_s, old_forward_share and
