@@ -270,3 +270,53 @@ def gui_config(processor_dir, tmp_path: Path) -> Path:
     path = tmp_path / "gui.yaml"
     path.write_text(text)
     return path
+
+
+class GuiAlwaysLooks(GuiScreensEnv):
+    """The example's task, except that a first turn that does not call the tool is shown the screenshot
+    anyway: every first turn that ends is followed by an image observation, whatever a briefly warmed-up
+    policy writes."""
+
+    def step(self, turn):
+        if not turn.tool_calls and not self.looked:
+            self.looked = True
+            parts = [{"type": "text", "text": "Look:"}, {"type": "image", "image": app_screen(self.colour)}]
+            return StepResult(messages=[{"role": "user", "content": parts}])
+        return super().step(turn)
+
+
+@pytest.mark.distributed
+def test_two_ranks_zero3_train_on_screenshot_episodes(processor_dir, tmp_path: Path) -> None:
+    """The shipped example, cut short: 2 gloo ranks under ZeRO-3, a warm-up SFT step on demonstrations with
+    images (self-checked: tree == flat, the tower's gradients included), then GRPO steps on episode trees
+    whose leaves share the home screen and their task's screenshot."""
+    from tests.test_engine import torchrun
+
+    config = gui_config(processor_dir, tmp_path)
+    overrides = [
+        f"output_dir={tmp_path / 'run'}",
+        "max_steps=5",
+        "rollout.env.path=tests.test_vision_rollouts:GuiAlwaysLooks",
+        "rollout.prompts_per_step=4",
+        "rollout.width=4",
+        "rollout.branching=4",
+        "rollout.env.turn_branching=[1,4]",
+        "rollout.env.warmup_steps=4",  # the turn format learnt: first turns end, a screenshot follows
+        "objective.reference_step=4",
+        "checkpoint.export_hf=false",
+        "checkpoint.every=0",
+    ]
+    torchrun("ds_tree/train.py", "--config", str(config), *overrides, timeout=400)
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    steps = {record["step"]: record for record in records if "step" in record}
+    assert "warmup/sft_loss" in steps[1] and not any(key.startswith("selfcheck/") for key in steps[1])
+    assert (
+        "selfcheck/max_grad_rel_err" in steps[5]
+    )  # deferred from the warm-up to the first RL step (passed: the run ran on)
+    assert 0 <= steps[5]["rollout/reward_mean"] <= 1 and np.isfinite(steps[5]["loss/train"])
+    saved = [json.loads(line) for line in (tmp_path / "run/rollouts/step_000005.jsonl").read_text().splitlines()]
+    seen = [record for record in saved if len(record["images"]) == 2]  # a first turn, the screenshot, an answer
+    assert len(seen) >= 8, [record["stop_reason"] for record in saved]
+    assert len({record["images"][0]["key"] for record in saved}) == 1  # one home screen for every task
+    for task in {record["group_id"] for record in seen}:  # a task's answers share its screenshot
+        assert len({record["images"][1]["key"] for record in seen if record["group_id"] == task}) == 1

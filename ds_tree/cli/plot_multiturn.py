@@ -88,7 +88,14 @@ def summary(warmup: list[dict], rl: list[dict], refresh: list[dict], window: int
     ]
 
 
-def plot(warmup: list[dict], rl: list[dict], window: int, output: Path) -> None:
+def plot(
+    warmup: list[dict],
+    rl: list[dict],
+    window: int,
+    output: Path,
+    title: str = "secret tool",
+    chance: float = 0.1,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -104,13 +111,11 @@ def plot(warmup: list[dict], rl: list[dict], window: int, output: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward, per step")
     left.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"reward, {window}-step mean")
-    left.axhline(0.1, color="grey", linestyle=":", label="guessing (ignores the observation)")
+    left.axhline(chance, color="grey", linestyle=":", label="guessing (ignores the observation)")
     left.axhline(0.8, color="tab:green", linestyle="--", label="target 0.8")
     if warmup:
         left.axvspan(0.5, len(warmup) + 0.5, color="grey", alpha=0.15, label=f"SFT warm-up ({len(warmup)} steps)")
-    left.set(
-        xlabel="training step", ylabel="rollout/reward_mean", ylim=(-0.02, 1.02), title="secret tool: learning curve"
-    )
+    left.set(xlabel="training step", ylabel="rollout/reward_mean", ylim=(-0.02, 1.02), title=f"{title}: learning curve")
     left.legend(fontsize=8, loc="lower right")
     right.plot(steps, independent, color="tab:red", label="sampled: independent episodes")
     right.plot(steps, sampled, color="tab:blue", label="sampled: episode trees")
@@ -141,6 +146,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="FILE",
         help="the figure to write (PNG, or the format its extension names: pdf, svg); its folder is created",
     )
+    parser.add_argument("--title", default="secret tool", help="the task's name in the left panel's title")
+    parser.add_argument(
+        "--chance",
+        type=float,
+        default=0.1,
+        help="the guessing rate drawn as a dotted line (default 0.1: the secret tool's ten digits)",
+    )
     parser.add_argument(
         "--window", type=int, default=5, help="RL steps of the running mean and of the reward figures (default 5)"
     )
@@ -160,7 +172,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"{prog or 'ds-tree plot-multiturn'}: error: {error}", file=sys.stderr)
         return 2
     window = min(args.window, len(rl))
-    plot(warmup, rl, window, args.output)
+    plot(warmup, rl, window, args.output, args.title, args.chance)
     print("\n".join(summary(warmup, rl, refresh, window)))
     print(f"wrote {args.output}")
     return 0

@@ -515,6 +515,8 @@ class Trainer(RLSteps):
 
         A due step whose loss is not finite (discarded by ``optimizer.non_finite: skip``) is not a
         tree-vs-flat question: both sides are NaN. The check moves to the next step with a finite loss.
+        So does a due warm-up step of a multi-turn RL run (``rollout.env.warmup_steps``, SFT on
+        demonstrations): the run's first RL step is checked (``first`` used to check nothing there).
         """
         config = self.config
         deferred = getattr(self, "_self_check_deferred", False)
@@ -526,6 +528,7 @@ class Trainer(RLSteps):
         self._self_check_deferred = False
         rl, self._self_check_rl = getattr(self, "_self_check_rl", None), None
         if config.objective.is_rl and rl is None:  # RL: its inputs are recorded before the updates
+            self._self_check_deferred = True  # a warm-up (SFT) step of an RL run: the next RL step is checked
             return {}
         sample = rl.sample if rl is not None else self_check.sample_groups(self.last_trajectories)
         if not sample:
