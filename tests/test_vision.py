@@ -31,10 +31,12 @@ CONFIGS = {"qwen2_5_vl": "configs/models/tiny_qwen2_5_vl.json", "qwen3_vl": "con
 VISION_START, VISION_END, IMAGE_PAD = 1024, 1025, 1026
 
 
-def make_image(family: str, seed: int, width_patches: int = 2) -> TrajectoryImage:
-    """A random image of 1 x width_patches merged patches (28x56 pixels for Qwen2.5-VL), processed by its family."""
+def make_image(family: str, seed: int, width_patches: int = 2, height_patches: int = 1) -> TrajectoryImage:
+    """A random image of height_patches x width_patches merged patches (28x56 pixels for Qwen2.5-VL by default),
+    processed by its family."""
     side = FAMILIES[family].patch_size * 2
-    pixels = (np.random.default_rng(seed).random((side, side * width_patches, 3)) * 255).astype(np.uint8)
+    pixels = np.random.default_rng(seed).random((side * height_patches, side * width_patches, 3))
+    pixels = (pixels * 255).astype(np.uint8)
     out = build_image_processor(FAMILIES[family])(images=[pixels], return_tensors="np")
     return TrajectoryImage.of(out["pixel_values"], out["image_grid_thw"][0])
 
@@ -426,6 +428,62 @@ def test_dfs_walk_equals_flat_in_float64(family, chunk):
     report = compare(agent_trees(family), CONFIGS[family], dtype="float64", dfs=DfsSettings(chunk))
     assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
     report = compare_rl(agent_trees(family), CONFIGS[family], estimator="grpo", dtype="float64", dfs=DfsSettings(chunk))
+    assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
+
+
+def walked_trees(family: str) -> list[Trajectory]:
+    """A walk in chunks of 5 tokens meets each way an image can recur: a 2x2-patch screenshot in the shared
+    prefix (text chunks after it: their rotary positions are not the depths) shown again deeper in one path,
+    where a chunk boundary cuts it, and one screenshot in two sibling branches (owned by their fork's chunk)."""
+    screen, button, menu = make_image(family, 10, height_patches=2), make_image(family, 11), make_image(family, 12)
+    task = [3, 10, 11]
+    return [
+        trajectory([task, screen, [12, 13, 14, 15, 16, 17], button, [20, 21, 22]], reward=1.0),
+        trajectory([task, screen, [12, 13, 14, 15, 16, 18], button, [30, 31]], reward=0.0),
+        trajectory([task, screen, [12, 13, 14, 15, 16, 19], menu, [5, 6], screen, [40]], reward=0.5),
+        trajectory([task, [50, 51, 52]], reward=0.0),
+    ]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_dfs_walk_encodes_each_distinct_image_once(family):
+    """Each distinct image of a walk goes through the tower once, forward, and its gradient (the sum of every
+    chunk's that reads it) reaches the tower once; with ``recompute`` its owner chunk encodes it again."""
+    from ds_tree.engine.dfs import DfsSettings
+
+    trajectories = walked_trees(family)
+    model = load_model(CONFIGS[family], dtype="float64")
+    attach_rope_positions(model.config, trajectories)
+    forwards, backwards = [], []  # real images per tower call (the blank patch of a chunk without any left out)
+
+    def count(_module, args, kwargs, output):
+        if args[0].any():
+            images = len(kwargs["grid_thw"])
+            forwards.append(images)
+            if output.pooler_output.requires_grad:
+                output.pooler_output.register_hook(lambda _grad: backwards.append(images))
+
+    model.model.visual.register_forward_hook(count, with_kwargs=True)
+    distinct = len({image.key for t in trajectories for image in t.images})
+    assert distinct == 3
+    run_mode(model, trajectories, "dfs", 4096, 1, "token_mean", "exact", dfs=DfsSettings(5))
+    # the training walk, then the no-grad walk of the log-probs (run_mode)
+    assert sum(forwards) == 2 * distinct and sum(backwards) == distinct, (forwards, backwards)
+    forwards.clear(), backwards.clear()
+    run_mode(model, trajectories, "dfs", 4096, 1, "token_mean", "exact", dfs=DfsSettings(5, recompute=True))
+    assert sum(backwards) == distinct and sum(forwards) <= 3 * distinct, (forwards, backwards)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dfs_walk_with_cached_images_equals_flat_in_float64(family, recompute):
+    from ds_tree.engine.dfs import DfsSettings
+
+    dfs = DfsSettings(5, recompute=recompute)
+    report = compare(walked_trees(family), CONFIGS[family], dtype="float64", dfs=dfs)
+    assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
+    assert report["dfs_loss_rel_err"] <= 1e-10 and report["dfs_max_abs_logprob_err"] <= 1e-10, report
+    report = compare_rl(walked_trees(family), CONFIGS[family], estimator="grpo", dtype="float64", dfs=dfs)
     assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
 
 
