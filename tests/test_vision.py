@@ -433,8 +433,9 @@ def test_bad_processed_images_are_one_error_naming_file_and_line(processor_folde
         convert([tmp_path / "tokens.jsonl"], tmp_path / "tokens", processor_folder, ConvertOptions(format="tokens"))
 
 
-def test_image_parts_need_a_processor_folder(tmp_path):
+def test_image_parts_and_processed_images_need_a_processor_folder():
     from ds_tree.data.chat import render_chat
+    from ds_tree.data.convert import Converter, ConvertOptions
     from ds_tree.data.tokenizer import build_tokenizer
 
     messages = [
@@ -443,6 +444,10 @@ def test_image_parts_need_a_processor_folder(tmp_path):
     ]
     with pytest.raises(DataError, match="make-tokenizer --vision"):
         render_chat(build_tokenizer(300), messages, where="x.jsonl:1")
+    record = {"group_id": "g", "input_ids": [3, 1026, 1026, 4], "loss_mask": [0, 0, 0, 1]}
+    record["images"] = [{"pixel_values": [[0.0] * 1176] * 8, "grid_thw": [1, 2, 4]}]
+    with pytest.raises(DataError, match=r"x\.jsonl:1: 'images' need a processor folder as --tokenizer"):
+        Converter(ConvertOptions(format="tokens"), build_tokenizer(300)).trajectories("x.jsonl:1", record)
 
 
 @pytest.mark.distributed
