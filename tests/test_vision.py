@@ -31,10 +31,12 @@ CONFIGS = {"qwen2_5_vl": "configs/models/tiny_qwen2_5_vl.json", "qwen3_vl": "con
 VISION_START, VISION_END, IMAGE_PAD = 1024, 1025, 1026
 
 
-def make_image(family: str, seed: int, width_patches: int = 2) -> TrajectoryImage:
-    """A random image of 1 x width_patches merged patches (28x56 pixels for Qwen2.5-VL), processed by its family."""
+def make_image(family: str, seed: int, width_patches: int = 2, height_patches: int = 1) -> TrajectoryImage:
+    """A random image of height_patches x width_patches merged patches (28x56 pixels for Qwen2.5-VL by default),
+    processed by its family."""
     side = FAMILIES[family].patch_size * 2
-    pixels = (np.random.default_rng(seed).random((side, side * width_patches, 3)) * 255).astype(np.uint8)
+    pixels = np.random.default_rng(seed).random((side * height_patches, side * width_patches, 3))
+    pixels = (pixels * 255).astype(np.uint8)
     out = build_image_processor(FAMILIES[family])(images=[pixels], return_tensors="np")
     return TrajectoryImage.of(out["pixel_values"], out["image_grid_thw"][0])
 
@@ -332,8 +334,108 @@ def test_bad_images_are_one_error_naming_file_and_line(processor_folder, tmp_pat
         convert([tmp_path / "gui.jsonl"], tmp_path / "dataset", processor_folder, ConvertOptions(format="chat"))
 
 
-def test_image_parts_need_a_processor_folder(tmp_path):
+GUI_IMAGES = [["start.png", "after1.png"], ["start.png", "after2.png"], ["start.png", "after1.png"], ["after2.png"]] + [
+    ["after2.png"]
+]
+"""The images of each of :func:`gui_records`' records, in order (the data URL is after2.png's bytes)."""
+
+
+def gui_tokens_records(folder, processor_folder, trajectories) -> list[dict]:
+    """:func:`gui_records` in the tokens form: the chat conversion's ids and loss masks, the pixels processed here
+    from the files (start.png as a .npy, after1.png as a nested list, after2.png as a .npy in a subfolder); every
+    other record gives its image_index, the rest leave it to the placeholders."""
+    from PIL import Image
+
+    processor = load_vision_processor(processor_folder).image_processor
+    (folder / "pixels").mkdir()
+    given = {}
+    for name, form in (("start.png", "start.npy"), ("after1.png", None), ("after2.png", "pixels/after2.npy")):
+        out = processor(images=[np.asarray(Image.open(folder / name).convert("RGB"))], return_tensors="np")
+        if form is not None:
+            np.save(folder / form, out["pixel_values"])
+        pixels = form if form is not None else out["pixel_values"].tolist()
+        given[name] = {"pixel_values": pixels, "grid_thw": out["image_grid_thw"][0].tolist()}
+    records = []
+    for line, (t, names) in enumerate(zip(trajectories, GUI_IMAGES, strict=True)):
+        record = {"group_id": t.group_id, "input_ids": t.input_ids.tolist(), "loss_mask": t.loss_mask.tolist()}
+        record.update(reward=t.reward, images=[dict(given[name]) for name in names])
+        if line % 2:
+            record["image_index"] = t.image_index.tolist()
+        records.append(record)
+    return records
+
+
+def test_tokens_records_with_processed_images_convert_as_chat_records_do(processor_folder, tmp_path):
+    """The GUI data as chat records and as tokens records with processed pixels: the same trajectories, images
+    and trees, each image stored once; and tree == flat in float64 on the tokens form."""
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.convert import ConvertOptions, convert
+    from ds_tree.data.tree_dataset import IMAGES_FILE
+
+    write_jsonl(tmp_path / "gui.jsonl", gui_records(tmp_path))
+    convert([tmp_path / "gui.jsonl"], tmp_path / "chat", processor_folder, ConvertOptions(format="chat"))
+    from_chat = load_trajectories(tmp_path / "chat")
+    write_jsonl(tmp_path / "tokens.jsonl", gui_tokens_records(tmp_path, processor_folder, from_chat))
+    convert([tmp_path / "tokens.jsonl"], tmp_path / "tokens", processor_folder, ConvertOptions(format="tokens"))
+    from_tokens = load_trajectories(tmp_path / "tokens")
+    with pytest.raises(DataError, match=r"tokens\.jsonl:1: a record with images: convert the file first"):
+        load_trajectories(tmp_path / "tokens.jsonl")  # read directly, its images would be dropped
+    for chat, tokens in zip(from_chat, from_tokens, strict=True):
+        assert np.array_equal(chat.input_ids, tokens.input_ids) and np.array_equal(chat.image_index, tokens.image_index)
+        assert [i.key for i in chat.images] == [i.key for i in tokens.images]
+        assert np.array_equal(chat.loss_mask, tokens.loss_mask) and chat.group_id == tokens.group_id
+    with np.load(tmp_path / "tokens" / IMAGES_FILE) as stored:
+        assert len(stored["keys"]) == 3
+    for chat, tokens in zip(build_forest(from_chat), build_forest(from_tokens), strict=True):
+        assert [i.key for i in chat.images] == [i.key for i in tokens.images]
+        for name in ("input_ids", "kv_end", "image_id", "image_patch"):
+            assert np.array_equal(getattr(chat, name), getattr(tokens, name)), name
+    report = compare(from_tokens, CONFIGS["qwen2_5_vl"], dtype="float64")
+    assert report["passed"] and report["tree_tokens"] < report["flat_tokens"], report
+    assert report["max_rel_grad_err"] <= 1e-10 and report["loss_rel_err"] <= 1e-10, report
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r["images"][0].update(grid_thw=[1, 4, 4]), r"images\[0\]: image grid \(1, 4, 4\) has 16 patches"),
+        (
+            lambda r: r["images"][0].update(pixel_values="garbage.npy"),
+            r"images\[0\]: unreadable .npy file 'garbage.npy'",
+        ),
+        (
+            lambda r: r["images"][0].update(pixel_values="missing.npy"),
+            r"images\[0\]: pixel_values file 'missing.npy' not",
+        ),
+        (
+            lambda r: r["images"][0].update(pixel_values=[[0.5] * 5] * 8),
+            r"images\[0\]: pixel_values has shape \(8, 5\)",
+        ),
+        (
+            lambda r: (r["images"].pop(), r.pop("image_index")),
+            r"grids \[\(1, 2, 4\)\] need 2 placeholder token\(s\) \(id 1026\), input_ids has 4",
+        ),
+        (lambda r: r.update(image_index=[-1] * len(r["input_ids"])), r"token \d+: image_index -1 but input_ids 1026"),
+        (lambda r: r["images"][0].pop("grid_thw"), r"images\[0\]: an image is an object with exactly"),
+    ],
+)
+def test_bad_processed_images_are_one_error_naming_file_and_line(processor_folder, tmp_path, change, message):
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.convert import ConvertOptions, convert
+
+    write_jsonl(tmp_path / "gui.jsonl", gui_records(tmp_path))
+    convert([tmp_path / "gui.jsonl"], tmp_path / "chat", processor_folder, ConvertOptions(format="chat"))
+    records = gui_tokens_records(tmp_path, processor_folder, load_trajectories(tmp_path / "chat"))
+    (tmp_path / "garbage.npy").write_bytes(b"not an array")
+    change(records[1])
+    write_jsonl(tmp_path / "tokens.jsonl", records)
+    with pytest.raises(DataError, match=rf"tokens\.jsonl:2: .*{message}"):
+        convert([tmp_path / "tokens.jsonl"], tmp_path / "tokens", processor_folder, ConvertOptions(format="tokens"))
+
+
+def test_image_parts_and_processed_images_need_a_processor_folder():
     from ds_tree.data.chat import render_chat
+    from ds_tree.data.convert import Converter, ConvertOptions
     from ds_tree.data.tokenizer import build_tokenizer
 
     messages = [
@@ -342,6 +444,10 @@ def test_image_parts_need_a_processor_folder(tmp_path):
     ]
     with pytest.raises(DataError, match="make-tokenizer --vision"):
         render_chat(build_tokenizer(300), messages, where="x.jsonl:1")
+    record = {"group_id": "g", "input_ids": [3, 1026, 1026, 4], "loss_mask": [0, 0, 0, 1]}
+    record["images"] = [{"pixel_values": [[0.0] * 1176] * 8, "grid_thw": [1, 2, 4]}]
+    with pytest.raises(DataError, match=r"x\.jsonl:1: 'images' need a processor folder as --tokenizer"):
+        Converter(ConvertOptions(format="tokens"), build_tokenizer(300)).trajectories("x.jsonl:1", record)
 
 
 @pytest.mark.distributed
@@ -426,6 +532,62 @@ def test_dfs_walk_equals_flat_in_float64(family, chunk):
     report = compare(agent_trees(family), CONFIGS[family], dtype="float64", dfs=DfsSettings(chunk))
     assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
     report = compare_rl(agent_trees(family), CONFIGS[family], estimator="grpo", dtype="float64", dfs=DfsSettings(chunk))
+    assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
+
+
+def walked_trees(family: str) -> list[Trajectory]:
+    """A walk in chunks of 5 tokens meets each way an image can recur: a 2x2-patch screenshot in the shared
+    prefix (text chunks after it: their rotary positions are not the depths) shown again deeper in one path,
+    where a chunk boundary cuts it, and one screenshot in two sibling branches (owned by their fork's chunk)."""
+    screen, button, menu = make_image(family, 10, height_patches=2), make_image(family, 11), make_image(family, 12)
+    task = [3, 10, 11]
+    return [
+        trajectory([task, screen, [12, 13, 14, 15, 16, 17], button, [20, 21, 22]], reward=1.0),
+        trajectory([task, screen, [12, 13, 14, 15, 16, 18], button, [30, 31]], reward=0.0),
+        trajectory([task, screen, [12, 13, 14, 15, 16, 19], menu, [5, 6], screen, [40]], reward=0.5),
+        trajectory([task, [50, 51, 52]], reward=0.0),
+    ]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_dfs_walk_encodes_each_distinct_image_once(family):
+    """Each distinct image of a walk goes through the tower once, forward, and its gradient (the sum of every
+    chunk's that reads it) reaches the tower once; with ``recompute`` its owner chunk encodes it again."""
+    from ds_tree.engine.dfs import DfsSettings
+
+    trajectories = walked_trees(family)
+    model = load_model(CONFIGS[family], dtype="float64")
+    attach_rope_positions(model.config, trajectories)
+    forwards, backwards = [], []  # real images per tower call (the blank patch of a chunk without any left out)
+
+    def count(_module, args, kwargs, output):
+        if args[0].any():
+            images = len(kwargs["grid_thw"])
+            forwards.append(images)
+            if output.pooler_output.requires_grad:
+                output.pooler_output.register_hook(lambda _grad: backwards.append(images))
+
+    model.model.visual.register_forward_hook(count, with_kwargs=True)
+    distinct = len({image.key for t in trajectories for image in t.images})
+    assert distinct == 3
+    run_mode(model, trajectories, "dfs", 4096, 1, "token_mean", "exact", dfs=DfsSettings(5))
+    # the training walk, then the no-grad walk of the log-probs (run_mode)
+    assert sum(forwards) == 2 * distinct and sum(backwards) == distinct, (forwards, backwards)
+    forwards.clear(), backwards.clear()
+    run_mode(model, trajectories, "dfs", 4096, 1, "token_mean", "exact", dfs=DfsSettings(5, recompute=True))
+    assert sum(backwards) == distinct and sum(forwards) <= 3 * distinct, (forwards, backwards)
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("recompute", [False, True])
+def test_dfs_walk_with_cached_images_equals_flat_in_float64(family, recompute):
+    from ds_tree.engine.dfs import DfsSettings
+
+    dfs = DfsSettings(5, recompute=recompute)
+    report = compare(walked_trees(family), CONFIGS[family], dtype="float64", dfs=dfs)
+    assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
+    assert report["dfs_loss_rel_err"] <= 1e-10 and report["dfs_max_abs_logprob_err"] <= 1e-10, report
+    report = compare_rl(walked_trees(family), CONFIGS[family], estimator="grpo", dtype="float64", dfs=dfs)
     assert report["passed"] and report["dfs_max_rel_grad_err"] <= 1e-10, report
 
 

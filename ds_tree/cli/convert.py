@@ -2,7 +2,8 @@
 
 Formats (inputs .jsonl or .jsonl.gz, one record a line):
   chat    {"group_id", "trial"?, "messages": [OpenAI messages], "tools"?, "reward"?}
-  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?}
+  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?,
+           "images"?, "image_index"?}   (processed images, with a processor folder: docs/DATA.md "Images")
   tree    {"group_id"?, "tools"?, "nodes": [{"id", "parent", "input_ids" | "messages", ...}]}
 The RL rollout fields logprobs and advantages (one entry per token) pass through the tokens and
 tree formats; a chat record cannot carry them, since its tokens are known only after rendering.

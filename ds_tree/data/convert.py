@@ -2,7 +2,8 @@
 
 Formats (inputs .jsonl or .jsonl.gz, one record a line):
   chat    {"group_id", "trial"?, "messages": [OpenAI messages], "tools"?, "reward"?}
-  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?}
+  tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?,
+           "images"?, "image_index"?}   (images already processed: ds_tree.data.token_images)
   tree    {"group_id"?, "tools"?, "nodes": [{"id", "parent", "input_ids" | "messages", ...}]}
 The RL rollout fields ``logprobs`` and ``advantages`` (one entry per token) pass through the tokens
 and tree formats; a chat record cannot carry them, since its tokens are known only after rendering.
@@ -30,6 +31,7 @@ from ds_tree.data.chat_images import ImageReader, check_parts, image_parts
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.records import MISSING, PER_TOKEN_FIELDS, group_id
+from ds_tree.data.token_images import ProcessedImageReader, given_image_index, placeholder_index
 from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tokens import trajectory_from_record
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
@@ -111,6 +113,10 @@ class Converter:
         self.vision = vision
         """A processor folder's image side: chat records may then hold image parts (ds_tree.data.chat_images)."""
         self.images = ImageReader(vision.image_processor, vision.family.merge_size) if vision else None
+        self.processed_images = (
+            ProcessedImageReader(vision.family.merge_size, vision.family.patch_values) if vision else None
+        )
+        """Reads the already processed images of tokens records (ds_tree.data.token_images)."""
         self.prefix_unstable = 0  # trajectories kept with unstable turns untrained (policy "full")
 
     def group_id(self, where: str, record: dict, default: object = MISSING) -> str | int:
@@ -177,13 +183,34 @@ class Converter:
             record = {**record, "input_ids": input_ids.tolist(), "loss_mask": loss_mask.tolist()}
             trajectory = trajectory_from_record(where, {**record, "group_id": group})
             if images:
-                placeholders = trajectory.input_ids == self.vision.image_token_id
-                index = np.full(len(trajectory), -1, dtype=np.int64)
-                index[placeholders] = np.repeat(np.arange(len(images)), [image.tokens for image in images])
+                index = placeholder_index(where, trajectory.input_ids, self.vision.image_token_id, images)
                 trajectory = dataclasses.replace(trajectory, images=tuple(images), image_index=index)
             return [trajectory]
         trajectory = trajectory_from_record(where, {**record, "group_id": group})
+        if record.get("images") is not None or record.get("image_index") is not None:
+            trajectory = self.with_processed_images(where, record, trajectory)
         return [trajectory]
+
+    def with_processed_images(self, where: str, record: dict, trajectory: Trajectory) -> Trajectory:
+        """A tokens record's trajectory with its already processed ``images`` (ds_tree.data.token_images)."""
+        if self.vision is None:
+            raise RecordError(
+                "bad_image",
+                f"{where}: 'images' need a processor folder as --tokenizer (ds-tree make-tokenizer --vision FAMILY), "
+                "which gives the placeholder id, the merge size and the patch size",
+            )
+        if record.get("images") is None:
+            raise RecordError("bad_image", f"{where}: 'image_index' without 'images'")
+        images = self.processed_images.read(where, record["images"])
+        image_token_id = self.vision.image_token_id
+        if record.get("image_index") is None:
+            index = placeholder_index(where, trajectory.input_ids, image_token_id, images)
+        else:
+            index = given_image_index(where, record["image_index"], trajectory.input_ids, image_token_id)
+        try:
+            return dataclasses.replace(trajectory, images=tuple(images), image_index=index)
+        except DataError as error:
+            raise RecordError("bad_image", str(error)) from None
 
 
 def convert(

@@ -10,6 +10,10 @@ RL rollouts may carry, one entry per token of ``input_ids``: ``logprobs``, the s
 log-probability of each token (``<= 0``; ``null`` where the token was not sampled, such as the
 prompt or tool output), and ``advantages``, per-token advantages computed elsewhere (finite; the
 first token's value is never used) for the ``given`` estimator.
+
+Records may carry images that were already processed (``images``, ``image_index``:
+:mod:`ds_tree.data.token_images`); ``ds-tree convert --format tokens`` with a processor folder reads
+them. Read directly (:func:`read_tokens_jsonl`), such a record is refused rather than its images dropped.
 """
 
 from __future__ import annotations
@@ -67,7 +71,17 @@ def trajectory_from_record(where: str, record: dict) -> Trajectory:
 
 def read_tokens_jsonl(path: str | Path) -> list[Trajectory]:
     """All trajectories of a tokens JSONL file (``.jsonl`` or ``.jsonl.gz``)."""
-    trajectories = [trajectory_from_record(where, record) for where, record in read_jsonl(path)]
+    trajectories = [trajectory_from_record(where, _without_images(where, record)) for where, record in read_jsonl(path)]
     if not trajectories:
         raise DataError(f"{path}: no trajectories")
     return trajectories
+
+
+def _without_images(where: str, record: dict) -> dict:
+    """``record``, refused when it carries images: only ``convert`` (with a processor folder) reads them."""
+    if record.get("images") is not None or record.get("image_index") is not None:
+        raise DataError(
+            f"{where}: a record with images: convert the file first, ds-tree convert --format tokens --input FILE "
+            "--tokenizer PROC (a processor folder: ds-tree make-tokenizer --vision FAMILY) --output DATA"
+        )
+    return record

@@ -45,6 +45,11 @@ class VisionFamily:
     max_pixels: int = 64 * 28 * 28
     """Small limits, so test images stay small; real checkpoints ship their own processor."""
 
+    @property
+    def patch_values(self) -> int:
+        """Values per patch in ``pixel_values``: 3 channels x temporal patch x patch x patch."""
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
 
 FAMILIES = {
     "qwen2_5_vl": VisionFamily("qwen2_5_vl", patch_size=14),

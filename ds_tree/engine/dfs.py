@@ -62,8 +62,10 @@ from ds_tree.engine.calls import (
 from ds_tree.losses.sft import weighted_nll
 from ds_tree.models.logprobs import logprobs_at, predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits, layout_paths
+from ds_tree.models.vision import ImageFeatures, WalkedImages
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
-from ds_tree.packing.rows import PackedRow, RowImages
+from ds_tree.packing.dfs_images import WalkImages
+from ds_tree.packing.rows import PackedRow
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,25 @@ def settings_of(packing, ds_config: dict | None = None) -> DfsSettings:
 
 
 @dataclass
+class WalkCache(PathCache):
+    """What a walk keeps for the chunks below the current one: the path's keys and values and, in a row
+    with images, the features of the images that chunks on the path encoded (each image once per walk, by
+    the chunk :class:`~ds_tree.packing.dfs_images.WalkImages` assigns it to)."""
+
+    images: WalkImages | None = None
+    """Which chunk encodes each image of the row, and where each chunk reads its features (None: no images)."""
+    features: dict[int, ImageFeatures] = field(default_factory=dict)
+    """The cached features (leaves, accumulating their readers' gradients) of the chunks on the path that
+    encoded images, by chunk."""
+
+    @classmethod
+    def of(cls, row: PackedRow, chunks: Chunks) -> WalkCache:
+        sharded = hasattr(chunks, "chunk_inputs")  # a sequence-parallel walk: no images (refused with them)
+        with_images = not sharded and bool(np.any(row.image_id[: row.n_real] >= 0))
+        return cls(images=WalkImages(row, chunks) if with_images else None)
+
+
+@dataclass
 class ChunkInputs:
     """The model inputs of one chunk: its tokens, their depths, the path cache (``PackedRow.tensors``' role),
     and for a packed chunk its own ``kv_end`` (:meth:`Chunks.local_kv_end`; None: causal)."""
@@ -96,21 +117,32 @@ class ChunkInputs:
     position_ids: np.ndarray
     path_cache: PathCache
     kv_end: np.ndarray | None = None
-    row_images: RowImages | None = field(default=None, kw_only=True)
-    """The images among the chunk's tokens (a vision-language row; an image cut by a chunk boundary is
-    encoded by each chunk that holds some of its tokens, each gathering its own tokens' features)."""
+    row_images: WalkedImages | None = field(default=None, kw_only=True)
+    """In a row with images: the images the chunk encodes and the cached features it reads (its ancestors'),
+    each image encoded once per walk (:class:`WalkCache`)."""
     rope_positions: np.ndarray | None = field(default=None, kw_only=True)
-    """``[4, n]`` depths and multimodal rotary positions, with ``row_images``."""
+    """``[4, n]`` depths and multimodal rotary positions, in a row with images (text after an image too)."""
 
     @classmethod
-    def of_chunk(cls, row: PackedRow, chunks: Chunks, index: int, cache: PathCache) -> ChunkInputs:
+    def of_chunk(cls, row: PackedRow, chunks: Chunks, index: int, cache: WalkCache) -> ChunkInputs:
         if hasattr(chunks, "chunk_inputs"):  # chunks sharded over a sequence-parallel group (dfs_sequence_parallel)
             return chunks.chunk_inputs(row, index, cache)
         tokens = chunks.tokens(index)
         inputs = cls(row.input_ids[tokens], row.position_ids[tokens], cache, chunks.local_kv_end(row, index))
-        if np.any(row.image_id[tokens] >= 0):
-            inputs.row_images, inputs.rope_positions = row.image_inputs(tokens), row.rope_positions(tokens)
+        if cache.images is not None:
+            share = cache.images.chunk(index)
+            inputs.rope_positions = row.rope_positions(tokens)
+            inputs.row_images = WalkedImages(
+                pixel_values=[image.pixel_values for image in share.encodes],
+                grids=[image.grid_thw for image in share.encodes],
+                cached=[cache.features[source] for source in share.sources],
+                feature_index=share.feature_index,
+            )
         return inputs
+
+    def encoded_images(self) -> ImageFeatures | None:
+        """After the forward: the features of the images the chunk encoded (None: none)."""
+        return self.row_images.encoded if self.row_images is not None else None
 
     def tensors(self, device: torch.device | str = "cpu") -> dict:
         if self.rope_positions is None:
@@ -283,42 +315,46 @@ def walk(
     generator (:func:`walk_events` lists them); returns the sum of the chunk losses, with
     ``router``'s coefficient times its share of the MoE router loss (:class:`WalkedRouterLoss`).
     """
-    cache = PathCache()
+    cache = WalkCache.of(row, chunks)
     stats = stats if stats is not None else WalkStats()
     total = 0.0
     scale = 1.0
     """What ``backward`` multiplies its argument by (the same for every call of one step)."""
     held: dict[int, tuple] = {}
 
-    def forward(index: int, grad: bool = True) -> tuple[tuple | None, LayerKV]:
+    def forward(index: int, grad: bool = True) -> tuple[tuple | None, LayerKV, ImageFeatures | None]:
         """The chunk's loss and router probabilities (None without ``grad``: only its keys and values
-        are needed, and its routing), and its keys and values."""
+        are needed, and its routing), its keys and values, and the features of the images it encodes."""
         inputs = ChunkInputs.of_chunk(row, chunks, index, cache)
         with chunk_attention(model), torch.set_grad_enabled(grad):
             with captured_router_logits(model, enabled=router is not None) as router_logits:
                 loss = chunk_loss(index, inputs) if grad else logprobs_at(model, inputs, *_ONE_TARGET, device)
             probabilities = router.record(index, router_logits) if router is not None else None
-        return ((loss, probabilities) if grad else None), cache.take_recorded()
+        return ((loss, probabilities) if grad else None), cache.take_recorded(), inputs.encoded_images()
 
     skipped = _childless(chunks) if settings.recompute else np.zeros(len(chunks), dtype=bool)
     for index, entering in _dfs_order(chunks):
         if entering and skipped[index]:  # its one forward is made on leaving it (:func:`_childless`)
             continue
         if entering:
-            loss, own = forward(index, grad=not settings.recompute)
+            loss, own, features = forward(index, grad=not settings.recompute)
             leaves = {
                 layer: (k.detach().requires_grad_(), v.detach().requires_grad_()) for layer, (k, v) in own.items()
             }
-            held[index] = (loss, own, leaves)
+            feature_leaves = features.leaves() if features is not None else None
+            held[index] = (loss, own, leaves, features, feature_leaves)
             cache.ancestors.append(leaves)
+            if feature_leaves is not None:  # read by the chunks below that show its images (WalkImages)
+                cache.features[index] = feature_leaves
             stats.peak_cache_bytes = max(stats.peak_cache_bytes, _cache_bytes(cache))
             yield
             continue
-        loss, own, leaves = held.pop(index) if not skipped[index] else (None, None, {})
+        loss, own, leaves, features, feature_leaves = held.pop(index) if not skipped[index] else (None,) * 5
         if not skipped[index]:
             cache.ancestors.pop()
-        if settings.recompute:
-            loss, own = forward(index)
+            cache.features.pop(index, None)
+        if settings.recompute:  # its images encoded again, with grad (the first forward had none)
+            loss, own, features = forward(index)
         loss, probabilities = loss
         if router is not None:  # every trajectory through the chunk has been forwarded: its routing is known
             loss = loss + router.aux.coefficient * router.chunk_share(index, probabilities).to(loss.dtype)
@@ -327,10 +363,14 @@ def walk(
         # compound once per level of the path. A zero-valued leaf added to the surrogate measures it.
         probe = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
         surrogate = loss + probe
-        for layer, layer_leaves in leaves.items():  # none for a chunk forwarded only here (no chunk below it)
+        for layer, layer_leaves in (leaves or {}).items():  # none for a chunk forwarded only here (none below it)
             for tensor, leaf in zip(own[layer], layer_leaves, strict=True):
                 if leaf.grad is not None:
                     surrogate = surrogate + (tensor * (leaf.grad / scale)).sum()
+        if feature_leaves is not None:  # its images' gradients from the chunks below: one tower backward
+            for tensor, leaf in zip(features.tensors(), feature_leaves.tensors(), strict=True):
+                grad = leaf.grad / scale if leaf.grad is not None else torch.zeros_like(tensor)  # tower kept in graph
+                surrogate = surrogate + (tensor * grad).sum()
         with chunk_attention(model), cache.replaying():  # checkpointed layers recompute in the backward
             backward(surrogate)
         scale = probe.grad.item()
@@ -347,12 +387,13 @@ def walk_logprobs(
     """``log p`` of the row's ``targets`` (row indices), one no-grad forward per chunk and step of the
     generator (the old and reference policies' log-probs of a walked row); the path's keys and
     values are the only memory kept. Call inside :func:`chunk_attention`."""
-    cache = PathCache()
+    cache = WalkCache.of(row, chunks)
     out = np.zeros(targets.size)
     target_chunk = chunks.of_tokens(row.pred_pos[targets])
     for index, entering in _dfs_order(chunks):
         if not entering:
             cache.ancestors.pop()
+            cache.features.pop(index, None)
             continue
         inputs = ChunkInputs.of_chunk(row, chunks, index, cache)
         mine = np.flatnonzero(target_chunk == index)
@@ -363,6 +404,8 @@ def walk_logprobs(
         if mine.size:
             out[mine] = logprobs.double().cpu().numpy()
         cache.ancestors.append(cache.take_recorded())
+        if inputs.encoded_images() is not None:
+            cache.features[index] = inputs.encoded_images()
         yield
     return out
 
@@ -431,8 +474,8 @@ def run_calls(
         dummy(UPDATE)
 
 
-def _cache_bytes(cache: PathCache) -> int:
-    grads = sum(
-        t.grad.nbytes for entry in cache.ancestors for pair in entry.values() for t in pair if t.grad is not None
-    )
-    return cache.nbytes() + grads
+def _cache_bytes(cache: WalkCache) -> int:
+    """The path's keys and values and cached image features, with their accumulated gradients."""
+    features = [t for entry in cache.features.values() for t in entry.tensors()]
+    cached = [t for entry in cache.ancestors for pair in entry.values() for t in pair] + features
+    return cache.nbytes() + sum(t.nbytes for t in features) + sum(t.grad.nbytes for t in cached if t.grad is not None)

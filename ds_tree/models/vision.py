@@ -24,11 +24,18 @@ gradient of an image encoded once (tree) and the sum of the gradients of its cop
 then differ at float32 round-off. :func:`install_vision` makes that function compute in
 ``promote_types(dtype, float32)``: unchanged for float32/bf16, float64 for float64.
 
-The dfs walk (``ds_tree.engine.dfs``) gives each chunk the images among its tokens and their rotary
-positions: a chunk encodes the images it holds tokens of and gathers its own tokens' features (an
-image cut by a chunk boundary is encoded by each chunk holding part of it; exact, as every chunk's
-gradient reaches the tower through its own encoding). The text config alone switches to the walk's
-cached attention.
+The dfs walk (``ds_tree.engine.dfs``) encodes each distinct image of a walked row once: the chunk that
+owns it (the lowest common ancestor of the chunks holding its placeholders,
+:mod:`ds_tree.packing.dfs_images`) encodes it in its forward and the walk caches the features, as leaves
+that require grad, with the chunk's keys and values; the chunks below read them (:class:`WalkedImages`,
+:func:`encode_walked_images`) and their backwards accumulate the features' gradient, which the owner's
+backward sends through the tower once, with its own tokens' (its surrogate adds ``<features, grad>``, as
+for the keys and values). An image cut by a chunk boundary, shown again deeper in a path or in two sibling
+branches is encoded once per walk (with ``recompute``, twice where its owner has chunks below: a no-grad
+forward, then the one with grad), and its gradient reaches the tower once. Every chunk of a row with images
+gets its rotary positions (text after an image too). Every forward still calls the tower once, on the blank
+patch when the chunk owns no image, so ZeRO-3's lockstep calls pair up. The text config alone switches to
+the walk's cached attention.
 
 Online rollouts: multi-turn environments return image observations (:mod:`ds_tree.rollout.images`),
 sampled on the HF engine, whose tree sampler feeds the prompt's images and rotary positions
@@ -45,6 +52,7 @@ inside the language model (Gemma 3): the tree mask is causal.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -178,7 +186,7 @@ def install_vision(model) -> None:
     def forward(*args, row_images=None, **kwargs):
         if kwargs.get("pixel_values") is not None:  # the sampler's prefill: the stock path (one process, no ZeRO)
             return original(*args, **kwargs)
-        kwargs["mm_encoder_outputs"] = {"image": encode_row_images(model, row_images)}
+        kwargs["mm_encoder_outputs"] = {"image": encode_images(model, row_images)}
         return original(*args, **kwargs)
 
     model.forward = forward
@@ -189,6 +197,14 @@ def _language_backbone(model):
     return getattr(model, "module", model).model  # the DeepSpeed engine wraps the Hugging Face model
 
 
+def encode_images(model, images):
+    """The features of a forward's placeholders: a packed row's (:class:`~ds_tree.packing.rows.RowImages`, or
+    None) by :func:`encode_row_images`, a dfs chunk's (:class:`WalkedImages`) by :func:`encode_walked_images`."""
+    if isinstance(images, WalkedImages):
+        return encode_walked_images(model, images)
+    return encode_row_images(model, images)
+
+
 def encode_row_images(model, row_images):
     """The tower called once on the row's distinct images (``cu_seqlens`` keeps each image's attention
     to itself), its merged features gathered at the row's placeholders.
@@ -197,35 +213,111 @@ def encode_row_images(model, row_images):
     its output joined to them times 0: every forward calls the tower once, forward and backward, so
     ZeRO-3's parameter gathers (collectives) pair up across ranks whatever images each rank's rows hold.
     """
+    if row_images is None:
+        blank = _run_tower(model, [], [])
+        return _encoder_outputs(_blank_joined(blank, blank.gather(_index_on(model, []))))
+    encoded = _run_tower(model, row_images.pixel_values, row_images.grids)
+    return _encoder_outputs(encoded.gather(_index_on(model, row_images.feature_index)))
+
+
+@dataclass
+class ImageFeatures:
+    """Merged-patch features of some images, one row per merged patch, and Qwen3-VL's deepstack levels
+    (the same rows, one tensor per level; none for Qwen2.5-VL)."""
+
+    merged: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+    @classmethod
+    def concatenate(cls, parts: list[ImageFeatures]) -> ImageFeatures:
+        levels = range(len(parts[0].deepstack))
+        return cls(torch.cat([p.merged for p in parts]), [torch.cat([p.deepstack[i] for p in parts]) for i in levels])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.merged, *self.deepstack]
+
+    def gather(self, index: torch.Tensor) -> ImageFeatures:
+        """The rows at ``index`` (a row gathered several times sums its copies' gradients)."""
+        return ImageFeatures(self.merged[index], [level[index] for level in self.deepstack])
+
+    def leaves(self) -> ImageFeatures:
+        """Detached copies that require grad: what a dfs walk caches for its chunks below."""
+        return ImageFeatures(_leaf(self.merged), [_leaf(level) for level in self.deepstack])
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().requires_grad_()
+
+
+@dataclass
+class WalkedImages:
+    """A dfs chunk's images (:mod:`ds_tree.engine.dfs`, :class:`~ds_tree.packing.dfs_images.WalkImages`): the
+    ones it encodes itself, and the features of its ancestors' images, encoded once by them and cached
+    with their keys and values, which it reads instead of encoding them again."""
+
+    pixel_values: list[np.ndarray]
+    """The images the chunk encodes (none: the tower runs on the blank patch, as for a row without images)."""
+    grids: list[tuple[int, int, int]]
+    cached: list[ImageFeatures]
+    """The ancestors' cached features the chunk reads."""
+    feature_index: np.ndarray
+    """Per placeholder of the chunk, in order: its row in the concatenation of the chunk's own features and
+    ``cached``'s."""
+    encoded: ImageFeatures | None = None
+    """Set by the forward: the features of the chunk's own images (with their graph; None: it encodes none)."""
+
+
+def encode_walked_images(model, images: WalkedImages):
+    """The tower called once on the chunk's own images (or the blank patch, joined times 0, so that every
+    forward calls it once: ZeRO-3 pairing, :func:`encode_row_images`); the chunk's placeholders gathered
+    from its own features and its ancestors' cached ones. The own features are kept in ``images.encoded``."""
+    blank = not images.pixel_values
+    encoded = _run_tower(model, images.pixel_values, images.grids)
+    images.encoded = None if blank else encoded
+    sources = (images.cached or [encoded]) if blank else [encoded, *images.cached]  # blank alone: no placeholders
+    gathered = ImageFeatures.concatenate(sources).gather(_index_on(model, images.feature_index))
+    return _encoder_outputs(_blank_joined(encoded, gathered) if blank else gathered)
+
+
+def _run_tower(model, pixel_values: list, grids: list) -> ImageFeatures:
+    """One call of the tower on ``pixel_values`` (none: one blank image of one merged patch)."""
     visual = _language_backbone(model).visual
     parameter = next(visual.parameters())
-    if row_images is None:
+    if not pixel_values:
         merge = visual.spatial_merge_size
         grids = [(1, merge, merge)]
         pixels = torch.zeros(merge * merge, _patch_dim(visual), dtype=parameter.dtype)  # config: ZeRO-3 partitions
-        index = torch.zeros(0, dtype=torch.long)
     else:
-        grids = row_images.grids
-        pixels = torch.cat([torch.as_tensor(p).to(parameter.dtype) for p in row_images.pixel_values])
-        index = torch.as_tensor(row_images.feature_index)
+        pixels = torch.cat([torch.as_tensor(p).to(parameter.dtype) for p in pixel_values])
     output = visual(
         pixels.to(parameter.device), grid_thw=torch.as_tensor(grids, device=parameter.device), return_dict=True
     )
-    index = index.to(parameter.device)
-    features = output.pooler_output[index]
-    deepstack = getattr(output, "deepstack_features", None)
-    if row_images is None:  # keep the tower in the graph with a zero contribution
-        features = features + 0.0 * output.pooler_output.sum()
-        deepstack = [level[index] + 0.0 * level.sum() for level in deepstack] if deepstack is not None else None
-    elif deepstack is not None:
-        deepstack = [level[index] for level in deepstack]
-    if deepstack is None:
+    return ImageFeatures(output.pooler_output, list(getattr(output, "deepstack_features", None) or []))
+
+
+def _index_on(model, index) -> torch.Tensor:
+    return torch.as_tensor(index, dtype=torch.long, device=next(_language_backbone(model).visual.parameters()).device)
+
+
+def _blank_joined(blank: ImageFeatures, features: ImageFeatures) -> ImageFeatures:
+    """``features`` with the blank encoding joined times 0: the tower stays in the graph, contributing nothing."""
+    return ImageFeatures(
+        features.merged + 0.0 * blank.merged.sum(),
+        [level + 0.0 * whole.sum() for level, whole in zip(features.deepstack, blank.deepstack, strict=True)],
+    )
+
+
+def _encoder_outputs(features: ImageFeatures):
+    """``mm_encoder_outputs["image"]`` for transformers: one features tensor (and deepstack levels)."""
+    if not features.deepstack:
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        return BaseModelOutputWithPooling(pooler_output=[features])
+        return BaseModelOutputWithPooling(pooler_output=[features.merged])
     from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-    return BaseModelOutputWithDeepstackFeatures(pooler_output=[features], deepstack_features=[[d] for d in deepstack])
+    return BaseModelOutputWithDeepstackFeatures(
+        pooler_output=[features.merged], deepstack_features=[[level] for level in features.deepstack]
+    )
 
 
 def _patch_dim(visual) -> int:
