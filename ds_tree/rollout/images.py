@@ -78,6 +78,17 @@ def normalize_parts(where: str, content: list) -> list:
     return out
 
 
+def with_pil_images(where: str, messages: list[dict]) -> list[dict]:
+    """``messages`` with every list content's parts checked and image arrays made PIL images (a chat
+    record's other checks are the caller's)."""
+    return [
+        {**message, "content": normalize_parts(f"{where}: message {index}", message["content"])}
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        else message
+        for index, message in enumerate(messages)
+    ]
+
+
 def tool_content(value) -> list | None:
     """A tool's return value as message content parts when it holds images (a PIL image, a uint8
     array, or a list of those and strings), else None (the value is text)."""

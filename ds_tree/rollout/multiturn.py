@@ -62,7 +62,7 @@ from ds_tree.rollout.env import (
     step_result,
 )
 from ds_tree.rollout.formats import list_registered, resolve_format, turn_stop_tokens
-from ds_tree.rollout.images import observation_images, rendering_stand_ins
+from ds_tree.rollout.images import observation_images, rendering_stand_ins, with_pil_images
 from ds_tree.rollout.online import OnlineRollouts, rank_slots, slot_generator
 from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_error_message
@@ -937,7 +937,7 @@ class MultiTurnRollouts(OnlineRollouts):
             try:
                 env = calls.call(self.env_class, timeout=settings.step_timeout_s)
                 messages = calls.call(env.demonstration, task.task, rng, timeout=settings.step_timeout_s)
-                messages = check_messages("demonstration", messages)
+                messages = with_pil_images("demonstration", messages)
                 images = self.renderer.images_of(messages)
                 seen = {"image_token_id": self.vision_token(), "image_tokens": [i.tokens for i in images]}
                 messages = rendering_stand_ins(messages)  # image parts as the records' paths: rendered alike
