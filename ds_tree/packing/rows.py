@@ -59,29 +59,31 @@ class PackedRow(TokenArrays):
         return inputs
 
     def image_inputs(self, tokens: np.ndarray | None = None) -> RowImages:
-        """The row's distinct images (one per image of each tree, however many copies the row holds) and,
-        per placeholder token in row order, its merged patch's index into their concatenated features.
-        ``tokens`` (ascending row indices; default all): only the images and placeholders among them
-        (a dfs chunk's)."""
+        """The row's distinct images (one per image of each tree, however many copies the row holds: the
+        flat baseline's trees are its trajectories, each encoding its own) and, per placeholder token in row
+        order, its merged patch's index into their concatenated features. ``tokens`` (ascending row
+        indices; default all): only the images and placeholders among them (a dfs chunk's). Vectorised:
+        per token only numpy, a Python step per distinct image."""
         chosen = np.zeros(self.n_tokens, dtype=bool)
         chosen[slice(None) if tokens is None else tokens] = True
+        placeholders = np.flatnonzero((self.image_id >= 0) & chosen)
+        sizes = [part.n_tokens for part in self.layout_parts]
+        part_of = np.repeat(np.arange(len(sizes)), sizes)[placeholders]
+        pairs = part_of * (int(self.image_id.max()) + 1) + self.image_id[placeholders]
+        unique, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
         slots: dict[tuple[int, int], int] = {}
-        offsets: list[int] = []
-        images = []
-        feature_index = []
-        start = 0
-        for part in self.layout_parts:
-            for k in range(start, start + part.n_tokens):
-                image_id = int(self.image_id[k])
-                if image_id < 0 or not chosen[k]:
-                    continue
-                key = (id(part.tree), image_id)
-                if key not in slots:
-                    slots[key] = len(images)
-                    offsets.append(sum(image.tokens for image in images))
-                    images.append(part.tree.images[image_id])
-                feature_index.append(offsets[slots[key]] + int(self.image_patch[k]))
-            start += part.n_tokens
+        images, offsets, slot_of_pair = [], [], np.empty(unique.size, dtype=np.int64)
+        for pair in np.argsort(first, kind="stable"):  # in order of first appearance in the row
+            index = placeholders[first[pair]]
+            tree, image_id = self.layout_parts[part_of[first[pair]]].tree, int(self.image_id[index])
+            key = (id(tree), image_id)
+            if key not in slots:
+                slots[key] = len(images)
+                offsets.append(sum(known.tokens for known in images))
+                images.append(tree.images[image_id])
+            slot_of_pair[pair] = slots[key]
+        offsets = np.asarray(offsets, dtype=np.int64)
+        feature_index = offsets[slot_of_pair[inverse]] + self.image_patch[placeholders] if images else placeholders
         return RowImages(
             pixel_values=[image.pixel_values for image in images],
             grids=[image.grid_thw for image in images],
