@@ -117,12 +117,14 @@ def stock_logprobs(model, trajectory) -> np.ndarray:
     return np.concatenate([[np.nan], logprobs.numpy()])
 
 
-def test_sampler_feeds_prompt_images_exactly(policy):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_sampler_feeds_prompt_images_exactly(family):
     """sample_tree on a prompt with two images: every sampled log-prob equals a stock forward of the path."""
     from ds_tree.trees.trajectory import Trajectory
-    from tests.test_vision import IMAGE_PAD, VISION_END, VISION_START, make_image
+    from tests.test_vision import CONFIGS, IMAGE_PAD, VISION_END, VISION_START, make_image
 
-    a, b = make_image("qwen2_5_vl", 0), make_image("qwen2_5_vl", 1, width_patches=3)
+    policy = load_model(CONFIGS[family], attention="torch", dtype="float64", seed=0)
+    a, b = make_image(family, 0), make_image(family, 1, width_patches=3)
     prompt = [3, 10, VISION_START, *[IMAGE_PAD] * a.tokens, VISION_END, 11, VISION_START, *[IMAGE_PAD] * b.tokens]
     prompt += [VISION_END, 13]
     settings = SamplerSettings(width=4, branching=2, max_depth=2, segment_length=3, max_new_tokens=6)
