@@ -5,6 +5,11 @@ forest with shared prefixes and a path longer than the sliding windows runs flat
 whole and split into parts: loss, every trajectory's log-probs and every gradient must agree to
 1e-10. The flat log-probs are also checked against transformers' own eager attention on each
 trajectory alone, so a window or a soft-cap the tree engine dropped in both modes cannot pass.
+
+The vision-language entries (:data:`VISION_MODELS`) run the same on forests with screenshots (shared by
+every trial, by a subtree, different images behind identical placeholder ids: ``tests/test_vision.py``'s
+``agent_trees``), and their eager reference is transformers' own forward from ``pixel_values`` and
+``image_grid_thw``: its own tower call, feature scatter and multimodal rotary positions.
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ import random
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from ds_tree.comparison import gradient_errors
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.token_mixing import UnsupportedModelError
+from ds_tree.models.vision import attach_rope_positions
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.verify.tree_vs_flat import run_mode
+from tests.test_vision import agent_trees
 
 EXACT = 1e-10
 # transformers' eager attention takes its softmax in float32 whatever the model dtype.
@@ -124,6 +131,9 @@ MODELS = {
     ),
 }
 
+VISION_MODELS = {"qwen2_5_vl": "configs/models/tiny_qwen2_5_vl.json", "qwen3_vl": "configs/models/tiny_qwen3_vl.json"}
+"""Vision-language entries: the tiny configs of the repository (nested text and vision configs)."""
+
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory) -> dict[str, str]:
@@ -157,23 +167,67 @@ def _eager_logprobs(model, source: str, trajectory) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_tree_equals_flat(name, sources, forest):
-    model = load_model(sources[name], attention="torch", dtype=torch.float64, seed=7)
-    flat = run_mode(model, forest, "flat", 4096, 1, "token_mean", "exact")
-    for budget in (4096, 16):  # whole trees, then parts carrying their ancestor paths
-        tree = run_mode(model, forest, "tree", budget, 1, "token_mean", "exact")
-        assert budget == 4096 or tree.rows > 2
+def _eager_vision_logprobs(model, source: str, trajectory) -> np.ndarray:
+    """Log-probs of the trajectory alone by transformers' own vision-language forward (eager attention in the
+    tower and the language model), from its ids and its images' ``pixel_values`` and ``image_grid_thw``: the
+    model places the features and computes the rotary positions itself (image tokens found by id, as its
+    processor marks them)."""
+    reference = AutoModelForImageTextToText.from_config(load_config(source), attn_implementation="eager")
+    reference.load_state_dict(model.state_dict())
+    reference.to(torch.float64).eval()
+    ids = torch.as_tensor(trajectory.input_ids)[None]
+    images = {}
+    if trajectory.images:
+        images = dict(
+            pixel_values=torch.cat([torch.as_tensor(image.pixel_values) for image in trajectory.images]).double(),
+            image_grid_thw=torch.as_tensor([image.grid_thw for image in trajectory.images]),
+            mm_token_type_ids=(ids == reference.config.image_token_id).int(),
+        )
+    with torch.no_grad():
+        logits = reference(input_ids=ids, use_cache=False, **images).logits[0, :-1].double()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].numpy()
+
+
+def _check_tree_equals_flat(name: str, model, trajectories, budgets: tuple[int, int]):
+    """Flat, then tree with whole trees and with parts carrying their ancestor paths: loss, every
+    trajectory's log-probs and every gradient to :data:`EXACT`. Returns the flat result."""
+    flat = run_mode(model, trajectories, "flat", 4096, 1, "token_mean", "exact")
+    for budget in budgets:
+        tree = run_mode(model, trajectories, "tree", budget, 1, "token_mean", "exact")
+        assert budget == budgets[0] or tree.rows > 2
         assert abs(tree.loss - flat.loss) <= EXACT * abs(flat.loss)
-        for trajectory in forest:
+        for trajectory in trajectories:
             key = id(trajectory)
             np.testing.assert_allclose(tree.logprobs[key], flat.logprobs[key], rtol=0, atol=EXACT)
         errors = gradient_errors(flat.gradients, tree.gradients)
         worst = max(errors, key=errors.get)
         assert errors[worst] <= EXACT, (name, budget, worst, errors[worst])
+    return flat
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tree_equals_flat(name, sources, forest):
+    model = load_model(sources[name], attention="torch", dtype=torch.float64, seed=7)
+    flat = _check_tree_equals_flat(name, model, forest, (4096, 16))
     assert set(flat.gradients) >= {n for n, p in model.named_parameters() if "experts" not in n}
     for trajectory in forest[:3]:
         eager = _eager_logprobs(model, sources[name], trajectory)
+        np.testing.assert_allclose(flat.logprobs[id(trajectory)], eager, rtol=0, atol=EAGER, err_msg=name)
+
+
+@pytest.mark.parametrize("name", list(VISION_MODELS))
+def test_vision_language_tree_equals_flat(name):
+    """Trees with images, whole and split into parts (budget 20: the longest path), the tower's
+    gradients included; the flat log-probs equal transformers' own forward from the pixels on every
+    trajectory (with images, repeated images, and text only)."""
+    trajectories = agent_trees(name)
+    model = load_model(VISION_MODELS[name], attention="torch", dtype=torch.float64, seed=7)
+    attach_rope_positions(model.config, trajectories)
+    flat = _check_tree_equals_flat(name, model, trajectories, (4096, 20))
+    tower = {n for n, _ in model.named_parameters() if ".visual." in n}
+    assert len(tower) >= 20 and set(flat.gradients) == {n for n, _ in model.named_parameters()}
+    for trajectory in trajectories:
+        eager = _eager_vision_logprobs(model, VISION_MODELS[name], trajectory)
         np.testing.assert_allclose(flat.logprobs[id(trajectory)], eager, rtol=0, atol=EAGER, err_msg=name)
 
 

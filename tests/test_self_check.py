@@ -92,6 +92,70 @@ def test_check_passes_on_every_model_family_of_the_matrix(matrix_sources, name):
     assert result.parameters >= 10 and result.trajectories == len(forest)
 
 
+def _vision_sample(family: str):
+    """``tests/test_vision.py``'s agent trees (shared screenshots, different images behind identical
+    placeholders, a repeated image, a text-only trial) with the family's rotary positions, and its tiny model."""
+    from ds_tree.models.vision import attach_rope_positions
+    from tests.test_model_matrix import VISION_MODELS
+    from tests.test_vision import agent_trees
+
+    model = load_model(str(ROOT / VISION_MODELS[family]), dtype=torch.float32, seed=7)
+    trajectories = agent_trees(family)
+    attach_rope_positions(model.config, trajectories)
+    return model, trajectories
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_check_passes_on_vision_language_models_with_each_trajectorys_images(family):
+    """The matrix's vision-language entries: the flat side encodes every trajectory's own images, the tree
+    side each tree's distinct images once (counted at the tower), and every parameter, the tower's
+    included, is compared."""
+    from tests.test_model_matrix import VISION_MODELS
+
+    assert set(VISION_MODELS) == {"qwen2_5_vl", "qwen3_vl"}  # a new family joins the list above
+    model, trajectories = _vision_sample(family)
+    encoded = []  # images per tower call
+    model.model.visual.register_forward_hook(
+        lambda _module, _args, kwargs, _out: encoded.append(len(kwargs["grid_thw"])), with_kwargs=True
+    )
+    result = self_check.check_sample(model, trajectories, plan=PlanSettings(budget=4096))
+    self_check.verdict(result, 1, torch.float32)
+    per_trajectory = sum(len({image.key for image in t.images}) for t in trajectories)
+    per_tree = len({image.key for t in trajectories[:5] for image in t.images}) + 1  # 4 in task g, 1 in h
+    assert encoded == [per_trajectory, per_tree] == [10, 5]  # flat (one row), then tree (one row)
+    assert result.trajectories == len(trajectories)
+    assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("fault", ["merged", "dropped"])
+def test_a_merged_or_dropped_image_in_the_tree_stops_the_check(monkeypatch, fault):
+    """Fault injection in the tree side's rows only (flat rows, one trajectory per tree, stay exact): the
+    row's images with one grid all encoded from the first one's pixels (different screenshots merged, as a
+    trie keyed on placeholder ids would), or every image blank (dropped): the check stops the run."""
+    from ds_tree.packing.rows import PackedRow, RowImages
+
+    model, trajectories = _vision_sample("qwen2_5_vl")
+    exact = PackedRow.image_inputs
+
+    def faulty(row, tokens=None):
+        images = exact(row, tokens)
+        if all(len(part.trajectory_ids) == 1 for part in row.layout_parts):  # a flat row
+            return images
+        first = {}
+        pixels = [
+            np.zeros_like(p) if fault == "dropped" else first.setdefault(tuple(grid), p)
+            for p, grid in zip(images.pixel_values, images.grids, strict=True)
+        ]
+        return RowImages(pixel_values=pixels, grids=images.grids, feature_index=images.feature_index)
+
+    monkeypatch.setattr(PackedRow, "image_inputs", faulty)
+    result = self_check.check_sample(model, trajectories, plan=PlanSettings(budget=4096))
+    message = r"step 2: the tree result differs .* gradient relative error .*; log-prob absolute error"
+    with pytest.raises(self_check.SelfCheckError, match=message):
+        self_check.verdict(result, 2, torch.float32)
+    assert result.max_grad_rel_err > 1e-2 and result.max_abs_logprob_err > 1e-3, result
+
+
 @pytest.mark.parametrize("dfs", [None, DfsSettings(16)])
 def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path, dfs):
     """GRPO with clipping, KL (reference: adapters disabled) and entropy on LoRA adapters: the old

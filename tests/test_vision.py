@@ -509,21 +509,6 @@ def test_gui_synthetic_data_shares_screenshots_as_trees_do(processor_folder, tmp
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_training_self_check_passes_with_images(family):
-    """The trainer's self-check (tree vs flat on a sample of the step, float32, as training runs)."""
-    from ds_tree.engine import self_check
-    from ds_tree.packing.plan import PlanSettings
-
-    trajectories = agent_trees(family)
-    attach_rope_positions(load_model_config(CONFIGS[family]), trajectories)
-    model = load_model(CONFIGS[family], dtype="float32", seed=7)
-    result = self_check.check_sample(model, trajectories, plan=PlanSettings(budget=4096))
-    self_check.verdict(result, 1, torch.float32)
-    assert result.trajectories == len(trajectories)
-    assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
-
-
-@pytest.mark.parametrize("family", sorted(CONFIGS))
 @pytest.mark.parametrize("chunk", [5, 64])
 def test_dfs_walk_equals_flat_in_float64(family, chunk):
     """The walk in chunks that cut images (5 tokens) and hold whole subtrees (64): SFT and GRPO."""
