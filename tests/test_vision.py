@@ -483,6 +483,34 @@ def test_two_ranks_zero3_match_single_process_flat(processor_folder, tmp_path):
     assert report["max_rel_param_err"] < 1e-5, report
 
 
+@pytest.mark.distributed
+def test_two_rank_zero3_training_self_check_passes_on_gui_data(tmp_path):
+    """A training run (``ds_tree.train`` under the DeepSpeed launcher, 2 gloo ranks, ZeRO-3) of the tiny
+    Qwen3-VL (deepstack) on converted GUI data with ``objective.self_check: first``: the check's sample (two
+    trials sharing their first screenshot) runs tree and flat, each trajectory with its own images, on
+    both ranks with the tower gathered by ZeRO-3's hooks, compares every parameter and passes.
+    (``tests/test_self_check.py`` injects merged and dropped images into the same check: it stops.)"""
+    import json
+
+    from ds_tree.data.convert import ConvertOptions, convert
+    from ds_tree.data.gui_synthetic import write_gui_chat
+    from tests.test_engine import launch_training, write_config
+
+    assert make_tokenizer_main(["--output", str(tmp_path / "processor"), "--vision", "qwen3_vl"]) == 0
+    path = write_gui_chat(tmp_path / "gui", tasks=2, trials=4, side=32)  # 32x32 pixels: one merged token each
+    convert([path], tmp_path / "dataset", tmp_path / "processor", ConvertOptions(format="chat"))
+    source = str(ROOT / CONFIGS["qwen3_vl"])
+    config = write_config(tmp_path, tmp_path / "dataset", model={"source": source})
+    process = launch_training(config, "data.groups_per_step=2", "objective.self_check=first")
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output[-4000:]
+    parameters = sum(1 for _ in load_model(source).parameters())
+    assert re.search(rf"self-check step 1: tree vs flat .* over {parameters} parameters", output), output[-4000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["selfcheck/tokens"] > 0 and record["selfcheck/max_grad_rel_err"] < 1e-5, record
+    assert record["selfcheck/loss_rel_err"] < 1e-5 and record["selfcheck/max_abs_logprob_err"] < 1e-5, record
+
+
 def test_gui_synthetic_data_shares_screenshots_as_trees_do(processor_folder, tmp_path):
     from ds_tree.data import load_trajectories
     from ds_tree.data.convert import ConvertOptions, convert
