@@ -127,11 +127,41 @@ def test_check_passes_on_vision_language_models_with_each_trajectorys_images(fam
     assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_vision_language_checks_walk_and_take_the_rl_objective(family, objective):
+    """The same sample walked in chunks of 5 tokens (images cut between chunks), SFT and GRPO, and GRPO on
+    packed rows, with the step's old log-probs and an update between them (ratios off 1)."""
+    from ds_tree.losses.advantages import estimate
+    from ds_tree.losses.rl import RLSettings
+
+    model, trajectories = _vision_sample(family)
+    walk = PlanSettings(mode="dfs", budget=4096, dfs_chunk=5)
+    runs = {"walked": (walk, DfsSettings(5))}
+    if objective == "grpo":
+        runs["packed"] = (PlanSettings(budget=4096), None)
+    for kind, (plan, dfs) in runs.items():
+        rl = None
+        if objective == "grpo":
+            advantages = estimate(trajectories, "grpo", False).by_trajectory()
+            rl = self_check.rl_inputs(model, trajectories, advantages, RLSettings(), plan=plan, dfs=dfs)
+            with torch.no_grad():  # the step's update
+                for parameter in model.parameters():
+                    parameter.add_(0.02 * torch.randn_like(parameter))
+        result = self_check.check_sample(model, trajectories, plan=plan, dfs=dfs, rl=rl)
+        self_check.verdict(result, 1, torch.float32)
+        assert result.items == {kind: 2 if kind == "walked" else 1}, result.items  # one walk per tree
+        assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("fault", ["merged", "dropped"])
-def test_a_merged_or_dropped_image_in_the_tree_stops_the_check(monkeypatch, fault):
+@pytest.mark.parametrize("dfs", [None, DfsSettings(16)], ids=["packed", "walked"])
+def test_a_merged_or_dropped_image_in_the_tree_stops_the_check(monkeypatch, fault, dfs):
     """Fault injection in the tree side's rows only (flat rows, one trajectory per tree, stay exact): the
     row's images with one grid all encoded from the first one's pixels (different screenshots merged, as a
-    trie keyed on placeholder ids would), or every image blank (dropped): the check stops the run."""
+    trie keyed on placeholder ids would), or every image blank (dropped), in packed rows and in a walk's
+    chunks (16 tokens: the sibling subtrees below the shared screenshot, with their 3 images, in one chunk):
+    the check stops the run."""
     from ds_tree.packing.rows import PackedRow, RowImages
 
     model, trajectories = _vision_sample("qwen2_5_vl")
@@ -149,7 +179,9 @@ def test_a_merged_or_dropped_image_in_the_tree_stops_the_check(monkeypatch, faul
         return RowImages(pixel_values=pixels, grids=images.grids, feature_index=images.feature_index)
 
     monkeypatch.setattr(PackedRow, "image_inputs", faulty)
-    result = self_check.check_sample(model, trajectories, plan=PlanSettings(budget=4096))
+    plan = PlanSettings(mode="dfs", budget=4096, dfs_chunk=16) if dfs else PlanSettings(budget=4096)
+    result = self_check.check_sample(model, trajectories, plan=plan, dfs=dfs)
+    assert set(result.items) == {"walked" if dfs else "packed"}
     message = r"step 2: the tree result differs .* gradient relative error .*; log-prob absolute error"
     with pytest.raises(self_check.SelfCheckError, match=message):
         self_check.verdict(result, 2, torch.float32)
