@@ -154,31 +154,48 @@ def test_vision_language_checks_walk_and_take_the_rl_objective(family, objective
         assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
 
 
+def _faulty_pixels(fault: str, pixel_values, grids) -> list[np.ndarray]:
+    """Images' pixels with a fault: those of one grid all the first one's (``merged``), or blank (``dropped``)."""
+    first: dict[tuple[int, ...], np.ndarray] = {}
+    return [
+        np.zeros_like(pixels) if fault == "dropped" else first.setdefault(tuple(grid), pixels)
+        for pixels, grid in zip(pixel_values, grids, strict=True)
+    ]
+
+
 @pytest.mark.parametrize("fault", ["merged", "dropped"])
 @pytest.mark.parametrize("dfs", [None, DfsSettings(16)], ids=["packed", "walked"])
 def test_a_merged_or_dropped_image_in_the_tree_stops_the_check(monkeypatch, fault, dfs):
-    """Fault injection in the tree side's rows only (flat rows, one trajectory per tree, stay exact): the
-    row's images with one grid all encoded from the first one's pixels (different screenshots merged, as a
-    trie keyed on placeholder ids would), or every image blank (dropped), in packed rows and in a walk's
-    chunks (16 tokens: the sibling subtrees below the shared screenshot, with their 3 images, in one chunk):
-    the check stops the run."""
+    """Fault injection on the tree side only (the flat rows stay exact): a packed tree row's images, or a
+    walked row's (the walk encodes each once, :mod:`ds_tree.packing.dfs_images`), with one grid all encoded
+    from the first one's pixels (different screenshots merged, as a trie keyed on placeholder ids would), or
+    every one blank (dropped): the check stops the run."""
+    import dataclasses
+
+    from ds_tree.packing import dfs_images
     from ds_tree.packing.rows import PackedRow, RowImages
 
     model, trajectories = _vision_sample("qwen2_5_vl")
-    exact = PackedRow.image_inputs
+    if dfs:
+        exact_slots = dfs_images._slots
 
-    def faulty(row, tokens=None):
-        images = exact(row, tokens)
-        if all(len(part.trajectory_ids) == 1 for part in row.layout_parts):  # a flat row
-            return images
-        first = {}
-        pixels = [
-            np.zeros_like(p) if fault == "dropped" else first.setdefault(tuple(grid), p)
-            for p, grid in zip(images.pixel_values, images.grids, strict=True)
-        ]
-        return RowImages(pixel_values=pixels, grids=images.grids, feature_index=images.feature_index)
+        def faulty_slots(row, placeholders, roots):
+            slot_of, images = exact_slots(row, placeholders, roots)
+            pixels = _faulty_pixels(fault, [i.pixel_values for i in images], [i.grid_thw for i in images])
+            return slot_of, [dataclasses.replace(i, pixel_values=p) for i, p in zip(images, pixels, strict=True)]
 
-    monkeypatch.setattr(PackedRow, "image_inputs", faulty)
+        monkeypatch.setattr(dfs_images, "_slots", faulty_slots)
+    else:
+        exact_inputs = PackedRow.image_inputs
+
+        def faulty_inputs(row, tokens=None):
+            inputs = exact_inputs(row, tokens)
+            if all(len(part.trajectory_ids) == 1 for part in row.layout_parts):  # a flat row
+                return inputs
+            pixels = _faulty_pixels(fault, inputs.pixel_values, inputs.grids)
+            return RowImages(pixel_values=pixels, grids=inputs.grids, feature_index=inputs.feature_index)
+
+        monkeypatch.setattr(PackedRow, "image_inputs", faulty_inputs)
     plan = PlanSettings(mode="dfs", budget=4096, dfs_chunk=16) if dfs else PlanSettings(budget=4096)
     result = self_check.check_sample(model, trajectories, plan=plan, dfs=dfs)
     assert set(result.items) == {"walked" if dfs else "packed"}
