@@ -18,14 +18,12 @@ RL has to learn. Use it as ``rollout.env.path: ds_tree.rollout.envs.gui_screens:
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-from pathlib import Path
 
 import numpy as np
 
 from ds_tree.rollout.env import ToolEnvironment, Turn
+from ds_tree.rollout.envs.tasks_file import write_tasks_main
 
 COLOURS = ((230, 25, 25), (25, 200, 40), (30, 60, 230), (235, 220, 30), (245, 245, 245))
 """Red, green, blue, yellow, white: the answer is the index."""
@@ -97,13 +95,7 @@ def tasks(count: int, seed: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", required=True, help="tasks JSONL to write (rollout.prompts)")
-    parser.add_argument("--count", type=int, default=64, help="tasks")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    Path(args.tasks).write_text("".join(json.dumps(task) + "\n" for task in tasks(args.count, args.seed)))
-    return 0
+    return write_tasks_main(__doc__.split("\n")[0], tasks, argv)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,10 @@ observation being used: reading it is what RL has to learn.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-from pathlib import Path
 
 from ds_tree.rollout.env import ToolEnvironment, Turn
+from ds_tree.rollout.envs.tasks_file import write_tasks_main
 
 SYSTEM = "Call get_secret, then answer with the secret only."
 QUESTION = "What is the secret?"
@@ -87,13 +85,7 @@ def tasks(count: int, seed: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", required=True, help="tasks JSONL to write (rollout.prompts)")
-    parser.add_argument("--count", type=int, default=64, help="tasks")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    Path(args.tasks).write_text("".join(json.dumps(task) + "\n" for task in tasks(args.count, args.seed)))
-    return 0
+    return write_tasks_main(__doc__.split("\n")[0], tasks, argv)
 
 
 if __name__ == "__main__":
