@@ -35,6 +35,7 @@ from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.models.vision import attach_rope_positions
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
@@ -82,12 +83,14 @@ def sequence_parallel_report(
 
 
 def check_group(trajectories: list[Trajectory], model_source: str, size: int) -> None:
-    """Before any rank is spawned: at least 2 ranks, heads that split over them, tokens inside the vocabulary."""
+    """Before any rank is spawned: at least 2 ranks, heads that split over them, tokens inside the vocabulary;
+    trajectories with images get their rotary positions by the model's rule (in place: the ranks inherit them)."""
     if size < 2:
         raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
     model_config = load_model_config(model_source)
     check_heads(model_config, size, str(model_source))
-    check_vocab(trajectories, model_config.vocab_size)
+    check_vocab(trajectories, model_config.get_text_config().vocab_size)
+    attach_rope_positions(model_config, trajectories)
 
 
 def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict):
