@@ -137,3 +137,16 @@ def test_two_ranks_zero3_sequence_parallel_with_images_matches_single_process_fl
     assert all(run["sharded_rows"] >= 1 for run in report["runs"] if run["case"] == "gui"), report
     check = report["train_step_selfcheck"]
     assert check["selfcheck/tokens"] > 0 and check["selfcheck/max_grad_rel_err"] < 1e-5, check
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_verify_refuses_the_sharded_walk_with_images(objective) -> None:
+    from ds_tree.engine.dfs import DfsSettings
+    from ds_tree.verify.dfs_sequence_parallel import dfs_sequence_parallel_report
+
+    trajectories, dfs = agent_trees("qwen2_5_vl"), DfsSettings(8, False)
+    with pytest.raises(ValueError, match="--dfs-chunk with --sequence-parallel: the trajectories have images"):
+        if objective == "sft":
+            dfs_sequence_parallel_report(trajectories, CONFIGS["qwen2_5_vl"], dfs, size=2)
+        else:
+            sequence_parallel_rl_report(trajectories, CONFIGS["qwen2_5_vl"], size=2, dfs=dfs)

@@ -82,11 +82,19 @@ def sequence_parallel_report(
     return spawn_group(_rank, trajectories, settings)
 
 
-def check_group(trajectories: list[Trajectory], model_source: str, size: int) -> None:
+def check_group(trajectories: list[Trajectory], model_source: str, size: int, *, walked: bool = False) -> None:
     """Before any rank is spawned: at least 2 ranks, heads that split over them, tokens inside the vocabulary;
-    trajectories with images get their rotary positions by the model's rule (in place: the ranks inherit them)."""
+    trajectories with images get their rotary positions by the model's rule (in place: the ranks inherit them),
+    and are refused for the sharded dfs walk (``walked``; docs/MODELS.md, "Vision-language models")."""
     if size < 2:
         raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
+    if walked and any(t.images for t in trajectories):
+        raise ValueError(
+            "--dfs-chunk with --sequence-parallel: the trajectories have images, and the walk sharded over a "
+            "sequence-parallel group passes each chunk's shard its depths only, neither its images nor its "
+            "multimodal rotary positions: verify sharded rows (no --dfs-chunk) or the walk on one rank "
+            "(no --sequence-parallel)"
+        )
     model_config = load_model_config(model_source)
     check_heads(model_config, size, str(model_source))
     check_vocab(trajectories, model_config.get_text_config().vocab_size)
