@@ -155,7 +155,7 @@ ONLINE = (
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("parallel.sequence_parallel_size=2", "parallel.sequence_parallel_size"),
+        ("parallel.sequence_parallel_size=2 packing.mode=dfs", "parallel.sequence_parallel_size"),  # sharded walk
         (ONLINE, "rollout.env.path"),  # single-turn online RL: text prompts only
     ],
 )

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ds_tree.errors import ConfigError
 from ds_tree.models.head_parallel import check_recurrent_heads
+from ds_tree.models.vision import attention_implementations, is_vision_language
 
 SUFFIX = "_sequence_parallel"
 """Added to the tree attention's name for its sequence-parallel dispatcher."""
@@ -122,7 +123,9 @@ def enable_sequence_parallel(model, size: int) -> SequenceParallelGroup:
         ALL_ATTENTION_FUNCTIONS[name] = core
         AttentionInterface.register(name + SUFFIX, _dispatcher(core, ulysses, size))
         _ENABLED[name] = key
-    model.set_attn_implementation(name + SUFFIX)
+    # a vision-language model's tower keeps its own attention (per image): only the language model's changes
+    vision = is_vision_language(model.config)
+    model.set_attn_implementation(attention_implementations(name + SUFFIX) if vision else name + SUFFIX)
     position = parallel_state_sp.get_sequence_parallel_rank()
     return SequenceParallelGroup(size=size, index=dist.get_rank() // size, position=position)
 

@@ -42,9 +42,17 @@ sampled on the HF engine, whose tree sampler feeds the prompt's images and rotar
 (``ds_tree.sampling.hf.sample_tree``: ``images``); the sampler's own forward passes ``pixel_values``
 (the stock path, below).
 
-Refused (:func:`check_vision_settings`, naming the field): sequence parallelism (a shard would need
-the features of images in other shards), sampling on vLLM, single-turn online RL (its prompts are
-text); and at load
+Sequence-parallel rows (Ulysses, :class:`~ds_tree.packing.sequence_parallel.RowShard`): each rank of the
+group encodes the images with placeholders in its shard (an image cut by the shard boundary on both ranks),
+gathers its placeholders' features and backpropagates their gradient into the tower; the tower's parameters
+take the same path as the language model's (summed over the group by the trainer's reduction), so the sum
+is the row's gradient. The shard's ``[4, 1, n]`` positions are the row's cut like its tokens; a tree row
+without images gets its depths as all four rows, so that the language model hands them to the attention
+(the Ulysses wrapper gathers them).
+
+Refused (:func:`check_vision_settings`, naming the field): the dfs walk sharded over a sequence-parallel
+group (its chunks' shards carry neither images nor rotary positions), sampling on vLLM, single-turn online
+RL (its prompts are text); and at load
 (:func:`check_vision_model_type`) models whose image tokens attend to each other bidirectionally
 inside the language model (Gemma 3): the tree mask is causal.
 """
@@ -94,10 +102,12 @@ def check_vision_settings(config, model_config) -> None:
         return
     what = f"{model_config.model_type} is a vision-language model"
     packing = config.packing
-    if config.parallel.sequence_parallel_size > 1 or packing.over_budget == "sequence_parallel":
+    if config.parallel.sequence_parallel_size > 1 and "dfs" in (packing.mode, packing.over_budget):
         raise ConfigError(
-            f"parallel.sequence_parallel_size / packing.over_budget: sequence_parallel: {what}; a shard would need "
-            "the vision features of images in other shards (not built): set sequence_parallel_size: 1"
+            f"parallel.sequence_parallel_size with packing.mode / over_budget: dfs: {what}; the walk sharded over "
+            "the group passes each chunk's shard its depths only, neither its images nor its multimodal rotary "
+            "positions (the per-walk image cache, ds_tree/packing/dfs_images.py, serves unsharded chunks): walk on "
+            "one rank (sequence_parallel_size: 1) or shard rows (over_budget: sequence_parallel)"
         )
     rollout = config.rollout
     if rollout.enabled and rollout.engine == "vllm":
@@ -188,6 +198,11 @@ def install_vision(model) -> None:
         if kwargs.get("pixel_values") is not None:  # the sampler's prefill: the stock path (one process, no ZeRO)
             return original(*args, **kwargs)
         kwargs["mm_encoder_outputs"] = {"image": encode_images(model, row_images)}
+        positions = kwargs.get("position_ids")
+        if kwargs.get("kv_end") is not None and positions is not None and positions.ndim == 2:
+            # a tree row without images: its depths as all four rows, so that the language model hands them to
+            # the attention as text positions (the Ulysses wrapper gathers them) as it does for a row with images
+            kwargs["position_ids"] = positions[None].expand(4, -1, -1)
         return original(*args, **kwargs)
 
     model.forward = forward

@@ -131,9 +131,19 @@ class RowShard(PackedRow):
         return self.row_parts
 
     def tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The shard's ``input_ids`` and ``position_ids``, and the whole row's ``kv_end``."""
+        """The shard's ``input_ids`` and ``position_ids`` (a row with images: ``[4, 1, n]``, the multimodal
+        rotary rows cut like the depth), and the whole row's ``kv_end``. A row with images passes the
+        images with placeholders in the shard (``row_images``, :meth:`image_inputs` of the shard's tokens;
+        none: the shard has no placeholder): the rank encodes them, gathers its placeholders' features and
+        backpropagates their gradients into the tower, so the tower's gradient summed over the group is the
+        row's, as the language model's is (:mod:`ds_tree.models.ulysses`)."""
         whole = super().tensors(device)
-        return {name: value if name == "kv_end" else value[:, self.start : self.end] for name, value in whole.items()}
+        shard = {name: value[..., self.start : self.end] for name, value in whole.items() if name != "row_images"}
+        shard["kv_end"] = whole["kv_end"]
+        if "row_images" in whole:
+            images = self.image_inputs(np.arange(self.start, self.end))
+            shard["row_images"] = images if images.pixel_values else None
+        return shard
 
 
 def shard_row(row: PackedRow, size: int, position: int) -> RowShard:

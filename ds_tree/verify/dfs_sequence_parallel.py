@@ -55,7 +55,7 @@ def dfs_sequence_parallel_report(
     weighted by ``router_aux_loss_coef`` (None: the model config's), its value compared as well."""
     check_objective(normalisation, policy)
     verification_dtype(trajectories, dtype)
-    check_group(trajectories, model_source, size)
+    check_group(trajectories, model_source, size, walked=True)
     settings = dict(
         model_source=str(model_source),
         size=size,

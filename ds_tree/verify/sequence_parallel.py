@@ -35,6 +35,7 @@ from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
+from ds_tree.models.vision import attach_rope_positions
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
@@ -81,13 +82,23 @@ def sequence_parallel_report(
     return spawn_group(_rank, trajectories, settings)
 
 
-def check_group(trajectories: list[Trajectory], model_source: str, size: int) -> None:
-    """Before any rank is spawned: at least 2 ranks, heads that split over them, tokens inside the vocabulary."""
+def check_group(trajectories: list[Trajectory], model_source: str, size: int, *, walked: bool = False) -> None:
+    """Before any rank is spawned: at least 2 ranks, heads that split over them, tokens inside the vocabulary;
+    trajectories with images get their rotary positions by the model's rule (in place: the ranks inherit them),
+    and are refused for the sharded dfs walk (``walked``; docs/MODELS.md, "Vision-language models")."""
     if size < 2:
         raise ValueError(f"sequence parallelism needs at least 2 ranks, got {size}")
+    if walked and any(t.images for t in trajectories):
+        raise ValueError(
+            "--dfs-chunk with --sequence-parallel: the trajectories have images, and the walk sharded over a "
+            "sequence-parallel group passes each chunk's shard its depths only, neither its images nor its "
+            "multimodal rotary positions: verify sharded rows (no --dfs-chunk) or the walk on one rank "
+            "(no --sequence-parallel)"
+        )
     model_config = load_model_config(model_source)
     check_heads(model_config, size, str(model_source))
-    check_vocab(trajectories, model_config.vocab_size)
+    check_vocab(trajectories, model_config.get_text_config().vocab_size)
+    attach_rope_positions(model_config, trajectories)
 
 
 def spawn_group(rank_function, trajectories: list[Trajectory], settings: dict):

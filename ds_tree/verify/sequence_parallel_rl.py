@@ -65,7 +65,7 @@ def sequence_parallel_rl_report(
     router load-balancing loss (docs/RL.md), weighted by ``router_aux_loss_coef`` (None: the model
     config's), its value compared as well."""
     verification_dtype(trajectories, dtype)
-    check_group(trajectories, model_source, size)
+    check_group(trajectories, model_source, size, walked=dfs is not None)
     checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)  # bad rewards fail before spawning
     options = dict(
         model_source=str(model_source),

@@ -4,7 +4,8 @@ the single-process flat step.
 The data's groups are named ``<case>/<n>``; each case is one optimizer update of the trainer (its own
 planning, sequence-parallel rows sharded over the two ranks, DeepSpeed's accumulation, the step).
 Mode dfs walks every tree with its chunks sharded over the two ranks (``packing.dfs_chunk``, in
-ZeRO-3's lockstep). Before each update every rank gathers the full parameters; after the backward, the full gradients
+ZeRO-3's lockstep); ``--modes`` picks the modes (default tree, flat and dfs; flat only for a case of
+several trajectories). Before each update every rank gathers the full parameters; after the backward, the full gradients
 and DeepSpeed's gradient norm. Rank 0 computes the reference from the same parameters in one
 process, float64, reference attention, flat layout (every trajectory its own sequence), and records
 the relative errors of the loss, every gradient and the norm. The cases run once per DeepSpeed JSON
@@ -80,7 +81,9 @@ def run_case(trainer, step: int, trajectories, mode: str) -> dict:
 
 def main() -> None:
     args, config = check_arguments(
-        (("--deepspeed",), {"nargs": "+", "required": True}), (("--dfs-chunk",), {"type": int, "default": 0})
+        (("--deepspeed",), {"nargs": "+", "required": True}),
+        (("--dfs-chunk",), {"type": int, "default": 0}),
+        (("--modes",), {"nargs": "+", "default": ["tree", "flat", "dfs"]}),  # a VL model: no sharded walk
     )
     config.deepspeed = args.deepspeed[0]
     config.packing.dfs_chunk = args.dfs_chunk  # of the dfs cases; the config (mode tree) may not set it
@@ -96,7 +99,7 @@ def main() -> None:
             rebuild_engine(trainer, ds_path, weights, lambda model: enable_sequence_parallel(model, size))
         stage = trainer.engine.zero_optimization_stage()
         for name, trajectories in cases.items():
-            for mode in ("tree", "flat", "dfs") if len(trajectories) > 1 else ("tree", "dfs"):
+            for mode in [m for m in args.modes if m != "flat" or len(trajectories) > 1]:
                 step += 1
                 result = run_case(trainer, step, trajectories, mode)
                 report["runs"].append({"stage": stage, "case": name, "mode": mode, **result})
