@@ -668,7 +668,8 @@ class ParallelConfig:
     attention heads must be multiples of S, and its key/value heads must divide S or be a multiple
     of it (checked at start-up). Any objective (SFT and RL, docs/RL.md "Long trees"). With
     ``packing.mode: dfs`` every tree is walked by a group instead, each chunk sharded over its S ranks
-    (``packing.over_budget: dfs`` is refused: use ``sequence_parallel`` or ``mode: dfs``)."""
+    (``packing.over_budget: dfs``: trees over the budget walked by a group, the rest packed per rank,
+    in one plan)."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel_size < 1:
