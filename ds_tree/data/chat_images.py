@@ -40,11 +40,11 @@ def image_parts(messages: list[dict]) -> list[tuple[int, int, dict]]:
     for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            found.extend((index, j, part) for j, part in enumerate(content) if _is_image(part))
+            found.extend((index, j, part) for j, part in enumerate(content) if is_image_part(part))
     return found
 
 
-def _is_image(part: object) -> bool:
+def is_image_part(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
 
 

@@ -24,7 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_tree.data.chat_images import CONVERTIBLE_MODES, IMAGE_TYPES, ImageReader, expand_image_pads
+from ds_tree.data.chat_images import (
+    CONVERTIBLE_MODES,
+    IMAGE_TYPES,
+    ImageReader,
+    expand_image_pads,
+    image_parts,
+    is_image_part,
+)
 from ds_tree.trees.images import TrajectoryImage
 
 
@@ -32,15 +39,8 @@ class ImageFailure(ValueError):
     """An image part an environment returned cannot be read (the environment's error)."""
 
 
-def is_image_part(part: object) -> bool:
-    return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
-
-
 def has_images(messages: list[dict]) -> bool:
-    return any(
-        isinstance(message.get("content"), list) and any(is_image_part(part) for part in message["content"])
-        for message in messages
-    )
+    return bool(image_parts(messages))
 
 
 def normalize_parts(where: str, content: list) -> list:
@@ -119,14 +119,8 @@ class ObservationImages:
 
     def of(self, messages: list[dict], where: str = "observation") -> list[TrajectoryImage]:
         """The images of ``messages``' image parts, in rendering order."""
-        images = []
-        for index, message in enumerate(messages):
-            content = message.get("content")
-            if isinstance(content, list):
-                for j, part in enumerate(content):
-                    if is_image_part(part):
-                        images.append(self.read(part, f"{where}: message {index}: content part {j}"))
-        return images
+        parts = image_parts(messages)
+        return [self.read(part, f"{where}: message {index}: content part {j}") for index, j, part in parts]
 
     def read(self, part: dict, where: str) -> TrajectoryImage:
         from PIL import Image
@@ -162,20 +156,16 @@ class ObservationImages:
 def rendering_stand_ins(messages: list[dict]) -> list[dict]:
     """``messages`` with each image part's image replaced by a name (the chat template renders an image
     part by its type alone), so they pass the chat-record checks of ``render_chat``."""
-    out = []
-    count = 0
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if is_image_part(part):
-                    part = {"type": "image", "image": f"observation-image-{count}"}
-                    count += 1
-                parts.append(part)
-            message = {**message, "content": parts}
-        out.append(message)
-    return out
+
+    def stand_in(part):
+        return {"type": "image", "image": "observation-image"} if is_image_part(part) else part
+
+    return [
+        {**message, "content": [stand_in(part) for part in message["content"]]}
+        if isinstance(message.get("content"), list)
+        else message
+        for message in messages
+    ]
 
 
 def observation_images(tokenizer_dir, model_config) -> ObservationImages | None:
