@@ -27,24 +27,22 @@ import numpy as np
 
 from ds_tree.data.records import integer_list
 from ds_tree.errors import DataError, RecordError
-from ds_tree.trees.images import TrajectoryImage
+from ds_tree.trees.images import PlaceholderCountError, TrajectoryImage
+from ds_tree.trees.images import placeholder_index as image_placeholder_index
 
 
 def placeholder_index(where: str, input_ids: np.ndarray, image_token_id: int, images) -> np.ndarray:
     """Per token: the image its placeholder shows (``-1`` for text), the placeholders taken in order,
     each image's merged patch count at a time; a :class:`RecordError` when the counts differ."""
-    placeholders = np.flatnonzero(input_ids == image_token_id)
-    needed = sum(image.tokens for image in images)
-    if placeholders.size != needed:
+    try:
+        return image_placeholder_index(input_ids, image_token_id, images)
+    except PlaceholderCountError as error:
         grids = [image.grid_thw for image in images]
         raise RecordError(
             "bad_image",
-            f"{where}: the images' grids {grids} need {needed} placeholder token(s) (id {image_token_id}), "
-            f"input_ids has {placeholders.size}",
-        )
-    index = np.full(input_ids.size, -1, dtype=np.int64)
-    index[placeholders] = np.repeat(np.arange(len(images)), [image.tokens for image in images])
-    return index
+            f"{where}: the images' grids {grids} need {error.needed} placeholder token(s) (id {image_token_id}), "
+            f"input_ids has {error.found}",
+        ) from None
 
 
 def given_image_index(where: str, value: object, input_ids: np.ndarray, image_token_id: int) -> np.ndarray:

@@ -68,7 +68,7 @@ from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_error_message
 from ds_tree.sampling.interface import EngineTurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings, path_limit
-from ds_tree.trees.images import TrajectoryImage
+from ds_tree.trees.images import TrajectoryImage, placeholder_index
 from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -277,11 +277,7 @@ class EpisodeTree:
             trial = len(self.leaves)
             input_ids = np.concatenate([np.asarray(n.token_ids, dtype=np.int64) for n in nodes])
             images = [image for n in nodes for image in n.images]
-            image_index = None
-            if images:
-                image_index = np.full(input_ids.shape, -1, dtype=np.int64)
-                placeholders = input_ids == self.image_token_id
-                image_index[placeholders] = np.repeat(np.arange(len(images)), [image.tokens for image in images])
+            image_index = placeholder_index(input_ids, self.image_token_id, images) if images else None
             trajectory = Trajectory(
                 input_ids=input_ids,
                 loss_mask=mask,
@@ -430,8 +426,7 @@ class EpisodeRunner:
             env = self.construct()
             opening = check_messages("reset", self.call(env.reset, task))
             tools = self.tools(env)
-            ids = self.renderer.prompt(opening, tools)
-            images = self.renderer.images_of(opening)
+            ids, images = self.renderer.prompt_with_images(opening, tools)
         except Exception as error:
             self.report(label, 0, error)
             counts["env_errors"] += 1
@@ -592,13 +587,12 @@ class EpisodeRunner:
         new = [self.renderer.cut(message) for message in messages]
         tree.counts["observations_cut"] += sum(a is not b for a, b in zip(new, messages, strict=True))
         try:
-            observation = self.renderer.bridge(child.ids, child.messages, new, tools)
+            observation, images = self.renderer.bridge_with_images(child.ids, child.messages, new, tools)
         except NotAppendOnly:
             return self.rewrite(tree, child, child.messages + new, tools)
         if len(child.ids) + len(observation) >= self.max_context:
             self.end(tree, child, child.node, "length")
             return False
-        images = self.renderer.images_of(new)  # read once per content: already read by the bridge
         node.images += images
         child.images += images
         child.messages += new
@@ -611,8 +605,7 @@ class EpisodeRunner:
     def rewrite(self, tree: EpisodeTree, child: _Live, history: list[dict], tools) -> bool:
         """Continue ``child`` from a rewritten conversation: a new root, the old path ends ``rewritten``."""
         tree.counts["rewritten"] += 1
-        ids = self.renderer.prompt(history, tools)
-        images = self.renderer.images_of(history)
+        ids, images = self.renderer.prompt_with_images(history, tools)
         if len(ids) >= self.max_context:
             self.end(tree, child, child.node, "length")
             return False
@@ -955,12 +948,7 @@ class MultiTurnRollouts(OnlineRollouts):
                         _run(env.close())
                 except Exception as error:  # best effort, as after an episode
                     logger.warning("environment close failed: %s: %s", type(error).__name__, error)
-            index = None
-            if images:
-                index = np.full(rendered.input_ids.shape, -1, dtype=np.int64)
-                index[rendered.input_ids == self.vision_token()] = np.repeat(
-                    np.arange(len(images)), [image.tokens for image in images]
-                )
+            index = placeholder_index(rendered.input_ids, self.vision_token(), images) if images else None
             trajectories.append(
                 Trajectory(
                     input_ids=rendered.input_ids,

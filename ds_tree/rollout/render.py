@@ -111,7 +111,12 @@ class Renderer:
         """Ids of a conversation's full rendering, ending in the generation prompt; content that
         spells a special token is encoded as text (only the template's structure gives special ids).
         Each image part's placeholder is expanded to the image's merged patches (:meth:`images_of`)."""
-        return self.expand(self.encode(*self.render_spans(messages, tools, generation_prompt=True)), messages)
+        return self.prompt_with_images(messages, tools)[0]
+
+    def prompt_with_images(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list]:
+        """:meth:`prompt`'s ids and the conversation's images (each read once)."""
+        images = self.images_of(messages)
+        return self.expand(self.encode(*self.render_spans(messages, tools, generation_prompt=True)), images), images
 
     def images_of(self, messages: list[dict]) -> list:
         """The :class:`~ds_tree.trees.images.TrajectoryImage` of every image part of ``messages``, in order;
@@ -128,8 +133,8 @@ class Renderer:
         except ImageFailure as error:
             raise EnvFailure(str(error)) from None
 
-    def expand(self, ids: list[int], messages: list[dict]) -> list[int]:
-        images = self.images_of(messages)
+    def expand(self, ids: list[int], images: list) -> list[int]:
+        """``ids`` with each of ``images``' one placeholder expanded to its merged patches."""
         if not images:
             return ids
         try:
@@ -196,6 +201,16 @@ class Renderer:
         """Ids to append to ``previous_ids`` (a conversation ending in a sampled assistant turn, its
         stop token last; ``messages`` the same conversation as messages) for ``new_messages`` and the
         next generation prompt. Raises :class:`NotAppendOnly` when the template does not extend."""
+        return self.bridge_with_images(previous_ids, messages, new_messages, tools)[0]
+
+    def bridge_with_images(
+        self,
+        previous_ids: Sequence[int],
+        messages: list[dict],
+        new_messages: list[dict],
+        tools: list[dict] | None,
+    ) -> tuple[list[int], list]:
+        """:meth:`bridge`'s ids and the images of ``new_messages`` (each read once)."""
         if not previous_ids or previous_ids[-1] not in self.stop_ids:
             raise ValueError("bridge needs ids that end with a stop token (a finished assistant turn)")
         before = self.render(messages, tools, generation_prompt=False)
@@ -205,4 +220,5 @@ class Renderer:
         self.check_turn_kept(previous_ids[-1], messages, before, tools)
         shift = len(before) - len(self.after_stop)  # new messages' content spans, in the appended text
         appended = [(start - shift, end - shift) for start, end in spans if start >= len(before)]
-        return self.expand(self.encode(self.after_stop + after[len(before) :], appended), new_messages)
+        images = self.images_of(new_messages)
+        return self.expand(self.encode(self.after_stop + after[len(before) :], appended), images), images

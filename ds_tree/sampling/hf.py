@@ -50,7 +50,13 @@ from ds_tree.sampling.state_cache import (
     layer_row,
     stacked_cache,
 )
-from ds_tree.trees.images import TrajectoryImage, check_image_layout, image_runs
+from ds_tree.trees.images import (
+    PlaceholderCountError,
+    TrajectoryImage,
+    check_image_layout,
+    image_runs,
+    placeholder_index,
+)
 from ds_tree.trees.trajectory import Trajectory
 
 FINISH_REASONS = ("eos", "repetition", "logprob_floor", "length")
@@ -118,15 +124,12 @@ def prompt_images(config, prompt_ids: Sequence[int], images: Sequence[Trajectory
         if images:
             raise ValueError(f"the prompt has images and the model ({config.model_type}) has no vision tower")
         return None
-    index = np.full(ids.shape, -1, dtype=np.int64)
-    placeholders = np.flatnonzero(ids == config.image_token_id)
-    counts = [image.tokens for image in images]
-    if placeholders.size != sum(counts):
+    try:
+        index = placeholder_index(ids, config.image_token_id, images)
+    except PlaceholderCountError as error:
         raise ValueError(
-            f"the prompt has {placeholders.size} image placeholder tokens; its {len(images)} image(s) need "
-            f"{sum(counts)}"
-        )
-    index[placeholders] = np.repeat(np.arange(len(images)), counts).astype(np.int64)
+            f"the prompt has {error.found} image placeholder tokens; its {len(images)} image(s) need {error.needed}"
+        ) from None
     check_image_layout("the prompt", index, tuple(images))
     grids = [image.grid_thw for image in images]
     return PromptImages(tuple(images), index, rope_positions(config, ids, index if images else None, grids))

@@ -88,6 +88,28 @@ def check_image_layout(where: str, image_index: np.ndarray, images: tuple[Trajec
             )
 
 
+class PlaceholderCountError(ValueError):
+    """The placeholders of a token sequence and its images' merged patches differ in number."""
+
+    def __init__(self, found: int, needed: int) -> None:
+        super().__init__(f"{found} image placeholder token(s), the images need {needed}")
+        self.found, self.needed = found, needed
+
+
+def placeholder_index(input_ids: np.ndarray, image_token_id: int, images) -> np.ndarray:
+    """Per token: the image its placeholder shows (``-1`` for text), the ``image_token_id`` tokens taken in
+    order, each image's merged patch count at a time; a :class:`PlaceholderCountError` when the counts
+    differ (each caller says where)."""
+    input_ids = np.asarray(input_ids)
+    placeholders = np.flatnonzero(input_ids == image_token_id)
+    counts = [image.tokens for image in images]
+    if placeholders.size != sum(counts):
+        raise PlaceholderCountError(placeholders.size, sum(counts))
+    index = np.full(input_ids.shape, -1, dtype=np.int64)
+    index[placeholders] = np.repeat(np.arange(len(counts)), counts)
+    return index
+
+
 def patch_index(image_index: np.ndarray) -> np.ndarray:
     """Per token: its merged patch inside its image (``-1`` for text)."""
     patch = np.full(image_index.shape, -1, dtype=np.int64)
