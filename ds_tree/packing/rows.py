@@ -55,8 +55,12 @@ class PackedRow(TokenArrays):
         }
         if np.any(self.image_id >= 0):
             inputs["position_ids"] = torch.as_tensor(self.rope_positions(), device=device)[:, None]
-            inputs["row_images"] = self.image_inputs()
+            inputs["row_images"] = self.forward_images()
         return inputs
+
+    def forward_images(self) -> RowImages | None:
+        """The images a forward of this row encodes (:meth:`tensors`' ``row_images``): all of the row's."""
+        return self.image_inputs()
 
     def image_inputs(self, tokens: np.ndarray | None = None) -> RowImages:
         """The row's distinct images (one per image of each tree, however many copies the row holds: the

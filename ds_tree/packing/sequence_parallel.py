@@ -30,7 +30,7 @@ import torch
 
 from ds_tree.packing.balance import balance_parts, rows_per_rank
 from ds_tree.packing.parts import TreePart, split_tree
-from ds_tree.packing.rows import PackedRow, assemble_row, pack_rows
+from ds_tree.packing.rows import PackedRow, RowImages, assemble_row, pack_rows
 from ds_tree.trees.token_arrays import TOKEN_FIELDS, ArrayKind
 from ds_tree.trees.trie import TokenTree
 
@@ -141,9 +141,13 @@ class RowShard(PackedRow):
         shard = {name: value[..., self.start : self.end] for name, value in whole.items() if name != "row_images"}
         shard["kv_end"] = whole["kv_end"]
         if "row_images" in whole:
-            images = self.image_inputs(np.arange(self.start, self.end))
-            shard["row_images"] = images if images.pixel_values else None
+            shard["row_images"] = whole["row_images"]
         return shard
+
+    def forward_images(self) -> RowImages | None:
+        """The images with placeholders in the shard (None: none), not the whole row's."""
+        images = self.image_inputs(np.arange(self.start, self.end))
+        return images if images.pixel_values else None
 
 
 def shard_row(row: PackedRow, size: int, position: int) -> RowShard:
