@@ -21,18 +21,21 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 
 from ds_tree.errors import ConfigError
+from ds_tree.registries import AGGREGATIONS, ATTENTION_ENGINES, ESTIMATORS, OBJECTIVES, SAMPLING_ENGINES, TRACKERS
+from ds_tree.registry import Choices
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings, TurnBranchedSettings
 
-# Choices of string fields. Where the library keeps a registry of the same names (attention
-# engines, packing modes, normalisations, weight policies), tests/test_reliability.py asserts
-# that the two agree.
+# Choices of string fields. An extension point's field is ``Annotated[str, REGISTRY.choices()]``: its
+# choices are the registry's names when the value is read (ds_tree.registries), so a registered entry is
+# accepted. The Literal fields are fixed sets; where the library keeps the same names (packing modes,
+# normalisations, weight policies), tests/test_reliability.py asserts that the two agree.
 Dtype = Literal["float32", "bfloat16"]
-AttentionEngine = Literal["auto", "reference", "torch", "triton", "flex", "varlen"]
+AttentionEngine = Annotated[str, ATTENTION_ENGINES.choices("auto")]
 RecurrentKernels = Literal["auto", "torch", "fla"]  # ds_tree.models.fla_scan.RECURRENT_KERNELS
 Merge = Literal["group", "global"]
 PackingMode = Literal["tree", "flat", "dfs"]
@@ -42,12 +45,14 @@ WeightPolicy = Literal["exact", "dedup"]
 Schedule = Literal["cosine", "constant"]
 NonFinitePolicy = Literal["stop", "skip"]
 ResumePolicy = Literal["auto", "latest", "newest_complete", "never"]
-ObjectiveKind = Literal["sft", "grpo", "ppo"]
-Estimator = Literal["grpo", "rloo", "treepo", "tempo", "given"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm"]
+ObjectiveKind = Annotated[str, OBJECTIVES.choices()]
+Estimator = Annotated[str, ESTIMATORS.choices("")]
+"""An advantage estimator, or ``""``: the objective's default."""
+Aggregation = Annotated[str, AGGREGATIONS.choices()]
 KLEstimator = Literal["k1", "k2", "k3"]
 OldLogprobs = Literal["recompute", "data"]
-Tracker = Literal["tensorboard", "wandb", "mlflow", "trackio"]  # ds_tree.run.trackers.TRACKERS
+Tracker = Annotated[str, TRACKERS.choices()]
+SamplingEngine = Annotated[str, SAMPLING_ENGINES.choices()]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
 
 
@@ -236,7 +241,7 @@ class ObjectiveConfig:
     """SFT: ``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
     policy: WeightPolicy = "exact"
     """SFT: ``exact`` (the flat baseline's objective) or ``dedup`` (each distinct token once)."""
-    estimator: Literal["", Estimator] = ""
+    estimator: Estimator = ""
     """RL advantage estimator: ``grpo``, ``rloo``, ``treepo``, ``tempo`` or ``given`` ("": the kind's
     default); docs/RL.md compares them."""
     normalise_advantages: bool = False
@@ -581,7 +586,7 @@ class RolloutConfig(SamplerSettings):
     one would have, without generator state in the checkpoint."""
     env: EnvSettings = field(default_factory=EnvSettings)
     """Multi-turn rollouts against an environment (docs/ENVIRONMENTS.md); off while ``env.path`` is empty."""
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: SamplingEngine = "hf"
     """Where groups are sampled: ``hf`` (a gathered copy of the policy on every rank) or ``vllm`` (a vLLM
     server, ``rollout.vllm``; weights synced every ``sync_every`` optimizer steps)."""
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
@@ -845,7 +850,7 @@ REPLACED_KEYS = {
 def _build(cls: type, values: Any, where: str, prefix: str) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"{where}: {prefix or 'the top level'} must be a mapping, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
     if unknown:
@@ -879,6 +884,13 @@ def _coerce(hint: Any, value: Any, where: str, dotted: str) -> Any:
             return None
         (other,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
         return _coerce(other, value, where, dotted)
+    if origin is Annotated:
+        base, *metadata = typing.get_args(hint)
+        choices = next((m for m in metadata if isinstance(m, Choices)), None)
+        value = _coerce(base, value, where, dotted)
+        if choices is not None and not choices.accepts(value):
+            raise ConfigError(f"{where}: {dotted} must be one of {', '.join(choices.names())}; got {value!r}")
+        return value
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

@@ -113,17 +113,18 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.data.synthetic import SyntheticConfig
     from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE
     from ds_tree.losses.advantages import ESTIMATORS
-    from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS
+    from ds_tree.losses.rl import KL_ESTIMATORS
     from ds_tree.losses.sft import NORMALISATIONS, POLICIES
     from ds_tree.models.loading import DTYPES
     from ds_tree.packing.modes import MODES
+    from ds_tree.registries import AGGREGATIONS
     from ds_tree.sampling.hf import SamplerSettings
     from ds_tree.verify.tree_vs_flat import VERIFY_DTYPES
 
-    assert choices.ENGINES == ENGINE_CHOICES and choices.MODES == tuple(MODES)
+    assert choices.engines() == ENGINE_CHOICES and choices.MODES == tuple(MODES)
     assert (choices.NORMALISATIONS, choices.POLICIES) == (tuple(NORMALISATIONS), tuple(POLICIES))
-    assert choices.ESTIMATORS == tuple(ESTIMATORS)
-    assert (choices.AGGREGATIONS, choices.KL_ESTIMATORS) == (tuple(AGGREGATIONS), tuple(KL_ESTIMATORS))
+    assert choices.estimators() == tuple(ESTIMATORS)
+    assert (choices.aggregations(), choices.KL_ESTIMATORS) == (AGGREGATIONS.names(), tuple(KL_ESTIMATORS))
     assert choices.MODEL_DTYPES == tuple(DTYPES) and choices.VERIFY_DTYPES == tuple(VERIFY_DTYPES)
     assert choices.BENCH_DTYPES == tuple(BENCH_DTYPES)
     assert choices.KERNEL_DTYPES == tuple(str(dtype).removeprefix("torch.") for dtype in KERNEL_DTYPES)

@@ -84,7 +84,11 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundations", ["ds_tree.errors", "ds_tree.atomic", "ds_tree.comparison", "ds_tree.hub", "ds_tree.memory"]),
+    (
+        "foundations",
+        ["ds_tree.errors", "ds_tree.atomic", "ds_tree.comparison", "ds_tree.hub", "ds_tree.memory", "ds_tree.registry"],
+    ),
+    ("the registries of every extension point (names only: lazy entries)", ["ds_tree.registries"]),
     ("trees", ["ds_tree.trees"]),
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
     ("kernels and objectives", ["ds_tree.attention", "ds_tree.losses"]),

@@ -24,8 +24,9 @@ from hypothesis import strategies as st
 
 from ds_tree.comparison import gradient_errors
 from ds_tree.losses.advantages import ESTIMATORS
-from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
+from ds_tree.losses.rl import KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.packing.parts import split_tree, whole_tree
+from ds_tree.registries import AGGREGATIONS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from tests.strategies import flat_coefficients, forests, longest
@@ -207,7 +208,7 @@ def _check(trajectories, seed, estimator, aggregation, budget, importance):
 
 
 @pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 @SETTINGS
 @given(trajectories=forests(), seed=st.integers(0, 2**32 - 1), split=st.booleans(), importance=st.booleans())
 def test_tree_objective_equals_flat(trajectories, seed, split, importance, estimator, aggregation):
@@ -234,7 +235,7 @@ def _fixed_forest(rng: np.random.Generator) -> list[Trajectory]:
 def test_fixed_forest_exercises_every_regime(estimator):
     """A forest where every branch of the objective is taken: the equality above is not vacuous there."""
     trajectories = _fixed_forest(np.random.default_rng(7))
-    for aggregation in AGGREGATIONS:
+    for aggregation in AGGREGATIONS.names():
         trees, parts, values, items = _check(trajectories, 11, estimator, aggregation, 20, importance=True)
     assert any(not owned.all() for _, owned in parts), "no duplicated prefix token"
     trained = np.unique(np.concatenate([path[1:][mask[1:] > 0] for path, mask, *_ in items]))
@@ -247,7 +248,7 @@ def test_fixed_forest_exercises_every_regime(estimator):
     assert ((sums.positive > 0) & (sums.negative < 0)).any(), "no token shared by advantages of both signs"
 
 
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
 def test_wrong_restoration_weight_fails_the_gradient_check(aggregation):
     """The norm-based check is not blind to a restoration defect: the tree side with one shared,
     trained prefix token counted for one trajectory fewer (its weight off by one trajectory) misses

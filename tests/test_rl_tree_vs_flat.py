@@ -21,10 +21,11 @@ from ds_tree.engine import rl_step
 from ds_tree.engine.step import run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import ESTIMATORS
-from ds_tree.losses.rl import AGGREGATIONS, KL_ESTIMATORS, RLSettings, trajectory_coefficients
+from ds_tree.losses.rl import KL_ESTIMATORS, RLSettings, trajectory_coefficients
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.registries import AGGREGATIONS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verify.tree_vs_flat import compare_rl, perturb_parameters
@@ -131,8 +132,8 @@ def test_prefix_copies_count_their_trajectories(monkeypatch):
 
 
 def test_config_choices_are_the_library_registries():
-    assert typing.get_args(config_module.Estimator) == tuple(ESTIMATORS)
-    assert typing.get_args(config_module.Aggregation) == AGGREGATIONS
+    assert typing.get_args(config_module.Estimator)[1].names() == ("", *ESTIMATORS)
+    assert typing.get_args(config_module.Aggregation)[1].names() == AGGREGATIONS.names()
     assert typing.get_args(config_module.KLEstimator) == KL_ESTIMATORS
     assert typing.get_args(config_module.OldLogprobs) == rl_step.OLD_LOGPROBS
 

@@ -25,6 +25,7 @@ from ds_tree.models.loading import load_model
 from ds_tree.packing import plan as plan_module
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.rows import PackedRow
+from ds_tree.registries import RUNNERS
 from ds_tree.trees.random_trees import TreeShape, random_token_paths
 from ds_tree.trees.trajectory import Trajectory
 
@@ -106,18 +107,21 @@ def _gradients(model) -> dict[str, torch.Tensor]:
     return grads
 
 
-def test_a_new_kind_is_one_registration(model, monkeypatch):
+def test_a_new_kind_is_one_registration(model):
     rows = plan_step(forest(), PlanSettings(budget=4096), world_size=1).ranks[0]
     normalisers = Normalisers.from_rows(rows)
     counted = [CountedRow(**{f.name: getattr(row, f.name) for f in fields(row)}) for row in rows]
-    with pytest.raises(ValueError, match="no runner is registered for work items of kind 'counted'"):
+    with pytest.raises(ValueError, match="unknown execution kind 'counted'; choose one of packed, shard, walked"):
         run_rows(model, counted, normalisers)
     runner = CountingRunner()
-    monkeypatch.setitem(runners.RUNNERS, "counted", runner)
-    model.zero_grad(set_to_none=True)
-    packed = run_rows(model, rows, normalisers, backward=torch.Tensor.backward)
-    expected = _gradients(model)
-    new = run_rows(model, counted, normalisers, backward=torch.Tensor.backward)
+    RUNNERS.register("counted", runner)
+    try:
+        model.zero_grad(set_to_none=True)
+        packed = run_rows(model, rows, normalisers, backward=torch.Tensor.backward)
+        expected = _gradients(model)
+        new = run_rows(model, counted, normalisers, backward=torch.Tensor.backward)
+    finally:
+        RUNNERS.unregister("counted")
     assert runner.ran == len(rows) and new.loss == packed.loss
     got = _gradients(model)
     assert all(torch.equal(got[name], expected[name]) for name in expected)

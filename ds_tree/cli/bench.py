@@ -52,7 +52,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ds_tree.cli.choices import BENCH_DTYPES, ENGINES, MODES
+from ds_tree.cli.choices import BENCH_DTYPES, MODES, engines
 from ds_tree.cli.common import NON_NEGATIVE_INT, POSITIVE_INT, check_not_input, check_output_path, command_parser
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.data.jsonl import json_text
@@ -71,12 +71,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=POSITIVE_INT, default=None, help="use only the first N trajectories")
     parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES, help="dtype of the model")
     parser.add_argument(
-        "--attention", default="auto", choices=ENGINES, help="tree attention engine (auto: flex on cuda, else torch)"
+        "--attention", default="auto", choices=engines(), help="tree attention engine (auto: flex on cuda, else torch)"
     )
     parser.add_argument(
         "--flat-attention",
         default=None,
-        choices=ENGINES,
+        choices=engines(),
         help="engine of mode flat (default: varlen, the flash-kernel baseline, with --device cuda; else --attention)",
     )
     parser.add_argument("--threads", type=POSITIVE_INT, default=None, help="torch threads (default: torch's choice)")

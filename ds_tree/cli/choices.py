@@ -1,9 +1,11 @@
 """The choices and defaults that the commands' ``--help`` lists, importable without torch.
 
-The library keeps them next to code that needs torch or transformers (attention engines, model
-dtypes, the Triton kernel's dtypes, the synthetic-data and tokenizer defaults); importing those
-modules takes seconds, so a command builds its parser from these copies and imports the library
-after parsing. tests/test_cli.py asserts that every copy equals the library's value.
+An extension point's choices are its registry's names (:mod:`ds_tree.registries`), read when a
+command builds its parser, so an entry registered before that is offered: the functions below. The
+other values are kept next to code that needs torch or transformers (model dtypes, the Triton kernel's
+dtypes, the synthetic-data and tokenizer defaults); importing those modules takes seconds, so a command
+builds its parser from these copies and imports the library after parsing. tests/test_cli.py asserts
+that every copy equals the library's value.
 """
 
 from __future__ import annotations
@@ -11,19 +13,40 @@ from __future__ import annotations
 from typing import get_args
 
 from ds_tree import config
+from ds_tree.registries import AGGREGATIONS, ATTENTION_ENGINES, ESTIMATORS, OBJECTIVES, SAMPLING_ENGINES
 
-ENGINES = get_args(config.AttentionEngine)
-"""ds_tree.attention.registry.ENGINE_CHOICES: ``auto`` and the engines"""
+
+def engines() -> tuple[str, ...]:
+    """``model.attention`` / ``--attention``: ``auto`` and the registered attention engines."""
+    return ATTENTION_ENGINES.choices("auto").names()
+
+
+def objectives() -> tuple[str, ...]:
+    """``objective.kind`` / ``--objective``."""
+    return OBJECTIVES.names()
+
+
+def estimators() -> tuple[str, ...]:
+    """``objective.estimator`` / ``--estimator``."""
+    return ESTIMATORS.names()
+
+
+def aggregations() -> tuple[str, ...]:
+    """``objective.aggregation`` / ``--aggregation``."""
+    return AGGREGATIONS.names()
+
+
+def sampling_engines() -> tuple[str, ...]:
+    """``rollout.engine`` / ``sample --engine``."""
+    return SAMPLING_ENGINES.names()
+
+
 MODES = get_args(config.PackingMode)
 """ds_tree.packing.modes.MODES"""
 NORMALISATIONS = get_args(config.Normalisation)
 """ds_tree.losses.sft.NORMALISATIONS"""
 POLICIES = get_args(config.WeightPolicy)
 """ds_tree.losses.sft.POLICIES"""
-ESTIMATORS = get_args(config.Estimator)
-"""ds_tree.losses.advantages.ESTIMATORS"""
-AGGREGATIONS = get_args(config.Aggregation)
-"""ds_tree.losses.rl.AGGREGATIONS"""
 KL_ESTIMATORS = get_args(config.KLEstimator)
 """ds_tree.losses.rl.KL_ESTIMATORS"""
 

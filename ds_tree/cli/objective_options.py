@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from ds_tree.cli.choices import AGGREGATIONS, ESTIMATORS, KL_ESTIMATORS  # not the losses' (torch): --help stays fast
+from ds_tree.cli.choices import KL_ESTIMATORS, aggregations, estimators, objectives  # registries: --help stays fast
 from ds_tree.cli.common import POSITIVE_INT, finite_float
 from ds_tree.config import ConfigError, ObjectiveConfig, objective_strays
-
-OBJECTIVES = ("sft", "grpo", "ppo")
 
 
 def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = False) -> argparse._ArgumentGroup:
@@ -22,12 +20,12 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
     parser.add_argument(
         "--objective",
         default="sft",
-        choices=OBJECTIVES,
+        choices=objectives(),
         help="sft: weighted next-token loss; grpo / ppo: the clipped policy-gradient objective (docs/RL.md)",
     )
     group = parser.add_argument_group("RL objective (only with --objective grpo or ppo)")
     group.add_argument(
-        "--estimator", choices=tuple(ESTIMATORS), help="advantage estimator (default: grpo for grpo, given for ppo)"
+        "--estimator", choices=estimators(), help="advantage estimator (default: grpo for grpo, given for ppo)"
     )
     group.add_argument(
         "--normalise-advantages", action="store_true", default=None, help="divide advantages by the reward std"
@@ -35,7 +33,7 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
     group.add_argument(
         "--tempo-coef", type=finite_float, help="tempo: coefficient of the branch-gated TD term (default 1; 0 is grpo)"
     )
-    group.add_argument("--aggregation", choices=AGGREGATIONS, help="loss aggregation (default token_mean)")
+    group.add_argument("--aggregation", choices=aggregations(), help="loss aggregation (default token_mean)")
     group.add_argument("--aggregation-constant", type=finite_float, help="the constant of token_sum_norm")
     group.add_argument("--eps-low", type=finite_float, help="ratio clipped at 1 - eps_low (default 0.2)")
     group.add_argument("--eps-high", type=finite_float, help="ratio clipped at 1 + eps_high (default 0.2)")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ds_tree.cli.choices import MODEL_DTYPES
+from ds_tree.cli.choices import MODEL_DTYPES, sampling_engines
 from ds_tree.cli.common import check_output_file, command_parser
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
@@ -99,7 +99,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--eos-token", action="append", default=[], metavar="TOKEN", help="another token that ends a branch"
     )
-    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="where to sample (default hf)")
+    parser.add_argument("--engine", choices=sampling_engines(), default="hf", help="where to sample (default hf)")
     parser.add_argument("--vllm-url", default="", metavar="URL", help="an existing vLLM server (--engine vllm)")
     add_sampler_arguments(parser)
     return parser

@@ -47,7 +47,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from ds_tree.cli.choices import ENGINES, NORMALISATIONS, POLICIES, VERIFY_DTYPES
+from ds_tree.cli.choices import NORMALISATIONS, POLICIES, VERIFY_DTYPES, engines
 from ds_tree.cli.common import NON_NEGATIVE_INT, POSITIVE_INT, command_parser, finite_float
 from ds_tree.cli.objective_options import add_objective_arguments, objective_config
 from ds_tree.config import ObjectiveConfig
@@ -84,7 +84,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=POSITIVE_INT, default=4096, help="token budget of one packed row")
     parser.add_argument("--block", type=POSITIVE_INT, default=1, help="pad rows to a multiple of this")
     parser.add_argument(
-        "--attention", default="auto", choices=ENGINES, help="tree attention engine (auto: torch, on the CPU)"
+        "--attention", default="auto", choices=engines(), help="tree attention engine (auto: torch, on the CPU)"
     )
     parser.add_argument("--limit", type=POSITIVE_INT, default=None, help="use only the first N trajectories")
     parser.add_argument("--normalisation", choices=NORMALISATIONS, help="SFT only (default token_mean)")

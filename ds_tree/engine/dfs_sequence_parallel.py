@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ds_tree.attention.cached import PathCache
 from ds_tree.engine.dfs import ChunkInputs
-from ds_tree.engine.runners import RunContext, WalkedRunner, register_runner
+from ds_tree.engine.runners import RunContext, WalkedRunner
 from ds_tree.models.head_parallel import exchange, sequence_parallel_group
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
 from ds_tree.packing.dfs_shards import DfsRowShard, shard_length
@@ -198,4 +198,5 @@ class WalkedShardRunner(WalkedRunner):
         return ShardedChunks(row_chunks(row, row.chunk), row.size, row.position, group)
 
 
-register_runner(DfsRowShard.kind, WalkedShardRunner())
+WALKED_SHARD = WalkedShardRunner()
+"""The runner of ``walked_shard`` items (:data:`ds_tree.registries.RUNNERS`)."""

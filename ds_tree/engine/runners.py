@@ -2,10 +2,10 @@
 
 The step plan (:mod:`ds_tree.packing.plan`) gives each rank a list of work items whose class names
 their kind (``packed``, ``walked``, ``shard``, ``walked_shard``). :func:`run_items` runs them as one gradient
-accumulation: each item's :class:`Runner`, looked up in :data:`RUNNERS` by kind, turns it and its
+accumulation: each item's :class:`Runner`, looked up in :data:`ds_tree.registries.RUNNERS` by kind, turns it and its
 share of the objective (:class:`~ds_tree.losses.terms.RowTerms`) into a task of model calls
 (:mod:`ds_tree.engine.calls`). The objective never sees the kind, and a runner never sees the
-objective: a new kind is one runner and one :func:`register_runner` call.
+objective: a new kind is one runner and its registration (``RUNNERS.register(kind, runner)``).
 
 - :class:`PackedRunner` (``packed``, and ``shard``: a sequence-parallel shard is a packed row whose
   inputs are cut to the shard, :class:`~ds_tree.packing.sequence_parallel.RowShard`): one forward
@@ -45,6 +45,7 @@ from ds_tree.losses.terms import RowTerms
 from ds_tree.models.logprobs import logprobs_and_entropy_at, logprobs_at
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
 from ds_tree.packing.rows import PackedRow
+from ds_tree.registries import RUNNERS
 
 
 @dataclass
@@ -230,24 +231,15 @@ class WalkedRunner:
         return len(self.chunks(row, run))
 
 
-RUNNERS: dict[str, Runner] = {}
-"""Execution kind (:attr:`PackedRow.kind`) -> its runner."""
-
-
-def register_runner(kind: str, runner: Runner) -> None:
-    RUNNERS[kind] = runner
-
-
-register_runner("packed", PackedRunner())
-register_runner("shard", PackedRunner())
-register_runner("walked", WalkedRunner())
+PACKED = PackedRunner()
+"""The runner of ``packed`` rows and ``shard`` s (:data:`ds_tree.registries.RUNNERS`)."""
+WALKED = WalkedRunner()
+"""The runner of ``walked`` trees."""
 
 
 def runner_of(row: PackedRow) -> Runner:
-    try:
-        return RUNNERS[row.kind]
-    except KeyError:
-        raise ValueError(f"no runner is registered for work items of kind {row.kind!r}") from None
+    """The runner registered for ``row``'s kind (:data:`ds_tree.registries.RUNNERS`)."""
+    return RUNNERS.get(row.kind)
 
 
 def run_items(

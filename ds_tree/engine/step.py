@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from ds_tree.engine import dfs_sequence_parallel  # noqa: F401  (registers the runner of walked shards)
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.runners import RunContext, StepOutput, run_items
 from ds_tree.losses.sft import Normalisers, restoration_weights

@@ -33,7 +33,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+from ds_tree.registries import AGGREGATIONS
+
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SUMMED_METRICS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy")
 """The metrics of :func:`ppo_tree_loss` that add up over micro-batches and ranks (the other, ``ratio_max``,
@@ -56,6 +57,35 @@ class RLSettings:
     importance_truncation: float | None = None
 
 
+def aggregation_token_mean(mask: np.ndarray, total_tokens: float, sequences: float, constant: float | None) -> float:
+    """``token_mean``: ``c = m / total_tokens`` (every trained token of the step alike)."""
+    return total_tokens
+
+
+def aggregation_seq_mean_token_mean(
+    mask: np.ndarray, total_tokens: float, sequences: float, constant: float | None
+) -> float:
+    """``seq_mean_token_mean``: ``c = m / (T_i * sequences)`` (each trajectory's mean, then the mean over them)."""
+    return mask.sum() * sequences
+
+
+def aggregation_seq_mean_token_sum(
+    mask: np.ndarray, total_tokens: float, sequences: float, constant: float | None
+) -> float:
+    """``seq_mean_token_sum``: ``c = m / sequences``."""
+    return sequences
+
+
+def aggregation_token_sum_norm(
+    mask: np.ndarray, total_tokens: float, sequences: float, constant: float | None
+) -> float:
+    """``token_sum_norm``: ``c = m / constant`` (Dr. GRPO's constant normaliser, e.g. the generation budget;
+    independent of the batch)."""
+    if constant is None or not constant > 0:
+        raise ValueError(f"the token_sum_norm aggregation needs a constant > 0, got {constant!r}")
+    return constant
+
+
 def trajectory_coefficients(
     loss_mask: np.ndarray,
     aggregation: str,
@@ -64,34 +94,19 @@ def trajectory_coefficients(
     sequences: float,
     constant: float | None = None,
 ) -> np.ndarray:
-    """Per-token coefficients ``c_it`` of one trajectory (``c_i0 = 0``: the first token is never predicted).
+    """Per-token coefficients ``c_it = m_t / denominator`` of one trajectory (``c_i0 = 0``: the first token is
+    never predicted), the denominator by the aggregation registered as ``aggregation``
+    (:data:`ds_tree.registries.AGGREGATIONS`: a function of ``(m, total_tokens, sequences, constant)``,
+    the ``aggregation_*`` functions above for the built-ins).
 
     ``m`` is ``loss_mask`` with ``m_0 = 0`` and ``T_i = sum_t m_t``; the normalisers are global to
     the optimizer step (all micro-batches, all ranks): ``total_tokens = sum_i T_i`` and
-    ``sequences`` = trajectories with ``T_i > 0``.
-
-    - ``token_mean``:          ``c = m / total_tokens``
-    - ``seq_mean_token_mean``: ``c = m / (T_i * sequences)`` (0 when ``T_i = 0``)
-    - ``seq_mean_token_sum``:  ``c = m / sequences``
-    - ``token_sum_norm``:      ``c = m / constant`` (Dr. GRPO's constant normaliser, e.g. the
-      generation budget; independent of the batch)
-
-    A zero normaliser (nothing trained in the step) gives all-zero coefficients.
+    ``sequences`` = trajectories with ``T_i > 0``. A zero denominator (nothing trained in the step) gives
+    all-zero coefficients.
     """
     mask = np.asarray(loss_mask, dtype=np.float64).copy()
     mask[:1] = 0.0
-    if aggregation == "token_mean":
-        denominator = total_tokens
-    elif aggregation == "seq_mean_token_mean":
-        denominator = mask.sum() * sequences
-    elif aggregation == "seq_mean_token_sum":
-        denominator = sequences
-    elif aggregation == "token_sum_norm":
-        if constant is None or not constant > 0:
-            raise ValueError(f"the token_sum_norm aggregation needs a constant > 0, got {constant!r}")
-        denominator = constant
-    else:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    denominator = AGGREGATIONS.get(aggregation)(mask, total_tokens, sequences, constant)
     return mask / denominator if denominator > 0 else np.zeros_like(mask)
 
 

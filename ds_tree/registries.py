@@ -1,0 +1,129 @@
+"""Every extension point of ds_tree, each one :class:`~ds_tree.registry.Registry`, with its built-in entries.
+
+The built-ins are lazy (``"package.module:attribute"``, imported on first lookup), so this module and the
+names it knows are importable without torch: the config's checks (``Annotated[str, X.choices()]`` fields,
+:mod:`ds_tree.config`) and the commands' ``--help`` choices (:mod:`ds_tree.cli.choices`) read
+:meth:`~ds_tree.registry.Registry.names` from here, never a copy. A project adds its own component by
+decorator or call on the registry (``@ESTIMATORS.register("mine")``), in a module imported before the config
+is loaded; what each kind of component must provide is said where its interface is defined (the module each
+registry's built-ins live in).
+
+========================  ==========================  ===================================================
+registry                  selected by                 a component is
+========================  ==========================  ===================================================
+ATTENTION_ENGINES         model.attention             the engine and its capabilities (ds_tree.attention)
+RUNNERS                   a work item's ``kind``      how an execution kind runs (ds_tree.engine.runners)
+OBJECTIVES                objective.kind              an objective's step (ds_tree.objectives)
+ESTIMATORS                objective.estimator         an advantage estimator (ds_tree.losses.advantages)
+AGGREGATIONS              objective.aggregation       a policy loss's token aggregation (ds_tree.losses.rl)
+TURN_FORMATS              rollout.env.format          a chat family's tool-call dialect (rollout.formats)
+TRACKERS                  logging.report_to           an experiment tracker (ds_tree.run.trackers)
+REWARDS                   rollout.reward              a reward function (ds_tree.rollout.rewards)
+ENVIRONMENTS              rollout.env.path            an environment class (ds_tree.rollout.env)
+SAMPLING_ENGINES          rollout.engine              a sampling engine (ds_tree.sampling)
+MODEL_FAMILIES            the model's ``model_type``  a family's spec (ds_tree.models.families)
+========================  ==========================  ===================================================
+"""
+
+from __future__ import annotations
+
+from ds_tree.registry import Registry
+
+
+def _builtins(registry: Registry, entries: dict[str, str]) -> Registry:
+    for name, target in entries.items():
+        registry.register_lazy(name, target)
+    return registry
+
+
+ATTENTION_ENGINES: Registry = _builtins(
+    Registry("attention engine", field="model.attention"),
+    {
+        "reference": "ds_tree.attention.reference:tree_attention_reference",
+        "torch": "ds_tree.attention.blocksparse:blocksparse_tree_attention",
+        "triton": "ds_tree.attention.registry:_triton",
+        "flex": "ds_tree.attention.registry:_flex",
+        "varlen": "ds_tree.attention.registry:_varlen",
+    },
+)
+
+RUNNERS: Registry = _builtins(
+    Registry("execution kind"),
+    {
+        "packed": "ds_tree.engine.runners:PACKED",
+        "shard": "ds_tree.engine.runners:PACKED",
+        "walked": "ds_tree.engine.runners:WALKED",
+        "walked_shard": "ds_tree.engine.dfs_sequence_parallel:WALKED_SHARD",
+    },
+)
+
+OBJECTIVES: Registry = _builtins(
+    Registry("objective", field="objective.kind"),
+    {
+        "sft": "ds_tree.objectives.sft:SFT",
+        "grpo": "ds_tree.objectives.policy_gradient:GRPO",
+        "ppo": "ds_tree.objectives.policy_gradient:PPO",
+    },
+)
+
+ESTIMATORS: Registry = _builtins(
+    Registry("advantage estimator", field="objective.estimator"),
+    {name: f"ds_tree.losses.advantages:{name}" for name in ("grpo", "rloo", "treepo", "tempo", "given")},
+)
+
+AGGREGATIONS: Registry = _builtins(
+    Registry("loss aggregation", field="objective.aggregation"),
+    {
+        name: f"ds_tree.losses.rl:aggregation_{name}"
+        for name in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
+    },
+)
+
+TURN_FORMATS: Registry = _builtins(
+    Registry("chat format", field="rollout.env.format"),
+    {
+        "hermes": "ds_tree.rollout.formats.hermes:HermesFormat",
+        "qwen3": "ds_tree.rollout.formats.hermes:Qwen3Format",
+        "qwen3_coder": "ds_tree.rollout.formats.qwen3_coder:Qwen3CoderFormat",
+        "llama3_json": "ds_tree.rollout.formats.llama3:Llama3JsonFormat",
+        "mistral": "ds_tree.rollout.formats.mistral:MistralFormat",
+        "harmony": "ds_tree.rollout.formats.harmony:HarmonyFormat",
+    },
+)
+
+TRACKERS: Registry = _builtins(
+    Registry("tracker", field="logging.report_to"),
+    {
+        "tensorboard": "ds_tree.run.trackers:TensorBoardTracker",
+        "wandb": "ds_tree.run.trackers:WandbTracker",
+        "mlflow": "ds_tree.run.trackers:MlflowTracker",
+        "trackio": "ds_tree.run.trackers:TrackioTracker",
+    },
+)
+
+REWARDS: Registry = _builtins(
+    Registry("reward", field="rollout.reward", paths=True),
+    {
+        "game24": "ds_tree.rollout.envs.game24:reward",
+        "exact_match": "ds_tree.rollout.rewards:exact_match_reward",
+    },
+)
+
+ENVIRONMENTS: Registry = _builtins(
+    Registry("environment", field="rollout.env.path", paths=True),
+    {
+        "secret_tool": "ds_tree.rollout.envs.secret_tool:SecretToolEnv",
+        "tau_shop": "ds_tree.rollout.envs.tau_shop:ShopEnv",
+        "gui_screens": "ds_tree.rollout.envs.gui_screens:GuiScreensEnv",
+    },
+)
+
+SAMPLING_ENGINES: Registry = _builtins(
+    Registry("sampling engine", field="rollout.engine"),
+    {
+        "hf": "ds_tree.sampling.interface:HFEngine",
+        "vllm": "ds_tree.sampling.vllm:VLLMEngine",
+    },
+)
+
+MODEL_FAMILIES: Registry = Registry("model family", field="model.source (its config's model_type)")
