@@ -31,7 +31,11 @@ usage() {
     awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
 }
 
-if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
+if [[ $# -ge 1 && ($1 == -h || $1 == --help) ]]; then
+    usage
+    exit 0
+fi
+if [[ $# -lt 1 ]]; then
     usage >&2
     exit 2
 fi

@@ -100,6 +100,7 @@ def script_dry_runs(tokens_file, tmp_path_factory) -> dict[str, tuple[subprocess
     slurm_env = {"DRY_RUN": "1", "DRY_RUN_NODES": "node1 node2", "GPUS_PER_NODE": "4"}
     runs = {
         "train.sh": (TRAIN_SH, cpu_env),
+        "ds-tree train": (None, cpu_env),
         "torchrun": (SLURM_SBATCH, slurm_env),
         "deepspeed": (
             SLURM_SBATCH,
@@ -108,7 +109,12 @@ def script_dry_runs(tokens_file, tmp_path_factory) -> dict[str, tuple[subprocess
     }
     started = {
         name: subprocess.Popen(
-            ["bash", str(script), "configs/tiny_cpu.yaml", data, output],
+            [
+                *(["bash", str(script)] if script else [sys.executable, "-m", "ds_tree.cli", "train"]),
+                "configs/tiny_cpu.yaml",
+                data,
+                output,
+            ],
             cwd=REPO,
             env=script_env(**env),
             stdout=subprocess.PIPE,
@@ -132,6 +138,22 @@ def test_train_sh_dry_run_cpu_quickstart(script_dry_runs, tokens_file):
     assert "deepspeed --num_gpus 2 " in command
     assert "--module ds_tree.train --config configs/tiny_cpu.yaml" in command
     assert f"data.path={tokens_file} output_dir=" in command
+
+
+def test_ds_tree_train_runs_train_sh(script_dry_runs):
+    """``ds-tree train`` is the script: the same validation and the same launch command."""
+    script, command = script_dry_runs["train.sh"][0], script_dry_runs["ds-tree train"][0]
+    assert command.returncode == 0, command.stderr
+    assert would_run(command.stdout, "train.sh") == would_run(script.stdout, "train.sh")
+    assert dry_run_world_size(command.stdout) == 2
+
+
+def test_ds_tree_train_help_is_the_scripts_usage():
+    result = subprocess.run(
+        [sys.executable, "-m", "ds_tree.cli", "train", "--help"], cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "Usage: launch/train.sh CONFIG.yaml" in result.stdout
+    assert "NGPU" in result.stdout and "DRY_RUN=1" in result.stdout
 
 
 def test_slurm_dry_run_torchrun(script_dry_runs):

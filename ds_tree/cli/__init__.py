@@ -13,6 +13,7 @@ import importlib
 import sys
 
 COMMANDS = {
+    "train": "train on a config with the DeepSpeed launcher (launch/train.sh: NGPU, NNODES, DRY_RUN=1, ...)",
     "convert": "convert chat, tokens or explicit-tree JSONL into a tree dataset",
     "verify": "check tree mode against the flat baseline (loss, log-probs, gradients)",
     "stats": "tree statistics of a data set: POR, ideal speedup, depth, branching",
