@@ -27,7 +27,8 @@ import torch
 from ds_tree.config import ConfigError, load_config
 from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
 from ds_tree.sampling.hf import repeats_ngram
-from ds_tree.sampling.interface import EngineSampling, HFEngine, PrefixRequest
+from ds_tree.sampling.hf_engine import HFEngine
+from ds_tree.sampling.interface import EngineSampling, PrefixRequest
 from ds_tree.sampling.settings import SamplerSettings
 from ds_tree.sampling.vllm import (
     EngineError,
@@ -242,7 +243,7 @@ def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, token
     conversation so far (token in, token out), its siblings the request's n samples, with vLLM's log-probs."""
     from ds_tree.rollout.env import EnvironmentCalls
     from ds_tree.rollout.envs.secret_tool import SecretToolEnv
-    from ds_tree.rollout.multiturn import EpisodeRunner
+    from ds_tree.rollout.episodes.runner import EpisodeRunner
     from ds_tree.rollout.render import Renderer
     from ds_tree.sampling.interface import EngineTurnSampler
     from ds_tree.sampling.settings import EnvSettings
