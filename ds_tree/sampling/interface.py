@@ -193,7 +193,10 @@ class EngineTurnSampler(TurnSampler):
         self.sampling = EngineSampling(settings.temperature, settings.top_p, sorted({int(t) for t in stop_ids}))
         self.forward_tokens = 0
         """Tokens handed to the engine (each prefix in full) plus those sampled: an upper bound of its work."""
-        self.generator_device = engine.generator_device
+
+    @property
+    def generator_device(self) -> torch.device | str:
+        return self.engine.generator_device
 
     def sample(self, prefix_ids, n, max_new_tokens, generator, images=()) -> list[SampledTurn]:
         if images:
