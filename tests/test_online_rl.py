@@ -192,6 +192,29 @@ def test_engine_capabilities_decide_what_a_config_may_ask(tmp_path, tokenizer_di
         SAMPLING_ENGINES.unregister("test_text_only")
 
 
+def test_hf_engine_builds_a_generation_copy_and_syncs_the_policy_into_it(tmp_path, tokenizer_dir) -> None:
+    """The hf engine of a run: the policy's architecture with its own weights, frozen and in eval mode; each
+    sync copies the policy's current weights in exactly and counts the version."""
+    import torch
+
+    from ds_tree.models.loading import load_config as load_model_config
+    from ds_tree.models.loading import load_model
+    from ds_tree.registries import SAMPLING_ENGINES
+
+    config = load_config(online_config(tmp_path, tokenizer_dir))
+    engine = SAMPLING_ENGINES.get("hf").for_run(config, load_model_config(config.model.source), None)
+    policy = load_model(config.model.source, dtype="float32", seed=1)
+    pairs = list(zip(policy.parameters(), engine.model.parameters(), strict=True))
+    assert not engine.model.training and not any(p.requires_grad for _, p in pairs)
+    assert not all(torch.equal(a, b) for a, b in pairs)
+    for version in (1, 2):
+        with torch.no_grad():
+            next(policy.parameters()).add_(1.0)  # an optimizer step
+        assert engine.sync_weights(policy) >= 0 and engine.version == version
+        assert all(torch.equal(a, b) for a, b in pairs) and engine.generator_device == torch.device("cpu")
+    engine.close()
+
+
 def test_reward_functions_by_name_or_import_path() -> None:
     assert REWARDS.get("exact_match") is exact_match_reward
     assert REWARDS.get("game24") is game24.reward

@@ -450,6 +450,28 @@ def test_vllm_config_fields_and_refused_values(tmp_path, tokenizer_dir) -> None:
             load_config(path, [override])
 
 
+def test_a_runs_vllm_engine_is_built_before_the_policy_and_starts_at_its_first_sync(tmp_path, tokenizer_dir) -> None:
+    """for_run (every rank, before the policy) holds no weights and starts nothing: the server starts, or
+    the URL's is loaded, at the first sync_weights; closing it before then is safe. Requests name the
+    managed server's model, or rollout.vllm.model_name on rollout.vllm.url's."""
+    from ds_tree.models.loading import load_config as load_model_config
+    from ds_tree.registries import SAMPLING_ENGINES
+
+    python = str(fake_vllm_python(tmp_path / "venv"))
+    vllm = {"python": python, "model_name": "served"}
+    path = online_config(tmp_path, tokenizer_dir, rollout={"engine": "vllm", "vllm": vllm})
+    config = load_config(path)
+    model_config = load_model_config(config.model.source)
+    engine = SAMPLING_ENGINES.get("vllm").for_run(config, model_config, None)
+    assert (engine.client, engine.version, engine.model_name) == (None, 0, "ds_tree-policy")
+    assert engine.snapshot_dir == Path(config.output_dir) / "vllm" and engine.generator_device == "cpu"
+    engine.close()
+    with_url = load_config(path, ["rollout.vllm.url=http://127.0.0.1:9"])
+    external = SAMPLING_ENGINES.get("vllm").for_run(with_url, model_config, None)
+    assert external.model_name == "served"
+    external.close()
+
+
 # ------------------------------------------------------------------- asynchronous steps
 @pytest.mark.parametrize("start, staleness, every", [(0, 1, 1), (0, 2, 1), (0, 1, 2), (3, 1, 2), (0, 0, 3)])
 def test_ahead_sampler_samples_each_step_with_the_scheduled_version_while_training(start, staleness, every) -> None:

@@ -127,7 +127,8 @@ class StepRollouts:
         )
 
     def warming_up(self, step: int) -> bool:
-        """Whether ``step`` (0-based) trains on demonstrations instead of samples (never, single-turn)."""
+        """Whether ``step`` (0-based) trains on demonstrations instead of samples (never by default: a
+        multi-turn run's warm-up and refresh steps do)."""
         return False
 
     def samples(self, step: int) -> bool:
