@@ -26,7 +26,16 @@ from typing import Annotated, Any, Literal
 import yaml
 
 from ds_tree.errors import ConfigError
-from ds_tree.registries import AGGREGATIONS, ATTENTION_ENGINES, ESTIMATORS, OBJECTIVES, SAMPLING_ENGINES, TRACKERS
+from ds_tree.registries import (
+    AGGREGATIONS,
+    ATTENTION_ENGINES,
+    ESTIMATORS,
+    OBJECTIVES,
+    REWARDS,
+    SAMPLING_ENGINES,
+    TRACKERS,
+    configured,
+)
 from ds_tree.registry import Choices
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings, TurnBranchedSettings
 
@@ -576,7 +585,7 @@ class RolloutConfig(SamplerSettings):
     """Prompts JSONL: one ``{"prompt": text}`` or ``{"prompt_ids": [ids]}`` a line, with an optional
     ``"metadata": {...}`` object handed to the reward function (the answer, the puzzle's numbers)."""
     reward: str = ""
-    """Reward function: a name in ``ds_tree.rollout.rewards.REWARDS`` (``game24``, ``exact_match``) or a
+    """Reward function: a name in :data:`ds_tree.registries.REWARDS` (``game24``, ``exact_match``) or a
     ``package.module:function`` taking a ``RewardRequest`` (importable on every rank)."""
     prompts_per_step: int = 4
     """Prompts per training step over all ranks, each sampled as one tree (one group)."""
@@ -587,8 +596,9 @@ class RolloutConfig(SamplerSettings):
     env: EnvSettings = field(default_factory=EnvSettings)
     """Multi-turn rollouts against an environment (docs/ENVIRONMENTS.md); off while ``env.path`` is empty."""
     engine: SamplingEngine = "hf"
-    """Where groups are sampled: ``hf`` (a gathered copy of the policy on every rank) or ``vllm`` (a vLLM
-    server, ``rollout.vllm``; weights synced every ``sync_every`` optimizer steps)."""
+    """Where groups are sampled, a :data:`ds_tree.registries.SAMPLING_ENGINES` name: ``hf`` (a gathered copy
+    of the policy on every rank) or ``vllm`` (a vLLM server, ``rollout.vllm``; weights synced every
+    ``sync_every`` optimizer steps). What each can do (images, hybrid models, sampling ahead) is checked here."""
     vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
     max_staleness: int = 0
     """Steps sampling runs ahead of training (asynchronous RL, ``engine: vllm``): step ``s`` is sampled with
@@ -626,19 +636,14 @@ class RolloutConfig(SamplerSettings):
 
     def check_with(self, config: Config) -> None:
         """What an enabled rollout section needs from itself and from the rest of the config."""
-        from ds_tree.rollout.rewards import reward_function
-
         if not self.prompts:
             raise ConfigError("rollout.prompts is required with rollout.enabled (a prompts JSONL)")
         if self.env.path:
-            from ds_tree.rollout.multiturn import check_env_config
+            from ds_tree.rollout.episodes.tasks import check_env_config
 
             check_env_config(config)
         else:
-            try:
-                reward_function(self.reward)
-            except ValueError as error:
-                raise ConfigError(f"rollout.reward {error}") from None
+            configured(REWARDS, self.reward)
         if config.data.path:
             raise ConfigError("data.path must be empty with rollout.enabled: each step's data is sampled")
         objective = config.objective
@@ -655,12 +660,10 @@ class RolloutConfig(SamplerSettings):
         if not config.model.tokenizer:
             raise ConfigError("rollout.enabled needs model.tokenizer (prompts are encoded, completions decoded)")
         from ds_tree.rollout.ahead import check_staleness_config
+        from ds_tree.rollout.loop import check_engine_config
 
         check_staleness_config(config)
-        if self.engine == "vllm":
-            from ds_tree.rollout.online import check_vllm_config
-
-            check_vllm_config(config)
+        check_engine_config(config)
 
 
 @dataclass

@@ -16,18 +16,29 @@ RUNNERS                   a work item's ``kind``      how an execution kind runs
 OBJECTIVES                objective.kind              an objective's step (ds_tree.objectives)
 ESTIMATORS                objective.estimator         an advantage estimator (ds_tree.losses.advantages)
 AGGREGATIONS              objective.aggregation       a policy loss's token aggregation (ds_tree.losses.rl)
-TURN_FORMATS              rollout.env.format          a chat family's tool-call dialect (rollout.formats)
+TURN_FORMATS              rollout.env.format          a chat family's tool-call dialect (ds_tree.turn_formats)
 TRACKERS                  logging.report_to           an experiment tracker (ds_tree.run.trackers)
 REWARDS                   rollout.reward              a reward function (ds_tree.rollout.rewards)
 ENVIRONMENTS              rollout.env.path            an environment class (ds_tree.rollout.env)
-SAMPLING_ENGINES          rollout.engine              a sampling engine (ds_tree.sampling)
+SAMPLING_ENGINES          rollout.engine              a sampling engine (ds_tree.sampling.interface)
 MODEL_FAMILIES            the model's ``model_type``  a family's spec (ds_tree.models.families)
 ========================  ==========================  ===================================================
 """
 
 from __future__ import annotations
 
-from ds_tree.registry import Registry
+from ds_tree.errors import ConfigError
+from ds_tree.registry import Registry, RegistryError, UnknownName
+
+
+def _callable(what: str):
+    """A registry's ``check``: a component must be callable (``what`` it must be, for the message)."""
+
+    def check(name: str, found: object) -> None:
+        if not callable(found):
+            raise TypeError(f"{name!r} is not {what} (it is a {type(found).__name__})")
+
+    return check
 
 
 def _builtins(registry: Registry, entries: dict[str, str]) -> Registry:
@@ -82,12 +93,12 @@ AGGREGATIONS: Registry = _builtins(
 TURN_FORMATS: Registry = _builtins(
     Registry("chat format", field="rollout.env.format"),
     {
-        "hermes": "ds_tree.rollout.formats.hermes:HermesFormat",
-        "qwen3": "ds_tree.rollout.formats.hermes:Qwen3Format",
-        "qwen3_coder": "ds_tree.rollout.formats.qwen3_coder:Qwen3CoderFormat",
-        "llama3_json": "ds_tree.rollout.formats.llama3:Llama3JsonFormat",
-        "mistral": "ds_tree.rollout.formats.mistral:MistralFormat",
-        "harmony": "ds_tree.rollout.formats.harmony:HarmonyFormat",
+        "hermes": "ds_tree.turn_formats.hermes:HermesFormat",
+        "qwen3": "ds_tree.turn_formats.hermes:Qwen3Format",
+        "qwen3_coder": "ds_tree.turn_formats.qwen3_coder:Qwen3CoderFormat",
+        "llama3_json": "ds_tree.turn_formats.llama3:Llama3JsonFormat",
+        "mistral": "ds_tree.turn_formats.mistral:MistralFormat",
+        "harmony": "ds_tree.turn_formats.harmony:HarmonyFormat",
     },
 )
 
@@ -102,7 +113,7 @@ TRACKERS: Registry = _builtins(
 )
 
 REWARDS: Registry = _builtins(
-    Registry("reward", field="rollout.reward", paths=True),
+    Registry("reward", field="rollout.reward", paths=True, check=_callable("a function of a RewardRequest")),
     {
         "game24": "ds_tree.rollout.envs.game24:reward",
         "exact_match": "ds_tree.rollout.rewards:exact_match_reward",
@@ -110,7 +121,7 @@ REWARDS: Registry = _builtins(
 )
 
 ENVIRONMENTS: Registry = _builtins(
-    Registry("environment", field="rollout.env.path", paths=True),
+    Registry("environment", field="rollout.env.path", paths=True, check=_callable("an environment class or factory")),
     {
         "secret_tool": "ds_tree.rollout.envs.secret_tool:SecretToolEnv",
         "tau_shop": "ds_tree.rollout.envs.tau_shop:ShopEnv",
@@ -121,9 +132,34 @@ ENVIRONMENTS: Registry = _builtins(
 SAMPLING_ENGINES: Registry = _builtins(
     Registry("sampling engine", field="rollout.engine"),
     {
-        "hf": "ds_tree.sampling.interface:HFEngine",
+        "hf": "ds_tree.sampling.hf_engine:HFEngine",
         "vllm": "ds_tree.sampling.vllm:VLLMEngine",
     },
 )
 
 MODEL_FAMILIES: Registry = Registry("model family", field="model.source (its config's model_type)")
+
+
+def missing_capability(engine: str, capability: str) -> str | None:
+    """None when the sampling engine ``engine`` declares ``capability`` (one of the capability attributes of
+    :class:`ds_tree.sampling.interface.SamplingEngine`: ``images``, ``recurrent_models``, ``logprobs``,
+    ``samples_ahead``); else why it lacks it (its ``why_not``) and which engines have it, for a config error.
+    Imports the engines."""
+    found = SAMPLING_ENGINES.get(engine)
+    if getattr(found, capability):
+        return None
+    why = found.why_not.get(capability, f"the {engine} engine does not declare {capability}")
+    able = [name for name, other in SAMPLING_ENGINES.items() if getattr(other, capability)]
+    return f"{why}; use rollout.engine: {' or '.join(able)}" if able else f"{why}; no registered engine can"
+
+
+def configured(registry: Registry, name: str):
+    """``registry.get(name)`` for the config field that names it: a :class:`ConfigError` that names the field
+    and says why not (an unknown name lists the choices; a ``package.module:attribute`` says why it does not
+    import, or what it is instead of the kind the registry holds)."""
+    try:
+        return registry.get(name)
+    except UnknownName as error:  # it names the field and the choices
+        raise ConfigError(str(error)) from None
+    except (RegistryError, TypeError) as error:
+        raise ConfigError(f"{registry.field} {error}") from None

@@ -50,7 +50,11 @@ def import_attribute(target: str) -> object:
             f"{target!r} cannot be imported: module {module!r}: SyntaxError: {error.msg} "
             f"({error.filename}, line {error.lineno})"
         ) from None
-    except (Exception, SystemExit) as error:  # a user's module may raise anything while it runs, even exit
+    except SystemExit as error:  # sys.exit() at import: say so, never exit with its code
+        raise ValueError(
+            f"{target!r} cannot be imported: module {module!r}: SystemExit: the module called sys.exit({error.code!r})"
+        ) from None
+    except Exception as error:  # a user's module may raise anything while it runs
         raise ValueError(f"{target!r} cannot be imported: module {module!r}: {type(error).__name__}: {error}") from None
     for part in attribute.split("."):
         try:

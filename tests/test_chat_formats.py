@@ -12,21 +12,15 @@ import torch
 
 from ds_tree.data.chat_templates import TEMPLATES
 from ds_tree.data.tokenizer import build_tokenizer
+from ds_tree.registries import TURN_FORMATS
 from ds_tree.rollout.env import EnvironmentCalls, ToolEnvironment
 from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
-from ds_tree.rollout.formats import (
-    BUILTIN,
-    TurnFormat,
-    detect_format,
-    get_format,
-    list_registered,
-    register_format,
-    resolve_format,
-    turn_stop_tokens,
-)
-from ds_tree.rollout.multiturn import EpisodeRunner, SampledTurn
+from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.render import NotAppendOnly, Renderer
+from ds_tree.sampling.interface import SampledTurn, TurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
+from ds_tree.turn_formats import detect_format, get_format, resolve_format, turn_stop_tokens
+from ds_tree.turn_formats.base import TurnFormat
 
 MODEL = "configs/models/tiny_llama.json"
 _TOKENIZERS: dict[str, object] = {}
@@ -116,7 +110,7 @@ RESULTS = {"llama3_json": "ipython<|end_header_id|>", "mistral": "[TOOL_RESULTS]
 """How each family's template marks a tool result (default ``<tool_response>``): a path's depth."""
 
 
-class ScriptedFormatSampler:
+class ScriptedFormatSampler(TurnSampler):
     """Turn k of a path writes ``turns[k]`` (a function of the sibling index), k being the number of
     tool results in the prefix (so a rewritten history counts alike). Log-prob -1 a token."""
 
@@ -230,29 +224,37 @@ def test_malformed_turns_of_every_family_are_parse_errors_never_exceptions() -> 
     assert plain.error is None and plain.turn.text == "The answer is 3."
 
 
-def test_auto_detection_and_the_registry(monkeypatch) -> None:
-    from ds_tree.rollout import formats
-
-    monkeypatch.setattr(formats, "_REGISTERED", dict(formats._REGISTERED))  # the test's registration is undone
-    assert list_registered() == sorted(["harmony", "hermes", "llama3_json", "mistral", "qwen3", "qwen3_coder"])
-    assert {template.turn_format for template in TEMPLATES.values()} == set(BUILTIN)  # each has a template
+def test_auto_detection_and_the_registry() -> None:
+    names = sorted(TURN_FORMATS.names())
+    assert names == sorted(["harmony", "hermes", "llama3_json", "mistral", "qwen3", "qwen3_coder"])
+    assert {template.turn_format for template in TEMPLATES.values()} == set(names)  # each has a template
     for name, template in TEMPLATES.items():
         assert detect_format(template.template) == template.turn_format, name
     with pytest.raises(ValueError, match=r"none matches; name one of harmony, hermes"):
         detect_format("{{ messages }}")
     with pytest.raises(ValueError, match=r"several match \(hermes, qwen3, qwen3_coder\)"):
         detect_format(TEMPLATES["qwen3"].template + "<function=")
-    with pytest.raises(ValueError, match=r"unknown chat format 'chatml'; registered: harmony, hermes"):
+    with pytest.raises(ValueError, match=r"unknown chat format 'chatml' \(rollout.env.format\); choose one of hermes"):
         get_format("chatml")
-    with pytest.raises(ValueError, match="already registered"):
-        register_format("hermes")(type("Other", (TurnFormat,), {}))
+    with pytest.raises(ValueError, match="chat format 'hermes' is already registered"):
+        TURN_FORMATS.register("hermes", type("Other", (TurnFormat,), {}))
 
-    @register_format("test_only_format")
+    TURN_FORMATS.register("test_not_a_format", object)
+    try:
+        with pytest.raises(TypeError, match="chat format 'test_not_a_format': .* is not a TurnFormat subclass"):
+            get_format("test_not_a_format")
+    finally:
+        TURN_FORMATS.unregister("test_not_a_format")
+
+    @TURN_FORMATS.register("test_only_format")
     class Custom(TurnFormat):
         markers = ("<|custom|>",)
 
-    assert get_format("test_only_format").name == "test_only_format"
-    assert detect_format("<|custom|>") == "test_only_format"
+    try:
+        assert get_format("test_only_format").name == "test_only_format"
+        assert detect_format("<|custom|>") == "test_only_format"
+    finally:
+        TURN_FORMATS.unregister("test_only_format")
 
 
 def test_the_format_field_is_checked_and_auto_names_it_when_it_cannot_tell(tmp_path) -> None:
@@ -265,7 +267,7 @@ def test_the_format_field_is_checked_and_auto_names_it_when_it_cannot_tell(tmp_p
     tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     base = [f"model.source={MODEL}", f"rollout.prompts={tmp_path / 'tasks.jsonl'}"]
-    with pytest.raises(ConfigError, match=r"rollout.env.format 'chatml' is not a registered chat format"):
+    with pytest.raises(ConfigError, match=r"rollout.env.format must be one of auto, hermes, .*; got 'chatml'"):
         load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.format=chatml"])
     config = load_config("configs/multiturn_cpu.yaml", [*base, f"model.tokenizer={tmp_path / 'tokenizer'}"])
     with pytest.raises(ConfigError, match=r"rollout.env.format \(auto\) with model.tokenizer: cannot tell"):

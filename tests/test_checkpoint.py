@@ -227,7 +227,7 @@ def test_the_atomic_writers_never_write_through_a_link_planted_at_their_temporar
     """Issue 42 #3, the other writers: a link planted under the temporary name of ``latest``, a JSONL
     file (rollouts, samples) or a step's rollouts is replaced by a new file, its target untouched."""
     from ds_tree.data.jsonl import write_jsonl
-    from ds_tree.rollout.multiturn import save_rollouts
+    from ds_tree.rollout.episodes.records import save_rollouts
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")

@@ -27,8 +27,11 @@ from ds_tree.rollout.env import (
     tool_schema,
 )
 from ds_tree.rollout.envs.secret_tool import SecretToolEnv
-from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, SampledTurn, save_rollouts
+from ds_tree.rollout.episodes.records import save_rollouts
+from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_tool_calls
+from ds_tree.sampling.hf_engine import HFTurnSampler
+from ds_tree.sampling.interface import SampledTurn, TurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 
 STOPS = [2, 4]  # <|eos|>, <|im_end|>
@@ -46,7 +49,7 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-class ScriptedSampler:
+class ScriptedSampler(TurnSampler):
     """A policy that writes given turns: turn k of every sibling is ``script[k]`` (or a function of the
     sibling index); log-prob -1 per token. Tests the rollout's bookkeeping without a model's randomness."""
 
@@ -172,6 +175,32 @@ def test_skyrl_and_trl_style_adapters() -> None:
     sibling = trl.fork()
     assert trl.step(Turn("", [ToolCall("guess", {"word": "apple"}, "c")])).messages[0]["content"] == "correct"
     assert trl.step(Turn("done")).reward == 1.0 and sibling.step(Turn("done")).reward == 0.0  # forked state
+
+
+def test_environment_defaults_are_called_not_probed(tokenizer) -> None:
+    """An environment with only reset and step: the rollout calls the base class's score (0), tool_schemas
+    (none) and close; it writes no demonstrations, which the config's check reads off the class."""
+    import random
+
+    from ds_tree.rollout.env import Environment, writes_demonstrations
+    from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
+
+    class Minimal(Environment):
+        def reset(self, task):
+            return [{"role": "user", "content": "say 7"}]
+
+        def step(self, turn):
+            return StepResult(reward=float(turn.text == "7"), done=True)
+
+    env = Minimal()
+    assert (env.score([]), env.tool_schemas(), env.close()) == (0.0, [], None)
+    with pytest.raises(NotImplementedError, match="Minimal writes no demonstrations"):
+        env.demonstration(TASK, random.Random(0))
+    assert not writes_demonstrations(Minimal) and writes_demonstrations(LoudSecretToolEnv)
+    assert not writes_demonstrations(lambda: LoudSecretToolEnv())  # a factory cannot say
+    tree = run(runner(tokenizer, Minimal, ["7"]))
+    assert [leaf.stop_reason for leaf in tree.leaves] == ["done"] * 2  # forked at the prompt, then done
+    assert [leaf.trajectory.reward for leaf in tree.leaves] == [1.0] * 2
 
 
 def test_async_methods_run_in_threads_with_timeouts() -> None:
@@ -402,6 +431,7 @@ SHIPPED = ["model.source=configs/models/tiny_llama.json", "rollout.prompts=tasks
     "override, message",
     [
         ("rollout.env.path=ds_tree.nowhere:Env", r"rollout.env.path 'ds_tree.nowhere:Env' cannot be imported"),
+        ("rollout.env.path=shop", r"unknown environment 'shop' \(rollout.env.path\); choose one of secret_tool, "),
         ("rollout.env.fork=clone", r"rollout.env.fork must be one of copy, replay, none"),
         ("rollout.env.max_turns=0", r"rollout.env.max_turns must be >= 1"),
         ("rollout.env.step_timeout_s=0", r"rollout.env.step_timeout_s must be a finite number > 0"),
@@ -484,7 +514,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
     with pytest.raises(ConfigError, match=r"turn_branching \[1, 8\] makes 8 leaves a task, not rollout.width \(16\)"):
         load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.turn_branching=[1,8]"])
     no_demos = ["rollout.env.warmup_steps=2", "rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv"]
-    with pytest.raises(ConfigError, match=r"has no demonstration\(task, rng\) method"):
+    with pytest.raises(ConfigError, match=r"does not override Environment.demonstration\(task, rng\)"):
         load_config("configs/multiturn_cpu.yaml", [*base, *no_demos])
 
     online = MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
@@ -858,20 +888,25 @@ class Flaky(SecretToolEnv):
 def test_env_module_exiting_at_import_and_constructor_failures_are_config_errors(tmp_path, monkeypatch) -> None:
     # issue 42 #30, #14, #17: named at the dry run (load_config), not an exit code or a crash at step N
     from ds_tree.config import ConfigError, load_config
-    from ds_tree.rollout.env import load_environment_class
+    from ds_tree.registries import ENVIRONMENTS
 
     (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
     (tmp_path / "never_builds.py").write_text(
         "from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv\n"
         "class Env(LoudSecretToolEnv):\n    def __init__(self):\n        raise OSError('no sandbox')\n"
     )
+    duck_typed = "class Env:\n    def reset(self, task): ...\n\n    def step(self, turn): ...\n"  # no Environment
+    (tmp_path / "duck_typed.py").write_text(duck_typed)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"called sys.exit\(3\)"):
-        load_environment_class("exits_at_import:Env")
+        ENVIRONMENTS.get("exits_at_import:Env")
     with pytest.raises(ConfigError, match=r"called sys.exit\(3\)"):
         load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "rollout.env.path=exits_at_import:Env"])
     with pytest.raises(ConfigError, match=r"cannot be constructed .*OSError: no sandbox"):
         load_config("configs/multiturn_cpu.yaml", [*SHIPPED, "rollout.env.path=never_builds:Env"])
+    with pytest.raises(ConfigError, match=r"duck_typed:Env made a Env, not an Environment \(derive from"):
+        no_warmup = ["rollout.env.warmup_steps=0", "rollout.env.warmup_lr=0", "rollout.env.refresh_every=0"]
+        load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *no_warmup, "rollout.env.path=duck_typed:Env"])
     no_demos = ["rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv", "rollout.env.refresh_every=2"]
     with pytest.raises(ConfigError, match=r"rollout.env.refresh_every \(2\) needs demonstrations"):
         # warm-up off, and so its learning rate (a warmup_lr without warm-up steps is refused on its own)
@@ -883,7 +918,7 @@ def test_env_module_exiting_at_import_and_constructor_failures_are_config_errors
 
 def test_a_task_that_keeps_no_leaf_names_the_real_cause(tokenizer) -> None:
     # issue 42 #25: not "environment errors ... see the warnings above" when it was the context or the clock
-    from ds_tree.rollout.multiturn import lost_tasks
+    from ds_tree.rollout.episodes.records import lost_tasks
 
     short = run(runner(tokenizer, SecretToolEnv, [CALL, "7"], max_context_tokens=20))
     slow = run(runner(tokenizer, SecretToolEnv, [CALL, "7"], episode_timeout_s=1e-9))

@@ -159,6 +159,7 @@ def test_multiturn_staleness_config_needs_the_importance_correction(tokenizer_di
     from ds_tree.models.loading import load_model
     from ds_tree.rollout.envs.secret_tool import tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
+    from ds_tree.sampling.hf_engine import HFEngine
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
     base = [f"rollout.prompts={tmp_path / 'tasks.jsonl'}", f"model.tokenizer={tokenizer_dir}"]
@@ -168,8 +169,9 @@ def test_multiturn_staleness_config_needs_the_importance_correction(tokenizer_di
     with pytest.raises(ConfigError, match=r"rollout.max_staleness=1 trains on .* up to 1 step\(s\) old"):
         load_config(MULTITURN_CPU, [*base, "rollout.max_staleness=1"])
     online = MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
-    online.model = load_model(str(ROOT / "configs/models/tiny_llama.json"), attention="torch", dtype=torch.float32)
-    episodes = online.runner_for_model()
+    model = load_model(str(ROOT / "configs/models/tiny_llama.json"), attention="torch", dtype=torch.float32)
+    online.engine = HFEngine(model)
+    episodes = online.episode_runner()
     assert online.renderer.tokenizer is not online.tokenizer and not episodes.stopping.is_set()
     online.close()  # what the trainer calls at the end of every run, preempted or not
     assert episodes.stopping.is_set()

@@ -14,16 +14,12 @@ import yaml
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.errors import DataError
+from ds_tree.registries import REWARDS
 from ds_tree.rollout.envs import digit_parity, game24
-from ds_tree.rollout.online import (
-    SlotResult,
-    kept_trajectories,
-    rank_slots,
-    rollout_scalars,
-    slot_generator,
-)
-from ds_tree.rollout.prompts import read_prompts
-from ds_tree.rollout.rewards import RewardRequest, exact_match_reward, reward_function
+from ds_tree.rollout.loop import rank_slots, slot_generator
+from ds_tree.rollout.online import SlotResult, kept_trajectories, rollout_scalars
+from ds_tree.rollout.rewards import RewardRequest, exact_match_reward
+from ds_tree.sampling.prompts import read_prompts
 from ds_tree.trees.trajectory import Trajectory
 from tests.test_engine import ROOT, torchrun, write_config
 from tests.test_reliability import dry_run
@@ -88,7 +84,10 @@ def without_data(path: Path) -> Path:
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.reward=nope", r"rollout.reward must be one of exact_match, game24 or 'package.module:function'"),
+        (
+            "rollout.reward=nope",
+            r"unknown reward 'nope' \(rollout.reward\); choose one of game24, exact_match or 'packa",
+        ),
         ("rollout.reward=ds_tree.nowhere:f", r"rollout.reward 'ds_tree.nowhere:f' cannot be imported"),
         ("rollout.prompts=", r"rollout.prompts is required with rollout.enabled"),
         ("rollout.width=5", r"rollout: sampler width 5 exceeds branching\*\*max_depth"),
@@ -172,10 +171,54 @@ def test_slots_and_generators_depend_on_seed_step_and_slot_only() -> None:
     assert len({draw(0, 3, 1), draw(0, 4, 1), draw(0, 3, 2), draw(1, 3, 1)}) == 4
 
 
+def test_engine_capabilities_decide_what_a_config_may_ask(tmp_path, tokenizer_dir) -> None:
+    """A registered sampling engine is a config choice; what it declares it cannot do is refused, with its
+    reason and the engines that can (no engine name is compared anywhere)."""
+    from ds_tree.registries import SAMPLING_ENGINES
+    from ds_tree.sampling.hf_engine import HFEngine
+
+    class TextOnly(HFEngine):
+        logprobs = False
+        why_not = {"logprobs": "it returns text only"}
+
+    SAMPLING_ENGINES.register("test_text_only", TextOnly)
+    try:
+        path = online_config(tmp_path, tokenizer_dir)
+        assert load_config(path, ["rollout.engine=test_text_only"]).rollout.engine == "test_text_only"
+        message = r"rollout.engine: test_text_only returns none: it returns text only; use rollout.engine: hf or vllm$"
+        with pytest.raises(ConfigError, match=message):
+            load_config(path, ["rollout.engine=test_text_only", "objective.old_logprobs=data"])
+    finally:
+        SAMPLING_ENGINES.unregister("test_text_only")
+
+
+def test_hf_engine_builds_a_generation_copy_and_syncs_the_policy_into_it(tmp_path, tokenizer_dir) -> None:
+    """The hf engine of a run: the policy's architecture with its own weights, frozen and in eval mode; each
+    sync copies the policy's current weights in exactly and counts the version."""
+    import torch
+
+    from ds_tree.models.loading import load_config as load_model_config
+    from ds_tree.models.loading import load_model
+    from ds_tree.registries import SAMPLING_ENGINES
+
+    config = load_config(online_config(tmp_path, tokenizer_dir))
+    engine = SAMPLING_ENGINES.get("hf").for_run(config, load_model_config(config.model.source), None)
+    policy = load_model(config.model.source, dtype="float32", seed=1)
+    pairs = list(zip(policy.parameters(), engine.model.parameters(), strict=True))
+    assert not engine.model.training and not any(p.requires_grad for _, p in pairs)
+    assert not all(torch.equal(a, b) for a, b in pairs)
+    for version in (1, 2):
+        with torch.no_grad():
+            next(policy.parameters()).add_(1.0)  # an optimizer step
+        assert engine.sync_weights(policy) >= 0 and engine.version == version
+        assert all(torch.equal(a, b) for a, b in pairs) and engine.generator_device == torch.device("cpu")
+    engine.close()
+
+
 def test_reward_functions_by_name_or_import_path() -> None:
-    assert reward_function("exact_match") is exact_match_reward
-    assert reward_function("game24") is game24.reward
-    assert reward_function(PARITY) is digit_parity.reward
+    assert REWARDS.get("exact_match") is exact_match_reward
+    assert REWARDS.get("game24") is game24.reward
+    assert REWARDS.get(PARITY) is digit_parity.reward
     request = RewardRequest(prompt="even:", completion=" 24 8x", metadata={"parity": "even"})
     assert digit_parity.reward(request) == pytest.approx(3 / 4)
     assert digit_parity.reward(RewardRequest("odd:", " ", {"parity": "odd"})) == 0.0

@@ -16,7 +16,7 @@ from tests.test_reliability import dry_run
 MODULES = {
     "syntax_error": ("def reward(request):\n    return (1.0\n", "SyntaxError: '(' was never closed"),
     "raises": ("raise RuntimeError('no checker database here')\n", "RuntimeError: no checker database here"),
-    "exits": ("import sys\nsys.exit(3)\n", "SystemExit: the reward code called sys.exit(3)"),
+    "exits": ("import sys\nsys.exit(3)\n", "SystemExit: the module called sys.exit(3)"),
 }
 
 

@@ -8,8 +8,9 @@ from fractions import Fraction
 
 import pytest
 
+from ds_tree.registries import REWARDS
 from ds_tree.rollout.envs.game24 import ExpressionError, evaluate, extract_expression, puzzle_numbers, solves
-from ds_tree.rollout.rewards import RewardRequest, reward_function, score
+from ds_tree.rollout.rewards import RewardRequest, score
 from tests.shared_data import SHARED_DATA, absent
 
 GAME24 = SHARED_DATA / "tot-game24" / "samples.jsonl"
@@ -57,12 +58,12 @@ def test_extract_expression():
 
 
 def test_builtin_rewards_and_safe_scoring():
-    game24 = reward_function("game24")
+    game24 = REWARDS.get("game24")
     assert game24(RewardRequest("Input: 4 4 6 8\n", "Steps: ...\nAnswer: (6 - 4) * (4 + 8) = 24", {})) == 1.0
     assert game24(RewardRequest("", "Answer: (6 - 4) * (4 + 8) = 24", {"numbers": [4, 4, 6, 8]})) == 1.0
     assert game24(RewardRequest("", "Answer: (6 - 4) * (4 + 8) = 24", {"numbers": [4, 4, 6, 9]})) == 0.0
-    assert reward_function("exact_match")(RewardRequest("q", " 42\n", {"answer": "42"})) == 1.0
-    assert reward_function("exact_match")(RewardRequest("q", "41", {"answer": "42"})) == 0.0
+    assert REWARDS.get("exact_match")(RewardRequest("q", " 42\n", {"answer": "42"})) == 1.0
+    assert REWARDS.get("exact_match")(RewardRequest("q", "41", {"answer": "42"})) == 0.0
 
     def flaky(request: RewardRequest) -> float:
         if "boom" in request.completion:
@@ -76,7 +77,7 @@ def test_builtin_rewards_and_safe_scoring():
     assert "request 1" in failures[0] and "'boom here'" in failures[0]
     assert "RuntimeError: checker crashed" in failures[0]
     assert "request 2" in failures[1] and "nan" in failures[1]
-    rewards, failures = score(reward_function("game24"), [RewardRequest("no numbers", "Answer: 1", {})])
+    rewards, failures = score(REWARDS.get("game24"), [RewardRequest("no numbers", "Answer: 1", {})])
     assert rewards == [None] and "metadata['numbers']" in failures[0]
 
 
@@ -85,7 +86,7 @@ def test_game24_agrees_with_the_data_labels():
     """Every tot-game24 sample's 1/0 label is what the checker gives its answer (403 correct of 10000)."""
     records = [json.loads(line) for line in GAME24.read_text().splitlines()]
     requests = [RewardRequest(r["messages"][0]["content"], r["messages"][1]["content"], {}) for r in records]
-    rewards, failures = score(reward_function("game24"), requests)
+    rewards, failures = score(REWARDS.get("game24"), requests)
     assert failures == []
     assert rewards == [r["reward"] for r in records]
     assert sum(rewards) == 403

@@ -23,14 +23,16 @@ from ds_tree.models.loading import keep_norms_in_float64, load_model
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.rollout.env import EnvironmentCalls, StepResult, ToolEnvironment, check_messages, step_result
 from ds_tree.rollout.envs.gui_screens import COLOURS, GuiScreensEnv, app_screen, home_screen
-from ds_tree.rollout.formats import resolve_format, turn_stop_tokens
+from ds_tree.rollout.episodes.records import save_rollouts
+from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.images import observation_images
-from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, save_rollouts
-from ds_tree.rollout.prompts import stop_token_ids
 from ds_tree.rollout.render import Renderer
 from ds_tree.sampling.hf import sample_tree
+from ds_tree.sampling.hf_engine import HFTurnSampler
+from ds_tree.sampling.prompts import stop_token_ids
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 from ds_tree.trees.trie import build_forest
+from ds_tree.turn_formats import resolve_format, turn_stop_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/models/tiny_qwen2_5_vl.json"
@@ -257,7 +259,9 @@ def test_vision_rollouts_refused_on_vllm(processor_dir, tmp_path):
     config = load_config(gui_config(processor_dir, tmp_path))
     check_vision_settings(config, load_model_config(config.model.source))  # the shipped example: accepted
     config.rollout.engine = "vllm"
-    with pytest.raises(ConfigError, match=re.escape("rollout.engine: vllm")):
+    message = r"rollout.engine: vllm: .* vision-language model; sampling with images on vLLM is not built: .*; use "
+    message += "rollout.engine: hf$"
+    with pytest.raises(ConfigError, match=message):  # the engine's declared capability and its reason
         check_vision_settings(config, load_model_config(config.model.source))
 
 

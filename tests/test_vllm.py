@@ -27,7 +27,8 @@ import torch
 from ds_tree.config import ConfigError, load_config
 from ds_tree.rollout.ahead import AheadSampler, drop_stale, sampling_version, staleness_bound, sync_due
 from ds_tree.sampling.hf import repeats_ngram
-from ds_tree.sampling.interface import EngineSampling, HFEngine, PrefixRequest
+from ds_tree.sampling.hf_engine import HFEngine
+from ds_tree.sampling.interface import EngineSampling, PrefixRequest
 from ds_tree.sampling.settings import SamplerSettings
 from ds_tree.sampling.vllm import (
     EngineError,
@@ -242,7 +243,7 @@ def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, token
     conversation so far (token in, token out), its siblings the request's n samples, with vLLM's log-probs."""
     from ds_tree.rollout.env import EnvironmentCalls
     from ds_tree.rollout.envs.secret_tool import SecretToolEnv
-    from ds_tree.rollout.multiturn import EpisodeRunner
+    from ds_tree.rollout.episodes.runner import EpisodeRunner
     from ds_tree.rollout.render import Renderer
     from ds_tree.sampling.interface import EngineTurnSampler
     from ds_tree.sampling.settings import EnvSettings
@@ -447,6 +448,28 @@ def test_vllm_config_fields_and_refused_values(tmp_path, tokenizer_dir) -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(path, [override])
+
+
+def test_a_runs_vllm_engine_is_built_before_the_policy_and_starts_at_its_first_sync(tmp_path, tokenizer_dir) -> None:
+    """for_run (every rank, before the policy) holds no weights and starts nothing: the server starts, or
+    the URL's is loaded, at the first sync_weights; closing it before then is safe. Requests name the
+    managed server's model, or rollout.vllm.model_name on rollout.vllm.url's."""
+    from ds_tree.models.loading import load_config as load_model_config
+    from ds_tree.registries import SAMPLING_ENGINES
+
+    python = str(fake_vllm_python(tmp_path / "venv"))
+    vllm = {"python": python, "model_name": "served"}
+    path = online_config(tmp_path, tokenizer_dir, rollout={"engine": "vllm", "vllm": vllm})
+    config = load_config(path)
+    model_config = load_model_config(config.model.source)
+    engine = SAMPLING_ENGINES.get("vllm").for_run(config, model_config, None)
+    assert (engine.client, engine.version, engine.model_name) == (None, 0, "ds_tree-policy")
+    assert engine.snapshot_dir == Path(config.output_dir) / "vllm" and engine.generator_device == "cpu"
+    engine.close()
+    with_url = load_config(path, ["rollout.vllm.url=http://127.0.0.1:9"])
+    external = SAMPLING_ENGINES.get("vllm").for_run(with_url, model_config, None)
+    assert external.model_name == "served"
+    external.close()
 
 
 # ------------------------------------------------------------------- asynchronous steps

@@ -18,9 +18,9 @@ import torch
 from ds_tree.config import REPOSITORY
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.models.loading import load_model
-from ds_tree.sampling.interface import HFEngine
+from ds_tree.sampling.hf_engine import HFEngine
 from ds_tree.sampling.settings import SamplerSettings
-from ds_tree.sampling.vllm import open_engine
+from ds_tree.sampling.vllm import VLLMEngine
 
 MODEL_CONFIG = REPOSITORY / "configs" / "models" / "tiny_llama_vllm.json"
 """The model every engine samples with (a config: random weights, seed 0)."""
@@ -74,7 +74,9 @@ def engine_throughput(
         yield time_engine("hf", HFEngine(model), prompts, settings)
     for caching in (True, False):
         with tempfile.TemporaryDirectory() as directory:
-            engine = open_engine(model, tokenizer, "", directory, prefix_caching=caching, max_model_len=1024)
+            engine = VLLMEngine.for_model(
+                model, tokenizer, url="", directory=directory, prefix_caching=caching, max_model_len=1024
+            )
             try:
                 yield time_engine(f"vllm (prefix caching {'on' if caching else 'off'})", engine, prompts, settings)
             finally:

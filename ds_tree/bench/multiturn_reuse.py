@@ -12,13 +12,16 @@ from pathlib import Path
 
 import torch
 
-from ds_tree.rollout.env import EnvironmentCalls, load_environment_class
-from ds_tree.rollout.formats import resolve_format, turn_stop_tokens
-from ds_tree.rollout.multiturn import EpisodeRunner, HFTurnSampler, Task, read_tasks
-from ds_tree.rollout.online import slot_generator
-from ds_tree.rollout.prompts import stop_token_ids
+from ds_tree.registries import ENVIRONMENTS, configured
+from ds_tree.rollout.env import EnvironmentCalls
+from ds_tree.rollout.episodes.runner import EpisodeRunner
+from ds_tree.rollout.episodes.tasks import Task, read_tasks
+from ds_tree.rollout.loop import slot_generator
 from ds_tree.rollout.render import Renderer
+from ds_tree.sampling.hf_engine import HFTurnSampler
+from ds_tree.sampling.prompts import stop_token_ids
 from ds_tree.sampling.settings import path_limit
+from ds_tree.turn_formats import resolve_format, turn_stop_tokens
 
 MODES = {"tree": (False, True), "tree, every turn prefilled": (False, False), "independent": (True, True)}
 """Sampling mode -> (``rollout.independent``, keys/values carried across turns)."""
@@ -40,7 +43,7 @@ def measure_reuse(model, tokenizer, config, tasks: list[Task]) -> list[dict]:
     for name, (independent, carry) in MODES.items():
         settings = dataclasses.replace(config.rollout.sampler_settings(), independent=independent)
         runner = EpisodeRunner(
-            load_environment_class(env.path),
+            ENVIRONMENTS.get(env.path),
             Renderer(tokenizer, stops, env.max_observation_tokens, turn_format),
             HFTurnSampler(model, settings, stops, carry=carry),
             settings,
@@ -85,9 +88,9 @@ def multiturn_reuse(
     overrides = [f"model.source={model_dir}", f"model.tokenizer={tokenizer_dir}", f"rollout.prompts={tasks_path}"]
     config = load_config(config_path, overrides)
     try:
-        load_environment_class(config.rollout.env.path)
-    except ValueError as error:
-        raise ConfigError(f"{config_path}: rollout.env.path {error}") from None
+        configured(ENVIRONMENTS, config.rollout.env.path)
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
     if not Path(model_dir).is_dir():
         raise DataError(f"{model_dir}: no such model directory")
     tokenizer = load_tokenizer(tokenizer_dir)

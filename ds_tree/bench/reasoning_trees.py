@@ -32,18 +32,20 @@ from ds_tree.data.chat_templates import chat_template
 from ds_tree.data.tokenizer import build_tokenizer
 from ds_tree.rollout.env import EnvironmentCalls
 from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
-from ds_tree.rollout.formats import resolve_format, turn_stop_tokens
-from ds_tree.rollout.multiturn import TRAINED_STOPS, EpisodeRunner, EpisodeTree, SampledTurn
+from ds_tree.rollout.episodes.runner import EpisodeRunner
+from ds_tree.rollout.episodes.tree import TRAINED_STOPS, EpisodeTree
 from ds_tree.rollout.render import Renderer
+from ds_tree.sampling.interface import SampledTurn, TurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 from ds_tree.trees.stats import token_counts
+from ds_tree.turn_formats import resolve_format, turn_stop_tokens
 
 COLUMNS = ("template", "episodes", "leaves", "rewritten", "tree", "turn_samples", "independent", "re_rendered")
 WORDS = "first the tool then read its answer so the secret is the digit it states and I answer that".split()
 CALL = '<tool_call>\n{"name": "get_secret", "arguments": {}}\n</tool_call>'
 
 
-class ThinkingPolicy:
+class ThinkingPolicy(TurnSampler):
     """Turn 0 thinks and calls ``get_secret``; turn 1 thinks and answers the secret. ``reasoning_tokens``
     of thinking (words drawn per sibling); the generation prompt may already open ``<think>``."""
 

@@ -28,7 +28,7 @@ from ds_tree.cli.choices import MODEL_DTYPES, sampling_engines
 from ds_tree.cli.common import check_output_file, command_parser
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
-from ds_tree.rollout.rewards import REWARDS, reward_function
+from ds_tree.registries import REWARDS, SAMPLING_ENGINES
 
 if TYPE_CHECKING:
     from ds_tree.sampling.hf import SampledTree
@@ -93,7 +93,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--format", choices=("tree", "tokens"), default="tree", help="one explicit tree or one trajectory a line"
     )
-    parser.add_argument("--reward", choices=(*REWARDS, "none"), default="none", help="reward function of the leaves")
+    rewards = (*REWARDS.names(), "none")
+    parser.add_argument("--reward", choices=rewards, default="none", help="reward function of the leaves")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (and of a random init)")
     parser.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="float32", help="the model's dtype")
     parser.add_argument(
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     from ds_tree.data.convert import load_tokenizer
     from ds_tree.models.loading import load_model
-    from ds_tree.rollout.prompts import read_prompts, stop_token_ids
+    from ds_tree.sampling.interface import EngineError
+    from ds_tree.sampling.prompts import read_prompts, stop_token_ids
     from ds_tree.sampling.settings import SamplerSettings
 
     settings_fields = {field.name: getattr(args, field.name) for field in fields(SamplerSettings)}
@@ -131,41 +133,33 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 2
 
     generator = torch.Generator().manual_seed(args.seed)
-    engine = None
-    if args.engine == "vllm":
-        from ds_tree.sampling.vllm import EngineError, open_engine
-
-        try:
-            engine = open_engine(model, tokenizer, args.vllm_url, args.output.parent / f"{args.output.name}.vllm")
-        except EngineError as error:
-            print(f"ds-tree sample: error: {error}", file=sys.stderr)
-            return 1
+    directory = args.output.parent / f"{args.output.name}.vllm"  # a managed server's model and log
     try:
-        return sample_all(args, model, tokenizer, prompts, settings, generator, eos, engine)
+        engine = SAMPLING_ENGINES.get(args.engine).for_model(model, tokenizer, url=args.vllm_url, directory=directory)
+    except EngineError as error:
+        print(f"ds-tree sample: error: {error}", file=sys.stderr)
+        return 1
+    try:
+        return sample_all(args, tokenizer, prompts, settings, generator, eos, engine)
     finally:
-        if engine is not None:
-            engine.close()
+        engine.close()
 
 
-def sample_all(args, model, tokenizer, prompts, settings, generator, eos, engine) -> int:
+def sample_all(args, tokenizer, prompts, settings, generator, eos, engine) -> int:
     from ds_tree.data.jsonl import write_jsonl
     from ds_tree.rollout.rewards import RewardRequest, score
-    from ds_tree.sampling.hf import sample_tree
 
     records, failures, summary = [], [], {"groups": 0, "trajectories": 0, "sampled_tokens": 0, "forward_tokens": 0}
     flat_tokens = 0
     for prompt in prompts:
-        if engine is not None:
-            tree = engine.sample_tree(prompt.ids.tolist(), settings, generator=generator, eos_token_ids=eos)
-        else:
-            tree = sample_tree(model, prompt.ids, settings, generator=generator, eos_token_ids=eos)
+        tree = engine.sample_tree(prompt.ids.tolist(), settings, generator=generator, eos_token_ids=eos)
         rewards: list[float | None] = [None] * tree.leaves
         if args.reward != "none":
             requests = [
                 RewardRequest(prompt.text, tokenizer.decode(tree.completion(leaf)[0]), prompt.metadata)
                 for leaf in tree.leaf_nodes()
             ]
-            rewards, failed = score(reward_function(args.reward), requests)
+            rewards, failed = score(REWARDS.get(args.reward), requests)
             failures += [f"{prompt.source}: {message}" for message in failed]
         if args.format == "tree":
             records.append(tree.explicit_record(prompt.label, rewards))

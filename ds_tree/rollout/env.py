@@ -13,8 +13,14 @@ trainer's :mod:`ds_tree.rollout.render` owns those). One episode:
   ``fork_mode`` says how: ``copy`` (``copy.deepcopy``, the default), ``replay`` (a fresh instance
   reset on the same task re-applies the recorded turns and must give back the recorded messages),
   ``none`` (cannot fork: a rollout branches at the prompt only);
-- ``score(messages) -> float`` (optional): a final reward added when the episode ends;
-- ``close()``: release what the episode holds.
+- ``score(messages) -> float``: a final reward added when a leaf ends (0 by default);
+- ``demonstration(task, rng) -> messages``: a conversation that does the task, the SFT data of a
+  warm-up (none by default: :func:`writes_demonstrations`);
+- ``tool_schemas()``: the tools' schemas (of ``tools`` by default), ``close()``: release what the
+  episode holds (nothing by default).
+
+Every method but ``reset`` and ``step`` has a default on :class:`Environment`, which every environment
+derives from (the rollout calls the methods, never probes for them).
 
 Every method may be ``async``: the rollout runs each call in a worker thread
 (:class:`EnvironmentCalls`), an ``async`` one under its own event loop there, with timeouts.
@@ -29,10 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import inspect
 import json
 import math
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,48 +49,11 @@ import numpy as np
 from ds_tree.data.chat import check_text
 from ds_tree.rollout.images import ImageFailure, normalize_parts, tool_content
 from ds_tree.sampling.settings import FORK_MODES  # noqa: F401  (re-exported)
+from ds_tree.turn_formats.base import ToolCall, Turn  # an environment's types, imported from here too
 
 
 class EnvFailure(Exception):
     """An environment misbehaved (raised, returned the wrong type, or replayed differently)."""
-
-
-@dataclass
-class ToolCall:
-    """One parsed tool call of an assistant turn."""
-
-    name: str
-    arguments: dict
-    id: str = ""
-
-
-@dataclass
-class Turn:
-    """The policy's assistant turn, as the environment sees it."""
-
-    text: str
-    """The turn's text outside tool calls (stripped)."""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    raw: str = ""
-    """The whole decoded turn, tool-call markup included (what a text env such as SkyRL's takes)."""
-    reasoning: str = ""
-    """The turn's reasoning (a ``<think>`` block, harmony's analysis channel); empty if none."""
-
-    def message(self) -> dict:
-        """The turn as an OpenAI-style assistant message (its reasoning as ``reasoning_content``)."""
-        message: dict[str, Any] = {"role": "assistant", "content": self.text}
-        if self.reasoning:
-            message["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
-                }
-                for call in self.tool_calls
-            ]
-        return message
 
 
 @dataclass
@@ -104,7 +73,8 @@ class StepResult:
 
 
 class Environment:
-    """Base class of an environment (module docstring). Subclasses define ``reset`` and ``step``."""
+    """Base class of an environment (module docstring). Subclasses define ``reset`` and ``step``; the
+    other methods have defaults, which the rollout calls like any override."""
 
     fork_mode: str = "copy"
     tools: list[Callable] = []
@@ -120,11 +90,33 @@ class Environment:
         """An independent copy at the same point (``fork_mode: copy``)."""
         return copy.deepcopy(self)
 
+    def score(self, messages: list[dict]) -> float:
+        """A final reward added to a kept leaf when it ends, given its conversation (0 by default)."""
+        return 0.0
+
+    def demonstration(self, task: dict, rng: random.Random) -> list[dict]:
+        """A conversation that does ``task`` (messages, every assistant turn trained): the SFT data of
+        ``rollout.env.warmup_steps`` and ``refresh_every`` (docs/ENVIRONMENTS.md). None by default: an
+        environment that does not override it is refused at config time when they are set
+        (:func:`writes_demonstrations`)."""
+        raise NotImplementedError(f"{type(self).__name__} writes no demonstrations")
+
     def close(self) -> None:
         """Release what the episode holds (nothing by default)."""
 
     def tool_schemas(self) -> list[dict]:
+        """The tools' OpenAI schemas (of :attr:`tools` by default; none without tools)."""
         return [tool_schema(function) for function in self.tools]
+
+
+def writes_demonstrations(make_env: Callable) -> bool:
+    """Whether ``rollout.env.path``'s class overrides :meth:`Environment.demonstration` (a factory that is
+    not an :class:`Environment` subclass cannot say, so it is taken not to)."""
+    return (
+        isinstance(make_env, type)
+        and issubclass(make_env, Environment)
+        and make_env.demonstration is not Environment.demonstration
+    )
 
 
 def tool_schema(function: Callable) -> dict:
@@ -209,7 +201,7 @@ class SkyRLTextEnvironment(Environment):
         )
 
     def close(self) -> None:
-        if self.env is not None and hasattr(self.env, "close"):
+        if self.env is not None and hasattr(self.env, "close"):  # the wrapped SkyRL-style env's is optional
             self.env.close()
 
 
@@ -250,24 +242,6 @@ class TRLEnvironment(ToolEnvironment):
         return forked
 
 
-def load_environment_class(name: str) -> type:
-    """The class ``package.module:Class`` (``rollout.env.path``); a ValueError says why not."""
-    module, _, attribute = name.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"must be 'package.module:Class', got {name!r}")
-    try:
-        found = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{name!r} cannot be imported: {error}") from None
-    except Exception as error:  # the module's own code failed
-        raise ValueError(f"{name!r} cannot be imported: {type(error).__name__}: {error}") from None
-    except SystemExit as error:  # sys.exit() at import: the run must say so, not exit with its code
-        raise ValueError(f"{name!r} cannot be imported: the module called sys.exit({error.code!r})") from None
-    if not callable(found):
-        raise ValueError(f"{name!r} is not a class or factory")
-    return found
-
-
 class EnvironmentCalls:
     """Runs environment methods in worker threads with a timeout; ``async`` ones on a loop there.
 
@@ -290,8 +264,7 @@ class EnvironmentCalls:
 
         def run() -> None:
             try:
-                result = method(*args)
-                box["value"] = asyncio.run(_await(result)) if inspect.isawaitable(result) else result
+                box["value"] = awaited(method(*args))
             except BaseException as error:  # handed to the caller
                 box["error"] = error
             finally:
@@ -309,6 +282,12 @@ class EnvironmentCalls:
                 )
             raise error
         return box["value"]
+
+
+def awaited(value: Any) -> Any:
+    """The value of a sync call, or of an ``async`` one run to completion on an event loop of its own
+    (in a worker thread: :class:`EnvironmentCalls`, a replay)."""
+    return asyncio.run(_await(value)) if inspect.isawaitable(value) else value
 
 
 async def _await(awaitable: Any) -> Any:

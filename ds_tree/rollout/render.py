@@ -17,7 +17,7 @@ shorter one (a template that rewrites history, or an environment that returns a 
 :class:`NotAppendOnly` is raised and the rollout starts a new branch from the full rendering.
 
 Tool calls and reasoning are parsed by the chat format (``rollout.env.format``,
-:mod:`ds_tree.rollout.formats`: Hermes ``<tool_call>`` JSON by default, Qwen3, Qwen3-Coder, Llama 3
+:mod:`ds_tree.turn_formats`: Hermes ``<tool_call>`` JSON by default, Qwen3, Qwen3-Coder, Llama 3
 JSON, Mistral, harmony). A malformed call is not an exception: :meth:`Renderer.parse` returns it as
 a parse error, which the rollout shows the policy as a tool message (``parse_error_message``).
 
@@ -33,10 +33,10 @@ import json
 from collections.abc import Sequence
 
 from ds_tree.data.chat import ChatText, UnsafeText, encode_rendered, special_token_strings
-from ds_tree.rollout.env import EnvFailure, Turn
-from ds_tree.rollout.formats import get_format
-from ds_tree.rollout.formats.base import ParsedTurn, TurnFormat
+from ds_tree.rollout.env import EnvFailure
 from ds_tree.rollout.images import ImageFailure, ObservationImages, has_images
+from ds_tree.turn_formats import get_format
+from ds_tree.turn_formats.base import ParsedTurn, Turn, TurnFormat
 
 
 class NotAppendOnly(Exception):

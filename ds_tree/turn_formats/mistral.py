@@ -3,8 +3,7 @@ the turn's text, ending with ``</s>``; results come back as ``[TOOL_RESULTS] ...
 
 from __future__ import annotations
 
-from ds_tree.rollout.env import Turn
-from ds_tree.rollout.formats.base import ParsedTurn, TurnFormat, call_from_object, load_json
+from ds_tree.turn_formats.base import ParsedTurn, Turn, TurnFormat, call_from_object, load_json
 
 TOOL_CALLS = "[TOOL_CALLS]"
 

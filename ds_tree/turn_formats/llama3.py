@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import json
 
-from ds_tree.rollout.env import Turn
-from ds_tree.rollout.formats.base import ParsedTurn, TurnFormat, call_from_object, load_json
+from ds_tree.turn_formats.base import ParsedTurn, Turn, TurnFormat, call_from_object, load_json
 
 PYTHON_TAG = "<|python_tag|>"
 

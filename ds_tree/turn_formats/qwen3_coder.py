@@ -18,9 +18,8 @@ from __future__ import annotations
 import json
 import re
 
-from ds_tree.rollout.env import ToolCall
-from ds_tree.rollout.formats.base import MAX_CALL_DEPTH, ParsedTurn, TurnFormat, json_depth
-from ds_tree.rollout.formats.hermes import CALL_OPEN, parse_tagged_calls
+from ds_tree.turn_formats.base import MAX_CALL_DEPTH, ParsedTurn, ToolCall, TurnFormat, json_depth
+from ds_tree.turn_formats.hermes import CALL_OPEN, parse_tagged_calls
 
 _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)

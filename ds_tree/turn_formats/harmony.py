@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import re
 
-from ds_tree.rollout.env import Turn
-from ds_tree.rollout.formats.base import ParsedTurn, TurnFormat, call_from_object, load_json
+from ds_tree.turn_formats.base import ParsedTurn, Turn, TurnFormat, call_from_object, load_json
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 _RECIPIENT = re.compile(r"\bto=(\S+?)(?=\s|<\||$)")

@@ -1,0 +1,240 @@
+"""The online loop's step on one rank, whatever a slot samples (prompt trees, :mod:`ds_tree.rollout.online`;
+episode trees, :mod:`ds_tree.rollout.multiturn`): docs/RL.md, *Online RL*.
+
+- the step's groups come from ``(rollout.prompt_seed, step)`` as a dataset's groups do
+  (:class:`~ds_tree.data.sampler.StepSampler`): ``prompts_per_step`` slots, slot ``j`` sampled by rank
+  ``j mod world_size`` (:func:`rank_slots`), with its own ``torch.Generator`` seeded from
+  ``(rollout.seed, step, slot)`` (:func:`slot_generator`): the samples are a function of the weights and
+  the step only, so a resumed run samples exactly what the uninterrupted run did, with no generator
+  state to save, and the result does not depend on the number of ranks;
+- the sampling engine (``rollout.engine``, :data:`ds_tree.registries.SAMPLING_ENGINES`) is built before
+  the policy (:meth:`StepRollouts.build_model`) and gets the policy's weights at the run's first step and
+  every ``rollout.sync_every``-th step that samples with them (:meth:`StepRollouts.begin_step`, a
+  collective); with ``rollout.max_staleness > 0`` a background sampler (:mod:`ds_tree.rollout.ahead`)
+  samples the rank's slots ahead of training;
+- every rank's share is gathered in slot order (:meth:`StepRollouts.gathered_shares`); a sampling
+  failure on any rank is raised on every rank, and trajectories older than the staleness bound are
+  dropped and counted (:meth:`StepRollouts.fresh_enough`).
+
+What an engine can do is its declared capabilities (:mod:`ds_tree.sampling.interface`), checked at
+config time (:func:`check_engine_config`): the loop never asks for an engine by name.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds_tree.data.convert import load_tokenizer
+from ds_tree.data.sampler import StepSampler
+from ds_tree.errors import ConfigError, DataError
+from ds_tree.registries import SAMPLING_ENGINES, missing_capability
+from ds_tree.rollout.ahead import (
+    AheadSampler,
+    drop_stale,
+    sampling_version,
+    staleness_bound,
+    sync_due,
+    version_used,
+)
+from ds_tree.sampling.interface import EngineError, SamplingEngine
+from ds_tree.trees.trajectory import Trajectory
+
+
+def slot_generator(seed: int, step: int, slot: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of one prompt slot of one step: a function of ``(seed, step, slot)`` only."""
+    state = np.random.SeedSequence([seed, step, slot]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator(device=device).manual_seed(int(state))
+
+
+def rank_slots(n_slots: int, rank: int, world_size: int) -> list[int]:
+    """The slots ``rank`` samples: every ``world_size``-th, starting at ``rank``."""
+    return list(range(rank, n_slots, world_size))
+
+
+def raise_any(*failures: str | None, gather: bool = True) -> None:
+    """Raise the first failure of any rank on every rank (``gather``: each rank passes its own; a collective)."""
+    found = [f for f in failures if f]
+    if gather and dist.is_initialized():
+        every: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, found[0] if found else None)
+        found = [f"rank {rank}: {f}" for rank, f in enumerate(every) if f]
+    if found:
+        raise EngineError(found[0] + (f" (and {len(found) - 1} more rank(s))" if len(found) > 1 else ""))
+
+
+def check_engine_config(config) -> None:
+    """What ``rollout.engine`` needs from the config: the sampler's log-probs where training uses them
+    (``objective.old_logprobs: data``, ``objective.importance_truncation``), declared by the engine; then
+    the engine's own check (a ``vllm`` server's URL or venv, its ``max_model_len``)."""
+    rollout, objective = config.rollout, config.objective
+    if objective.old_logprobs == "data" or objective.importance_truncation:
+        missing = missing_capability(rollout.engine, "logprobs")
+        if missing:
+            raise ConfigError(
+                f"objective.old_logprobs: {objective.old_logprobs} / importance_truncation: "
+                f"{objective.importance_truncation} train with the sampler's log-probs, and rollout.engine: "
+                f"{rollout.engine} returns none: {missing}"
+            )
+    SAMPLING_ENGINES.get(rollout.engine).check_config(config)
+
+
+def run_tokenizer(config):
+    """``model.tokenizer`` (a :class:`ConfigError` naming the field if it does not load)."""
+    try:
+        return load_tokenizer(config.model.tokenizer)
+    except DataError as error:
+        raise ConfigError(f"model.tokenizer: {error}") from None
+
+
+class StepRollouts:
+    """What every online rollout does on one rank each step (module docstring); a subclass says what a
+    slot is: :meth:`sample_share` samples the rank's slots, ``step_trajectories`` gathers and keeps them."""
+
+    def __init__(self, config, model_config, tokenizer, stop_ids: list[int], groups: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_ids
+        """Where a completion (a turn) ends."""
+        self.settings = config.rollout.sampler_settings()
+        self.sampler = StepSampler(groups, config.rollout.prompts_per_step, config.rollout.seed)
+        """Which of the ``groups`` prompts (tasks) each step samples, slot by slot."""
+        self.engine: SamplingEngine | None = None
+        """Where groups are sampled (``rollout.engine``), built by :meth:`build_model`."""
+        self.scalars: dict[str, float] = {}
+        """The ``rollout/`` metrics of the last step sampled."""
+        self.start: int | None = None
+        """The run's first step (0, or the checkpoint's): the engine starts with that version."""
+        self.ahead: AheadSampler | None = None
+        """The background sampler of ``rollout.max_staleness > 0`` (:mod:`ds_tree.rollout.ahead`)."""
+        self.begun: int | None = None
+        """The last step :meth:`begin_step` started (it runs once a step)."""
+        self.sync_s = 0.0
+        """This step's weight sync time (``rollout/sync_s``; 0 on a step without a sync)."""
+        self.wait_s = 0.0
+        """This step's wait for the background sampler before its sync."""
+
+    def build_model(self) -> None:
+        """The sampling engine (:meth:`~ds_tree.sampling.interface.SamplingEngine.for_run`), built before the
+        policy, outside any ZeRO-3 ``zero.Init``: ``hf``'s generation model (the policy's architecture and
+        dtype, its own unpartitioned weights), or a ``vllm`` engine whose server starts at the first sync."""
+        self.engine = SAMPLING_ENGINES.get(self.config.rollout.engine).for_run(
+            self.config, self.model_config, self.tokenizer
+        )
+
+    def warming_up(self, step: int) -> bool:
+        """Whether ``step`` (0-based) trains on demonstrations instead of samples (never by default: a
+        multi-turn run's warm-up and refresh steps do)."""
+        return False
+
+    def samples(self, step: int) -> bool:
+        """Whether ``step`` samples (every step but a warm-up's)."""
+        return not self.warming_up(step)
+
+    def demonstrations(self, step: int, update: int) -> list[Trajectory]:
+        """The SFT trajectories of one update of a warm-up ``step`` (only a rollout that warms up has them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not warm up on demonstrations")
+
+    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
+        """``step``'s sampled trajectories, the same list on every rank (a collective)."""
+        raise NotImplementedError
+
+    def sample_share(self, step: int, version: int) -> list:
+        """This rank's slots of ``step`` sampled with policy ``version`` (no collective: the background
+        sampler runs it too)."""
+        raise NotImplementedError
+
+    def sync_needed(self, step: int) -> bool:
+        """Whether the weights go into the engine as ``step`` starts: the run's first step and every
+        ``rollout.sync_every``-th, if a step samples with them (:func:`~ds_tree.rollout.ahead.version_used`:
+        a multi-turn run's SFT steps sample nothing, and none samples past the run's end)."""
+        rollout = self.config.rollout
+        if step != self.start and not sync_due(step, self.start, rollout.sync_every):
+            return False
+        return version_used(
+            step, self.start, rollout.max_staleness, rollout.sync_every, self.config.max_steps, self.samples
+        )
+
+    def begin_step(self, step: int, policy: torch.nn.Module) -> None:
+        """``step`` starts (every rank; once a step, whether it samples or not): the weight sync when one
+        is needed (a collective; with a background sampler, after every step the old weights sample),
+        then the background sampler may run ``rollout.max_staleness`` steps ahead."""
+        rollout = self.config.rollout
+        if self.begun == step:
+            return
+        self.begun = step
+        if self.start is None:
+            self.start = step
+        self.sync_s, self.wait_s = 0.0, 0.0  # no sync: 0
+        if self.sync_needed(step):
+            synced = time.perf_counter()
+            if self.ahead is not None:  # every step that samples with the old weights is sampled first
+                failure = self.ahead.before_sync(step)
+                self.wait_s = time.perf_counter() - synced
+                raise_any(failure)
+            self.engine.sync_weights(policy)  # the first sync starts a server engine
+            if self.ahead is not None:
+                self.ahead.synced(step)
+            self.sync_s = time.perf_counter() - synced - self.wait_s
+        if rollout.max_staleness and self.ahead is None:
+            self.ahead = AheadSampler(
+                self.sample_share, start=self.start, max_staleness=rollout.max_staleness,
+                sync_every=rollout.sync_every, end=self.config.max_steps, samples=self.samples,
+                join_timeout_s=self.join_timeout_s(),
+            )  # fmt: skip
+        if self.ahead is not None:
+            self.ahead.begin(step)
+
+    def join_timeout_s(self) -> float:
+        """How long closing waits for the background sampler's step to stop (an engine request's bound)."""
+        return 5.0
+
+    def gathered_shares(self, step: int, policy: torch.nn.Module) -> list:
+        """Every rank's :meth:`sample_share` of ``step``, in rank order (collective). A sampling failure on
+        any rank is raised on every rank. Sets the ``rollout/`` timing scalars."""
+        rollout = self.config.rollout
+        self.begin_step(step, policy)
+        version = sampling_version(step, self.start, rollout.max_staleness, rollout.sync_every)
+        started = time.perf_counter()
+        failure, waited = None, self.wait_s
+        if self.ahead is not None:
+            sampled, failure = self.ahead.take(step)
+            mine, seconds = (sampled.results, sampled.seconds) if sampled is not None else ([], 0.0)
+            waited += time.perf_counter() - started
+        else:
+            try:
+                mine = self.sample_share(step, version)
+            except EngineError as error:  # raised on every rank below, not only here (no rank left waiting)
+                mine, failure = [], f"{type(error).__name__}: {error}"
+            seconds = time.perf_counter() - started
+        gathered: list[tuple[list, float, str | None] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, seconds, failure))
+        raise_any(*[f"rank {rank}: {failed}" for rank, (_, _, failed) in enumerate(gathered) if failed], gather=False)
+        self.scalars = {
+            "rollout/time_s": max(seconds for _, seconds, _ in gathered),  # the slowest rank's
+            "rollout/sync_s": self.sync_s,
+        }
+        if rollout.max_staleness:
+            self.scalars["rollout/wait_s"] = waited  # the time this rank's training waited for sampling
+        return [result for share, _, _ in gathered for result in share]
+
+    def fresh_enough(self, step: int, kept: list[Trajectory]) -> list[Trajectory]:
+        """``kept`` without the trajectories older than the staleness bound; the version scalars."""
+        rollout = self.config.rollout
+        kept, stale = drop_stale(kept, step, staleness_bound(rollout.max_staleness, rollout.sync_every))
+        versions = [t.policy_version for t in kept]
+        self.scalars["rollout/policy_version"] = float(np.mean(versions)) if versions else float("nan")
+        self.scalars["rollout/staleness_max"] = float(step - min(versions)) if versions else 0.0
+        self.scalars["rollout/stale_dropped"] = float(stale)
+        return kept
+
+    def close(self) -> None:
+        """Stop the background sampler and the engine (a managed vLLM server); idempotent."""
+        if self.ahead is not None:
+            self.ahead.close()
+        if self.engine is not None:
+            self.engine.close()
