@@ -48,9 +48,9 @@ def _seed_random_generators(request):
 
 @pytest.fixture(autouse=True)
 def _no_leftover_processes():
-    """Launchers and ranks a test started (``tests/processes.py``) do not outlive it."""
+    """Launchers and ranks a test started (``tests/helpers/processes.py``) do not outlive it."""
     yield
-    from tests.processes import kill_leftovers
+    from tests.helpers.processes import kill_leftovers
 
     kill_leftovers()
 

@@ -18,7 +18,8 @@ from ds_tree.packing.dfs_chunks import row_chunks
 from ds_tree.packing.dfs_shards import DfsRowShard, chunk_shard_of
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
-from tests.test_engine import ROOT, environment
+from tests.helpers import ROOT
+from tests.helpers.launch import environment
 from tests.test_sequence_parallel import one_kv_head_model, random_trees
 from tests.test_sequence_parallel_rl import TREEPO, write_rl_cases
 

@@ -22,7 +22,8 @@ from transformers import AutoConfig
 from ds_tree.errors import ConfigError
 from ds_tree.models.head_parallel import channels_of, check_recurrent_heads, head_block, shared_block
 from ds_tree.models.ulysses import check_heads
-from tests.test_engine import environment, torchrun, write_accumulating_ds_config, write_config
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.launch import environment, torchrun
 from tests.test_hybrid_models import BAMBA, QWEN3_5, SMALLER, _forest_records
 from tests.test_sequence_parallel import write_cases
 

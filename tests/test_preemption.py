@@ -26,8 +26,11 @@ import pytest
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.run.preemption import EXIT_PREEMPTED, REPEAT_WINDOW_S
-from tests.processes import start_group
-from tests.test_engine import ROOT, environment, free_port, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import environment, free_port
+from tests.helpers.processes import start_group
 
 TRAIN_SH = ROOT / "launch" / "train.sh"
 

@@ -1,4 +1,4 @@
-"""The suite's process-group helpers (``tests/processes.py``): a launcher that hangs takes its children down."""
+"""The suite's process-group helpers (``tests/helpers/processes.py``): a launcher that hangs takes its children down."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from tests.processes import kill_leftovers, run_group, start_group
+from tests.helpers.processes import kill_leftovers, run_group, start_group
 
 
 def child_pid(pid_file) -> int:

@@ -22,8 +22,10 @@ from ds_tree.packing.parts import split_tree
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows, shard_row
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trie import build_forest
-from tests.test_engine import ROOT, environment, torchrun, write_accumulating_ds_config, write_config
-from tests.test_launch import dry_run_in_process
+from tests.helpers import ROOT
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.launch import environment, torchrun
+from tests.helpers.runs import dry_run_in_process
 
 BUDGET, BLOCK, SIZE = 256, 16, 2
 DFS_CHUNK = 48

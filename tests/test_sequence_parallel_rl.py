@@ -18,7 +18,9 @@ from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.advantages import estimate
 from ds_tree.losses.rl import RLSettings, TokenSums
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows, shard_row
-from tests.test_engine import ROOT, environment, torchrun, write_config
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.launch import environment, torchrun
 from tests.test_sequence_parallel import BLOCK, BUDGET, SIZE, one_kv_head_model, random_trees, write_cases
 
 

@@ -19,8 +19,11 @@ import yaml
 from ds_tree import config as config_module
 from ds_tree.config import ConfigError, load_config
 from ds_tree.run.trackers import STATE_FILE, TRACKERS
-from tests.test_engine import PYTHON, ROOT, environment, write_config, write_forest
-from tests.test_reliability import dry_run
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import PYTHON, environment
+from tests.helpers.runs import dry_run
 
 ALL = ["tensorboard", "wandb", "mlflow", "trackio"]
 

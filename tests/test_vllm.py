@@ -42,8 +42,9 @@ from ds_tree.sampling.vllm import (
 )
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from tests.test_engine import ROOT, torchrun
-from tests.test_online_rl import online_config
+from tests.helpers import ROOT
+from tests.helpers.configs import online_config
+from tests.helpers.launch import torchrun
 
 MODEL = ROOT / "configs/models/tiny_llama_vllm.json"
 LOGPROB_TOLERANCE = 1e-5
