@@ -26,6 +26,16 @@ settings.load_profile(PROFILE)
 EXPLORE = not settings.default.derandomize
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: it may start processes (``tests/helpers/processes.py``) only when marked
+    ``distributed``."""
+    from tests.helpers.processes import check_torch_spawns, running
+
+    check_torch_spawns()
+    running(item.nodeid, item.get_closest_marker("distributed") is not None)
+
+
 def pytest_report_header(config):
     mode = "new examples and seeds every run" if EXPLORE else "fixed examples and seeds"
     return f"hypothesis profile: {PROFILE} ({mode}; HYPOTHESIS_PROFILE=explore to explore)"

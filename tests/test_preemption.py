@@ -198,6 +198,7 @@ RANK_WITH_A_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.distributed
 def test_train_sh_signals_the_ranks_only_not_their_children(tmp_path: Path) -> None:
     """A rank's own child (a compile worker) is no rank: train.sh neither signals it nor, when it outlives
     a rank that exited 75, reports the run unfinished (exit 1, seen on the first GPU run of the trainer)."""

@@ -31,6 +31,7 @@ def assert_gone(pid: int) -> None:
     raise AssertionError(f"process {pid} still runs: its group was not killed")
 
 
+@pytest.mark.distributed
 def test_a_timed_out_group_is_killed_with_its_children(tmp_path) -> None:
     pid_file = tmp_path / "child.pid"
     script = f"sleep 600 & echo $! > {pid_file}; echo started; wait"
@@ -39,6 +40,7 @@ def test_a_timed_out_group_is_killed_with_its_children(tmp_path) -> None:
     assert_gone(child_pid(pid_file))
 
 
+@pytest.mark.distributed
 def test_leftover_groups_are_killed_after_the_test(tmp_path) -> None:
     pid_file = tmp_path / "child.pid"
     launcher = start_group(["bash", "-c", f"sleep 600 & echo $! > {pid_file}; wait"])

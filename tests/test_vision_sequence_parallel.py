@@ -59,6 +59,7 @@ def test_shards_encode_the_images_of_their_placeholders_and_an_image_cut_by_the_
     assert any(cut), "no image cut by a shard boundary: the test would not see the tower's gradient split"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
 def test_verify_sequence_parallel_with_images_equals_flat_in_float64(family, objective) -> None:

@@ -107,6 +107,7 @@ def _rank(rank: int, trajectories, options: dict) -> dict | None:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
 def test_walked_and_packed_trees_in_one_step_equal_flat_in_float64(trajectories, objective):
     report = spawn_group(_rank, trajectories, {"size": SIZE, "threads": 1, "objective": objective})

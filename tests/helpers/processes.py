@@ -6,6 +6,12 @@ the cores busy for the rest of the suite. Each group started here is its own ses
 :func:`kill_leftovers` (an autouse fixture in ``tests/conftest.py``, after every test) kills every
 group whose launcher is still running: a hang then shows up as that test's failure, not as a slow
 or stuck suite.
+
+Only a test marked ``distributed`` may start processes here, or spawn them with torch
+(``torch.multiprocessing.start_processes``: ``spawn``, and the library's sequence-parallel groups):
+``tests/conftest.py`` tells :func:`running` which test runs, and any other test fails at its first
+start, before anything starts, naming the marker. So ``pytest -m "not distributed"`` (the fast tier,
+``tools/run_tests.sh --fast``) starts no launcher and no ranks.
 """
 
 from __future__ import annotations
@@ -13,12 +19,52 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+
+import pytest
 
 _started: list[subprocess.Popen] = []
+_running = {"test": "", "distributed": True}
+"""The running test and whether it is marked ``distributed`` (outside pytest nothing is checked)."""
+
+
+def running(test: str, distributed: bool) -> None:
+    """``test`` (a node id) runs now; it may start processes when ``distributed``."""
+    _running.update(test=test, distributed=distributed)
+
+
+def check_marked(what: str) -> None:
+    """Fail the running test unless it is marked ``distributed``: it is about to start ``what``."""
+    if not _running["distributed"]:
+        pytest.fail(
+            f"{_running['test']} starts {what} but is not marked distributed: add @pytest.mark.distributed "
+            "(tools/run_tests.sh --fast deselects those tests; tests/helpers/processes.py)",
+            pytrace=False,
+        )
+
+
+def check_torch_spawns() -> None:
+    """Make ``torch.multiprocessing.start_processes`` (which ``torch.multiprocessing.spawn`` calls too)
+    :func:`check_marked` first (once; later calls change nothing). The library calls it as an attribute of
+    ``torch.multiprocessing``, so this holds whenever it is installed before the first test runs."""
+    import torch.multiprocessing
+
+    spawn = sys.modules["torch.multiprocessing.spawn"]
+    start_processes = spawn.start_processes
+    if getattr(start_processes, "checks_marker", False):
+        return
+
+    def checked(*args, **kwargs):
+        check_marked("processes with torch.multiprocessing")
+        return start_processes(*args, **kwargs)
+
+    checked.checks_marker = True
+    spawn.start_processes = torch.multiprocessing.start_processes = checked
 
 
 def start_group(command: list[str], **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(command, **kwargs)`` as the leader of a new session (its process group)."""
+    check_marked(f"{command[0]} (a process group)")
     process = subprocess.Popen(command, start_new_session=True, **kwargs)
     _started.append(process)
     return process
