@@ -243,6 +243,7 @@ def train_single_process(config: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_zero2_lora_trains_and_the_self_check_every_step_leaves_training_alone(tmp_path: Path, data) -> None:
     """ZeRO-2 with LoRA (single process): SFT with the self-check (gradients included) on every step
     gives the same losses and gradient norms, bit for bit, as the run without it."""
@@ -264,6 +265,7 @@ def test_zero2_lora_trains_and_the_self_check_every_step_leaves_training_alone(t
     assert checked[0]["loss/train"] != checked[-1]["loss/train"]  # the adapters trained
 
 
+@pytest.mark.slow
 def test_zero_init_kl_lora_grpo_trains_with_the_rl_self_check(tmp_path: Path, data) -> None:
     """ZeRO-3 with the base built partitioned (model.zero_init), GRPO with a KL term whose reference is
     the policy with its adapters disabled, LoRA: trains (single process), the RL self-check passing on

@@ -135,6 +135,7 @@ def train(config: Path, env: dict, *overrides: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_every_tracker_gets_the_metrics_and_a_resume_continues_its_run(tmp_path: Path, monkeypatch) -> None:
     """One process, two steps with a checkpoint each, then a resume that trains a third."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store for those who ask
