@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import psutil
@@ -48,3 +49,18 @@ def test_leftover_groups_are_killed_after_the_test(tmp_path) -> None:
     kill_leftovers()  # what the autouse fixture in conftest.py does after every test
     assert launcher.poll() is not None
     assert_gone(child)
+
+
+SESSION_OF_ITS_OWN = (
+    "import subprocess, sys; child = subprocess.Popen(['sleep', '600'], start_new_session=True); "
+    "open(sys.argv[1], 'w').write(str(child.pid)); print('started', flush=True); child.wait()"
+)
+
+
+@pytest.mark.distributed
+def test_a_child_in_a_session_of_its_own_is_killed_too(tmp_path) -> None:
+    """As torchrun starts its ranks: out of the launcher's group, holding its output pipes."""
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(AssertionError, match=r"(?s)ran past 2 s and was killed.*started"):
+        run_group([sys.executable, "-c", SESSION_OF_ITS_OWN, str(pid_file)], timeout=2)
+    assert_gone(child_pid(pid_file))

@@ -16,11 +16,13 @@ start, before anything starts, naming the marker. So ``pytest -m "not distribute
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 _started: list[subprocess.Popen] = []
@@ -88,12 +90,21 @@ def run_group(command: list[str], timeout: float, **kwargs) -> subprocess.Comple
 
 
 def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL ``process``'s whole group while its leader runs (its id is then certainly that group's)."""
+    """SIGKILL ``process``'s whole group while its leader runs (its id is then certainly that group's), and
+    every descendant found then: torchrun starts each rank in a session of its own, out of the group's reach
+    (its ranks ran on after a timeout, holding the output pipes open)."""
     if process.poll() is None:
+        try:
+            descendants = psutil.Process(process.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for descendant in descendants:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                descendant.kill()
         process.wait()
 
 
