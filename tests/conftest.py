@@ -26,6 +26,16 @@ settings.load_profile(PROFILE)
 EXPLORE = not settings.default.derandomize
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: it may start processes (``tests/helpers/processes.py``) only when marked
+    ``distributed``."""
+    from tests.helpers.processes import check_torch_spawns, running
+
+    check_torch_spawns()
+    running(item.nodeid, item.get_closest_marker("distributed") is not None)
+
+
 def pytest_report_header(config):
     mode = "new examples and seeds every run" if EXPLORE else "fixed examples and seeds"
     return f"hypothesis profile: {PROFILE} ({mode}; HYPOTHESIS_PROFILE=explore to explore)"
@@ -48,9 +58,9 @@ def _seed_random_generators(request):
 
 @pytest.fixture(autouse=True)
 def _no_leftover_processes():
-    """Launchers and ranks a test started (``tests/processes.py``) do not outlive it."""
+    """Launchers and ranks a test started (``tests/helpers/processes.py``) do not outlive it."""
     yield
-    from tests.processes import kill_leftovers
+    from tests.helpers.processes import kill_leftovers
 
     kill_leftovers()
 

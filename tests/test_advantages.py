@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import ESTIMATORS, estimate, grpo, rloo, tempo, treepo
 from ds_tree.trees.trajectory import Trajectory
-from tests.strategies import forests
+from tests.helpers.strategies import forests
 
 
 def trajectory(ids, reward, group="g", source=None) -> Trajectory:

@@ -24,7 +24,7 @@ from ds_tree.attention.reference import tree_attention_reference, visibility_mas
 from ds_tree.attention.registry import tree_attention
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
-from tests.strategies import forests, longest
+from tests.helpers.strategies import forests, longest
 
 # float64 round-off of a softmax over <= 300 keys stays ~1e-15; float32 ~1e-7.
 TOLERANCES = {torch.float64: 1e-12, torch.float32: 1e-5}

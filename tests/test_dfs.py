@@ -33,7 +33,9 @@ from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import torchrun
 
 EXACT = 1e-10
 """Float64 relative error against the flat baseline (measured <= 2e-15)."""

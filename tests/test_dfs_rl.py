@@ -31,8 +31,10 @@ from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.parts import split_tree
 from ds_tree.trees.trie import build_forest
 from ds_tree.verify.tree_vs_flat import compare, compare_rl, metric_errors, run_rl_mode
-from tests.rollouts import reward, rl_trajectories
-from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import torchrun
+from tests.helpers.rollouts import reward, rl_trajectories
 from tests.test_rl_tree_vs_flat import MODEL, _flat_logprobs, _policies
 
 CASES = [
@@ -126,7 +128,7 @@ def test_lockstep_schedule_holds_every_ranks_calls():
 
 def write_rewarded_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
     """:func:`write_forest`'s trees (deep enough to walk in chunks), each trajectory with a binary reward
-    drawn as :mod:`tests.rollouts` draws them."""
+    drawn as :mod:`tests.helpers.rollouts` draws them."""
     write_forest(path, groups, seed)
     rng = np.random.default_rng(seed + 1)
     records = [json.loads(line) for line in path.read_text().splitlines()]
@@ -218,7 +220,7 @@ def test_rl_update_mixes_packed_and_walked_rows():
 
 def test_agent_grpo_dfs_example_dry_runs(tmp_path: Path, monkeypatch, capsys) -> None:
     """The example config: GRPO, over-budget trees walked under ZeRO-3."""
-    from tests.test_launch import dry_run_in_process
+    from tests.helpers.runs import dry_run_in_process
 
     data = write_rewarded_forest(tmp_path / "forest.jsonl")
     example = "configs/examples/agent_grpo_dfs.yaml"

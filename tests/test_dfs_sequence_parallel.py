@@ -5,7 +5,6 @@ runs: ``tests/test_sequence_parallel.py`` and ``tests/test_sequence_parallel_rl.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,9 @@ from ds_tree.packing.dfs_chunks import row_chunks
 from ds_tree.packing.dfs_shards import DfsRowShard, chunk_shard_of
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
-from tests.test_engine import ROOT, environment
+from tests.helpers import ROOT
+from tests.helpers.launch import environment
+from tests.helpers.processes import run_group
 from tests.test_sequence_parallel import one_kv_head_model, random_trees
 from tests.test_sequence_parallel_rl import TREEPO, write_rl_cases
 
@@ -67,6 +68,7 @@ def test_walked_shards_hold_each_term_once_and_follow_the_walks_chunks(chunk: in
                 np.testing.assert_array_equal(kv_end[0, n:].numpy(), np.arange(n + 1, joined.size + 1))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_verify_walks_sharded_over_two_ranks_for_sft_and_rl(tmp_path: Path) -> None:
     """``tools/verify.py --dfs-chunk 48 --sequence-parallel 2`` itself, twice (2 spawned ranks each, ~10 s):
@@ -93,12 +95,6 @@ def test_verify_walks_sharded_over_two_ranks_for_sft_and_rl(tmp_path: Path) -> N
 
 
 def run_verify(argv: list[str]) -> dict:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tools/verify.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=environment(),
-    )
+    result = run_group([sys.executable, str(ROOT / "tools/verify.py"), *argv], 300, env=environment())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(result.stdout)  # the report alone: the ranks' logs and warnings go to stderr

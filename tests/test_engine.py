@@ -9,111 +9,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.step import run_rows
-from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.packing.modes import pack_trajectories
-from tests.processes import run_group, start_group
-
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
-BIN = Path(PYTHON).parent
-
-
-def write_forest(path: Path, groups: int = 6, seed: int = 0) -> Path:
-    """A fixed forest with real sharing, forks at many depths and partly untrained prefixes."""
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as handle:
-        for group in range(groups):
-            stem = rng.integers(3, 1024, 90).tolist()
-            for _ in range(4):
-                cut = int(rng.integers(5, 90))
-                length = int(rng.integers(cut + 1, 180))
-                ids = stem[:cut] + rng.integers(3, 1024, length - cut).tolist()
-                mask = [0] * min(cut, 30) + [1] * (length - min(cut, 30))
-                handle.write(json.dumps({"group_id": f"g{group}", "input_ids": ids, "loss_mask": mask}) + "\n")
-    return path
-
-
-def write_config(tmp_path: Path, data: Path, **sections) -> Path:
-    import yaml
-
-    config = {
-        "model": {"source": str(ROOT / "configs/models/tiny_llama.json"), "seed": 3},
-        "data": {"path": str(data), "groups_per_step": 4},
-        "deepspeed": str(ROOT / "configs/ds/zero3.json"),
-        "output_dir": str(tmp_path / "run"),
-        "max_steps": 1,
-        "packing": {"budget": 400},
-        "optimizer": {"lr": 1e-3, "grad_clip": 1.0, "schedule": "constant"},
-        "logging": {"progress_bar": False, "report_to": ["tensorboard"]},
-        "checkpoint": {"export_hf": False},
-    }
-    for name, values in sections.items():
-        if isinstance(values, dict):
-            config.setdefault(name, {}).update(values)
-        else:
-            config[name] = values
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def environment() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions"))
-    env["PYTHONPATH"] = str(ROOT)
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> None:
-    command = [
-        str(BIN / "torchrun"),
-        f"--nproc_per_node={ranks}",
-        f"--master_port={free_port()}",
-        str(ROOT / script),
-        *args,
-    ]
-    result = run_group(command, timeout, env=environment())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+from tests.helpers import ROOT
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import PYTHON, environment, free_port, launch_training, torchrun
+from tests.helpers.runs import prepare
 
 
 # ------------------------------------------------------------------ exactness
-def write_accumulating_ds_config(path: Path, stage: int) -> Path:
-    """A DeepSpeed JSON of ZeRO ``stage`` with 2 accumulation steps on 2 ranks (sizes resolved by ds_tree)."""
-    ds = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 2,
-        "train_batch_size": 4,
-        "gradient_clipping": "auto",
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"},
-    }
-    if stage == 3:
-        ds["zero_optimization"].update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
-    path.write_text(json.dumps(ds))
-    return path
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "stage, mode, normalisation",
@@ -141,25 +54,6 @@ def test_two_ranks_match_single_process_flat(tmp_path: Path, stage: int, mode: s
 
 
 # --------------------------------------------------------------------- resume
-def launch_training(
-    config: Path, *overrides: str, port: int | None = None, env: dict[str, str] | None = None
-) -> subprocess.Popen:
-    command = [
-        str(BIN / "deepspeed"),
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(port or free_port()),
-        "--module",
-        "ds_tree.train",
-        "--config",
-        str(config),
-        *overrides,
-    ]
-    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    return start_group(command, env=environment() | (env or {}), cwd=ROOT, **output)
-
-
 def losses(output_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
     return {record["step"]: record["loss/train"] for record in records}
@@ -241,17 +135,6 @@ def test_export_loads_in_plain_transformers_with_the_engines_logits(tmp_path: Pa
 
 
 # --------------------------------------------------------------- config errors
-def prepare(config: Path, *overrides: str, world_size: int = 1) -> Trainer:
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-    try:
-        trainer = Trainer(load_config(config, overrides))
-        trainer.prepare()
-        return trainer
-    finally:
-        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(name, None)
-
-
 def test_unknown_key_is_named(tmp_path: Path) -> None:
     data = write_forest(tmp_path / "f.jsonl")
     config = write_config(tmp_path, data, optimizer={"lr": 1e-3, "learning_rate": 2})

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FLA_SITE = ROOT / ".cache" / "fla-site"
 
 
+@pytest.mark.slow
 def test_fla_scans_equal_the_torch_scans_in_their_own_process() -> None:
     if not (FLA_SITE / "fla").is_dir():
         message = f"fla-core is not in {FLA_SITE} (bash tools/bootstrap.sh installs it there)"

@@ -25,10 +25,11 @@ from ds_tree.attention.reference import tree_attention_reference
 from ds_tree.attention.registry import has_backward, tree_attention
 from ds_tree.cli import verify
 from ds_tree.verify.tree_vs_flat import compare
-from tests.strategies import forests, longest
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.runs import dry_run
+from tests.helpers.strategies import forests, longest
 from tests.test_attention import GQA, TOLERANCES, _assert_close, _random_inputs, _rows_kv_end
-from tests.test_engine import write_config, write_forest
-from tests.test_reliability import dry_run
 from tests.test_sliding_window import _forest
 from tests.test_sliding_window import model_configs as model_configs  # noqa: F401 - the fixture
 

@@ -14,6 +14,7 @@ from ds_tree.bench.gpu.report import acceptance, markdown
 from ds_tree.cli.gpu_check import main
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_every_section_and_passes(tmp_path, capsys) -> None:
     code = main(["--smoke", "--sections", "correctness,kernels,steps", "--output", str(tmp_path)])
     report = json.loads((tmp_path / "gpu_check.json").read_text())

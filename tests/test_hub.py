@@ -15,7 +15,10 @@ from ds_tree.errors import HubError
 from ds_tree.hub import is_hub_id
 from ds_tree.models.loading import load_model
 from ds_tree.run.export import save_hf
-from tests.test_engine import ROOT, prepare, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.runs import prepare
 
 REPO_ID = "some-org/some-model"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -42,8 +42,9 @@ from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verify.tree_vs_flat import run_mode
-from tests.test_engine import write_config, write_forest
-from tests.test_reliability import dry_run
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.runs import dry_run
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3_5 = str(ROOT / "configs/models/tiny_qwen3_5.json")
@@ -357,8 +358,8 @@ def test_online_rl_on_a_hybrid_samples_and_trains(tmp_path, tokenizer_dir):
     (``old_logprobs: recompute``) and finds the sampler's to float32 round-off."""
     import subprocess
 
-    from tests.test_engine import BIN, environment, free_port
-    from tests.test_online_rl import online_config
+    from tests.helpers.configs import online_config
+    from tests.helpers.launch import BIN, environment, free_port
 
     config = online_config(
         tmp_path,
@@ -433,7 +434,7 @@ def test_dry_run_refuses_fla_scans_without_the_package(monkeypatch, capsys, tmp_
 def test_dry_run_takes_falcon_h1_online_and_refuses_hybrids_on_vllm(monkeypatch, capsys, tmp_path, tokenizer_dir):
     """Falcon-H1 samples online on the hf engine (its combined cache layer is forked); hybrids on vLLM
     stay refused, naming the reason measured (docs/MODELS.md)."""
-    from tests.test_online_rl import online_config
+    from tests.helpers.configs import online_config
 
     config = online_config(tmp_path, tokenizer_dir)
     code, err = dry_run(monkeypatch, capsys, config, f"model.source={ROOT / 'configs/models/tiny_falcon_h1.json'}")
@@ -469,7 +470,8 @@ def test_two_ranks_zero3_with_activation_checkpointing_match_single_process_flat
     projections gathered by their module hooks), every decoder layer recomputed in the backward
     (the recomputation rebuilds the same nodes and states): the gradients equal the single-process
     flat step's."""
-    from tests.test_engine import torchrun, write_accumulating_ds_config
+    from tests.helpers.configs import write_accumulating_ds_config
+    from tests.helpers.launch import torchrun
 
     data = write_forest(tmp_path / "forest.jsonl")
     ds_path = write_accumulating_ds_config(tmp_path / "ds.json", 3)

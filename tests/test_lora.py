@@ -71,7 +71,7 @@ def test_a_modules_to_save_typo_is_refused_as_a_target_modules_typo_is():
 
 
 def test_modules_to_save_typo_is_a_dry_run_config_error(tmp_path, monkeypatch, capsys):
-    from tests.test_reliability import dry_run
+    from tests.helpers.runs import dry_run
 
     config = tmp_path / "c.yaml"
     config.write_text(
@@ -171,7 +171,8 @@ def test_two_rank_zero3_lora_grpo_trains_resumes_and_exports(tmp_path: Path, dat
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tests.test_engine import launch_training, write_config
+    from tests.helpers.configs import write_config
+    from tests.helpers.launch import launch_training
 
     config = write_config(
         tmp_path,
@@ -232,7 +233,7 @@ def train_single_process(config: Path, *overrides: str) -> list[dict]:
 
     import yaml
 
-    from tests.test_engine import environment
+    from tests.helpers.launch import environment
 
     command = [sys.executable, "-m", "ds_tree.train", "--config", str(config), *overrides]
     result = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
@@ -242,10 +243,11 @@ def train_single_process(config: Path, *overrides: str) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_zero2_lora_trains_and_the_self_check_every_step_leaves_training_alone(tmp_path: Path, data) -> None:
     """ZeRO-2 with LoRA (single process): SFT with the self-check (gradients included) on every step
     gives the same losses and gradient norms, bit for bit, as the run without it."""
-    from tests.test_engine import write_config
+    from tests.helpers.configs import write_config
 
     config = write_config(
         tmp_path, Path(data), deepspeed=str(ROOT / "configs/ds/zero2.json"), model={"lora": {"rank": 4}},
@@ -263,11 +265,12 @@ def test_zero2_lora_trains_and_the_self_check_every_step_leaves_training_alone(t
     assert checked[0]["loss/train"] != checked[-1]["loss/train"]  # the adapters trained
 
 
+@pytest.mark.slow
 def test_zero_init_kl_lora_grpo_trains_with_the_rl_self_check(tmp_path: Path, data) -> None:
     """ZeRO-3 with the base built partitioned (model.zero_init), GRPO with a KL term whose reference is
     the policy with its adapters disabled, LoRA: trains (single process), the RL self-check passing on
     every step with the clipped objective and gradients."""
-    from tests.test_engine import write_config
+    from tests.helpers.configs import write_config
 
     config = write_config(
         tmp_path, Path(data), model={"lora": {"rank": 4, "alpha": 8}, "zero_init": True},

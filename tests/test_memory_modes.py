@@ -25,8 +25,10 @@ from ds_tree.models.loading import load_model
 from ds_tree.models.logprobs import logprobs_and_entropy_at, predicted_tokens
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.verify.tree_vs_flat import compare_rl, run_mode
-from tests.rollouts import rl_trajectories
-from tests.test_engine import torchrun, write_accumulating_ds_config, write_config, write_forest
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import torchrun
+from tests.helpers.rollouts import rl_trajectories
 
 MODELS = {name: f"configs/models/tiny_{name}.json" for name in ("llama", "qwen2")}  # qwen2 ties its embeddings
 EXACT = 1e-12

@@ -387,6 +387,7 @@ def _sharded_walk_peaks(rank: int, trajectories, settings: dict) -> list[float]:
     return peaks
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sharded_dfs_prediction_within_documented_error_of_measurement():
     """The dfs walk sharded over a sequence-parallel group of 2 (spawned ranks, ~15 s): the planner's

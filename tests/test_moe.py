@@ -28,8 +28,11 @@ from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.moe import RouterAuxLoss, router_modules, use_float64_routing
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.verify.tree_vs_flat import compare_rl, rl_policies, run_mode, run_rl_mode
-from tests.rollouts import rl_trajectories
-from tests.test_engine import launch_training, prepare, write_config, write_forest
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import launch_training
+from tests.helpers.rollouts import rl_trajectories
+from tests.helpers.runs import prepare
 from tests.test_rl_engine import write_rollouts
 
 EXACT = 1e-10

@@ -20,7 +20,8 @@ from ds_tree.config import ConfigError, load_config
 from ds_tree.rollout.ahead import AheadSampler, sampling_version, version_used
 from ds_tree.rollout.env import ToolEnvironment
 from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
-from tests.test_engine import ROOT, torchrun
+from tests.helpers import ROOT
+from tests.helpers.launch import torchrun
 from tests.test_multiturn import CALL, TASK, ScriptedSampler, runner
 
 MULTITURN_CPU = ROOT / "configs/multiturn_cpu.yaml"

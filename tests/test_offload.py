@@ -16,7 +16,10 @@ import pytest
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.run.ds_config import resolve_deepspeed_config
-from tests.test_engine import ROOT, torchrun, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import torchrun
 
 CPU = ROOT / "configs/ds/zero3_offload_cpu.json"
 NVME = ROOT / "configs/ds/zero3_offload_nvme.json"

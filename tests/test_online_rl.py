@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.errors import DataError
@@ -21,10 +20,12 @@ from ds_tree.rollout.online import SlotResult, kept_trajectories, rollout_scalar
 from ds_tree.rollout.rewards import RewardRequest, exact_match_reward
 from ds_tree.sampling.prompts import read_prompts
 from ds_tree.trees.trajectory import Trajectory
-from tests.test_engine import ROOT, torchrun, write_config
-from tests.test_reliability import dry_run
+from tests.helpers import ROOT
+from tests.helpers.configs import PARITY, online_config, without_data, write_config
+from tests.helpers.data import write_prompts
+from tests.helpers.launch import torchrun
+from tests.helpers.runs import dry_run
 
-PARITY = "ds_tree.rollout.envs.digit_parity:reward"
 ROLLOUT_KEYS = {
     "rollout/reward_mean",
     "rollout/leaves",
@@ -36,48 +37,6 @@ ROLLOUT_KEYS = {
     "rollout/reward_failures",
     "rollout/time_s",
 }
-
-
-def write_prompts(path: Path) -> Path:
-    lines = [
-        {"prompt": "Write even digits:", "metadata": {"parity": "even"}},
-        {"prompt": "odd:", "metadata": {"parity": "odd"}},
-        {"prompt": "even:", "metadata": {"parity": "even"}},
-        {"prompt_ids": [300, 301, 302], "metadata": {"parity": "odd"}},
-    ]
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
-
-
-def online_config(tmp_path: Path, tokenizer_dir: Path, **sections) -> Path:
-    rollout = {
-        "enabled": True,
-        "prompts": str(write_prompts(tmp_path / "prompts.jsonl")),
-        "reward": PARITY,
-        "prompts_per_step": 2,
-        "segment_length": 3,
-        "branching": 2,
-        "max_depth": 2,
-        "width": 4,
-        "max_new_tokens": 6,
-    }
-    rollout.update(sections.pop("rollout", {}))
-    sections = {
-        "model": {"tokenizer": str(tokenizer_dir)},
-        "objective": {"kind": "grpo", "normalise_advantages": True, "eps_high": 0.28},
-        "packing": {"budget": 64},
-        "rollout": rollout,
-        **sections,
-    }
-    return without_data(write_config(tmp_path, Path(""), **sections))
-
-
-def without_data(path: Path) -> Path:
-    """``path`` (a config written by ``write_config``) without its data section."""
-    config = yaml.safe_load(path.read_text())
-    del config["data"]
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 # ------------------------------------------------------------------- config
@@ -382,7 +341,7 @@ def test_plot_online_averages_seeds_and_names_bad_runs(tmp_path: Path, capsys) -
 def test_demo_script_parses_and_is_shellcheck_clean() -> None:
     import subprocess
 
-    from tests.test_launch import find_shellcheck
+    from tests.helpers.launch import find_shellcheck
 
     script = ROOT / "launch" / "online_parity.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0

@@ -15,7 +15,7 @@ from ds_tree.packing.parts import whole_tree
 from ds_tree.trees.token_arrays import TOKEN_FIELDS, ArrayKind, TokenArrays, concatenate_tokens, take_tokens
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_trees
-from tests.strategies import forests, longest
+from tests.helpers.strategies import forests, longest
 
 SETTINGS = settings(max_examples=100, deadline=None)
 

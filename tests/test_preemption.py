@@ -26,8 +26,11 @@ import pytest
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.run.preemption import EXIT_PREEMPTED, REPEAT_WINDOW_S
-from tests.processes import start_group
-from tests.test_engine import ROOT, environment, free_port, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import environment, free_port
+from tests.helpers.processes import start_group
 
 TRAIN_SH = ROOT / "launch" / "train.sh"
 
@@ -195,6 +198,7 @@ RANK_WITH_A_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.distributed
 def test_train_sh_signals_the_ranks_only_not_their_children(tmp_path: Path) -> None:
     """A rank's own child (a compile worker) is no rank: train.sh neither signals it nor, when it outlives
     a rank that exited 75, reports the run unfinished (exit 1, seen on the first GPU run of the trainer)."""

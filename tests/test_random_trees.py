@@ -6,7 +6,7 @@ import pytest
 
 from ds_tree.trees.random_trees import TreeShape, random_forest, random_token_paths
 from ds_tree.trees.stats import token_counts
-from tests.strategies import distinct_prefixes
+from tests.helpers.strategies import distinct_prefixes
 
 
 @pytest.mark.parametrize("seed", range(10))

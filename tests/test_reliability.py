@@ -33,7 +33,11 @@ from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isol
 from ds_tree.packing.modes import MODES
 from ds_tree.run import checkpoint
 from ds_tree.sampling.interface import EngineError
-from tests.test_engine import PYTHON, ROOT, environment, launch_training, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import PYTHON, environment, launch_training
+from tests.helpers.runs import dry_run
 
 TINY_CPU = ROOT / "configs" / "tiny_cpu.yaml"
 
@@ -109,14 +113,6 @@ def test_choices_are_the_library_registries() -> None:
 
 
 # ------------------------------------------------------------------- dry run
-def dry_run(monkeypatch, capsys, config: Path, *overrides: str) -> tuple[int, str]:
-    monkeypatch.chdir(ROOT)
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(name, value)
-    code = train.main(["--config", str(config), "--dry-run", *overrides])
-    return code, capsys.readouterr().err
-
-
 @pytest.fixture
 def forest_config(tmp_path: Path) -> Path:
     return write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))

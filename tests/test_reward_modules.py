@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from ds_tree.rollout.rewards import RewardRequest, score
-from tests.test_online_rl import online_config
-from tests.test_reliability import dry_run
+from tests.helpers.configs import online_config
+from tests.helpers.runs import dry_run
 
 MODULES = {
     "syntax_error": ("def reward(request):\n    return (1.0\n", "SyntaxError: '(' was never closed"),

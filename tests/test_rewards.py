@@ -11,7 +11,7 @@ import pytest
 from ds_tree.registries import REWARDS
 from ds_tree.rollout.envs.game24 import ExpressionError, evaluate, extract_expression, puzzle_numbers, solves
 from ds_tree.rollout.rewards import RewardRequest, score
-from tests.shared_data import SHARED_DATA, absent
+from tests.helpers.shared_data import SHARED_DATA, absent
 
 GAME24 = SHARED_DATA / "tot-game24" / "samples.jsonl"
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.rollouts import RolloutShape, write_rl_records
-from tests.test_engine import torchrun, write_accumulating_ds_config, write_config
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.launch import torchrun
+from tests.helpers.rollouts import RolloutShape, write_rl_records
 
 ROLLOUT_SHAPE = RolloutShape(
     stem=60, fork=(30, 90), min_tail=5, longest=190, vocab=1024, untrained=60, rewards="normal"

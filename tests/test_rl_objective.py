@@ -29,7 +29,7 @@ from ds_tree.packing.parts import split_tree, whole_tree
 from ds_tree.registries import AGGREGATIONS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from tests.strategies import flat_coefficients, forests, longest
+from tests.helpers.strategies import flat_coefficients, forests, longest
 
 RTOL = 1e-12
 GRADIENTS = ("logp", "entropy")

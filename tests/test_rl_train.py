@@ -19,10 +19,12 @@ import pytest
 
 from ds_tree.data.jsonl import slice_groups
 from ds_tree.run import checkpoint
-from tests.shared_data import SHARED_DATA, absent
-from tests.test_engine import ROOT, environment, launch_training, write_config, write_forest
-from tests.test_launch import find_shellcheck
-from tests.test_reliability import dry_run
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import environment, find_shellcheck, launch_training
+from tests.helpers.runs import dry_run
+from tests.helpers.shared_data import SHARED_DATA, absent
 from tests.test_rl_engine import write_rollouts
 
 SHARED_GAME24 = SHARED_DATA / "tot-game24" / "samples.jsonl"

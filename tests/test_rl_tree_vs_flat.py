@@ -29,7 +29,7 @@ from ds_tree.registries import AGGREGATIONS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verify.tree_vs_flat import compare_rl, perturb_parameters
-from tests.rollouts import rl_trajectories
+from tests.helpers.rollouts import rl_trajectories
 
 MODEL = "configs/models/tiny_llama.json"
 

@@ -30,8 +30,12 @@ import torch
 from ds_tree.config import ConfigError
 from ds_tree.run import checkpoint, run_lock
 from ds_tree.run.checkpoint import CheckpointError
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import PYTHON, environment, torchrun
+from tests.helpers.runs import prepare
 from tests.test_checkpoint import complete
-from tests.test_engine import PYTHON, ROOT, environment, prepare, torchrun, write_config, write_forest
 
 
 def test_a_second_run_on_a_locked_output_dir_is_refused_naming_the_holder(tmp_path: Path) -> None:

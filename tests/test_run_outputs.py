@@ -17,7 +17,9 @@ from ds_tree.run import checkpoint
 from ds_tree.run.console import progress_bar
 from ds_tree.run.export import save_hf
 from ds_tree.run.op_builds import announce_op_builds, pending_op_builds
-from tests.test_engine import ROOT, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
 
 
 def test_export_is_a_plain_model_that_stops_at_the_end_of_a_turn(tmp_path, tokenizer_dir, capfd):

@@ -20,7 +20,7 @@ from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models.loading import load_model
 from ds_tree.packing.plan import PlanSettings
 from ds_tree.trees.random_trees import TreeShape, random_forest
-from tests.test_engine import write_forest
+from tests.helpers.data import write_forest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "configs/models/tiny_llama.json")
@@ -295,7 +295,7 @@ def test_the_moe_router_loss_is_checked_with_the_rl_objective(dfs):
     walked trees), so the check passes and its loss moves by the coefficient times the router loss."""
     from ds_tree.losses.advantages import estimate
     from ds_tree.losses.rl import RLSettings
-    from tests.rollouts import rl_trajectories
+    from tests.helpers.rollouts import rl_trajectories
 
     data = rl_trajectories(groups=2)
     model = load_model(str(ROOT / "configs/models/tiny_qwen3_moe.json"), seed=3)

@@ -22,8 +22,11 @@ from ds_tree.packing.parts import split_tree
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows, shard_row
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trie import build_forest
-from tests.test_engine import ROOT, environment, torchrun, write_accumulating_ds_config, write_config
-from tests.test_launch import dry_run_in_process
+from tests.helpers import ROOT
+from tests.helpers.configs import write_accumulating_ds_config, write_config
+from tests.helpers.launch import environment, torchrun
+from tests.helpers.processes import run_group
+from tests.helpers.runs import dry_run_in_process
 
 BUDGET, BLOCK, SIZE = 256, 16, 2
 DFS_CHUNK = 48
@@ -181,6 +184,7 @@ def test_two_ranks_sequence_parallel_match_single_process_flat(tmp_path: Path) -
     assert check["selfcheck/loss_rel_err"] < 1e-5 and check["selfcheck/max_abs_logprob_err"] < 1e-5, check
 
 
+@pytest.mark.distributed
 def test_verify_spawns_a_sequence_parallel_group_and_is_exact_in_float64(tmp_path: Path) -> None:
     """``tools/verify.py --sequence-parallel 2``: Ulysses on 2 spawned ranks vs the single-process flat result."""
     data = write_cases(tmp_path / "cases.jsonl")
@@ -189,7 +193,7 @@ def test_verify_spawns_a_sequence_parallel_group_and_is_exact_in_float64(tmp_pat
         sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", str(model),
         "--budget", str(BUDGET), "--block", str(BLOCK), "--sequence-parallel", "2",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    result = run_group(command, 300, env=environment())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads(result.stdout)  # stdout is the report alone: the ranks' logs and warnings go to stderr
     assert report["passed"] and report["sharded_rows"] >= 2 and report["longest_trajectory"] > BUDGET
@@ -215,6 +219,7 @@ def test_long_context_example_dry_runs_and_sp_size_reaches_the_config(tmp_path: 
     assert result.returncode == 2 and "parallel.sequence_parallel_size (3) does not divide" in result.stderr
 
 
+@pytest.mark.distributed
 def test_sliding_window_under_sequence_parallelism_is_exact(tmp_path: Path) -> None:
     """A Mistral-style window (40 tokens, paths up to 500 over 2 shards): ``verify --sequence-parallel 2``
     in float64 equals the single-process flat result, whose loss differs from the windowless model's
@@ -230,7 +235,7 @@ def test_sliding_window_under_sequence_parallelism_is_exact(tmp_path: Path) -> N
             sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", str(model),
             "--budget", str(BUDGET), "--block", str(BLOCK), "--sequence-parallel", "2",
         ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+        result = run_group(command, 300, env=environment())
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         report = json.loads(result.stdout)
         assert report["max_rel_grad_err"] < 1e-12 and report["loss_rel_err"] < 1e-12, report

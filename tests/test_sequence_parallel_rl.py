@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,10 @@ from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.advantages import estimate
 from ds_tree.losses.rl import RLSettings, TokenSums
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows, shard_row
-from tests.test_engine import ROOT, environment, torchrun, write_config
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.launch import environment, torchrun
+from tests.helpers.processes import run_group
 from tests.test_sequence_parallel import BLOCK, BUDGET, SIZE, one_kv_head_model, random_trees, write_cases
 
 
@@ -66,7 +68,7 @@ def verify(data: Path, model: Path, *options: str) -> dict:
         sys.executable, str(ROOT / "tools/verify.py"), "--data", str(data), "--model", str(model),
         "--budget", str(BUDGET), "--block", str(BLOCK), "--sequence-parallel", "2", *options,
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    result = run_group(command, 300, env=environment())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads(result.stdout)  # stdout is the report alone: the ranks' logs and warnings go to stderr
 
@@ -77,6 +79,7 @@ TREEPO = ["--estimator", "treepo", "--normalise-advantages", "--aggregation", "s
           "--kl-coef", "0.05", "--kl-estimator", "k2", "--entropy-coef", "0.01", "--dual-clip", "1.3"]  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_verify_rl_under_sequence_parallelism_equals_flat_in_float64(tmp_path: Path) -> None:
     """One run (2 spawned ranks, ~20 s); grpo and float32 runs are in docs/RL.md."""
     data = write_rl_cases(tmp_path / "rl.jsonl")
@@ -194,6 +197,7 @@ def test_plan_counts_the_reference_whole_partitioned_or_offloaded() -> None:
         assert added == plans[name]["states"]["reference"], name
 
 
+@pytest.mark.distributed
 def test_moe_router_loss_under_sequence_parallelism_equals_flat_in_float64(tmp_path: Path) -> None:
     """SFT of a tiny Qwen3-MoE with its router load-balancing loss (per trajectory), paths over the budget
     sharded over 2 ranks: each shard's top-k counts are summed over the group before the loss, so the
@@ -204,7 +208,7 @@ def test_moe_router_loss_under_sequence_parallelism_equals_flat_in_float64(tmp_p
         "--model", str(ROOT / "configs/models/tiny_qwen3_moe.json"), "--budget", str(BUDGET), "--block", str(BLOCK),
         "--sequence-parallel", "2", "--router-aux-loss-coef", "0.5", "--limit", "10",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    result = run_group(command, 300, env=environment())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads(result.stdout)
     assert report["passed"] and report["sharded_rows"] >= 2 and report["router_aux_loss_coef"] == 0.5, report
@@ -214,6 +218,7 @@ def test_moe_router_loss_under_sequence_parallelism_equals_flat_in_float64(tmp_p
         assert report[error] < 1e-10, (error, report)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "options",
     [["--objective", "grpo"], ["--objective", "grpo", "--dfs-chunk", "24"]],
@@ -230,7 +235,7 @@ def test_moe_router_loss_with_rl_and_sharded_walks_equals_flat_in_float64(tmp_pa
         "--model", str(ROOT / "configs/models/tiny_qwen3_moe.json"), "--budget", str(BUDGET), "--block", str(BLOCK),
         "--sequence-parallel", "2", "--router-aux-loss-coef", "0.5", "--limit", "6", *options,
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    result = run_group(command, 300, env=environment())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads(result.stdout)
     assert report["passed"] and report["router_aux_loss_coef"] == 0.5, report
@@ -241,6 +246,7 @@ def test_moe_router_loss_with_rl_and_sharded_walks_equals_flat_in_float64(tmp_pa
         assert report[error] < 1e-10, (error, report)
 
 
+@pytest.mark.distributed
 def test_bench_rl_under_sequence_parallelism_times_tree_against_flat(tmp_path: Path) -> None:
     """``bench --objective grpo --sequence-parallel 2``: both modes sharded as the trainer shards them, one
     measured step each from the same weights (their first losses agree to float32 round-off)."""
@@ -251,7 +257,7 @@ def test_bench_rl_under_sequence_parallelism_times_tree_against_flat(tmp_path: P
         str(BUDGET), "--limit", "8", "--sequence-parallel", "2", "--objective", "grpo", "--steps", "1", "--warmup", "0",
         "--json", str(tmp_path / "bench.json"),
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment())
+    result = run_group(command, 300, env=environment())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["objective"] == "grpo" and report["sequence_parallel_size"] == 2

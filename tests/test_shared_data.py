@@ -23,7 +23,7 @@ from ds_tree.data import load_trajectories
 from ds_tree.data.chat import render_chat
 from ds_tree.trees import build_forest
 from ds_tree.trees.stats import token_counts
-from tests.shared_data import SHARED_DATA, absent
+from tests.helpers.shared_data import SHARED_DATA, absent
 
 SHARED = SHARED_DATA
 

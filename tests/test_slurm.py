@@ -25,7 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_engine import ROOT, environment, free_port, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import environment, free_port
 
 CLUSTER = ROOT / "tools" / "slurm_cluster.sh"
 SBATCH = ROOT / "launch" / "slurm.sbatch"

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from ds_tree.attention.block_stats import block_stats
 from ds_tree.attention.reference import visibility_mask
 from ds_tree.attention.tile_lists import backward_tile_lists, classify_tiles, compact, query_tile_lists
-from tests.strategies import forests, longest
+from tests.helpers.strategies import forests, longest
 from tests.test_attention import _rows_kv_end
 
 # (block_m, block_n): the interpreter's 16x16, the GPU's 128x64 and 64x64 scaled down, and shapes

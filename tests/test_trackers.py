@@ -19,8 +19,11 @@ import yaml
 from ds_tree import config as config_module
 from ds_tree.config import ConfigError, load_config
 from ds_tree.run.trackers import STATE_FILE, TRACKERS
-from tests.test_engine import PYTHON, ROOT, environment, write_config, write_forest
-from tests.test_reliability import dry_run
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.launch import PYTHON, environment
+from tests.helpers.runs import dry_run
 
 ALL = ["tensorboard", "wandb", "mlflow", "trackio"]
 
@@ -132,6 +135,7 @@ def train(config: Path, env: dict, *overrides: str) -> None:
     assert result.returncode == 0, result.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_every_tracker_gets_the_metrics_and_a_resume_continues_its_run(tmp_path: Path, monkeypatch) -> None:
     """One process, two steps with a checkpoint each, then a resume that trains a third."""
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store for those who ask

@@ -29,7 +29,7 @@ from ds_tree.trees import trie
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_trees
 from ds_tree.verify.tree_vs_flat import compare, run_mode
-from tests.strategies import flat_coefficients, forests, longest, prefix_key
+from tests.helpers.strategies import flat_coefficients, forests, longest, prefix_key
 
 MODELS = {name: f"configs/models/tiny_{name}.json" for name in ("llama", "qwen2", "qwen3")}
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5}

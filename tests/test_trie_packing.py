@@ -21,7 +21,7 @@ from ds_tree.packing.parts import split_tree, whole_tree
 from ds_tree.packing.rows import assemble_row
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from tests.strategies import distinct_prefixes, forests, longest, prefix_key
+from tests.helpers.strategies import distinct_prefixes, forests, longest, prefix_key
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

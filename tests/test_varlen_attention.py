@@ -25,8 +25,10 @@ from ds_tree.config import ConfigError, ModelConfig, load_config
 from ds_tree.models.loading import check_model_settings, load_model
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory
-from tests.strategies import forests
-from tests.test_engine import ROOT, write_config, write_forest
+from tests.helpers import ROOT
+from tests.helpers.configs import write_config
+from tests.helpers.data import write_forest
+from tests.helpers.strategies import forests
 
 CUDA = torch.cuda.is_available()
 

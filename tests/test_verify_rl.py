@@ -18,8 +18,8 @@ from ds_tree.cli.verify import main
 from ds_tree.data.convert import ConvertOptions, convert
 from ds_tree.data.jsonl import slice_groups, write_jsonl
 from ds_tree.engine import rl_step
-from tests.rollouts import RolloutShape, rl_records
-from tests.shared_data import SHARED_DATA, absent
+from tests.helpers.rollouts import RolloutShape, rl_records
+from tests.helpers.shared_data import SHARED_DATA, absent
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "configs/models/tiny_llama.json")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ds_tree.data.jsonl import slice_groups
-from tests.shared_data import SHARED_DATA, absent
+from tests.helpers.shared_data import SHARED_DATA, absent
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = SHARED_DATA

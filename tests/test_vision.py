@@ -161,7 +161,7 @@ ONLINE = (
 )
 def test_refused_settings_name_their_field(tmp_path, override, field):
     from ds_tree.config import load_config
-    from tests.test_engine import write_config
+    from tests.helpers.configs import write_config
 
     path = write_config(tmp_path, tmp_path / "data", model={"source": str(ROOT / CONFIGS["qwen2_5_vl"])})
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
@@ -457,7 +457,8 @@ def test_two_ranks_zero3_match_single_process_flat(processor_folder, tmp_path):
     import json
 
     from ds_tree.data.convert import ConvertOptions, convert
-    from tests.test_engine import torchrun, write_accumulating_ds_config, write_config
+    from tests.helpers.configs import write_accumulating_ds_config, write_config
+    from tests.helpers.launch import torchrun
 
     text_only = [  # a task without images: rows of it call the tower on a blank patch (ZeRO-3 pairs the calls)
         {"group_id": "task3", "reward": float(trial), "messages": [{"role": "user", "content": "Hi"}, answer]}
@@ -494,7 +495,8 @@ def test_two_rank_zero3_training_self_check_passes_on_gui_data(tmp_path):
 
     from ds_tree.data.convert import ConvertOptions, convert
     from ds_tree.data.gui_synthetic import write_gui_chat
-    from tests.test_engine import launch_training, write_config
+    from tests.helpers.configs import write_config
+    from tests.helpers.launch import launch_training
 
     assert make_tokenizer_main(["--output", str(tmp_path / "processor"), "--vision", "qwen3_vl"]) == 0
     path = write_gui_chat(tmp_path / "gui", tasks=2, trials=4, side=32)  # 32x32 pixels: one merged token each

@@ -296,7 +296,7 @@ def test_two_ranks_zero3_train_on_screenshot_episodes(processor_dir, tmp_path: P
     """The shipped example, cut short: 2 gloo ranks under ZeRO-3, a warm-up SFT step on demonstrations with
     images (self-checked: tree == flat, the tower's gradients included), then GRPO steps on episode trees
     whose leaves share the home screen and their task's screenshot."""
-    from tests.test_engine import torchrun
+    from tests.helpers.launch import torchrun
 
     config = gui_config(processor_dir, tmp_path)
     overrides = [

@@ -59,6 +59,7 @@ def test_shards_encode_the_images_of_their_placeholders_and_an_image_cut_by_the_
     assert any(cut), "no image cut by a shard boundary: the test would not see the tower's gradient split"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
 def test_verify_sequence_parallel_with_images_equals_flat_in_float64(family, objective) -> None:
@@ -79,7 +80,7 @@ def test_verify_sequence_parallel_with_images_equals_flat_in_float64(family, obj
 )
 def test_the_sharded_walk_with_images_is_refused_naming_its_fields(tmp_path, override) -> None:
     from ds_tree.config import load_config
-    from tests.test_engine import write_config
+    from tests.helpers.configs import write_config
 
     path = write_config(tmp_path, tmp_path / "data", model={"source": str(ROOT / CONFIGS["qwen2_5_vl"])})
     config = load_config(path, ["parallel.sequence_parallel_size=2"])
@@ -96,7 +97,8 @@ def test_two_ranks_zero3_sequence_parallel_with_images_matches_single_process_fl
     and flat layouts; then a train step with the self-check on."""
     from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
     from ds_tree.data.convert import ConvertOptions, convert
-    from tests.test_engine import torchrun, write_accumulating_ds_config, write_config
+    from tests.helpers.configs import write_accumulating_ds_config, write_config
+    from tests.helpers.launch import torchrun
     from tests.test_vision import gui_records, write_jsonl
 
     processor = tmp_path / "processor"

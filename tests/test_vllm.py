@@ -43,8 +43,10 @@ from ds_tree.sampling.vllm import (
 )
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
-from tests.test_engine import ROOT, torchrun
-from tests.test_online_rl import online_config
+from tests.helpers import ROOT
+from tests.helpers.configs import online_config
+from tests.helpers.launch import torchrun
+from tests.helpers.processes import check_marked
 
 MODEL = ROOT / "configs/models/tiny_llama_vllm.json"
 LOGPROB_TOLERANCE = 1e-5
@@ -86,6 +88,7 @@ def served(tmp_path_factory, tokenizer_dir):
     server = None
     url = os.environ.get("DS_TREE_TEST_VLLM_URL")
     if not url:
+        check_marked("a vLLM server")
         write_model_dir(directory / "model", model, load_tokenizer(tokenizer_dir))
         server = VLLMServer(directory / "model", log_path=directory / "server.log", max_model_len=512)
         url = server.start()
@@ -127,6 +130,7 @@ def forward_logprobs(model, ids) -> np.ndarray:
 
 # ----------------------------------------------------------------- trees on the server
 @needs_vllm
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "settings, eos",
     [
@@ -176,6 +180,7 @@ def test_tree_on_vllm_has_the_sampler_semantics_and_the_trainers_logprobs(served
 
 
 @needs_vllm
+@pytest.mark.distributed
 def test_prefix_requests_give_n_siblings_like_the_hf_engine_interface(served) -> None:
     engine, model = served
     with_weights(engine, model)
@@ -191,6 +196,7 @@ def test_prefix_requests_give_n_siblings_like_the_hf_engine_interface(served) ->
 
 
 @needs_vllm
+@pytest.mark.distributed
 def test_weight_sync_moves_the_server_to_the_new_policy(served) -> None:
     engine, model = served
     with_weights(engine, model)
@@ -214,6 +220,7 @@ def test_weight_sync_moves_the_server_to_the_new_policy(served) -> None:
 
 
 @needs_vllm
+@pytest.mark.distributed
 def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(served, tmp_path, tokenizer_dir, capsys):
     from ds_tree.cli.sample import main as sample_main
     from ds_tree.data.explicit import trajectories_from_explicit_tree
@@ -238,6 +245,7 @@ def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(serv
 
 
 @needs_vllm
+@pytest.mark.distributed
 def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, tokenizer_dir) -> None:
     """rollout.env.path with engine vllm: every assistant turn is one request after the exact ids of the
     conversation so far (token in, token out), its siblings the request's n samples, with vLLM's log-probs."""

@@ -24,7 +24,7 @@ from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.verify.sequence_parallel import group_gradients, spawn_group
 from ds_tree.verify.tree_vs_flat import checked_advantages, rl_policies, run_mode, run_rl_mode
-from tests.test_engine import ROOT
+from tests.helpers import ROOT
 from tests.test_sequence_parallel_rl import write_rl_cases
 
 MODEL = str(ROOT / "configs/models/tiny_qwen3_moe.json")
@@ -107,6 +107,7 @@ def _rank(rank: int, trajectories, options: dict) -> dict | None:
     }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
 def test_walked_and_packed_trees_in_one_step_equal_flat_in_float64(trajectories, objective):
     report = spawn_group(_rank, trajectories, {"size": SIZE, "threads": 1, "objective": objective})
@@ -124,7 +125,8 @@ def test_the_memory_plan_shards_the_walk_of_over_budget_trees(tmp_path: Path) ->
     from ds_tree.config import load_config
     from ds_tree.engine.memory import plan_of
     from ds_tree.models.loading import load_config as load_model_config
-    from tests.test_engine import write_config, write_forest
+    from tests.helpers.configs import write_config
+    from tests.helpers.data import write_forest
 
     data = write_forest(tmp_path / "forest.jsonl")
     config = write_config(tmp_path, data, packing={"budget": 200, "over_budget": "dfs", "dfs_chunk": 64})
@@ -143,7 +145,8 @@ def test_two_ranks_zero3_walk_the_long_trees_and_pack_the_others_as_the_flat_ste
     (float32 round-off), and a training step with its self-check runs (``tests/distributed/sp_grad_check.py``)."""
     import json
 
-    from tests.test_engine import torchrun, write_config
+    from tests.helpers.configs import write_config
+    from tests.helpers.launch import torchrun
     from tests.test_sequence_parallel import BLOCK as SP_BLOCK
     from tests.test_sequence_parallel import BUDGET as SP_BUDGET
     from tests.test_sequence_parallel import DFS_CHUNK, one_kv_head_model, write_accumulating_ds_config, write_cases

@@ -1,11 +1,28 @@
 #!/usr/bin/env bash
 # Set up the environment (tools/bootstrap.sh) and run the test suite. Extra arguments go to pytest.
+#   bash tools/run_tests.sh           the full suite: the README's test command, what CI (.ci/run) runs
+#   bash tools/run_tests.sh --fast    the edit-test loop's tier: pytest -m "not distributed and not slow",
+#                                     every test but those that start several processes (launchers, ranks,
+#                                     a vLLM server, SLURM) or take over ~20 s alone; tests/conftest.py fails
+#                                     an unmarked test that starts processes (tests/helpers/processes.py)
+# An -m of your own comes after the tier's and replaces it. --strict-markers: a misspelt marker would
+# silently put its test in the fast tier.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+fast=0
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--fast" ]; then fast=1; else args+=("$arg"); fi
+done
+tier=()
+if [ "$fast" = 1 ]; then tier=(-m "not distributed and not slow"); fi
 bash tools/bootstrap.sh
 # vLLM in its own venv (.venv-vllm; reused when present) for tests/test_vllm.py (rollout.engine: vllm).
 # Not fatal here: without it those tests skip and say how to install it (under CI=true they fail).
-bash tools/bootstrap.sh --vllm || echo "run_tests.sh: could not install vLLM (bash tools/bootstrap.sh --vllm): tests/test_vllm.py will skip" >&2
+# The fast tier needs no server: it does not install it.
+if [ "$fast" = 0 ]; then
+  bash tools/bootstrap.sh --vllm || echo "run_tests.sh: could not install vLLM (bash tools/bootstrap.sh --vllm): tests/test_vllm.py will skip" >&2
+fi
 # The Triton interpreter must be chosen before anything imports triton (transformers does).
 export TRITON_INTERPRET=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -15,7 +32,9 @@ export TOKENIZERS_PARALLELISM=false
 # Two pytest workers (pytest-xdist), each running one test file at a time. With OMP_NUM_THREADS=1 a
 # single-process test keeps one core busy, so one worker left the other core idle for much of the
 # suite: measured on 2 cores, 28 min in one process (a busy machine), 10-11 min on two workers (fresh
-# clones). A test file stays on one worker, so its module-scoped fixtures (the vLLM server, the SLURM
-# cluster) are started once.
+# clones; ~19 min by 2026-11-28, issue 51). A test file stays on one worker, so its module-scoped
+# fixtures (the vLLM server, the SLURM cluster) are started once. The fast tier (1496 tests,
+# 2026-11-28) took 511 s of CPU in all: an estimated 4.5 min on 2 idle cores (measured: 18.5 min
+# at load 8-9).
 # PYTEST_WORKERS=0 runs everything in one process.
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --strict-markers "${tier[@]}" "${args[@]}"

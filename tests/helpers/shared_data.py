@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tests.helpers import ROOT
+
+SHARED_DATA = ROOT.parent / "shared" / "data"
 FILES = {"tau2-telecom": "tau2-telecom/trials.jsonl", "tot-game24": "tot-game24/samples.jsonl"}
 
 
