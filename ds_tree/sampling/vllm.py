@@ -1,11 +1,12 @@
-"""The ``vllm`` sampling engine: a vLLM server (OpenAI-compatible HTTP), managed by the run or external.
+"""The ``vllm`` sampling engine: vLLM servers (OpenAI-compatible HTTP), managed by the run or external.
 
 - :class:`VLLMServer` starts ``python -m vllm.entrypoints.openai.api_server`` from vLLM's own venv
   (``tools/bootstrap.sh --vllm`` makes ``.venv-vllm``) in its own process group (a new session), with
   the dev routes on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/reset_prefix_cache``), prefix
   caching on, and waits for ``/health``. :meth:`VLLMServer.stop` ends the whole group (SIGTERM, then
-  SIGKILL); it is also registered with :mod:`atexit`, and the server gets SIGTERM if this process dies
-  (``PR_SET_PDEATHSIG``), so it is never left running.
+  SIGKILL); it is also registered with :mod:`atexit`, and the server gets SIGTERM if the thread that
+  launched it ends (``PR_SET_PDEATHSIG`` follows the thread: servers are launched from the main one), so
+  it is never left running.
 - :class:`VLLMClient` sends JSON requests with a deadline of ``timeout_s`` each and a bounded number
   of retries on connection failures; anything that is not the expected answer is an
   :class:`EngineError` naming the server and what came back. Never a hang.
@@ -20,6 +21,9 @@
   server, or ``rollout.vllm.url``'s, checked with a probe against the trainer); ``ds-tree sample`` opens
   one around a model (:meth:`VLLMEngine.for_model`). It samples text (no images) of non-hybrid models,
   off the training ranks' cores: a run may sample ahead of training (``rollout.max_staleness``).
+- several servers (``rollout.vllm.url`` as a list, ``rollout.vllm.servers``): each tree on one server by
+  fewest pending tokens, a failed server's trees resubmitted from their start, a sync into every server
+  (:mod:`ds_tree.sampling.fleet`; docs/ROLLOUTS.md, *Several servers*).
 """
 
 from __future__ import annotations
