@@ -110,9 +110,15 @@ def test_fleet_routes_each_tree_to_the_server_with_the_fewest_pending_tokens() -
     # a sync reaches servers 0 and 1 (1 is back), not 2: only servers at the sync's version sample
     fleet.synced(2, {0: None, 1: None, 2: "http://c: HTTP 500"})
     assert fleet.live() == [0, 1]
+    last = fleet.open(5)
     fleet.synced(3, {0: "http://a: refused", 1: "http://b: refused", 2: "http://c: refused"})
     with pytest.raises(EngineError, match=r"no vLLM server left to sample on \(http://a: refused; http://b: refu"):
         fleet.open(1)
+    before = fleet.servers[last.server].pending
+    with pytest.raises(EngineError, match="no vLLM server left"):  # mid-tree: the step fails
+        last.move(ServerFailure("http://a: refused"))
+    last.close()
+    assert fleet.servers[last.server].pending == before - 5  # its tokens released once
 
 
 def test_every_tree_goes_to_one_server_and_trees_are_balanced_over_the_servers(tmp_path, servers) -> None:

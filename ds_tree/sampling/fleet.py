@@ -142,7 +142,11 @@ class TreeRoute:
             failed = fleet.servers[self.server]
             failed.dropped = failed.dropped or str(failure)
             fleet._charge(self.server, -self.tokens, 0)
-            self.server = fleet._least_pending(fleet.live())
+            try:
+                self.server = fleet._least_pending(fleet.live())
+            except EngineError:
+                self.tokens = 0  # nothing pending anywhere: closing the route changes nothing
+                raise
             fleet._charge(self.server, self.tokens, 1)
             fleet.resubmitted += 1
             self.moves += 1
