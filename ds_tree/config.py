@@ -536,10 +536,13 @@ class DistributedConfig:
 class VLLMRolloutConfig:
     """``rollout.vllm``: the vLLM server of ``rollout.engine: vllm`` (docs/ROLLOUTS.md, *Sampling engines*)."""
 
-    url: str = ""
-    """An existing server (``http://host:port``; it needs ``VLLM_SERVER_DEV_MODE=1`` for weight sync and the
-    policy's model and tokenizer, checked at start). Empty: rank 0 starts one from ``.venv-vllm`` (own process
-    group, stopped when the run ends or fails)."""
+    url: str | list[str] = ""
+    """Existing servers: one URL (``http://host:port``) or a list of them; each needs ``VLLM_SERVER_DEV_MODE=1``
+    for weight sync and the policy's model and tokenizer, checked at start. With several, each prompt's tree goes
+    to one of them (docs/ROLLOUTS.md, *Several servers*). Empty: rank 0 starts ``servers`` of its own from
+    ``.venv-vllm`` (each its own process group, stopped when the run ends or fails)."""
+    servers: int = 1
+    """Managed servers rank 0 starts (``url`` empty), each its own process on its own port."""
     model_name: str = ""
     """The served model name on ``url`` (empty: the managed server's name)."""
     timeout_s: float = 120.0
@@ -559,12 +562,33 @@ class VLLMRolloutConfig:
     python: str = ""
     """vLLM's Python (empty: ``.venv-vllm/bin/python`` of the checkout, or ``$DS_TREE_VLLM_PYTHON``)."""
 
+    def urls(self) -> list[str]:
+        """``url`` as a list: the existing servers (none: managed ones)."""
+        return [self.url] if isinstance(self.url, str) and self.url else list(self.url or [])
+
+    def _check_servers(self) -> None:
+        """``servers`` >= 1; ``servers`` > 1 only for managed servers; a list of distinct, non-empty URLs."""
+        if self.servers < 1:
+            raise ConfigError(f"rollout.vllm.servers must be >= 1, got {self.servers}")
+        urls = self.urls()
+        if urls and self.servers > 1:
+            raise ConfigError(
+                f"rollout.vllm.servers ({self.servers}) starts managed servers and rollout.vllm.url names existing "
+                "ones: set one of them (list every server in rollout.vllm.url, or leave it empty)"
+            )
+        for index, url in enumerate(urls):
+            if not isinstance(url, str) or not url:
+                raise ConfigError(f"rollout.vllm.url[{index}] must be a non-empty URL, got {url!r}")
+            if url.rstrip("/") in (u.rstrip("/") for u in urls[:index]):
+                raise ConfigError(f"rollout.vllm.url[{index}] ({url}) is listed twice: each server once")
+
     def __post_init__(self) -> None:
         for name in ("timeout_s", "startup_timeout_s", "probe_tolerance"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"rollout.vllm.{name} must be > 0, got {getattr(self, name)}")
         if self.retries < 0 or self.max_model_len < 0:
             raise ConfigError("rollout.vllm.retries and rollout.vllm.max_model_len must be >= 0")
+        self._check_servers()
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -887,6 +911,15 @@ def _coerce(hint: Any, value: Any, where: str, dotted: str) -> Any:
             return None
         (other,) = (arg for arg in typing.get_args(hint) if arg is not type(None))
         return _coerce(other, value, where, dotted)
+    if origin is UnionType:  # one of several types (``str | list[str]``): the first that takes the value
+        arms = typing.get_args(hint)
+        for arm in arms:
+            try:
+                return _coerce(arm, value, where, dotted)
+            except ConfigError:
+                continue
+        names = " or ".join(str(arm) if typing.get_origin(arm) else arm.__name__ for arm in arms)
+        raise ConfigError(f"{where}: {dotted} must be {names}, got {value!r}")
     if origin is Annotated:
         base, *metadata = typing.get_args(hint)
         choices = next((m for m in metadata if isinstance(m, Choices)), None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -611,3 +612,71 @@ def test_two_rank_zero3_grpo_on_vllm_samples_a_step_ahead_and_resumes_from_the_c
     np.testing.assert_allclose(
         served_now, reference_logprobs(tiny_model().config, state, ids), rtol=0, atol=LOGPROB_TOLERANCE
     )
+
+
+# ------------------------------------------------------------------------ several servers
+TWO_SERVERS = """
+import json, sys, time
+import torch
+from ds_tree.data.convert import load_tokenizer
+from ds_tree.models.loading import load_model
+from ds_tree.sampling.settings import SamplerSettings
+from ds_tree.sampling.vllm import VLLMEngine, probe_ids, reference_logprobs
+
+model_path, tokenizer_dir, folder = sys.argv[1:4]
+started = time.monotonic()
+model = load_model(model_path, dtype="float32", seed=0)
+tokenizer = load_tokenizer(tokenizer_dir)
+engine = VLLMEngine.for_model(model, tokenizer, url="", directory=folder, servers=2, max_model_len=512)
+up = time.monotonic() - started
+moved = load_model(model_path, dtype="float32", seed=5)
+state = {name: p.detach().clone() for name, p in moved.named_parameters()}
+loaded = engine.load_state(state, version=1)
+ids = probe_ids(1024)
+settings = SamplerSettings(segment_length=4, branching=2, max_depth=2, width=4, max_new_tokens=8)
+trees = []
+for server in range(2):  # the same seed on each server alone: the tree a resubmission would get
+    alone = VLLMEngine(engine.clients[server], vocab_size=1024)
+    generator = torch.Generator().manual_seed(7)
+    tree = alone.sample_tree(list(range(40, 60)), settings, generator=generator, eos_token_ids=[2])
+    trees.append([node.token_ids for node in tree.nodes])
+print("ANSWER", json.dumps({
+    "groups": [client.server.process.pid for client in engine.clients], "up_s": up, "loaded": loaded,
+    "served": [engine.prompt_logprobs(ids, server) for server in range(2)],
+    "reference": reference_logprobs(moved.config, state, ids), "trees": trees,
+}), flush=True)
+time.sleep(900)  # until the test's SIGTERM
+"""
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_managed_servers_take_a_sync_alike_and_none_outlives_a_sigterm(tmp_path, tokenizer_dir) -> None:
+    """rollout.vllm.servers: 2 as ds-tree sample and a run start them (VLLMEngine.for_model, servers=2): both
+    start and pass the probe, a weight sync reaches both (each then scores the probe like the trainer's forward
+    of the new weights), one seed gives one tree on either server (what a resubmitted tree relies on), and a
+    SIGTERM to the process that started them leaves no process of either server behind."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    process = subprocess.Popen(
+        [sys.executable, "-c", TWO_SERVERS, str(MODEL), str(tokenizer_dir), str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        answer = {}
+        for line in process.stdout:  # past the libraries' own lines
+            if line.startswith("ANSWER "):
+                answer = json.loads(line.removeprefix("ANSWER "))
+                break
+        assert answer, f"the script failed: {(tmp_path / 'server-0.log').read_text()[-2000:]}"
+        assert answer["loaded"] == {"0": None, "1": None}
+        reference = np.asarray(answer["reference"])
+        for served in answer["served"]:  # the sync reached both: each serves the new weights
+            np.testing.assert_allclose(served, reference, rtol=0, atol=LOGPROB_TOLERANCE)
+        assert answer["trees"][0] == answer["trees"][1]
+        print(f"two managed servers up in {answer['up_s']:.0f} s")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    for group in answer["groups"]:
+        assert group_gone(group, wait_s=60), f"a process of server group {group} outlived the SIGTERM"

@@ -66,6 +66,20 @@ def raise_any(*failures: str | None, gather: bool = True) -> None:
         raise EngineError(found[0] + (f" (and {len(found) - 1} more rank(s))" if len(found) > 1 else ""))
 
 
+def engine_scalars(engine: SamplingEngine) -> dict[str, float]:
+    """The engine's ``rollout/`` metrics over all ranks (a collective where it has any, on every rank alike):
+    ``resubmitted_trees`` summed, ``servers_alive`` the fewest any rank samples on."""
+    mine = engine.step_scalars()
+    if not mine:
+        return {}
+    every: list[dict[str, float] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    combined = {key: sum(scalars[key] for scalars in every) for key in mine}
+    if "rollout/servers_alive" in mine:
+        combined["rollout/servers_alive"] = min(scalars["rollout/servers_alive"] for scalars in every)
+    return combined
+
+
 def check_engine_config(config) -> None:
     """What ``rollout.engine`` needs from the config: the sampler's log-probs where training uses them
     (``objective.old_logprobs: data``, ``objective.importance_truncation``), declared by the engine; then
@@ -217,6 +231,7 @@ class StepRollouts:
         self.scalars = {
             "rollout/time_s": max(seconds for _, seconds, _ in gathered),  # the slowest rank's
             "rollout/sync_s": self.sync_s,
+            **engine_scalars(self.engine),
         }
         if rollout.max_staleness:
             self.scalars["rollout/wait_s"] = waited  # the time this rank's training waited for sampling

@@ -16,6 +16,7 @@ log-probs, updates). :func:`rollout_scalars` gives the ``rollout/`` metrics.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ from ds_tree.errors import ConfigError, DataError
 from ds_tree.registries import REWARDS
 from ds_tree.rollout.loop import StepRollouts, rank_slots, run_tokenizer, slot_generator
 from ds_tree.rollout.rewards import RewardRequest, score
+from ds_tree.sampling.hf import SampledTree
 from ds_tree.sampling.prompts import read_prompts, stop_token_ids
 from ds_tree.sampling.settings import path_limit
 from ds_tree.trees.trajectory import Trajectory
@@ -114,12 +116,22 @@ class OnlineRollouts(StepRollouts):
     def sample_slot(self, step: int, slot: int, prompt_index: int, version: int | None = None) -> SlotResult:
         """One prompt slot: sample its tree, decode and score the leaves; ``version``: the policy version
         the engine holds (the trajectories' ``policy_version``; default ``step``)."""
+        return self.scored_slot(step, slot, prompt_index, self.slot_tree(step, slot, prompt_index), version)
+
+    def slot_tree(self, step: int, slot: int, prompt_index: int) -> SampledTree:
+        """One prompt slot's tree, sampled from the slot's generator (thread-safe: trees may be sampled at once)."""
         prompt = self.prompts[prompt_index]
         generator = slot_generator(self.config.rollout.seed, step, slot, self.engine.generator_device)
         with torch.no_grad():
-            tree = self.engine.sample_tree(
+            return self.engine.sample_tree(
                 prompt.ids.tolist(), self.settings, generator=generator, eos_token_ids=self.stop_ids
             )
+
+    def scored_slot(
+        self, step: int, slot: int, prompt_index: int, tree: SampledTree, version: int | None = None
+    ) -> SlotResult:
+        """A slot's sampled ``tree``, its leaves decoded and scored."""
+        prompt = self.prompts[prompt_index]
         # one numbering: the console's, metrics' and saved files' 1-based step (``step`` counts from 0)
         trajectories = tree.trajectories(f"{prompt.label}/step{step + 1}/slot{slot}")
         requests = []
@@ -147,7 +159,17 @@ class OnlineRollouts(StepRollouts):
         """This rank's slots of ``step`` (no collective: the background sampler runs it too)."""
         prompt_indices = self.sampler.groups_for_step(step)
         slots = rank_slots(len(prompt_indices), dist.get_rank(), dist.get_world_size())
-        return [self.sample_slot(step, slot, prompt_indices[slot], version) for slot in slots]
+        if self.engine.concurrent_trees < 2 or len(slots) < 2:
+            return [self.sample_slot(step, slot, prompt_indices[slot], version) for slot in slots]
+        # several servers: the trees in flight together (each slot's own generator: the same trees), then
+        # decoded and scored one after another on this thread (a reward function need not be thread-safe)
+        workers = min(self.engine.concurrent_trees, len(slots))
+        with ThreadPoolExecutor(workers, thread_name_prefix="slot-tree") as pool:
+            trees = list(pool.map(lambda slot: self.slot_tree(step, slot, prompt_indices[slot]), slots))
+        return [
+            self.scored_slot(step, slot, prompt_indices[slot], tree, version)
+            for slot, tree in zip(slots, trees, strict=True)
+        ]
 
     def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
         """``step``'s sampled and scored trajectories, the same list on every rank (collective).

@@ -39,6 +39,7 @@ class HFEngine:
     recurrent_models = True
     logprobs = True
     samples_ahead = False
+    concurrent_trees = 1
     why_not = {
         "samples_ahead": "the hf engine samples on the training ranks' own cores, so sampling ahead of training "
         "would only take them from it",
@@ -119,6 +120,10 @@ class HFEngine:
                 target.copy_(source[name])
         self.version += 1
         return time.perf_counter() - started
+
+    def step_scalars(self) -> dict[str, float]:
+        """No engine metrics: the model is this process's."""
+        return {}
 
     def close(self) -> None:
         """Nothing to stop: the model is this process's."""

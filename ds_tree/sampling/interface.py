@@ -130,6 +130,8 @@ class SamplingEngine(Protocol):
     samples_ahead: bool
     why_not: dict[str, str]
     """Per capability the engine lacks, why (quoted by the config error that refuses it)."""
+    concurrent_trees: int
+    """Trees one rank samples at once (1: one after another; ``vllm`` with several servers: several per server)."""
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -172,6 +174,11 @@ class SamplingEngine(Protocol):
         """The policy's weights into the engine (a collective: every rank calls it); seconds taken."""
         ...
 
+    def step_scalars(self) -> dict[str, float]:
+        """This rank's ``rollout/`` metrics of the engine since the last call (``vllm``: trees resubmitted to
+        another server, servers sampling); none for an engine without such state."""
+        ...
+
     def close(self) -> None:
         """Release what the engine started (a managed server is stopped); idempotent."""
         ...
@@ -202,7 +209,7 @@ class EngineTurnSampler(TurnSampler):
         if images:
             raise EngineError(f"the {self.engine.name} engine does not sample with images")
         request = PrefixRequest([int(t) for t in prefix_ids], n, max_new_tokens, request_seed(generator))
-        (continuations,) = self.engine.continue_prefixes([request], self.sampling)
+        continuations = self.continue_prefix(request)
         if len(continuations) != n:
             raise EngineError(f"the {self.engine.name} engine answered {len(continuations)} samples for n={n}")
         turns = []
@@ -212,6 +219,11 @@ class EngineTurnSampler(TurnSampler):
             reason = "eos" if ended else "length"
             turns.append(SampledTurn(list(continuation.token_ids), list(continuation.logprobs), reason))
         return turns
+
+    def continue_prefix(self, request: PrefixRequest) -> list[Continuation]:
+        """One turn's request on the engine (an engine with several servers keeps an episode on one)."""
+        (continuations,) = self.engine.continue_prefixes([request], self.sampling)
+        return continuations
 
 
 # ------------------------------------------------------------------------------- the tree driver

@@ -1,11 +1,12 @@
-"""The ``vllm`` sampling engine: a vLLM server (OpenAI-compatible HTTP), managed by the run or external.
+"""The ``vllm`` sampling engine: vLLM servers (OpenAI-compatible HTTP), managed by the run or external.
 
 - :class:`VLLMServer` starts ``python -m vllm.entrypoints.openai.api_server`` from vLLM's own venv
   (``tools/bootstrap.sh --vllm`` makes ``.venv-vllm``) in its own process group (a new session), with
   the dev routes on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, ``/reset_prefix_cache``), prefix
   caching on, and waits for ``/health``. :meth:`VLLMServer.stop` ends the whole group (SIGTERM, then
-  SIGKILL); it is also registered with :mod:`atexit`, and the server gets SIGTERM if this process dies
-  (``PR_SET_PDEATHSIG``), so it is never left running.
+  SIGKILL); it is also registered with :mod:`atexit`, and the server gets SIGTERM if the thread that
+  launched it ends (``PR_SET_PDEATHSIG`` follows the thread: servers are launched from the main one), so
+  it is never left running.
 - :class:`VLLMClient` sends JSON requests with a deadline of ``timeout_s`` each and a bounded number
   of retries on connection failures; anything that is not the expected answer is an
   :class:`EngineError` naming the server and what came back. Never a hang.
@@ -20,6 +21,9 @@
   server, or ``rollout.vllm.url``'s, checked with a probe against the trainer); ``ds-tree sample`` opens
   one around a model (:meth:`VLLMEngine.for_model`). It samples text (no images) of non-hybrid models,
   off the training ranks' cores: a run may sample ahead of training (``rollout.max_staleness``).
+- several servers (``rollout.vllm.url`` as a list, ``rollout.vllm.servers``): each tree on one server by
+  fewest pending tokens, a failed server's trees resubmitted from their start, a sync into every server
+  (:mod:`ds_tree.sampling.fleet`; docs/ROLLOUTS.md, *Several servers*).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from ds_tree.sampling.fleet import Fleet, ServerFailure, TreeRoute
 from ds_tree.sampling.interface import (
     Continuation,
     EngineError,
@@ -124,13 +129,25 @@ class VLLMServer:
             "--gpu-memory-utilization", str(gpu_memory_utilization),
             "--generation-config", "vllm", "--enable-prompt-tokens-details",
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+            # no chunked prefill: on the CPU a seeded request whose prefill is cut in chunks kills the engine
+            # (vLLM 0.32 rewinds its generator with set_offset, which a CPU generator refuses: "CPU Generator does
+            # not use offset"), as several trees' requests at once do. A batch then holds a whole prompt.
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 2048)),
             *extra_args,
         ]  # fmt: skip
         self.process: subprocess.Popen | None = None
+        self.launched = 0.0
+        """When :meth:`launch` started the process (``time.monotonic``)."""
 
     def start(self) -> str:
         """Start the server and wait for ``/health``; its URL. A server that exits or is not up in
         ``startup_timeout_s`` is an :class:`EngineError` with the end of its log."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the server's process, not waiting for it. Call it from a thread that outlives the server (the
+        main one): the server gets SIGTERM when the *thread* that started it ends (``PR_SET_PDEATHSIG``)."""
         problem = vllm_available(self.python)
         if problem:
             raise EngineError(f"rollout.engine=vllm: {problem}")
@@ -146,7 +163,11 @@ class VLLMServer:
         )  # fmt: skip
         log.close()
         atexit.register(self.stop)
-        deadline = time.monotonic() + self.startup_timeout_s
+        self.launched = time.monotonic()
+
+    def wait_ready(self) -> str:
+        """Wait for the launched server's ``/health`` (``startup_timeout_s`` from its launch); its URL."""
+        deadline = self.launched + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise EngineError(f"the vLLM server exited with code {self.process.returncode}: {self.log_tail()}")
@@ -211,7 +232,8 @@ class VLLMClient:
         return ""
 
     def request(self, path: str, body: dict | None = None, *, method: str = "POST") -> object:
-        """The decoded JSON answer of ``path`` (None for an empty 200); :class:`EngineError` otherwise."""
+        """The decoded JSON answer of ``path`` (None for an empty 200); :class:`EngineError` otherwise, a
+        :class:`~ds_tree.sampling.fleet.ServerFailure` when the server gave no answer or failed (HTTP 5xx)."""
         data = None if body is None else json.dumps(body).encode()
         last, raw = None, None
         for attempt in range(self.retries + 1):
@@ -224,7 +246,8 @@ class VLLMClient:
                 break
             except urllib.error.HTTPError as error:
                 detail = error.read()[:500].decode(errors="replace")
-                raise EngineError(f"{self.url}{path} answered HTTP {error.code}: {detail}") from None
+                failure = ServerFailure if error.code >= 500 else EngineError  # 5xx: the server failed (a dead engine)
+                raise failure(f"{self.url}{path} answered HTTP {error.code}: {detail}") from None
             except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
                 last = getattr(error, "reason", error)
                 if self.server is not None and not self.server.alive():
@@ -232,7 +255,7 @@ class VLLMClient:
                 if attempt < self.retries:
                     time.sleep(min(2.0**attempt, 5.0))
         if raw is None:
-            raise EngineError(
+            raise ServerFailure(
                 f"{self.url}{path}: no answer after {self.retries + 1} tries of {self.timeout_s:g} s "
                 f"(rollout.vllm.timeout_s): {last}{self._dead()}"
             )
@@ -281,7 +304,7 @@ class RunLaunch:
 
 
 class VLLMEngine:
-    """:class:`~ds_tree.sampling.interface.SamplingEngine` on a vLLM server (module docstring)."""
+    """:class:`~ds_tree.sampling.interface.SamplingEngine` on one vLLM server or several (module docstring)."""
 
     name = "vllm"
     images = False
@@ -301,11 +324,13 @@ class VLLMEngine:
     """Requests carry a seed drawn from a CPU generator; the server samples with it."""
 
     def __init__(
-        self, client: VLLMClient | None, *, vocab_size: int, model_name: str = SERVED_NAME,
+        self, client: VLLMClient | Sequence[VLLMClient] | None, *, vocab_size: int, model_name: str = SERVED_NAME,
         snapshot_dir: str | Path | None = None, max_in_flight: int = 16, launch: RunLaunch | None = None,
     ) -> None:  # fmt: skip
-        self.client = client
-        """None until a training run's first sync starts the server (:meth:`start`)."""
+        self.clients: list[VLLMClient] = []
+        """One per server; none until a training run's first sync starts them (:meth:`start`)."""
+        self.fleet: Fleet | None = None
+        """Which server samples which tree (:mod:`ds_tree.sampling.fleet`)."""
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
@@ -313,12 +338,34 @@ class VLLMEngine:
         self.launch = launch
         self.version = 0
         self.pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="vllm-request")
+        if client is not None:
+            self.use([client] if isinstance(client, VLLMClient) else list(client))
+
+    def use(self, clients: list[VLLMClient]) -> None:
+        """Sample on ``clients``' servers, all holding the engine's current weights."""
+        self.clients = clients
+        self.fleet = Fleet([client.url for client in clients], offset=_rank())
+        self.fleet.synced(self.version, dict.fromkeys(range(len(clients))))
+        if len(clients) > 1:  # every server's trees in flight at once
+            self.pool.shutdown(wait=False)
+            self.pool = ThreadPoolExecutor(self.max_in_flight * len(clients), thread_name_prefix="vllm-request")
+
+    @property
+    def client(self) -> VLLMClient | None:
+        """The first server's client (a single-server engine's only one); None before the run's first sync."""
+        return self.clients[0] if self.clients else None
+
+    @property
+    def concurrent_trees(self) -> int:
+        """Trees a rank samples at once: every server gets trees of its own to batch (one tree at a time on one
+        server, as before several were supported)."""
+        return 1 if len(self.clients) < 2 else 4 * len(self.clients)
 
     # ------------------------------------------------------------------ building
     @classmethod
     def check_config(cls, config) -> None:
-        """What ``rollout.engine: vllm`` needs that the dry run can see (before any model is built): an
-        http(s) ``vllm.url``; without one, vLLM's Python (``vllm.python``, ``$DS_TREE_VLLM_PYTHON`` or the
+        """What ``rollout.engine: vllm`` needs that the dry run can see (before any model is built): each
+        ``vllm.url`` an http(s) URL; without one, vLLM's Python (``vllm.python``, ``$DS_TREE_VLLM_PYTHON`` or the
         checkout's ``.venv-vllm``) with a finished install; a ``vllm.max_model_len`` that holds every prompt
         of ``rollout.prompts`` and a token more (single-turn prompts: read with the run's tokenizer)."""
         from ds_tree.data.convert import load_tokenizer
@@ -327,13 +374,15 @@ class VLLMEngine:
         from ds_tree.sampling.prompts import read_prompts
 
         vllm = config.rollout.vllm
-        if vllm.url:
-            parsed = urllib.parse.urlparse(vllm.url)
+        urls = vllm.urls()
+        for index, url in enumerate(urls):
+            parsed = urllib.parse.urlparse(url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                field_name = "rollout.vllm.url" if isinstance(vllm.url, str) else f"rollout.vllm.url[{index}]"
                 raise ConfigError(
-                    f"rollout.vllm.url must be an http(s) URL of a running server (http://host:port), got {vllm.url!r}"
+                    f"{field_name} must be an http(s) URL of a running server (http://host:port), got {url!r}"
                 )
-        else:
+        if not urls:
             if vllm.python and not Path(vllm.python).is_file():
                 raise ConfigError(f"rollout.vllm.python: {vllm.python}: no such file (vLLM's Python interpreter)")
             missing = vllm_available(vllm.python or None)
@@ -351,32 +400,40 @@ class VLLMEngine:
 
     @classmethod
     def for_run(cls, config, model_config, tokenizer) -> VLLMEngine:
-        """The run's engine, not started: the server holds the weights (no copy on any rank), and the first
-        :meth:`sync_weights` starts it with the policy's (:meth:`start`)."""
+        """The run's engine, not started: the servers hold the weights (no copy on any rank), and the first
+        :meth:`sync_weights` starts them with the policy's (:meth:`start`)."""
         settings = config.rollout.vllm
         return cls(
             None, vocab_size=model_config.vocab_size,
-            model_name=(settings.model_name or SERVED_NAME) if settings.url else SERVED_NAME,
+            model_name=(settings.model_name or SERVED_NAME) if settings.urls() else SERVED_NAME,
             snapshot_dir=Path(config.output_dir) / "vllm", launch=RunLaunch(config, model_config, tokenizer),
         )  # fmt: skip
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, tokenizer, *, url: str, directory: str | Path, **server) -> VLLMEngine:
+    def for_model(
+        cls, model: torch.nn.Module, tokenizer, *, url: str | Sequence[str], directory: str | Path, servers: int = 1,
+        **server,
+    ) -> VLLMEngine:  # fmt: skip
         """An engine holding ``model``'s weights outside a training run (``ds-tree sample --engine vllm``):
-        ``url``'s server with the weights loaded into it, or a managed server started from ``directory``
-        (written there; ``server``: :class:`VLLMServer`'s options); probed against ``model`` either way.
-        ``close()`` stops a managed server."""
+        ``url``'s servers (one URL or several) with the weights loaded into them, or ``servers`` managed ones
+        started from ``directory`` (written there; ``server``: :class:`VLLMServer`'s options); each probed
+        against ``model``. ``close()`` stops managed servers."""
         directory = Path(directory)
         state = {name: p.detach().to("cpu", copy=True).contiguous() for name, p in model.named_parameters()}
         vocab_size = model.config.vocab_size
-        if url:
-            engine = cls(VLLMClient(url), vocab_size=vocab_size, snapshot_dir=directory)
+        urls = [url] if isinstance(url, str) and url else list(url or [])
+        if urls:
+            engine = cls([VLLMClient(u) for u in urls], vocab_size=vocab_size, snapshot_dir=directory)
             engine.load_state(state)
         else:
             write_model_dir(directory / "model", model, tokenizer)
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            managed = VLLMServer(directory / "model", log_path=directory / "server.log", dtype=dtype, **server)
-            engine = cls(VLLMClient(managed.start(), server=managed), vocab_size=vocab_size)
+            managed = [
+                VLLMServer(directory / "model", log_path=directory / server_log(i, servers), dtype=dtype, **server)
+                for i in range(servers)
+            ]
+            engine = cls(None, vocab_size=vocab_size, snapshot_dir=directory)
+            engine.use([VLLMClient(url, server=s) for s, url in zip(managed, start_servers(managed), strict=True)])
         try:
             ids = probe_ids(vocab_size)
             engine.check_model(reference_logprobs(model.config, state, ids), ids, 1e-3)
@@ -386,43 +443,50 @@ class VLLMEngine:
         return engine
 
     def start(self, policy: torch.nn.Module) -> None:
-        """A training run's first sync (a collective: every rank calls it). Rank 0 starts the managed server
+        """A training run's first sync (a collective: every rank calls it). Rank 0 starts the managed servers
         from a model directory it writes (``<output_dir>/vllm``: config, tokenizer, the gathered weights), or
-        loads the weights into ``rollout.vllm.url``'s server; then it checks the server against the trainer:
+        loads the weights into ``rollout.vllm.url``'s servers; then it checks each server against the trainer:
         a probe sequence ending on the vocabulary's last id must be accepted and scored like the trainer's
-        forward within ``rollout.vllm.probe_tolerance``. The other ranks get the URL, or rank 0's error."""
+        forward within ``rollout.vllm.probe_tolerance``. The other ranks get the URLs, or rank 0's error."""
         config, model_config = self.launch.config, self.launch.model_config
         settings = config.rollout.vllm
         state = gather_state(policy)
-        answer: tuple[str | None, str | None] = (None, None)
+        answer: tuple[list[str] | None, dict | None, str | None] = (None, None, None)
         if state is not None:
-            server = None
+            managed: list[VLLMServer] = []
             try:
-                if settings.url:
-                    self.client = VLLMClient(settings.url, timeout_s=settings.timeout_s, retries=settings.retries)
+                if settings.urls():
+                    self.use([self.run_client(url) for url in settings.urls()])
                     self.load_state(state)
                 else:
-                    server = self.managed_server(policy, state)
-                    self.client = VLLMClient(
-                        server.start(), timeout_s=settings.timeout_s, retries=settings.retries, server=server
-                    )
+                    managed = self.managed_servers(policy, state, settings.servers)
+                    urls = start_servers(managed)
+                    self.use([self.run_client(url, server) for url, server in zip(urls, managed, strict=True)])
                 ids = probe_ids(model_config.vocab_size)
                 worst = self.check_model(reference_logprobs(model_config, state, ids), ids, settings.probe_tolerance)
-                logger.info("vLLM server %s: probe log-probs within %.2g of the trainer's", self.client.url, worst)
-                answer = (self.client.url, None)
+                logger.info("vLLM servers %s: probe log-probs within %.2g of the trainer's", self.urls(), worst)
+                answer = (self.urls(), {i: s.dropped or None for i, s in enumerate(self.fleet.servers)}, None)
             except EngineError as error:
-                if server is not None:
+                for server in managed:
                     server.stop()
-                self.client, answer = None, (None, str(error))
-        url, failure = _from_rank0(answer)
+                self.clients, self.fleet, answer = [], None, (None, None, str(error))
+        urls, loaded, failure = _from_rank0(answer)
         if failure is not None:
             raise EngineError(failure)
         if state is None:
-            self.client = VLLMClient(url, timeout_s=settings.timeout_s, retries=settings.retries)
+            self.use([self.run_client(url) for url in urls])
         self.version = 1
+        self.fleet.synced(self.version, loaded)
 
-    def managed_server(self, policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> VLLMServer:
-        """Rank 0: the run's server, not started, on a model directory written from the gathered ``state``."""
+    def run_client(self, url: str, server: VLLMServer | None = None) -> VLLMClient:
+        settings = self.launch.config.rollout.vllm
+        return VLLMClient(url, timeout_s=settings.timeout_s, retries=settings.retries, server=server)
+
+    def urls(self) -> list[str]:
+        return [client.url for client in self.clients]
+
+    def managed_servers(self, policy: torch.nn.Module, state: dict[str, torch.Tensor], count: int) -> list[VLLMServer]:
+        """Rank 0: the run's ``count`` servers, not started, on one model directory written from ``state``."""
         from safetensors.torch import save_file
 
         config, model_config, tokenizer = self.launch.config, self.launch.model_config, self.launch.tokenizer
@@ -432,12 +496,15 @@ class VLLMEngine:
         model_config.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
         save_file(state, str(directory / "model.safetensors"))
-        return VLLMServer(
-            directory, log_path=directory / "server.log", python=settings.python or None,
-            dtype=config.model.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_model_len=settings.max_model_len or path_limit(config)[0],
-            prefix_caching=settings.prefix_caching, startup_timeout_s=settings.startup_timeout_s,
-        )  # fmt: skip
+        return [
+            VLLMServer(
+                directory, log_path=directory / server_log(index, count), python=settings.python or None,
+                dtype=config.model.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+                max_model_len=settings.max_model_len or path_limit(config)[0],
+                prefix_caching=settings.prefix_caching, startup_timeout_s=settings.startup_timeout_s,
+            )
+            for index in range(count)
+        ]  # fmt: skip
 
     # ------------------------------------------------------------------ sampling
     def completion_body(self, request: PrefixRequest, sampling: EngineSampling, **extra) -> dict:
@@ -457,70 +524,129 @@ class VLLMEngine:
             **extra,
         }
 
-    def continue_prefixes(
-        self, requests: Sequence[PrefixRequest], sampling: EngineSampling
+    def send(
+        self, server: int, requests: Sequence[PrefixRequest], sampling: EngineSampling
     ) -> list[list[Continuation]]:
+        """``requests`` on server ``server``, all in flight together; a :class:`ServerFailure` if it failed."""
+        client = self.clients[server]
+
         def one(request: PrefixRequest) -> list[Continuation]:
-            answer = self.client.request("/v1/completions", self.completion_body(request, sampling))
-            return _continuations(self.client.url, request, answer, self.vocab_size)
+            answer = client.request("/v1/completions", self.completion_body(request, sampling))
+            return _continuations(client.url, request, answer, self.vocab_size)
 
         return list(self.pool.map(one, requests))
 
-    def sample_tree(self, prompt_ids, settings, *, generator, eos_token_ids):
-        return sample_tree_by_segments(self, prompt_ids, settings, generator=generator, eos_token_ids=eos_token_ids)
+    def continue_prefixes(
+        self, requests: Sequence[PrefixRequest], sampling: EngineSampling
+    ) -> list[list[Continuation]]:
+        """``requests`` as one tree's round: on one server, moved to another if it fails (each request is a
+        function of its prefix and seed, so another server answers what the failed one would have)."""
+        route = self.fleet.open(sum(len(r.prefix_ids) + r.n * r.max_tokens for r in requests))
+        try:
+            return self.on_route(route, requests, sampling)
+        finally:
+            route.close()
 
-    def prompt_logprobs(self, ids: Sequence[int]) -> list[float]:
-        """The server's log-prob of each of ``ids[1:]`` given the tokens before it."""
+    def on_route(
+        self, route: TreeRoute, requests: Sequence[PrefixRequest], sampling: EngineSampling
+    ) -> list[list[Continuation]]:
+        """``requests`` on ``route``'s server; when it fails, the route moves and they are sent again."""
+        while True:
+            try:
+                return self.send(route.server, requests, sampling)
+            except ServerFailure as failure:
+                logger.warning("vLLM server %s failed (%s): its tree moves to another server", route.url, failure)
+                route.move(failure)
+
+    def sample_tree(self, prompt_ids, settings, *, generator, eos_token_ids):
+        """One prompt's tree on one server (:func:`sample_tree_by_segments`): every segment's requests go to the
+        server :meth:`Fleet.open` chose; if it fails, the tree is sampled again from its start on another, with
+        ``generator`` restored (a tree is a function of its seed: the same requests, the same tree)."""
+        start = generator.get_state()
+        route = self.fleet.open(tree_tokens(len(prompt_ids), settings))
+        try:
+            while True:
+                try:
+                    return sample_tree_by_segments(
+                        OnServer(self, route), prompt_ids, settings, generator=generator, eos_token_ids=eos_token_ids
+                    )
+                except ServerFailure as failure:
+                    logger.warning("vLLM server %s failed (%s): its tree is resubmitted", route.url, failure)
+                    route.move(failure)
+                    generator.set_state(start)
+        finally:
+            route.close()
+
+    def prompt_logprobs(self, ids: Sequence[int], server: int = 0) -> list[float]:
+        """Server ``server``'s log-prob of each of ``ids[1:]`` given the tokens before it."""
+        client = self.clients[server]
         body = self.completion_body(PrefixRequest(list(ids), 1, 1, 0), EngineSampling(), prompt_logprobs=0)
-        answer = self.client.request("/v1/completions", body)
+        answer = client.request("/v1/completions", body)
         try:
             entries = answer["choices"][0]["prompt_logprobs"][1:]  # type: ignore[index]
             return [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, ids[1:], strict=True)]
         except (KeyError, TypeError, ValueError, IndexError) as error:
             raise EngineError(
-                f"{self.client.url}: unexpected prompt_logprobs answer ({error}): {str(answer)[:300]}"
+                f"{client.url}: unexpected prompt_logprobs answer ({error}): {str(answer)[:300]}"
             ) from None
 
     def check_model(self, trainer_logprobs: Sequence[float], probe_ids: Sequence[int], tolerance: float) -> float:
-        """Refuse a server whose model or tokenizer is not the policy's: the probe's log-probs must
-        equal the trainer's within ``tolerance``; the largest difference."""
+        """Refuse a server whose model or tokenizer is not the policy's: on every live server the probe's
+        log-probs must equal the trainer's within ``tolerance``; the largest difference."""
         if max(probe_ids) >= self.vocab_size:
             raise ValueError("probe ids must be inside the policy's vocabulary")
-        served = self.prompt_logprobs(probe_ids)
-        worst = max(abs(a - b) for a, b in zip(served, trainer_logprobs, strict=True))
-        if not worst <= tolerance:
-            raise EngineError(
-                f"{self.client.url} serves another model than the policy: its log-probs of a probe sequence differ "
-                f"from the trainer's by up to {worst:.3g} (> {tolerance:g}, rollout.vllm.probe_tolerance); check "
-                "rollout.vllm.url, the model and its tokenizer"
-            )
+        worst = 0.0
+        for server in self.fleet.live():
+            served = self.prompt_logprobs(probe_ids, server)
+            difference = max(abs(a - b) for a, b in zip(served, trainer_logprobs, strict=True))
+            if not difference <= tolerance:
+                raise EngineError(
+                    f"{self.clients[server].url} serves another model than the policy: its log-probs of a probe "
+                    f"sequence differ from the trainer's by up to {difference:.3g} (> {tolerance:g}, "
+                    "rollout.vllm.probe_tolerance); check rollout.vllm.url, the model and its tokenizer"
+                )
+            worst = max(worst, difference)
         return worst
 
-    def turn_sampler(self, settings: SamplerSettings, stop_ids: Sequence[int]) -> EngineTurnSampler:
-        return EngineTurnSampler(self, settings, stop_ids)
+    def turn_sampler(self, settings: SamplerSettings, stop_ids: Sequence[int]) -> EpisodeTurnSampler:
+        return EpisodeTurnSampler(self, settings, stop_ids)
 
+    def step_scalars(self) -> dict[str, float]:
+        """This rank's fleet metrics since the last call: trees moved off a failed server, servers sampling."""
+        if self.fleet is None:
+            return {}
+        return {
+            "rollout/resubmitted_trees": float(self.fleet.take_resubmitted()),
+            "rollout/servers_alive": float(len(self.fleet.live())),
+        }
+
+    # ------------------------------------------------------------------ weights
     def sync_weights(self, policy: torch.nn.Module) -> float:
-        """The policy's weights into the server (a collective: every rank calls it); seconds taken. A
-        training run's first call starts the server (:meth:`start`)."""
+        """The policy's weights into every server (a collective: every rank calls it); seconds taken. A
+        training run's first call starts the servers (:meth:`start`). A server the sync does not reach is left
+        out of sampling until a later sync reaches it; the run fails when none is reached."""
         started = time.perf_counter()
-        if self.client is None:
+        if not self.clients:
             self.start(policy)
             return time.perf_counter() - started
         state = gather_state(policy)
-        failure = None
+        answer: tuple[dict | None, str | None] = (None, None)
         if state is not None:
             try:
-                self.load_state(state)
+                answer = (self.load_state(state, version=self.version + 1), None)
             except EngineError as error:
-                failure = str(error)
-        failure = _from_rank0(failure)
+                answer = (None, str(error))
+        loaded, failure = _from_rank0(answer)
         if failure is not None:
             raise EngineError(failure)
         self.version += 1
+        self.fleet.synced(self.version, loaded)
         return time.perf_counter() - started
 
-    def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Write ``state`` as the snapshot (atomically) and have the server reload it, prefix cache reset."""
+    def load_state(self, state: dict[str, torch.Tensor], *, version: int | None = None) -> dict[int, str | None]:
+        """Write ``state`` as the snapshot (atomically) and have every server reload it, prefix cache reset, in
+        parallel; the servers then hold ``version`` (default: the engine's). Per server, None or why it failed
+        (it is left out); an :class:`EngineError` when none took it."""
         from safetensors.torch import save_file
 
         if self.snapshot_dir is None:
@@ -530,15 +656,90 @@ class VLLMEngine:
         partial = weights / "model.safetensors.partial"
         save_file(state, str(partial))
         os.replace(partial, weights / "model.safetensors")
-        self.client.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}})
-        answer = self.client.request("/reset_prefix_cache")
-        if isinstance(answer, dict) and answer.get("success") is False:
-            raise EngineError(f"{self.client.url}/reset_prefix_cache failed after a weight reload: {answer}")
+
+        reload_body = {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+
+        def reload(client: VLLMClient) -> str | None:
+            try:
+                client.request("/collective_rpc", reload_body)
+                answer = client.request("/reset_prefix_cache")
+            except EngineError as error:
+                return str(error)
+            if isinstance(answer, dict) and answer.get("success") is False:
+                return f"{client.url}/reset_prefix_cache failed after a weight reload: {answer}"
+            return None
+
+        loaded = dict(enumerate(self.pool.map(reload, self.clients)))
+        for index, failure in loaded.items():
+            if failure is not None:
+                logger.warning("vLLM server %s left out: the weight sync failed: %s", self.clients[index].url, failure)
+        self.fleet.synced(self.version if version is None else version, loaded)
+        if not self.fleet.live():
+            raise EngineError(self.fleet.nothing_left())
+        return loaded
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.client is not None and self.client.server is not None:
-            self.client.server.stop()
+        for client in self.clients:
+            if client.server is not None:
+                client.server.stop()
+
+
+def tree_tokens(prompt_tokens: int, settings: SamplerSettings) -> int:
+    """A tree's pending tokens while it is sampled: its prompt and every leaf's new tokens (its budget)."""
+    return prompt_tokens + settings.width * settings.max_new_tokens
+
+
+class OnServer:
+    """The engine seen by one tree's sampler: every request on the tree's server (:meth:`VLLMEngine.send`)."""
+
+    def __init__(self, engine: VLLMEngine, route: TreeRoute) -> None:
+        self.engine = engine
+        self.route = route
+        self.name = engine.name
+
+    def continue_prefixes(self, requests, sampling):
+        return self.engine.send(self.route.server, requests, sampling)
+
+
+class EpisodeTurnSampler(EngineTurnSampler):
+    """The turns of one episode tree on one server: the episode's route opens at its first turn and closes at
+    :meth:`end_episode`; a failed server's turn is sent again to another (same prefix and seed: the same turn),
+    and the episode's later turns stay there."""
+
+    def __init__(self, engine: VLLMEngine, settings: SamplerSettings, stop_ids: Sequence[int]) -> None:
+        super().__init__(engine, settings, stop_ids)
+        self.settings = settings
+        self.route: TreeRoute | None = None
+
+    def continue_prefix(self, request: PrefixRequest) -> list[Continuation]:
+        if self.route is None:
+            self.route = self.engine.fleet.open(tree_tokens(len(request.prefix_ids), self.settings))
+        (continuations,) = self.engine.on_route(self.route, [request], self.sampling)
+        return continuations
+
+    def end_episode(self) -> None:
+        if self.route is not None:
+            self.route.close()
+            self.route = None
+
+
+def server_log(index: int, count: int) -> str:
+    """A managed server's log file name: ``server.log``, or ``server-<i>.log`` of several."""
+    return "server.log" if count == 1 else f"server-{index}.log"
+
+
+def start_servers(servers: Sequence[VLLMServer]) -> list[str]:
+    """Start ``servers`` together (their processes launched from this thread, which must outlive them) and wait
+    for each; their URLs. If one fails, all are stopped and its :class:`EngineError` raised."""
+    try:
+        for server in servers:
+            server.launch()
+        return [server.wait_ready() for server in servers]
+    except EngineError:
+        for server in servers:
+            server.stop()
+        raise
 
 
 def _rank() -> int:
