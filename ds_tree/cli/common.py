@@ -143,6 +143,32 @@ def output_plot_problem(path: Path) -> str | None:
     return _unwritable_file(path) or _unwritable_folder(path, ancestor)
 
 
+def output_folder_problem(
+    path: Path, owned: Callable[[Path], bool], command: str, overwrite: bool = True
+) -> str | None:
+    """Why a command may not write its output folder at ``path`` (replacing what is there), or ``None``:
+    a file at ``path``, a folder that cannot be created or written (``/proc/x``), an existing non-empty
+    folder that this command did not write (``owned(path)`` false: a model, a dataset, another tool's
+    files, a repository folder) and, unless ``overwrite``, any existing non-empty folder."""
+    if path.exists() and not path.is_dir():
+        return f"{path}: exists and is not a directory"
+    if path.is_dir() and any(path.iterdir()):
+        if not owned(path):
+            return (
+                f"{path}: exists and holds files that {command} did not write (it replaces only its own output); "
+                "choose a new folder, or empty it yourself"
+            )
+        if not overwrite:
+            return f"{path}: exists (pass --overwrite to replace it)"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{path}: {ancestor} is not a directory"
+    folders = (path, ancestor) if path.is_dir() else (ancestor,)  # written in, and beside (a temporary sibling)
+    return next(filter(None, (_unwritable_folder(path, folder) for folder in folders)), None)
+
+
 def check_output_path(parser: argparse.ArgumentParser, path: Path | None, option: str) -> None:
     """A usage error (exit 2) on ``option`` where ``path`` (its missing folders created) cannot be written:
     checked before a command spends its time on what it would write there."""
