@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from ds_tree.atomic import remove
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type``: an integer >= ``low``; anything else is a usage error (exit 2) naming the
@@ -182,11 +184,35 @@ def save_figure(figure, path: Path, dpi: int) -> Path:
 
     matplotlib appends ``.png`` to a name without an extension it knows (``plot`` becomes
     ``plot.png``), so the format is given: the suffix's when matplotlib has it (pdf, svg, ...),
-    PNG otherwise."""
+    PNG otherwise. Every text is drawn as written (a title or label the user gave with a ``$`` is not
+    mathtext, which would fail to parse ``$\\frac{``). The figure is written to a new temporary sibling and
+    renamed over ``path``: a symbolic link there is replaced, never followed to overwrite its target."""
+    for text in _written_texts(figure):
+        text.set_parse_math(False)
     suffix = path.suffix.removeprefix(".").lower()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi, format=suffix if suffix in figure.canvas.get_supported_filetypes() else "png")
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove(temporary)  # a leftover, or a link planted under its name
+    try:
+        with open(temporary, "xb") as handle:
+            figure.savefig(
+                handle, dpi=dpi, format=suffix if suffix in figure.canvas.get_supported_filetypes() else "png"
+            )
+        os.replace(temporary, path)
+    finally:
+        remove(temporary)
     return path
+
+
+def _written_texts(figure) -> list:
+    """The figure's titles, axis labels, texts and legend entries: what a command writes from its input or
+    options (tick labels are matplotlib's own)."""
+    texts = list(figure.texts)
+    for axes in figure.axes:
+        texts += [axes.title, axes.xaxis.label, axes.yaxis.label, *axes.texts]
+        if axes.get_legend() is not None:
+            texts += axes.get_legend().get_texts()
+    return texts
 
 
 def metrics_records(path: Path) -> Iterator[tuple[int, dict]]:
@@ -211,8 +237,10 @@ def metrics_records(path: Path) -> Iterator[tuple[int, dict]]:
 def check_numbers(where: str, record: dict, names) -> None:
     """A ValueError at ``where`` (``file:line``) unless each of ``names`` is a number in ``record``."""
     for name in names:
-        value = record.get(name)
-        if value is None:
+        if name not in record:
             raise ValueError(f"{where}: the record has no {name!r}")
+        value = record[name]
+        if value is None:  # metrics.jsonl writes null for a value that was not finite
+            raise ValueError(f"{where}: {name} is null: the run logged a value that was not finite (NaN or inf)")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{where}: {name} must be a number, got {value!r}")
