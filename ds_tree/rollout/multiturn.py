@@ -848,7 +848,7 @@ class MultiTurnRollouts(OnlineRollouts):
                 self.stop_ids,
                 rollout.env.max_observation_tokens,
                 turn_format,
-                observation_images(config.model.tokenizer, model_config),
+                observation_images(config.model.tokenizer, model_config, rollout.env.max_image_pixels),
             )
         except ValueError as error:
             raise ConfigError(f"model.tokenizer (chat format {turn_format.name}): {error}") from None
