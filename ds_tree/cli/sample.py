@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     from ds_tree.data.convert import load_tokenizer
     from ds_tree.models.loading import load_model
+    from ds_tree.models.vision import is_vision_language
     from ds_tree.rollout.prompts import read_prompts, stop_token_ids
     from ds_tree.sampling.settings import SamplerSettings
 
@@ -124,10 +125,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         tokenizer = load_tokenizer(args.tokenizer)
         model = load_model(args.model, dtype=args.dtype, seed=args.seed)
-        prompts = read_prompts(args.prompts, tokenizer, model.config.vocab_size)
+        prompts = read_prompts(args.prompts, tokenizer, model.config.get_text_config().vocab_size)
         eos = stop_token_ids(tokenizer, model.config, args.eos_token)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"ds-tree sample: error: {error}", file=sys.stderr)
+        return 2
+    if args.engine == "vllm" and is_vision_language(model.config):
+        print(
+            f"ds-tree sample: error: --engine vllm: {model.config.model_type} is a vision-language model, which "
+            'sampling on vLLM does not load here (docs/MODELS.md, "vLLM with images"); use --engine hf',
+            file=sys.stderr,
+        )
         return 2
 
     generator = torch.Generator().manual_seed(args.seed)
