@@ -48,6 +48,17 @@ def parse_tool_calls(text: str, call_prefix: str = "call") -> ParsedTurn:
     return get_format("hermes").parse(text, call_prefix)
 
 
+def without_special_strings(text: str, specials: Sequence[str]) -> str:
+    """``text`` (a parse error the policy is shown) with each special token's string (``specials``, longest
+    first) written as its bare name (``[TOOL_CALLS]`` as ``TOOL_CALLS``): the error quotes the sampled turn and
+    the format's markers, and a template that transforms tool content (Mistral's ``tojson``) cannot keep a
+    special token's string as text, so rendering the error would fail and end the leaf instead of answering."""
+    for special in specials:
+        if special in text:
+            text = text.replace(special, special.strip("<>[]|/") or "special token")
+    return text
+
+
 def parse_error_message(error: str) -> dict:
     """The observation the policy gets for a malformed tool call (the environment is not stepped)."""
     return {"role": "tool", "tool_call_id": "parse_error", "content": f"error: could not parse your tool call: {error}"}
@@ -149,6 +160,8 @@ class Renderer:
             ids = ids[:-1]
         parsed = self.format.parse(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
         specials = special_token_strings(self.tokenizer)
+        if parsed.error:
+            parsed.error = without_special_strings(parsed.error, specials)
         for index, call in enumerate(parsed.turn.tool_calls):  # rendered as markup by some templates
             spelled = json.dumps([call.name, call.arguments], ensure_ascii=False)
             if any(special in spelled for special in specials):
