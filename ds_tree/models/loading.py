@@ -25,6 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
 from ds_tree.attention.registry import resolve_engine
+from ds_tree.attention.tile_lists import resolve_schedule
 from ds_tree.errors import HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
 from ds_tree.models.fla_scan import resolve_recurrent_kernels
@@ -111,13 +112,18 @@ def check_model_settings(config) -> None:
     ``model.recurrent_kernels: fla`` needs ``fla-core`` installed; ``triton`` needs a CUDA GPU (or
     ``TRITON_INTERPRET=1``, Triton's CPU interpreter, which the tests use); ``flex`` needs one too
     (FlexAttention has no backward on the CPU); ``varlen`` runs flat rows only (``packing.mode: flat``), in
-    bfloat16, on a CUDA GPU; ``objective.reference`` must be a loadable model config."""
+    bfloat16, on a CUDA GPU; ``objective.reference`` must be a loadable model config; ``$DS_TREE_TRITON_TILES``
+    must name a tile schedule (checked on any machine: the config may be meant for a GPU's)."""
     import os
 
     from ds_tree.errors import ConfigError
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     engine = resolve_engine(config.model.attention)
+    try:  # the Triton engine's tile schedule from the environment: wrong on this machine, wrong on the GPU's
+        resolve_schedule()
+    except ValueError as error:
+        raise ConfigError(f"{error} (the environment variable of the Triton engine's tile schedule)") from None
     if engine == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ConfigError("model.attention: triton needs a CUDA GPU and none is visible; use torch on the CPU")
     if engine == "varlen" and config.packing.mode != "flat":
