@@ -154,6 +154,7 @@ def check_model_settings(config) -> None:
     if config.objective.is_rl and reference:
         try:
             check_layer_types(load_config(reference))
+            check_hub_weights(reference)
         except (OSError, ValueError) as error:
             raise ConfigError(f"objective.reference: {error}") from None
 
@@ -161,6 +162,29 @@ def check_model_settings(config) -> None:
 def has_weights(source: str | Path) -> bool:
     source = Path(source)
     return source.is_dir() and (any(source.glob("*.safetensors")) or any(source.glob("*.bin")))
+
+
+def weights_snapshot(repo_id: str) -> Path:
+    """The cached snapshot of hub model ``repo_id`` with its weights (fetched where there is network); a
+    :class:`HubError` when it holds no safetensors."""
+    source = local_path(repo_id, MODEL_FILES)
+    if not has_weights(source):
+        raise HubError(
+            f"{repo_id}: its cached snapshot ({source}) holds no *.safetensors weights (.bin checkpoints are "
+            f"not loaded: they are pickles); download them with `hf download {repo_id}`, or convert the model "
+            "to safetensors"
+        )
+    return source
+
+
+def check_hub_weights(source: str | Path) -> None:
+    """Offline, a hub id's cached snapshot must hold the weights the run will load (:func:`weights_snapshot`),
+    checked at the dry run rather than when the run starts. With network nothing is checked here: the run
+    downloads them (the dry run fetches a config only)."""
+    from huggingface_hub import constants
+
+    if is_hub_id(source) and constants.is_offline_mode():
+        weights_snapshot(str(source))
 
 
 def load_model(
@@ -193,13 +217,7 @@ def load_model(
     implementation = implementation_name(resolve_engine(attention, device))
     dtype = parse_dtype(dtype)
     if is_hub_id(source):  # a hub model is trained from its weights, never silently re-initialised
-        repo_id, source = source, local_path(source, MODEL_FILES)
-        if not has_weights(source):
-            raise HubError(
-                f"{repo_id}: its cached snapshot ({source}) holds no *.safetensors weights (.bin checkpoints are "
-                f"not loaded: they are pickles); download them with `hf download {repo_id}`, or convert the model "
-                "to safetensors"
-            )
+        source = weights_snapshot(source)
     config = load_config(source)
     check_layer_types(config)
     check_vision_model_type(config)
