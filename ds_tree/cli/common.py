@@ -184,11 +184,13 @@ def save_figure(figure, path: Path, dpi: int) -> Path:
 
     matplotlib appends ``.png`` to a name without an extension it knows (``plot`` becomes
     ``plot.png``), so the format is given: the suffix's when matplotlib has it (pdf, svg, ...),
-    PNG otherwise. Every text is drawn as written (a title or label the user gave with a ``$`` is not
-    mathtext, which would fail to parse ``$\\frac{``). The figure is written to a new temporary sibling and
-    renamed over ``path``: a symbolic link there is replaced, never followed to overwrite its target."""
+    PNG otherwise. The figure is laid out here (``tight_layout``). Every title, label and legend is drawn as
+    written: text the user gave with two ``$`` is not mathtext, which fails to parse ``$\\frac{$`` (the
+    layout renders it, so this comes first). The figure is written to a new temporary sibling and renamed
+    over ``path``: a symbolic link there is replaced, never followed to overwrite its target."""
     for text in _written_texts(figure):
         text.set_parse_math(False)
+    figure.tight_layout()  # lays out the texts: after they are plain
     suffix = path.suffix.removeprefix(".").lower()
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
