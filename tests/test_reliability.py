@@ -971,6 +971,28 @@ def test_non_finite_or_complex_pixels_are_one_file_line_error_and_skipped(tmp_pa
     assert summary["skipped"] == {"bad_image": 1} and summary["counts"]["trajectories"] == 1
 
 
+def test_a_converted_dataset_with_non_finite_pixels_is_refused_naming_its_file(tmp_path):
+    """Issue 55 #4: a dataset converted before the check (NaN pixels, stored under their own key) was read,
+    and verify then exited 1 with null losses and no message."""
+    import hashlib
+
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.tree_dataset import IMAGES_FILE, save_tree_dataset
+    from ds_tree.trees.images import TrajectoryImage
+    from ds_tree.trees.trajectory import Trajectory
+
+    pixels = np.full((8, 1176), 0.5, np.float32)
+    pixels[2, 5] = np.nan
+    digest = hashlib.sha256(repr(((1, 2, 4), 2, pixels.shape, "float32")).encode() + pixels.tobytes())
+    image = TrajectoryImage(pixels, (1, 2, 4), 2, digest.hexdigest())  # as a convert before the check stored it
+    ids = tokens_record(None)["input_ids"]
+    index = [-1, -1, -1, 0, 0, -1, -1, -1, -1]
+    trajectory = Trajectory(np.array(ids), np.ones(len(ids)), group_id="g", images=(image,), image_index=index)
+    save_tree_dataset([trajectory], tmp_path / "d", {})
+    with pytest.raises(DataError, match=rf"{IMAGES_FILE}: image 0: pixel_values has a value that is not a finite"):
+        load_trajectories(tmp_path / "d")
+
+
 def test_explicit_trees_with_image_parts_say_so(tmp_path, processor, tokenizer_dir):
     """Issue 55 #14: "more image placeholders than image parts" (or, without a processor folder, "use one")
     where the reason is that explicit trees do not carry images yet."""

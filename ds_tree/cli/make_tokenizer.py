@@ -5,9 +5,9 @@ every run. With --vision FAMILY the folder is a processor folder: the tokenizer 
 image tokens and chat template, and its image processor config (ds_tree/data/vision_processor.py).
 
 An existing --output is replaced only with --overwrite, and only when make-tokenizer wrote it (it holds
-the ds_tree_tokenizer.json this command writes and nothing else than a tokenizer or processor folder's
-files): never a model, a dataset or another tokenizer. The folder is written beside the output and
-moved into place when complete.
+the ds_tree_tokenizer.json this command writes and nothing but a tokenizer or processor folder's files):
+never a model, a dataset, another tokenizer or the current directory. The folder is written beside the
+output and moved into place when complete.
 """
 
 from __future__ import annotations
