@@ -150,7 +150,9 @@ class ModelConfig:
     """Hybrid models' Gated DeltaNet / Mamba2 scans: ``torch`` (the chunked PyTorch scans, any dtype, the
     float64 oracle), ``fla`` (flash-linear-attention's Triton kernels, float32 compute; ``pip install
     --no-deps fla-core==0.6.0 einops``) or ``auto`` (the default: ``torch`` until fla has been checked on a GPU,
-    then ``fla`` on CUDA when installed and the model is not float64). Ignored by models without recurrent layers."""
+    then ``fla`` on CUDA when installed and the model is not float64). Models without recurrent layers run no
+    scans, but ``fla`` is refused there too when fla-core is not installed (the dry run checks the name, not the
+    model)."""
     seed: int = 0
     """Seed of the random init."""
     zero_init: bool = False

@@ -13,7 +13,7 @@
 #                (a multiple of it must make up the world size) [unset: the config's]
 #   DEEPSPEED    launcher binary [.venv/bin/deepspeed if it exists, else deepspeed]
 #   PYTHON       interpreter of the dry run [.venv/bin/python if it exists, else python3]
-#   DRY_RUN=1    validate the config (python -m ds_tree.train --dry-run with WORLD_SIZE=NGPU*NNODES),
+#   DRY_RUN=1    validate the config (the trainer's dry run, with WORLD_SIZE=NGPU*NNODES),
 #                print the launch command, exit without launching
 #
 # CONFIG is taken relative to the directory you call from; other relative paths (in the config and

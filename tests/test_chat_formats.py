@@ -5,6 +5,7 @@ the episode tree trained tree == flat in float64; ``auto`` detection; reasoning 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -280,8 +281,47 @@ def test_the_format_field_is_checked_and_auto_names_it_when_it_cannot_tell(tmp_p
     config = load_config(
         "configs/multiturn_cpu.yaml", [*base, f"model.tokenizer={tmp_path / 'llama'}", "rollout.env.format=hermes"]
     )
-    with pytest.raises(ConfigError, match=r"model.tokenizer \(chat format hermes\): the chat template ends"):
+    with pytest.raises(ConfigError, match=r"rollout.env.format \(hermes\) with model.tokenizer: the tokenizer's chat"):
         MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))  # a format that does not fit the template
+
+
+@pytest.mark.parametrize(
+    "name, markers", [("mistral", "[INST], [TOOL_CALLS]"), ("harmony", "<|start|>, <|channel|>, <|message|>")]
+)
+def test_a_format_the_template_does_not_write_is_refused_at_the_dry_run(tmp_path, name, markers) -> None:
+    """Issue 55 #5: harmony or mistral named for a ChatML template passed the dry run, and every tool call of
+    every episode was then a parse error (hermes on a llama3 template was refused: one direction only)."""
+    from ds_tree.config import ConfigError, load_config
+    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.rollout.multiturn import MultiTurnRollouts
+
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
+    tokenizer_of("hermes").save_pretrained(tmp_path / "chatml")
+    overrides = [f"model.source={MODEL}", f"rollout.prompts={tmp_path / 'tasks.jsonl'}"]
+    overrides += [f"model.tokenizer={tmp_path / 'chatml'}", f"rollout.env.format={name}"]
+    config = load_config("configs/multiturn_cpu.yaml", overrides)
+    message = (
+        rf"rollout.env.format \({name}\) with model.tokenizer: the tokenizer's chat template does not write the {name} "
+        rf"format \(it has no {re.escape(markers)}\), so every tool call would be a parse error; "
+        r"set rollout.env.format: auto \(it finds hermes in this template\)"
+    )
+    with pytest.raises(ConfigError, match=message):
+        MultiTurnRollouts(config, SimpleNamespace(eos_token_id=2))
+
+
+@pytest.mark.parametrize(
+    "malformed", ["[TOOL_CALLS] {}", "[TOOL_CALLS] []", '[TOOL_CALLS] [{"name": "add"}][TOOL_CALLS]']
+)
+def test_a_malformed_mistral_call_is_a_parse_error_the_policy_reads(monkeypatch, malformed) -> None:
+    """Issue 55 #6: the parse error quoted ``[TOOL_CALLS]``, which Mistral's template (``tojson`` on tool
+    results) cannot keep as text: the leaf ended as an environment error instead of showing the error."""
+    monkeypatch.setitem(SCRIPTS, "mistral", (SCRIPTS["mistral"][0], malformed, SCRIPTS["mistral"][2]))
+    tree, renderer = episode("mistral")
+    assert tree.counts["env_errors"] == 0 and tree.counts["parse_errors"] == 2, tree.counts
+    done = [leaf for leaf in tree.leaves if leaf.stop_reason == "done"]
+    assert len(done) == 2
+    text = renderer.tokenizer.decode(done[0].trajectory.input_ids.tolist(), skip_special_tokens=False)
+    assert "could not parse your tool call: " in text and "TOOL_CALLS" in text
 
 
 def test_make_tokenizer_writes_each_family_template(tmp_path, capsys) -> None:

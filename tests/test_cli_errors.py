@@ -127,7 +127,7 @@ def write_run(directory: Path, lines: list[str]) -> Path:
 @pytest.mark.parametrize(
     "second, expected",
     [
-        ({**RECORD, "rollout/forward_tokens": None}, ":2: the record has no 'rollout/forward_tokens'"),
+        ({**RECORD, "rollout/forward_tokens": None}, ":2: rollout/forward_tokens is null: the run logged a value that"),
         ({k: v for k, v in RECORD.items() if "reward" not in k}, ":2: the record has no 'rollout/reward_mean'"),
         ({k: v for k, v in RECORD.items() if k != "step"}, ":2: the record has no 'step'"),
         ({**RECORD, "step": "two"}, ":2: step must be a number, got 'two'"),

@@ -102,3 +102,20 @@ def test_sample_takes_hub_ids_and_names_a_missing_one(tmp_path: Path, hub_cache,
     assert err.count("\n") == 0 and err.startswith("ds-tree sample: error: other-org/missing: no such local path"), err
     assert sample.main(["--model", REPO_ID, "--width", "2", "--max-new-tokens", "2", *args]) == 0
     assert (tmp_path / "out.jsonl").read_text()
+
+
+def test_dry_run_refuses_a_cached_snapshot_without_safetensors(tmp_path: Path, hub_cache) -> None:
+    """Issue 55 #12: offline, a cached snapshot without weights passed the dry run; the run then failed at start."""
+    from huggingface_hub import constants
+
+    snapshot = Path(constants.HF_HUB_CACHE) / "models--some-org--some-model" / "snapshots" / COMMIT
+    (snapshot / "model.safetensors").unlink()
+    config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"), model={"source": REPO_ID})
+    message = (
+        rf"model.source: {REPO_ID}: its cached snapshot .* holds no \*.safetensors weights .*`hf download {REPO_ID}`"
+    )
+    with pytest.raises(ConfigError, match=message):
+        prepare(config)
+    with pytest.raises(ConfigError, match=rf"objective.reference: {REPO_ID}: its cached snapshot .* holds no"):
+        rl = ("objective.kind=grpo", "objective.kl_coef=0.1", f"objective.reference={REPO_ID}")
+        prepare(config, f"model.source={ROOT / 'configs/models/tiny_llama.json'}", *rl)

@@ -703,3 +703,545 @@ def test_two_ranks_the_survivor_names_the_failed_ranks_error(tmp_path: Path) -> 
     assert process.returncode != 0, output[-4000:]
     assert "[rank 1] error: ValueError: injected on rank 1 at step 2" in output, output[-4000:]
     assert "[rank 0] error: rank 1 failed: ValueError: injected on rank 1 at step 2" in output, output[-4000:]
+
+
+# ================================================================ round 4 (issue 55): images, formats, commands
+def cli_error(capsys) -> str:
+    """The one error line a command printed (its stderr), checked to be one line without a traceback."""
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory) -> Path:
+    """A qwen2_5_vl processor folder (``make-tokenizer --vision``)."""
+    from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
+
+    folder = tmp_path_factory.mktemp("processor") / "proc"
+    assert make_tokenizer_main(["--output", str(folder), "--vision", "qwen2_5_vl"]) == 0
+    return folder
+
+
+def snapshot_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------- 1: make-tokenizer writes only where it may
+def test_make_tokenizer_never_writes_into_a_model_a_dataset_or_another_tokenizer(tmp_path, capsys, processor):
+    """Issue 55 #1: it replaced an exported model's tokenizer.json, wrote into a converted dataset and turned a
+    qwen2_5_vl processor folder into a qwen3_vl one without a word."""
+    import shutil
+
+    from ds_tree.cli.convert import main as convert_main
+    from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
+    from ds_tree.run.export import save_hf
+
+    model = load_model(ROOT / "configs/models/tiny_llama.json")
+    save_hf(model, model.state_dict(), tmp_path / "export", str(processor))
+    forest = write_forest(tmp_path / "forest.jsonl", groups=2)
+    dataset = tmp_path / "dataset"
+    assert (
+        convert_main(
+            ["--input", str(forest), "--output", str(dataset), "--tokenizer", str(processor), "--format", "tokens"]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    vl = tmp_path / "vl"
+    shutil.copytree(processor, vl)
+    for folder in (tmp_path / "export", dataset, vl):
+        before = snapshot_of(folder)
+        for overwrite in ([], ["--overwrite"]) if folder != vl else ([],):
+            assert make_tokenizer_main(["--output", str(folder), "--vision", "qwen3_vl", *overwrite]) == 2
+            err = cli_error(capsys)
+            assert err.startswith(f"error: {folder}: exists"), err
+        assert snapshot_of(folder) == before, folder
+    assert "pass --overwrite" in err
+    assert make_tokenizer_main(["--output", str(vl), "--vision", "qwen3_vl", "--overwrite"]) == 0  # its own: replaced
+    assert json.loads((vl / "ds_tree_vision.json").read_text())["family"] == "qwen3_vl"
+    assert not list(tmp_path.glob(".vl*"))  # the temporary folder is gone
+
+
+def test_make_tokenizer_into_an_unwritable_folder_is_one_error(capsys):
+    """Issue 55 #10: ``make-tokenizer --output /proc/x`` raised a traceback."""
+    from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
+
+    assert make_tokenizer_main(["--output", "/proc/ds_tree_tokenizer"]) == 2
+    assert "/proc/ds_tree_tokenizer: cannot write in /proc" in cli_error(capsys)
+
+
+# --------------------------------------------- 2, 9, 15, note 3: reading images
+def image_reader(processor: Path, max_pixels: int | None = None):
+    from ds_tree.data.chat_images import ImageReader
+    from ds_tree.data.vision_processor import load_vision_processor
+
+    vision = load_vision_processor(processor)
+    extra = {} if max_pixels is None else {"max_pixels": max_pixels}
+    return ImageReader(vision.image_processor, vision.family.merge_size, **extra), vision
+
+
+@pytest.mark.parametrize("height", [1, 3])
+def test_images_keep_their_orientation_whatever_their_size(tmp_path, processor, height):
+    """Issue 55 #2: an image 1 or 3 pixels high was taken for channels-first: its grid transposed, its pixels
+    garbled, in convert and in environment observations alike."""
+    from PIL import Image
+
+    from ds_tree.rollout.images import ObservationImages, with_pil_images
+
+    pixels = (np.random.default_rng(0).random((height, 200, 3)) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "strip.png")
+    reader, vision = image_reader(processor)
+    expected = vision.image_processor(images=[pixels], return_tensors="np", input_data_format="channels_last")
+    from_file = reader.read(f"{tmp_path / 'x.jsonl'}:1", "part", {"type": "image", "image": "strip.png"})
+    observation = with_pil_images("step", [{"role": "tool", "content": [{"type": "image", "image": pixels}]}])
+    observed = ObservationImages(vision).of(observation)
+    for image in (from_file, observed[0]):
+        t, h, w = image.grid_thw
+        assert h < w and (t, h, w) == tuple(expected["image_grid_thw"][0]), image.grid_thw
+        assert np.array_equal(image.pixel_values, expected["pixel_values"])
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A few hundred bytes of PNG whose header declares ``width`` x ``height`` pixels (the data is not there)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
+
+
+def gui_chat(folder: Path, images: list[str]) -> Path:
+    """One chat record per image, the image in its user message."""
+    records = [
+        {
+            "group_id": f"g{index}",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Look."}, {"type": "image", "image": name}]},
+                {"role": "assistant", "content": "ok"},
+            ],
+        }
+        for index, name in enumerate(images)
+    ]
+    path = folder / "gui.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_over_limit_images_are_refused_from_their_header_and_skipped(tmp_path, processor, capsys):
+    """Issue 55 #9: a 5 KB PNG declaring 100000 x 100000 died with a DecompressionBombError traceback (exit 1,
+    --skip-bad did not skip it); one declaring 12000 x 12000 was decoded in full. Both now are one file:line
+    error before decoding, under a pixel limit that --max-image-pixels sets."""
+    from PIL import Image
+
+    from ds_tree.cli.convert import main as convert_main
+
+    (tmp_path / "bomb.png").write_bytes(png_declaring(100_000, 100_000))
+    (tmp_path / "big.png").write_bytes(png_declaring(12_000, 12_000))
+    Image.fromarray(np.zeros((28, 56, 3), np.uint8)).save(tmp_path / "ok.png")
+    data = gui_chat(tmp_path, ["ok.png", "bomb.png", "big.png"])
+    common = ["--input", str(data), "--tokenizer", str(processor), "--format", "chat"]
+    assert convert_main([*common, "--output", str(tmp_path / "out")]) == 2
+    err = cli_error(capsys)
+    assert f"{data}:2: message 0: content part 1: the image declares more than" in err, err
+    assert "more than --max-image-pixels (40000000); refused before decoding it" in err, err
+    assert convert_main([*common, "--output", str(tmp_path / "out"), "--skip-bad"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["skipped"] == {"bad_image": 2} and summary["counts"]["trajectories"] == 1
+    gui_chat(tmp_path, ["big.png"])
+    assert convert_main([*common, "--output", str(tmp_path / "out2")]) == 2
+    assert "gui.jsonl:1: message 0: content part 1: the image is 12000 x 12000 = 144000000 pixels" in cli_error(capsys)
+    gui_chat(tmp_path, ["ok.png"])  # 1568 pixels
+    assert convert_main([*common, "--output", str(tmp_path / "out3"), "--max-image-pixels", "1000"]) == 2
+    assert "the image is 56 x 28 = 1568 pixels, more than --max-image-pixels (1000)" in cli_error(capsys)
+
+
+def test_unreadable_images_name_the_part_not_a_python_object(tmp_path, processor):
+    """Issue 55, note: "unreadable image" printed a BytesIO object's repr."""
+    (tmp_path / "garbage.png").write_bytes(b"not a png")
+    reader, _ = image_reader(processor)
+    with pytest.raises(DataError, match=r"part: unreadable image \(UnidentifiedImageError: not an image") as caught:
+        reader.read(f"{tmp_path / 'x.jsonl'}:1", "part", {"type": "image", "image": "garbage.png"})
+    assert "BytesIO" not in str(caught.value) and " at 0x" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "image, message",
+    [
+        (np.zeros((0, 0, 3), np.uint8), r"content part 0: the image has no pixels \(0 x 0\)"),
+        (np.zeros((0, 7, 3), np.uint8), r"content part 0: the image has no pixels \(7 x 0\)"),
+    ],
+)
+def test_observation_images_without_pixels_are_environment_errors(processor, image, message):
+    """Issue 55 #15: a [0, 0, 3] array ended the leaf with "EnvFailure: division by zero"."""
+    from ds_tree.data.vision_processor import load_vision_processor
+    from ds_tree.rollout.images import ImageFailure, ObservationImages, with_pil_images
+
+    images = ObservationImages(load_vision_processor(processor))
+    with pytest.raises(ImageFailure, match=message):
+        images.of(with_pil_images("step", [{"role": "tool", "content": [{"type": "image", "image": image}]}]))
+
+
+def test_observation_images_over_the_limit_are_environment_errors(processor):
+    """Issue 55 #9: observations have the pixel limit too (rollout.env.max_image_pixels), checked before the image
+    is hashed or processed; its default is convert's."""
+    from ds_tree.cli.choices import CONVERT_DEFAULTS
+    from ds_tree.data.chat_images import MAX_IMAGE_PIXELS
+    from ds_tree.data.vision_processor import load_vision_processor
+    from ds_tree.rollout.images import ImageFailure, ObservationImages, with_pil_images
+    from ds_tree.sampling.settings import EnvSettings
+
+    assert EnvSettings().max_image_pixels == CONVERT_DEFAULTS["max_image_pixels"] == MAX_IMAGE_PIXELS
+    images = ObservationImages(load_vision_processor(processor), max_pixels=3000)
+    message = r"content part 0: the image is 50 x 80 = 4000 pixels, more than rollout.env.max_image_pixels \(3000\)"
+    with pytest.raises(ImageFailure, match=message):
+        part = {"type": "image", "image": np.zeros((80, 50, 3), np.uint8)}
+        images.of(with_pil_images("step", [{"role": "tool", "content": [part]}]))
+
+
+# --------------------------------------------- 3, 4, 13, 14: converting data with images
+VISION_IDS = [1024, 1025, 1026, 1027]
+
+
+def tokens_record(pixel_values, loss_mask=None) -> dict:
+    ids = [3, 10, 1024, 1026, 1026, 1025, 11, 12, 4]
+    return {
+        "group_id": "g",
+        "input_ids": ids,
+        "loss_mask": loss_mask or [1] * len(ids),
+        "images": [{"pixel_values": pixel_values, "grid_thw": [1, 2, 4]}],
+    }
+
+
+def write_records(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_image_placeholders_are_never_trained(tmp_path, processor):
+    """Issue 55 #3: with --train-on all, or a tokens record whose loss_mask marks them, the placeholders were
+    trained; docs/DATA.md says they never are."""
+    from PIL import Image
+
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.convert import ConvertOptions, convert
+
+    Image.fromarray(np.zeros((28, 56, 3), np.uint8)).save(tmp_path / "shot.png")
+    chat = gui_chat(tmp_path, ["shot.png"])
+    tokens = write_records(tmp_path / "tokens.jsonl", [tokens_record([[0.5] * 1176] * 8)])
+    for path, options in ((chat, ConvertOptions(train_on="all")), (tokens, ConvertOptions(format="tokens"))):
+        convert([path], tmp_path / path.stem, processor, options)
+        (trajectory,) = load_trajectories(tmp_path / path.stem)
+        placeholders = np.isin(trajectory.input_ids, VISION_IDS)
+        assert placeholders.sum() >= 4 and not trajectory.loss_mask[placeholders].any(), path
+        assert trajectory.loss_mask[~placeholders][1:].all(), path  # everything else still trained
+
+
+@pytest.mark.parametrize(
+    "pixels, message",
+    [
+        ([[float("nan")] + [0.5] * 1175] + [[0.5] * 1176] * 7, r"images\[0\]: pixel_values has a value that is not a"),
+        ([[0.5] * 1176] * 7 + [[1e300] * 1176], r"images\[0\]: pixel_values has a value .* in row 7"),
+        ("inf.npy", r"images\[0\]: pixel_values has a value that is not a finite float32 number"),
+        ("complex.npy", r"images\[0\]: 'complex.npy' holds complex numbers \(complex128\)"),
+    ],
+)
+def test_non_finite_or_complex_pixels_are_one_file_line_error_and_skipped(tmp_path, processor, pixels, message):
+    """Issue 55 #4: NaN or inf pixels (a list or a .npy) were stored, and a complex .npy lost its imaginary
+    part; verify then exited 1 with null losses and training stopped at step 1 ("the loss is nan")."""
+    from ds_tree.data.convert import ConvertOptions, convert
+
+    values = np.full((8, 1176), 0.5)
+    np.save(tmp_path / "inf.npy", np.where(np.arange(8)[:, None] == 3, np.inf, values))
+    np.save(tmp_path / "complex.npy", values + 0.5j)
+    good = tokens_record([[0.5] * 1176] * 8)
+    path = write_records(tmp_path / "tokens.jsonl", [good, tokens_record(pixels)])
+    with pytest.raises(DataError, match=rf"tokens\.jsonl:2: {message}"):
+        convert([path], tmp_path / "out", processor, ConvertOptions(format="tokens"))
+    summary = convert([path], tmp_path / "out", processor, ConvertOptions(format="tokens", skip_bad=True))
+    assert summary["skipped"] == {"bad_image": 1} and summary["counts"]["trajectories"] == 1
+
+
+def test_a_converted_dataset_with_non_finite_pixels_is_refused_naming_its_file(tmp_path):
+    """Issue 55 #4: a dataset converted before the check (NaN pixels, stored under their own key) was read,
+    and verify then exited 1 with null losses and no message."""
+    import hashlib
+
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.tree_dataset import IMAGES_FILE, save_tree_dataset
+    from ds_tree.trees.images import TrajectoryImage
+    from ds_tree.trees.trajectory import Trajectory
+
+    pixels = np.full((8, 1176), 0.5, np.float32)
+    pixels[2, 5] = np.nan
+    digest = hashlib.sha256(repr(((1, 2, 4), 2, pixels.shape, "float32")).encode() + pixels.tobytes())
+    image = TrajectoryImage(pixels, (1, 2, 4), 2, digest.hexdigest())  # as a convert before the check stored it
+    ids = tokens_record(None)["input_ids"]
+    index = [-1, -1, -1, 0, 0, -1, -1, -1, -1]
+    trajectory = Trajectory(np.array(ids), np.ones(len(ids)), group_id="g", images=(image,), image_index=index)
+    save_tree_dataset([trajectory], tmp_path / "d", {})
+    with pytest.raises(DataError, match=rf"{IMAGES_FILE}: image 0: pixel_values has a value that is not a finite"):
+        load_trajectories(tmp_path / "d")
+
+
+def test_explicit_trees_with_image_parts_say_so(tmp_path, processor, tokenizer_dir):
+    """Issue 55 #14: "more image placeholders than image parts" (or, without a processor folder, "use one")
+    where the reason is that explicit trees do not carry images yet."""
+    from ds_tree.data.convert import ConvertOptions, convert
+
+    image = {"type": "image", "image": "shot.png"}
+    tree = {
+        "group_id": "t",
+        "nodes": [
+            {
+                "id": 0,
+                "parent": None,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}],
+            },
+            {"id": 1, "parent": 0, "messages": [{"role": "assistant", "content": "ok"}]},
+        ],
+    }
+    path = write_records(tmp_path / "tree.jsonl", [tree])
+    for folder in (processor, tokenizer_dir):
+        with pytest.raises(DataError, match=r"tree\.jsonl:1: a node's messages hold image parts; explicit trees do "):
+            convert([path], tmp_path / "out", folder, ConvertOptions(format="tree"))
+
+
+def test_saved_rollouts_of_a_vision_language_run_are_refused_clearly(tmp_path, processor):
+    """Issue 55 #13: stats and verify said "convert the file first", and convert refused the records for
+    lacking pixels: the saved rollouts name images by key only, which no command can read."""
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.convert import ConvertOptions, convert
+
+    record = tokens_record(None)
+    record["images"] = [{"key": "ab" * 32, "grid_thw": [1, 2, 4]}]
+    path = write_records(tmp_path / "step_000001.jsonl", [record])
+    message = r"step_000001\.jsonl:1: a saved rollout of a vision-language run: it names its images by key only"
+    with pytest.raises(DataError, match=message):
+        load_trajectories(path)  # what stats and verify read
+    with pytest.raises(DataError, match=message):
+        convert([path], tmp_path / "out", processor, ConvertOptions(format="tokens"))
+
+
+# --------------------------------------------- 7, 8: vision families and the commands
+def test_images_of_another_vision_family_are_refused_before_the_model_runs(tmp_path, monkeypatch, capsys, processor):
+    """Issue 55 #7: data processed for Qwen2.5-VL with a Qwen3-VL model passed the dry run; verify then died
+    with "The size of tensor a (294) must match", training with "shape '[-1, 3, 2, 16, 16]' is invalid", and
+    the GUI config's sampler raised out of the episode runner."""
+    from PIL import Image
+
+    from ds_tree.data import load_trajectories
+    from ds_tree.data.convert import ConvertOptions, convert
+    from ds_tree.rollout.images import observation_images
+    from ds_tree.verify.tree_vs_flat import compare
+
+    Image.fromarray((np.random.default_rng(0).random((28, 56, 3)) * 255).astype(np.uint8)).save(tmp_path / "a.png")
+    convert([gui_chat(tmp_path, ["a.png", "a.png"])], tmp_path / "data", processor, ConvertOptions())
+    qwen3 = ROOT / "configs/models/tiny_qwen3_vl.json"
+    message = r"has 1176 values per patch and merge size 2, but the model \(qwen3_vl\) takes 1536 .*--vision qwen3_vl"
+    with pytest.raises(ValueError, match=message):
+        compare(load_trajectories(tmp_path / "data"), qwen3, dtype="float64")
+    config = write_config(tmp_path, tmp_path / "data", model={"source": str(qwen3)})
+    code, err = dry_run(monkeypatch, capsys, config, "data.groups_per_step=2")
+    assert code == 2 and re.search(rf"config error: model.source: .*{message}", err), err
+    with pytest.raises(ValueError, match=r"the processor folder \(qwen2_5_vl\) has 1176 values per patch"):
+        observation_images(processor, load_model_config_of(qwen3))
+    gui = [f"model.source={qwen3}", f"output_dir={tmp_path / 'gui'}"]
+    code, err = dry_run(
+        monkeypatch, capsys, ROOT / "configs/multiturn_gui_cpu.yaml", f"model.tokenizer={processor}", *gui
+    )
+    assert code == 2 and "the processor folder (qwen2_5_vl) has 1176 values per patch" in err, err
+
+
+def load_model_config_of(path: Path):
+    from ds_tree.models.loading import load_config as load_model_config
+
+    return load_model_config(path)
+
+
+def test_plan_and_sample_take_vision_language_configs(tmp_path, capsys, processor):
+    """Issue 55 #8: plan --explain died on pad_token_id, sample on vocab_size (a VL config keeps both in its
+    text_config)."""
+    from ds_tree.cli import sample
+    from ds_tree.cli.plan import main as plan_main
+
+    vl = ROOT / "configs/models/tiny_qwen2_5_vl.json"
+    config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"), model={"source": str(vl)})
+    assert plan_main([str(config), "--explain"]) == 0, capsys.readouterr().err
+    assert "tree rows under packing.budget 400" in capsys.readouterr().out
+    prompts = write_records(tmp_path / "prompts.jsonl", [{"group_id": "p", "prompt": "hi"}])
+    common = ["--model", str(vl), "--tokenizer", str(processor), "--prompts", str(prompts), "--width", "2"]
+    assert sample.main([*common, "--max-new-tokens", "3", "--output", str(tmp_path / "out.jsonl")]) == 0
+    assert json.loads(capsys.readouterr().out)["trajectories"] == 2
+
+
+def test_multiturn_reuse_takes_an_exported_vision_language_policy(tmp_path, capsys, processor):
+    """Issue 55 #8: ``multiturn-reuse --model <exported VL model>`` raised "Unrecognized configuration class"
+    (it loaded AutoModelForCausalLM); the policy's screenshots are now read with its processor folder."""
+    from ds_tree.cli.multiturn_reuse import main as reuse_main
+    from ds_tree.run.export import save_hf
+
+    model = load_model(ROOT / "configs/models/tiny_qwen2_5_vl.json")
+    save_hf(model, model.state_dict(), tmp_path / "hf", str(processor))
+    config = tmp_path / "gui.yaml"
+    text = (ROOT / "configs/multiturn_gui_cpu.yaml").read_text()
+    config.write_text(
+        text.replace("turn_branching: [1, 16]", "turn_branching: [1, 2]").replace("width: 16", "width: 2")
+    )
+    args = ["--model", str(tmp_path / "hf"), "--tokenizer", str(processor), "--config", str(config), "--count", "1"]
+    assert reuse_main([*args, "--tasks", str(ROOT / "configs/gui_tasks.jsonl")]) == 0, capsys.readouterr().err
+    table = capsys.readouterr().out
+    rows = [line for line in table.splitlines() if line.startswith(("| tree", "| independent"))]
+    assert len(rows) == 3 and all(int(row.split("|")[4]) > 0 for row in rows), table  # sampled tokens
+
+
+# --------------------------------------------- 17: observation limit counts images
+def test_max_observation_tokens_counts_image_tokens(processor):
+    """Issue 55 #17: 60 images (240 tokens) passed max_observation_tokens: 3."""
+    from ds_tree.rollout.images import observation_images
+    from ds_tree.rollout.render import Renderer
+
+    vl = load_model_config_of(ROOT / "configs/models/tiny_qwen2_5_vl.json")
+    from ds_tree.data.convert import load_tokenizer
+
+    tokenizer = load_tokenizer(processor)
+    renderer = Renderer(tokenizer, [4], 10, None, observation_images(processor, vl))
+    from PIL import Image
+
+    screen = Image.new("RGB", (56, 28))  # 2 merged patches: 4 tokens with <|vision_start|>, <|vision_end|>
+    many = {"role": "tool", "content": [{"type": "image", "image": screen}] * 60}
+    cut = renderer.cut(many)
+    images = [part for part in cut["content"] if part["type"] == "image"]
+    assert len(images) == 2 and cut["content"][-1] == {"type": "text", "text": "\n[observation cut: 232 more tokens]"}
+    words = {"type": "text", "text": "one two three four five six seven eight nine ten"}
+    cut = renderer.cut({"role": "tool", "content": [{"type": "image", "image": screen}, words]})
+    assert [part["type"] for part in cut["content"]] == ["image", "text", "text"]
+    assert (
+        len(renderer.encode_content(cut["content"][1]["text"])) <= 6 and "observation cut" in cut["content"][2]["text"]
+    )
+    few = {"role": "tool", "content": [{"type": "image", "image": screen}, {"type": "text", "text": "ok"}]}
+    assert renderer.cut(few) is few
+
+
+# --------------------------------------------- 10, 15, 16: the newer commands' outputs and numbers
+def test_plan_takes_any_finite_memory(capsys) -> None:
+    """Issue 55 #10: --memory-gib 1e300 raised OverflowError (1e300 GiB in bytes overflows a float)."""
+    from ds_tree.cli.plan import main as plan_main
+
+    assert plan_main([str(TINY_CPU), "--memory-gib", "1e300", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["largest_budget"]["without_checkpointing"] > 10**290
+
+
+def test_a_bogus_tile_schedule_is_one_error_and_the_dry_run_checks_it(monkeypatch, capsys, forest_config) -> None:
+    """Issue 55 #10: DS_TREE_TRITON_TILES=bogus bench-kernel printed a traceback, and the CPU dry run never
+    checked the value."""
+    from ds_tree.cli.bench_kernel import main as bench_kernel_main
+
+    monkeypatch.setenv("DS_TREE_TRITON_TILES", "bogus")
+    with pytest.raises(SystemExit) as raised:
+        bench_kernel_main([])
+    assert raised.value.code == 2
+    assert "$DS_TREE_TRITON_TILES = 'bogus': choose one of loop, list" in capsys.readouterr().err
+    code, err = dry_run(monkeypatch, capsys, forest_config)
+    assert code == 2 and "config error: $DS_TREE_TRITON_TILES = 'bogus': choose one of loop, list" in err, err
+
+
+def test_gpu_check_into_an_unwritable_folder_is_one_error(capsys) -> None:
+    """Issue 55 #10: ``gpu-check --smoke --output /proc/gc`` raised a traceback."""
+    from ds_tree.cli.gpu_check import main as gpu_check_main
+
+    with pytest.raises(SystemExit) as raised:
+        gpu_check_main(["--smoke", "--sections", "hybrid", "--output", "/proc/gc"])
+    assert raised.value.code == 2 and "--output /proc/gc: cannot write in /proc" in capsys.readouterr().err
+
+
+def test_gpu_check_writes_only_a_new_folder_or_its_own_report(tmp_path, capsys) -> None:
+    """Issue 55 #16: ``gpu-check --output configs`` wrote its report into the repository's config folder."""
+    from ds_tree.cli.gpu_check import main as gpu_check_main
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "tiny_cpu.yaml").write_text("max_steps: 1\n")
+    with pytest.raises(SystemExit) as raised:
+        gpu_check_main(["--smoke", "--sections", "hybrid", "--output", str(configs)])
+    assert raised.value.code == 2 and "holds files that gpu-check did not write" in capsys.readouterr().err
+    assert sorted(p.name for p in configs.iterdir()) == ["tiny_cpu.yaml"]
+    report = tmp_path / "report"
+    for _ in range(2):  # a new folder, then its own report written again
+        gpu_check_main(["--smoke", "--sections", "hybrid", "--output", str(report)])
+        assert (report / "gpu_check.json").is_file()
+
+
+def write_multiturn_metrics(run: Path, reward=0.5) -> Path:
+    run.mkdir(parents=True, exist_ok=True)
+    records = [{"step": 1, "warmup/sft_loss": 2.0, "time/step_s": 1.0}]
+    for step in (2, 3):
+        records.append(
+            {
+                "step": step,
+                "rollout/reward_mean": reward,
+                "rollout/sampled_tokens": 100,
+                "rollout/tokens_saved": 50,
+                "tree/por": 0.5,
+                "rollout/parse_errors": 0,
+                "rollout/env_errors": 0,
+                "time/step_s": 1.0,
+            }
+        )
+    return write_records(run / "metrics.jsonl", records)
+
+
+def test_plot_multiturn_draws_a_title_as_written(tmp_path) -> None:
+    """Issue 55 #10: a title with ``$\\frac{$`` raised mathtext's parse error (a traceback)."""
+    from ds_tree.cli.plot_multiturn import main as plot_main
+
+    write_multiturn_metrics(tmp_path / "run")
+    output = tmp_path / "plots" / "curve.png"
+    assert plot_main([str(tmp_path / "run"), "--output", str(output), "--title", r"$\frac{$"]) == 0
+    assert output.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_multiturn_replaces_a_link_never_its_target(tmp_path) -> None:
+    """Issue 55 #16: --output followed a symbolic link pointing outside and overwrote its target."""
+    from ds_tree.cli.plot_multiturn import main as plot_main
+
+    write_multiturn_metrics(tmp_path / "run")
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("keep me")
+    link = tmp_path / "link.png"
+    link.symlink_to(outside)
+    assert plot_main([str(tmp_path / "run"), "--output", str(link)]) == 0
+    assert outside.read_text() == "keep me" and not link.is_symlink() and link.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_multiturn_names_null_metrics(tmp_path, capsys) -> None:
+    """Issue 55 #15: a run whose RL metrics are null was "the record has no 'rollout/reward_mean'"."""
+    from ds_tree.cli.plot_multiturn import main as plot_main
+
+    write_multiturn_metrics(tmp_path / "run", reward=None)
+    assert plot_main([str(tmp_path / "run"), "--output", str(tmp_path / "curve.png")]) == 2
+    message = "metrics.jsonl:2: rollout/reward_mean is null: the run logged a value that was not finite (NaN or inf)"
+    assert message in cli_error(capsys)
+
+
+# --------------------------------------------- notes
+def test_a_model_folder_with_auto_map_runs_none_of_its_code(tmp_path) -> None:
+    """Issue 55, note: docs/LAUNCH.md said such a folder "is refused"; a known model_type loads its built-in
+    class (the auto_map is ignored), an unknown one is refused; its Python files never run."""
+    base = json.loads((ROOT / "configs/models/tiny_llama.json").read_text())
+    for model_type in ("llama", "my_custom_model"):
+        folder = tmp_path / model_type
+        folder.mkdir()
+        auto_map = {"AutoConfig": "custom.Config", "AutoModelForCausalLM": "custom.Model"}
+        (folder / "config.json").write_text(json.dumps({**base, "model_type": model_type, "auto_map": auto_map}))
+        (folder / "custom.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    assert type(load_model(tmp_path / "llama")).__name__ == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match="contains custom code"):
+        load_model(tmp_path / "my_custom_model")
+    assert not (tmp_path / "ran").exists()

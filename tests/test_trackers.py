@@ -189,3 +189,38 @@ def test_every_tracker_gets_the_metrics_and_a_resume_continues_its_run(tmp_path:
     assert run.info.status == "FINISHED"
     artifacts = tmp_path / "mlruns" / run.info.experiment_id / run.info.run_id / "artifacts"
     assert yaml.safe_load((artifacts / "config.step_2.yaml").read_text())["max_steps"] == 3
+
+
+@pytest.mark.parametrize(
+    "damage, warning",
+    [
+        ("directory", "trackers.json: not a file: the trackers start new runs"),
+        ({"wandb": 5}, "trackers.json: wandb: 5 is not an object: its tracker starts a new run"),
+        ({"wandb": {"run_id": "../x"}}, "wandb: run_id '../x' is not a run id (letters, digits, - and _)"),
+        ({"wandb": {"run_id": ["a"]}}, 'wandb: run_id is ["a"], not a string'),
+    ],
+    ids=["directory", "not-an-object", "a-path", "not-a-string"],
+)
+def test_a_damaged_state_file_is_a_warning_and_fresh_tracker_runs(tmp_path, monkeypatch, caplog, damage, warning):
+    """Issue 55 #11: a directory (IsADirectoryError), ``{"wandb": 5}`` (AttributeError) or a run id ``../x``
+    (W&B's UsageError) crashed the resume; only invalid JSON was a warning. Nothing is written outside the run."""
+    from ds_tree.run.trackers import TrackerRun, close_all, open_trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    output = tmp_path / "run"
+    output.mkdir()
+    state = output / STATE_FILE
+    if damage == "directory":
+        state.mkdir()
+    else:
+        state.write_text(json.dumps(damage))
+    run = TrackerRun(output, "trees", "run", {"max_steps": 2}, resume_step=2)
+    with caplog.at_level("WARNING", logger="ds_tree.run.trackers"):
+        trackers = open_trackers(["tensorboard", "wandb"], run)
+    close_all(trackers)
+    assert warning in caplog.text, caplog.text
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run"]  # nothing beside the run
+    if damage != "directory":
+        run_id = json.loads(state.read_text())["wandb"]["run_id"]
+        assert run_id != "../x" and (output / "wandb" / "latest-run").is_symlink()  # a new run, in the run's folder

@@ -12,10 +12,14 @@ from pathlib import Path
 
 import torch
 
+from ds_tree.errors import ConfigError
+from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.vision import attention_implementations, is_vision_language
 from ds_tree.registries import ENVIRONMENTS, configured
 from ds_tree.rollout.env import EnvironmentCalls
 from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.episodes.tasks import Task, read_tasks
+from ds_tree.rollout.images import observation_images
 from ds_tree.rollout.loop import slot_generator
 from ds_tree.rollout.render import Renderer
 from ds_tree.sampling.hf_engine import HFTurnSampler
@@ -37,14 +41,19 @@ def measure_reuse(model, tokenizer, config, tasks: list[Task]) -> list[dict]:
     ``config`` is a loaded training config with ``rollout.env.path`` (its sampler settings, env
     settings and path limit are used); ``model`` a Hugging Face causal LM in eval mode."""
     env = config.rollout.env
-    turn_format = resolve_format(env.format, tokenizer)
-    stops = stop_token_ids(tokenizer, model.config, turn_stop_tokens(turn_format, tokenizer))
+    try:  # as the trainer builds them (rollout.multiturn.MultiTurnRollouts); a VL policy reads image observations
+        turn_format = resolve_format(env.format, tokenizer)
+        stops = stop_token_ids(tokenizer, model.config, turn_stop_tokens(turn_format, tokenizer))
+        images = observation_images(config.model.tokenizer, model.config, env.max_image_pixels)
+        renderer = Renderer(tokenizer, stops, env.max_observation_tokens, turn_format, images)
+    except ValueError as error:
+        raise ConfigError(f"rollout.env.format ({env.format}) and model.tokenizer: {error}") from None
     rows = []
     for name, (independent, carry) in MODES.items():
         settings = dataclasses.replace(config.rollout.sampler_settings(), independent=independent)
         runner = EpisodeRunner(
             ENVIRONMENTS.get(env.path),
-            Renderer(tokenizer, stops, env.max_observation_tokens, turn_format),
+            renderer,
             HFTurnSampler(model, settings, stops, carry=carry),
             settings,
             env,
@@ -75,11 +84,9 @@ def multiturn_reuse(
     tokenizer and prompts replaced by these). Raises :class:`~ds_tree.errors.ConfigError` for a
     config without a loadable ``rollout.env.path``, :class:`~ds_tree.errors.DataError` for a missing
     model directory, unreadable tasks or tokenizer, ValueError for ``count`` below 1."""
-    from transformers import AutoModelForCausalLM
-
     from ds_tree.config import load_config
     from ds_tree.data.convert import load_tokenizer
-    from ds_tree.errors import ConfigError, DataError
+    from ds_tree.errors import DataError
 
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
@@ -95,5 +102,16 @@ def multiturn_reuse(
         raise DataError(f"{model_dir}: no such model directory")
     tokenizer = load_tokenizer(tokenizer_dir)
     tasks = read_tasks(tasks_path)[:count]
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), attn_implementation="sdpa").eval()
-    return measure_reuse(model, tokenizer, config, tasks)
+    return measure_reuse(sampling_model(model_dir), tokenizer, config, tasks)
+
+
+def sampling_model(model_dir: str | Path):
+    """The Hugging Face model in ``model_dir`` with transformers' own attention, in eval mode: a causal LM, or a
+    vision-language model (its language model samples, its tower encodes the observations' images)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if is_vision_language(load_model_config(model_dir)):
+        model_class, implementation = AutoModelForImageTextToText, attention_implementations("sdpa")
+    else:
+        model_class, implementation = AutoModelForCausalLM, "sdpa"
+    return model_class.from_pretrained(str(model_dir), attn_implementation=implementation).eval()

@@ -25,8 +25,10 @@ reasoning; the counts depend on the turns' lengths only, which the script fixes)
 from __future__ import annotations
 
 import random
+import sys
 
 import torch
+from tqdm import tqdm
 
 from ds_tree.data.chat_templates import chat_template
 from ds_tree.data.tokenizer import build_tokenizer
@@ -122,7 +124,8 @@ def measure(template: str, episodes: int = 16, reasoning_tokens: int = 64, width
     """Per-episode token counts (mean over ``episodes`` tasks) for template ``template``."""
     tokenizer = build_tokenizer(chat_format=template)
     sums = dict.fromkeys(COLUMNS[2:], 0)
-    for task in tasks(episodes, 0):
+    # a progress line on stderr once it takes over 2 s (a wide episode takes seconds: --width 100000, 12 s each)
+    for task in tqdm(tasks(episodes, 0), desc=f"{template} episodes", unit=" episode", file=sys.stderr, delay=2.0):
         tree, renderer, finished = reasoning_episode(template, task, reasoning_tokens, width, tokenizer)
         counts = token_counts([leaf.trajectory for leaf in tree.leaves])
         sums["leaves"] += sum(leaf.stop_reason == "done" for leaf in tree.leaves)

@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
+    from ds_tree.attention.tile_lists import resolve_schedule
+
+    try:  # $DS_TREE_TRITON_TILES, checked before the forest is built
+        resolve_schedule()
+    except ValueError as error:
+        parser.error(str(error))
+
     from ds_tree.bench.kernel import benchmark_kernel
     from ds_tree.trees.random_trees import TreeShape, random_forest
 

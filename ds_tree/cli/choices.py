@@ -85,5 +85,6 @@ CONVERT_DEFAULTS = {
     "train_on": "assistant",
     "merge": "group",
     "prefix_policy": "full",
+    "max_image_pixels": 40_000_000,
 }
 """ds_tree.data.convert.ConvertOptions' defaults of the options convert lists"""

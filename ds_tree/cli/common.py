@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from ds_tree.atomic import remove
+
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type``: an integer >= ``low``; anything else is a usage error (exit 2) naming the
@@ -143,6 +145,32 @@ def output_plot_problem(path: Path) -> str | None:
     return _unwritable_file(path) or _unwritable_folder(path, ancestor)
 
 
+def output_folder_problem(
+    path: Path, owned: Callable[[Path], bool], command: str, overwrite: bool = True
+) -> str | None:
+    """Why a command may not write its output folder at ``path`` (replacing what is there), or ``None``:
+    a file at ``path``, a folder that cannot be created or written (``/proc/x``), an existing non-empty
+    folder that this command did not write (``owned(path)`` false: a model, a dataset, another tool's
+    files, a repository folder) and, unless ``overwrite``, any existing non-empty folder."""
+    if path.exists() and not path.is_dir():
+        return f"{path}: exists and is not a directory"
+    if path.is_dir() and any(path.iterdir()):
+        if not owned(path):
+            return (
+                f"{path}: exists and holds files that {command} did not write (it replaces only its own output); "
+                "choose a new folder, or empty it yourself"
+            )
+        if not overwrite:
+            return f"{path}: exists (pass --overwrite to replace it)"
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{path}: {ancestor} is not a directory"
+    folders = (path, ancestor) if path.is_dir() else (ancestor,)  # written in, and beside (a temporary sibling)
+    return next(filter(None, (_unwritable_folder(path, folder) for folder in folders)), None)
+
+
 def check_output_path(parser: argparse.ArgumentParser, path: Path | None, option: str) -> None:
     """A usage error (exit 2) on ``option`` where ``path`` (its missing folders created) cannot be written:
     checked before a command spends its time on what it would write there."""
@@ -156,11 +184,37 @@ def save_figure(figure, path: Path, dpi: int) -> Path:
 
     matplotlib appends ``.png`` to a name without an extension it knows (``plot`` becomes
     ``plot.png``), so the format is given: the suffix's when matplotlib has it (pdf, svg, ...),
-    PNG otherwise."""
+    PNG otherwise. The figure is laid out here (``tight_layout``). Every title, label and legend is drawn as
+    written: text the user gave with two ``$`` is not mathtext, which fails to parse ``$\\frac{$`` (the
+    layout renders it, so this comes first). The figure is written to a new temporary sibling and renamed
+    over ``path``: a symbolic link there is replaced, never followed to overwrite its target."""
+    for text in _written_texts(figure):
+        text.set_parse_math(False)
+    figure.tight_layout()  # lays out the texts: after they are plain
     suffix = path.suffix.removeprefix(".").lower()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=dpi, format=suffix if suffix in figure.canvas.get_supported_filetypes() else "png")
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove(temporary)  # a leftover, or a link planted under its name
+    try:
+        with open(temporary, "xb") as handle:
+            figure.savefig(
+                handle, dpi=dpi, format=suffix if suffix in figure.canvas.get_supported_filetypes() else "png"
+            )
+        os.replace(temporary, path)
+    finally:
+        remove(temporary)
     return path
+
+
+def _written_texts(figure) -> list:
+    """The figure's titles, axis labels, texts and legend entries: what a command writes from its input or
+    options (tick labels are matplotlib's own)."""
+    texts = list(figure.texts)
+    for axes in figure.axes:
+        texts += [axes.title, axes.xaxis.label, axes.yaxis.label, *axes.texts]
+        if axes.get_legend() is not None:
+            texts += axes.get_legend().get_texts()
+    return texts
 
 
 def metrics_records(path: Path) -> Iterator[tuple[int, dict]]:
@@ -185,8 +239,10 @@ def metrics_records(path: Path) -> Iterator[tuple[int, dict]]:
 def check_numbers(where: str, record: dict, names) -> None:
     """A ValueError at ``where`` (``file:line``) unless each of ``names`` is a number in ``record``."""
     for name in names:
-        value = record.get(name)
-        if value is None:
+        if name not in record:
             raise ValueError(f"{where}: the record has no {name!r}")
+        value = record[name]
+        if value is None:  # metrics.jsonl writes null for a value that was not finite
+            raise ValueError(f"{where}: {name} is null: the run logged a value that was not finite (NaN or inf)")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{where}: {name} must be a number, got {value!r}")

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from ds_tree.cli.choices import CONVERT_DEFAULTS, CONVERT_FORMATS, MERGES, PREFIX_POLICIES
-from ds_tree.cli.common import command_parser
+from ds_tree.cli.common import POSITIVE_INT, command_parser
 from ds_tree.data.chat import TRAIN_ON
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
@@ -62,6 +62,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         default=defaults["prefix_policy"],
         help="chat templates that are not prefix-stable, see above (default %(default)s)",
     )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=POSITIVE_INT,
+        default=defaults["max_image_pixels"],
+        metavar="N",
+        help="largest image (width x height) read from an image part; refused from its header, before decoding "
+        "(default %(default)s: an 8K screenshot is 33 M)",
+    )
     parser.add_argument("--skip-bad", action="store_true", help="skip malformed lines, counted by reason")
     parser.add_argument(
         "--overwrite",
@@ -88,6 +96,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         prefix_policy=args.prefix_policy,
         skip_bad=args.skip_bad,
         limit=args.limit,
+        max_image_pixels=args.max_image_pixels,
     )
     try:
         summary = convert(args.input, args.output, args.tokenizer, options, overwrite=args.overwrite)

@@ -19,7 +19,8 @@ it ends, so a run cut short keeps what it measured):
                against the torch scans in float32 (tree, and fla's tree against its flat paths), and a
                bf16 step of a Qwen3.5-shaped model on a ~16K-token tree with each; skipped without fla-core
 
-Writes OUTPUT/gpu_check.json and OUTPUT/gpu_check.md. Exit 0 when every engine that ran is exact and
+Writes OUTPUT/gpu_check.json and OUTPUT/gpu_check.md (and OUTPUT/trainer/); OUTPUT must be a new or empty
+folder or an earlier report, never a folder holding anything else. Exit 0 when every engine that ran is exact and
 the trainer section passed, 1 otherwise, 2 on a usage error (no CUDA GPU without --smoke). --smoke
 runs the same code at toy sizes on the CPU (the Triton interpreter, flex forward only, a 2-rank gloo
 trainer run): the test suite runs it so that the GPU path cannot rot unseen. docs/KERNEL.md says how
@@ -35,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from ds_tree.cli.common import command_parser
+from ds_tree.cli.common import command_parser, output_folder_problem
 
 SECTIONS = ("correctness", "kernels", "steps", "trainer", "hybrid")
 
@@ -52,6 +53,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         help=f"comma-separated, of {', '.join(SECTIONS)} (default: all)",
     )
     return parser
+
+
+REPORT_ITEMS = {"gpu_check.json", "gpu_check.md", "trainer"}
+"""What gpu-check writes in its --output folder (trainer/: the trainer section's inputs, runs and logs)."""
+
+
+def is_report_folder(folder: Path) -> bool:
+    """Whether ``folder`` is an earlier gpu-check report (its sections are written again): nothing else in it."""
+    names = {item.name for item in folder.iterdir()}
+    return "gpu_check.json" in names and names <= REPORT_ITEMS
 
 
 def sections_of(parser: argparse.ArgumentParser, text: str) -> list[str]:
@@ -107,8 +118,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     sections = sections_of(parser, args.sections)
-    if args.output.exists() and not args.output.is_dir():
-        parser.error(f"--output {args.output}: not a directory")
+    problem = output_folder_problem(args.output, is_report_folder, "gpu-check")
+    if problem:
+        parser.error(f"--output {problem}")
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
     elif shutil.which("nvidia-smi") is None:

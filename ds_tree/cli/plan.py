@@ -168,6 +168,6 @@ def step_plan(config_path: str, overrides: list[str], world_size: int, step: int
     except DataError as error:
         raise ConfigError(f"data.path: {error}") from None
     sampler = StepSampler(len(groups), config.data.groups_per_step, config.data.seed)
-    pad_id = load_model_config(config.model.source).pad_token_id or 0
+    pad_id = load_model_config(config.model.source).get_text_config().pad_token_id or 0  # a VL config's is inside
     settings = PlanSettings.of_config(config, pad_id)
     return plan_step(sampler.trajectories_for_step(groups, step), settings, world_size)

@@ -131,7 +131,6 @@ def plot(
     lines = right.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     labels = right.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
     right.legend(lines, labels, fontsize=8, loc="lower right")
-    figure.tight_layout()
     save_figure(figure, output, dpi=110)
     plt.close(figure)
 

@@ -99,7 +99,6 @@ def plot(runs: dict[str, dict[str, np.ndarray]], window: int, output: Path) -> N
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(loc="upper left")
-    figure.tight_layout()
     save_figure(figure, output, dpi=110)
     plt.close(figure)
 

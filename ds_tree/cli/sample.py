@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     from ds_tree.data.convert import load_tokenizer
     from ds_tree.models.loading import load_model
+    from ds_tree.models.vision import is_vision_language
     from ds_tree.sampling.interface import EngineError
     from ds_tree.sampling.prompts import read_prompts, stop_token_ids
     from ds_tree.sampling.settings import SamplerSettings
@@ -126,16 +127,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         tokenizer = load_tokenizer(args.tokenizer)
         model = load_model(args.model, dtype=args.dtype, seed=args.seed)
-        prompts = read_prompts(args.prompts, tokenizer, model.config.vocab_size)
+        prompts = read_prompts(args.prompts, tokenizer, model.config.get_text_config().vocab_size)
         eos = stop_token_ids(tokenizer, model.config, args.eos_token)
     except (DataError, FileNotFoundError, ValueError) as error:
         print(f"ds-tree sample: error: {error}", file=sys.stderr)
+        return 2
+    engine_class = SAMPLING_ENGINES.get(args.engine)
+    if is_vision_language(model.config) and not engine_class.images:
+        able = [name for name, other in SAMPLING_ENGINES.items() if other.images]
+        print(
+            f"ds-tree sample: error: --engine {args.engine}: {model.config.model_type} is a vision-language model: "
+            f"{engine_class.why_not['images']}; use --engine {' or '.join(able)}",
+            file=sys.stderr,
+        )
         return 2
 
     generator = torch.Generator().manual_seed(args.seed)
     directory = args.output.parent / f"{args.output.name}.vllm"  # a managed server's model and log
     try:
-        engine = SAMPLING_ENGINES.get(args.engine).for_model(model, tokenizer, url=args.vllm_url, directory=directory)
+        engine = engine_class.for_model(model, tokenizer, url=args.vllm_url, directory=directory)
     except EngineError as error:
         print(f"ds-tree sample: error: {error}", file=sys.stderr)
         return 1

@@ -43,7 +43,6 @@ def plot(trees: list[TokenTree], path: Path) -> None:
         axis.hist(values, bins=bins)
         axis.set_xlabel(xlabel)
         axis.set_ylabel(ylabel)
-    figure.tight_layout()
     save_figure(figure, path, dpi=100)
     plt.close(figure)
 

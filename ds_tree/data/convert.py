@@ -27,7 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ds_tree.data.chat import TRAIN_ON, check_text, render_chat
-from ds_tree.data.chat_images import ImageReader, check_parts, image_parts
+from ds_tree.data.chat_images import MAX_IMAGE_PIXELS, ImageReader, check_parts, image_parts
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.records import MISSING, PER_TOKEN_FIELDS, group_id
@@ -65,6 +65,9 @@ class ConvertOptions:
     """Skip malformed lines, counted by reason, instead of stopping."""
     limit: int | None = None
     """Read at most this many records in total."""
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    """Largest image (width x height) of an image part, checked from its header before decoding
+    (:func:`~ds_tree.data.chat_images.check_image_size`)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -75,6 +78,8 @@ class ConvertOptions:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.max_image_pixels < 1:
+            raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
 
 
 def read_records(paths: list[Path], limit: int | None) -> Iterator[tuple[str, dict | DataError]]:
@@ -112,7 +117,9 @@ class Converter:
         self.tokenizer = tokenizer
         self.vision = vision
         """A processor folder's image side: chat records may then hold image parts (ds_tree.data.chat_images)."""
-        self.images = ImageReader(vision.image_processor, vision.family.merge_size) if vision else None
+        self.images = (
+            ImageReader(vision.image_processor, vision.family.merge_size, options.max_image_pixels) if vision else None
+        )
         self.processed_images = (
             ProcessedImageReader(vision.family.merge_size, vision.family.patch_values) if vision else None
         )
@@ -157,11 +164,32 @@ class Converter:
         return rendered.input_ids, rendered.loss_mask
 
     def trajectories(self, where: str, record: dict) -> list[Trajectory]:
+        """The trajectories of one record; with a processor folder its image tokens are never trained
+        (:meth:`untrain_placeholders`), whatever ``--train-on all`` or a record's ``loss_mask`` says."""
+        trajectories = self.record_trajectories(where, record)
+        if self.vision is not None:
+            for trajectory in trajectories:
+                self.untrain_placeholders(trajectory)
+        return trajectories
+
+    def untrain_placeholders(self, trajectory: Trajectory) -> None:
+        """Zero the loss of ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>`` (and ``<|video_pad|>``):
+        their targets are the processor's layout, not something the model writes."""
+        placeholders = np.isin(trajectory.input_ids, list(self.vision.token_ids.values()))
+        trajectory.loss_mask[placeholders] = 0.0
+
+    def record_trajectories(self, where: str, record: dict) -> list[Trajectory]:
         form = self.options.format
         if form == "tree":
             group = self.group_id(where, record, default=where)  # a tree line is a group by itself
 
             def tokenize(messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+                if isinstance(messages, list) and image_parts(messages):
+                    raise RecordError(
+                        "images_in_tree",
+                        f"{where}: a node's messages hold image parts; explicit trees do not carry images yet: give "
+                        "each path as a chat record (--format chat), whose shared screenshots merge into one tree",
+                    )
                 return self.render(where, messages, record.get("tools"))
 
             trajectories = trajectories_from_explicit_tree(record, where, tokenize)

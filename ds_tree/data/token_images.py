@@ -30,6 +30,24 @@ from ds_tree.errors import DataError, RecordError
 from ds_tree.trees.images import PlaceholderCountError, TrajectoryImage
 from ds_tree.trees.images import placeholder_index as image_placeholder_index
 
+SAVED_ROLLOUT_IMAGE = {"key", "grid_thw"}
+"""How a vision-language run's saved rollouts (``output_dir/rollouts/step_<N>.jsonl``) name an image: by
+identity only, without its pixels."""
+
+
+def check_not_saved_rollout(where: str, images: object) -> None:
+    """A :class:`RecordError` for the ``images`` of a vision-language run's saved rollout: its pixels were not
+    saved, so no reader can give the trajectory its images (stats, verify and convert refuse it)."""
+    if isinstance(images, list) and any(
+        isinstance(entry, dict) and set(entry) == SAVED_ROLLOUT_IMAGE for entry in images
+    ):
+        raise RecordError(
+            "bad_image",
+            f"{where}: a saved rollout of a vision-language run: it names its images by key only ('key', 'grid_thw'; "
+            "rollouts/step_<N>.jsonl keeps no pixels), so its images cannot be read and the file cannot be used by "
+            "stats, verify or convert (docs/ENVIRONMENTS.md, Image observations)",
+        )
+
 
 def placeholder_index(where: str, input_ids: np.ndarray, image_token_id: int, images) -> np.ndarray:
     """Per token: the image its placeholder shows (``-1`` for text), the placeholders taken in order,
@@ -73,6 +91,7 @@ class ProcessedImageReader:
 
     def read(self, where: str, images: object) -> list[TrajectoryImage]:
         """``where``: the record's ``FILE:LINE`` (a relative path is relative to FILE)."""
+        check_not_saved_rollout(where, images)
         if not isinstance(images, list):
             raise RecordError("bad_image", f"{where}: 'images' must be a list of {{'pixel_values', 'grid_thw'}}")
         return [self._image(f"{where}: images[{k}]", where, entry) for k, entry in enumerate(images)]
@@ -98,7 +117,8 @@ class ProcessedImageReader:
     def _pixels(self, at: str, where: str, value: object) -> np.ndarray:
         if isinstance(value, list):
             try:
-                return np.asarray(value, dtype=np.float32)
+                with np.errstate(over="ignore"):  # a value beyond float32 becomes inf, refused by TrajectoryImage.of
+                    return np.asarray(value, dtype=np.float32)
             except (ValueError, TypeError) as error:
                 raise RecordError(
                     "bad_image", f"{at}: pixel_values is not a rectangular list of numbers ({error})"
@@ -115,5 +135,10 @@ class ProcessedImageReader:
                 raise RecordError("bad_image", f"{at}: unreadable .npy file {value!r} ({error})") from None
             if not isinstance(array, np.ndarray) or not np.issubdtype(array.dtype, np.number):
                 raise RecordError("bad_image", f"{at}: {value!r} holds no numeric array")
-            self.files[path] = array.astype(np.float32)
+            if np.iscomplexobj(array):  # float32 would silently drop the imaginary part
+                raise RecordError(
+                    "bad_image", f"{at}: {value!r} holds complex numbers ({array.dtype}); pixels are real"
+                )
+            with np.errstate(over="ignore"):
+                self.files[path] = array.astype(np.float32)
         return self.files[path]

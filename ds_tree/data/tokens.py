@@ -33,6 +33,7 @@ from ds_tree.data.records import (
     optional_finite_number,
     optional_per_token,
 )
+from ds_tree.data.token_images import check_not_saved_rollout
 from ds_tree.errors import DataError
 from ds_tree.trees.trajectory import Trajectory
 
@@ -79,6 +80,7 @@ def read_tokens_jsonl(path: str | Path) -> list[Trajectory]:
 
 def _without_images(where: str, record: dict) -> dict:
     """``record``, refused when it carries images: only ``convert`` (with a processor folder) reads them."""
+    check_not_saved_rollout(where, record.get("images"))
     if record.get("images") is not None or record.get("image_index") is not None:
         raise DataError(
             f"{where}: a record with images: convert the file first, ds-tree convert --format tokens --input FILE "

@@ -232,9 +232,12 @@ def load_images(dataset_dir: Path) -> dict[str, TrajectoryImage]:
     images = {}
     for index, key in enumerate(fields["keys"].tolist()):
         start, end = fields["offsets"][index], fields["offsets"][index + 1]
-        image = TrajectoryImage.of(
-            fields["pixels"][start:end], fields["grids"][index], int(fields["merge_sizes"][index])
-        )
+        try:  # a dataset written before non-finite pixels were refused, or a damaged one
+            image = TrajectoryImage.of(
+                fields["pixels"][start:end], fields["grids"][index], int(fields["merge_sizes"][index])
+            )
+        except DataError as error:
+            raise DataError(f"{path}: image {index}: {error} (convert the data again)") from None
         if image.key != key:
             raise DataError(f"{path}: image {index} does not match its key (damaged file)")
         images[key] = image

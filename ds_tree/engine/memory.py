@@ -10,6 +10,7 @@ largest budget that fits, and for configs that walk trees the dfs walk's peak
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 
 from ds_tree.config import ConfigError
@@ -77,7 +78,7 @@ def plan_of(config, config_path: str, model_config, world_size: int, memory_gib:
     every = config.model.checkpointed_every
     modes = {"without_checkpointing": 0, "with_checkpointing": every or 1}
     resident = states.total + reference.total
-    free = int(memory_gib * GIB) - resident
+    free = int(Fraction(memory_gib) * GIB) - resident  # exact: memory_gib * GIB overflows a float past 1.6e299
     activations, budgets = {}, {}
     for name, checkpoint_every in modes.items():
         plan = activation_bytes(

@@ -43,7 +43,7 @@ from ds_tree.engine.step import StepOutput, global_normalisers, run_rows
 from ds_tree.errors import DataError, HubError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.hybrid_settings import check_hybrid_settings
-from ds_tree.models.loading import check_model_settings, load_model
+from ds_tree.models.loading import check_hub_weights, check_model_settings, load_model
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.lora import AdaptersDisabled, apply_lora, trainable_parameters
 from ds_tree.models.moe import RouterAuxLoss
@@ -187,6 +187,7 @@ class Trainer(RLSteps):
         config = self.config
         try:
             model_config = load_model_config(config.model.source)
+            check_hub_weights(config.model.source)  # offline: the cached snapshot holds the weights
         except HubError as error:
             raise ConfigError(f"model.source: {error}") from None
         if config.model.tokenizer and config.checkpoint.export_hf and not config.rollout.enabled:

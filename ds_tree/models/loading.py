@@ -25,6 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ds_tree.attention import implementation_name, register_tree_attention
 from ds_tree.attention.registry import resolve_engine
+from ds_tree.attention.tile_lists import resolve_schedule
 from ds_tree.errors import HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
 from ds_tree.models.fla_scan import resolve_recurrent_kernels
@@ -111,13 +112,18 @@ def check_model_settings(config) -> None:
     ``model.recurrent_kernels: fla`` needs ``fla-core`` installed; ``triton`` needs a CUDA GPU (or
     ``TRITON_INTERPRET=1``, Triton's CPU interpreter, which the tests use); ``flex`` needs one too
     (FlexAttention has no backward on the CPU); ``varlen`` runs flat rows only (``packing.mode: flat``), in
-    bfloat16, on a CUDA GPU; ``objective.reference`` must be a loadable model config."""
+    bfloat16, on a CUDA GPU; ``objective.reference`` must be a loadable model config; ``$DS_TREE_TRITON_TILES``
+    must name a tile schedule (checked on any machine: the config may be meant for a GPU's)."""
     import os
 
     from ds_tree.errors import ConfigError
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     engine = resolve_engine(config.model.attention)
+    try:  # the Triton engine's tile schedule from the environment: wrong on this machine, wrong on the GPU's
+        resolve_schedule()
+    except ValueError as error:
+        raise ConfigError(f"{error} (the environment variable of the Triton engine's tile schedule)") from None
     if engine == "triton" and not torch.cuda.is_available() and not interpreted:
         raise ConfigError("model.attention: triton needs a CUDA GPU and none is visible; use torch on the CPU")
     if engine == "varlen" and config.packing.mode != "flat":
@@ -148,6 +154,7 @@ def check_model_settings(config) -> None:
     if config.objective.is_rl and reference:
         try:
             check_layer_types(load_config(reference))
+            check_hub_weights(reference)
         except (OSError, ValueError) as error:
             raise ConfigError(f"objective.reference: {error}") from None
 
@@ -155,6 +162,29 @@ def check_model_settings(config) -> None:
 def has_weights(source: str | Path) -> bool:
     source = Path(source)
     return source.is_dir() and (any(source.glob("*.safetensors")) or any(source.glob("*.bin")))
+
+
+def weights_snapshot(repo_id: str) -> Path:
+    """The cached snapshot of hub model ``repo_id`` with its weights (fetched where there is network); a
+    :class:`HubError` when it holds no safetensors."""
+    source = local_path(repo_id, MODEL_FILES)
+    if not has_weights(source):
+        raise HubError(
+            f"{repo_id}: its cached snapshot ({source}) holds no *.safetensors weights (.bin checkpoints are "
+            f"not loaded: they are pickles); download them with `hf download {repo_id}`, or convert the model "
+            "to safetensors"
+        )
+    return source
+
+
+def check_hub_weights(source: str | Path) -> None:
+    """Offline, a hub id's cached snapshot must hold the weights the run will load (:func:`weights_snapshot`),
+    checked at the dry run rather than when the run starts. With network nothing is checked here: the run
+    downloads them (the dry run fetches a config only)."""
+    from huggingface_hub import constants
+
+    if is_hub_id(source) and constants.is_offline_mode():
+        weights_snapshot(str(source))
 
 
 def load_model(
@@ -187,13 +217,7 @@ def load_model(
     implementation = implementation_name(resolve_engine(attention, device))
     dtype = parse_dtype(dtype)
     if is_hub_id(source):  # a hub model is trained from its weights, never silently re-initialised
-        repo_id, source = source, local_path(source, MODEL_FILES)
-        if not has_weights(source):
-            raise HubError(
-                f"{repo_id}: its cached snapshot ({source}) holds no *.safetensors weights (.bin checkpoints are "
-                f"not loaded: they are pickles); download them with `hf download {repo_id}`, or convert the model "
-                "to safetensors"
-            )
+        source = weights_snapshot(source)
     config = load_config(source)
     check_layer_types(config)
     check_vision_model_type(config)

@@ -148,14 +148,46 @@ def rope_positions(config, input_ids: np.ndarray, image_index: np.ndarray | None
     return positions[:, 0].numpy().astype(np.int64)
 
 
+def image_input_shape(config) -> tuple[int, int]:
+    """What the vision tower of the model whose ``config`` is given takes: values per patch (channels x
+    temporal patch x patch x patch, the columns of ``pixel_values``) and the merge size."""
+    vision = config.vision_config
+    return vision.in_channels * vision.temporal_patch_size * vision.patch_size**2, vision.spatial_merge_size
+
+
+def check_image_inputs(config, patch_values: int, merge_size: int, what: str) -> None:
+    """A ValueError when images of ``patch_values`` values per patch and ``merge_size`` (``what`` says whose)
+    are not what the vision tower of ``config`` takes: images processed for another vision family (Qwen2.5-VL's
+    14-pixel patches, 1176 values, against Qwen3-VL's 16-pixel ones, 1536) would fail deep in the tower or
+    the sampler; the error names the family to process them with."""
+    values, merge = image_input_shape(config)
+    if (patch_values, merge_size) != (values, merge):
+        vision = config.vision_config
+        raise ValueError(
+            f"{what} has {patch_values} values per patch and merge size {merge_size}, but the model "
+            f"({config.model_type}) takes {values} ({vision.in_channels} channels x temporal patch "
+            f"{vision.temporal_patch_size} x patch {vision.patch_size}x{vision.patch_size}) and merge size {merge}: "
+            f"it was processed for another vision family; process the images with the model's family "
+            f"(a processor folder from ds-tree make-tokenizer --vision {config.model_type}, then convert again)"
+        )
+
+
 def attach_rope_positions(config, trajectories) -> None:
     """Set ``rope_positions`` of every trajectory with images (in place; text-only ones keep None) by the
-    rule of the model whose ``config`` is given; a ValueError when there are images and it has no tower."""
+    rule of the model whose ``config`` is given; a ValueError when there are images and it has no tower, or
+    images processed for another vision family (:func:`check_image_inputs`)."""
     if any(t.images for t in trajectories) and not is_vision_language(config):
         raise ValueError(
             f"the data has images and the model ({config.model_type}) has no vision tower; use a vision-language "
             f"model ({', '.join(VISION_MODEL_TYPES)}: configs/models/tiny_qwen2_5_vl.json)"
         )
+    checked = set()
+    for trajectory in trajectories:
+        for image in trajectory.images or ():
+            shape = (image.pixel_values.shape[1], image.merge_size)
+            if shape not in checked:
+                check_image_inputs(config, *shape, f"{trajectory.where}: the data's image (grid {image.grid_thw})")
+                checked.add(shape)
     for trajectory in trajectories:
         if trajectory.images and trajectory.rope_positions is None:
             grids = [image.grid_thw for image in trajectory.images]

@@ -27,12 +27,18 @@ import numpy as np
 from ds_tree.data.chat_images import (
     CONVERTIBLE_MODES,
     IMAGE_TYPES,
+    MAX_IMAGE_PIXELS,
     ImageReader,
+    check_image_size,
     expand_image_pads,
     image_parts,
     is_image_part,
 )
+from ds_tree.errors import RecordError
 from ds_tree.trees.images import TrajectoryImage
+
+SETTING = "rollout.env.max_image_pixels"
+"""The largest observation image (width x height), refused before decoding or processing above it."""
 
 
 class ImageFailure(ValueError):
@@ -111,10 +117,11 @@ class ObservationImages:
     """Image parts of messages processed into trajectory images with the policy's image processor,
     once per content (module docstring)."""
 
-    def __init__(self, vision) -> None:
-        """``vision``: the policy's processor folder (:class:`~ds_tree.data.vision_processor.VisionProcessor`)."""
+    def __init__(self, vision, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+        """``vision``: the policy's processor folder (:class:`~ds_tree.data.vision_processor.VisionProcessor`);
+        ``max_pixels``: ``rollout.env.max_image_pixels``."""
         self.image_token_id = vision.image_token_id
-        self.reader = ImageReader(vision.image_processor, vision.family.merge_size)
+        self.reader = ImageReader(vision.image_processor, vision.family.merge_size, max_pixels, SETTING)
         self.cache: dict[str, TrajectoryImage] = {}
 
     def of(self, messages: list[dict], where: str = "observation") -> list[TrajectoryImage]:
@@ -127,6 +134,10 @@ class ObservationImages:
 
         image = part.get("image")
         if isinstance(image, Image.Image):
+            try:  # before hashing or processing its pixels
+                check_image_size(where, image.size, self.reader.max_pixels, SETTING)
+            except RecordError as error:
+                raise ImageFailure(str(error)) from None
             key = hashlib.sha256(repr((image.mode, image.size)).encode() + image.tobytes()).hexdigest()
             if key not in self.cache:
                 if image.mode not in CONVERTIBLE_MODES:
@@ -168,12 +179,12 @@ def rendering_stand_ins(messages: list[dict]) -> list[dict]:
     ]
 
 
-def observation_images(tokenizer_dir, model_config) -> ObservationImages | None:
+def observation_images(tokenizer_dir, model_config, max_pixels: int = MAX_IMAGE_PIXELS) -> ObservationImages | None:
     """The image reader of a vision-language policy whose ``model.tokenizer`` is a processor folder
     (``ds-tree make-tokenizer --vision``); None for a text-only policy (an image observation is then an
     environment error naming the reason); a ValueError for a vision-language model without one."""
     from ds_tree.data.vision_processor import load_vision_processor
-    from ds_tree.models.vision import is_vision_language
+    from ds_tree.models.vision import check_image_inputs, is_vision_language
 
     if not is_vision_language(model_config):
         return None
@@ -188,4 +199,6 @@ def observation_images(tokenizer_dir, model_config) -> ObservationImages | None:
             f"the processor folder's <|image_pad|> is id {vision.image_token_id}, the model's image_token_id is "
             f"{model_config.image_token_id}"
         )
-    return ObservationImages(vision)
+    family = vision.family
+    check_image_inputs(model_config, family.patch_values, family.merge_size, f"the processor folder ({family.name})")
+    return ObservationImages(vision, max_pixels)

@@ -63,7 +63,7 @@ class MultiTurnRollouts(StepRollouts):
                 stop_ids,
                 rollout.env.max_observation_tokens,
                 turn_format,
-                observation_images(config.model.tokenizer, model_config),
+                observation_images(config.model.tokenizer, model_config, rollout.env.max_image_pixels),
             )
         except ValueError as error:
             raise ConfigError(f"model.tokenizer (chat format {turn_format.name}): {error}") from None

@@ -48,6 +48,17 @@ def parse_tool_calls(text: str, call_prefix: str = "call") -> ParsedTurn:
     return get_format("hermes").parse(text, call_prefix)
 
 
+def without_special_strings(text: str, specials: Sequence[str]) -> str:
+    """``text`` (a parse error the policy is shown) with each special token's string (``specials``, longest
+    first) written as its bare name (``[TOOL_CALLS]`` as ``TOOL_CALLS``): the error quotes the sampled turn and
+    the format's markers, and a template that transforms tool content (Mistral's ``tojson``) cannot keep a
+    special token's string as text, so rendering the error would fail and end the leaf instead of answering."""
+    for special in specials:
+        if special in text:
+            text = text.replace(special, special.strip("<>[]|/") or "special token")
+    return text
+
+
 def parse_error_message(error: str) -> dict:
     """The observation the policy gets for a malformed tool call (the environment is not stepped)."""
     return {"role": "tool", "tool_call_id": "parse_error", "content": f"error: could not parse your tool call: {error}"}
@@ -149,6 +160,8 @@ class Renderer:
             ids = ids[:-1]
         parsed = self.format.parse(self.tokenizer.decode(ids, skip_special_tokens=False), call_prefix)
         specials = special_token_strings(self.tokenizer)
+        if parsed.error:
+            parsed.error = without_special_strings(parsed.error, specials)
         for index, call in enumerate(parsed.turn.tool_calls):  # rendered as markup by some templates
             spelled = json.dumps([call.name, call.arguments], ensure_ascii=False)
             if any(special in spelled for special in specials):
@@ -162,21 +175,51 @@ class Renderer:
         return self.format.message(turn)
 
     def cut(self, message: dict) -> dict:
-        """``message`` with its content cut to ``max_observation_tokens`` tokens and a visible marker."""
+        """``message`` with its content cut to ``max_observation_tokens`` tokens and a visible marker. Content
+        parts count in order, an image its placeholder tokens (:meth:`image_tokens`): text is cut at the
+        limit, an image that does not fit whole is left out, and so is every part after the cut."""
         limit = self.max_observation_tokens
         if not limit:
             return message
-        if isinstance(message["content"], list):  # text parts cut one by one; images are kept whole
-            parts = [
-                {**part, "text": self.cut({"content": part["text"]})["content"]} if part.get("type") == "text" else part
-                for part in message["content"]
-            ]
-            return message if parts == message["content"] else {**message, "content": parts}
+        if isinstance(message["content"], list):
+            return self.cut_parts(message, limit)
         ids = self.encode_content(message["content"])
         if len(ids) <= limit:
             return message
         kept = self.tokenizer.decode(ids[:limit])
         return {**message, "content": f"{kept}\n[observation cut: {len(ids) - limit} more tokens]"}
+
+    def cut_parts(self, message: dict, limit: int) -> dict:
+        """:meth:`cut` for content parts: the marker is a text part after the kept ones."""
+        kept, used, more = [], 0, 0
+        for part in message["content"]:
+            if part.get("type") == "text":
+                ids = self.encode_content(part["text"])
+                room = 0 if more else max(limit - used, 0)
+                if ids[:room]:
+                    kept.append(part if len(ids) <= room else {**part, "text": self.tokenizer.decode(ids[:room])})
+                used += min(len(ids), room)
+                more += len(ids) - min(len(ids), room)
+                continue
+            size = self.image_tokens(part)
+            if not more and used + size <= limit:
+                kept.append(part)
+                used += size
+            else:
+                more += size
+        if not more:
+            return message
+        return {**message, "content": [*kept, {"type": "text", "text": f"\n[observation cut: {more} more tokens]"}]}
+
+    def image_tokens(self, part: dict) -> int:
+        """Tokens an image part renders to: its merged patches and the ``<|vision_start|>``, ``<|vision_end|>``
+        around them (0 for a text-only policy, whose renderer refuses the image when it renders it)."""
+        if self.images is None:
+            return 0
+        try:
+            return self.images.read(part, "observation").tokens + 2
+        except ImageFailure as error:
+            raise EnvFailure(str(error)) from None
 
     def check_turn_kept(self, stop_id: int, messages: list[dict], before: str, tools) -> None:
         """:class:`NotAppendOnly` where the history the template renders is not what was sampled:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -122,20 +123,55 @@ def open_trackers(report_to: Iterable[str], run: TrackerRun) -> list[Tracker]:
         close_all(opened)
         raise
     state = {**previous, **{tracker.name: tracker.state for tracker in opened if tracker.state}}
-    if state or path.exists():
-        write_text_atomically(path, json.dumps(state, indent=1, sort_keys=True) + "\n")
+    if path.is_dir() and not path.is_symlink():
+        logger.warning("%s is a directory: the trackers' runs are not recorded (a resume starts new ones)", path)
+    elif state or path.exists() or path.is_symlink():
+        write_text_atomically(path, json.dumps(state, indent=1, sort_keys=True) + "\n")  # a link replaced
     return opened
 
 
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+"""What a tracker's run id (an entry's ``run_id``) may be: W&B's and MLflow's ids are such; a path (``../x``)
+would name a folder outside the run."""
+
+
 def read_state(path: Path) -> dict:
-    if not path.is_file():
+    """The trackers' runs a resumed run continues: :data:`STATE_FILE`'s entries that are well formed. A damaged
+    file (not a file, not JSON, not an object) or entry (not an object of strings, a run id that is no id) is a
+    warning, and the trackers concerned start new runs."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    if path.is_symlink() or not path.is_file():
+        logger.warning("%s: not a file: the trackers start new runs", path)
         return {}
     try:
         state = json.loads(path.read_text())
     except (OSError, ValueError) as error:
         logger.warning("%s: unreadable (%s): the trackers start new runs", path, error)
         return {}
-    return state if isinstance(state, dict) else {}
+    if not isinstance(state, dict):
+        logger.warning("%s: not a JSON object: the trackers start new runs", path)
+        return {}
+    kept = {}
+    for name, entry in state.items():
+        problem = entry_problem(entry)
+        if problem:
+            logger.warning("%s: %s: %s: its tracker starts a new run", path, name, problem)
+        else:
+            kept[name] = entry
+    return kept
+
+
+def entry_problem(entry: object) -> str | None:
+    """Why one tracker's saved state cannot be continued (:func:`read_state`), or None."""
+    if not isinstance(entry, dict):
+        return f"{json.dumps(entry)[:80]} is not an object"
+    for key, value in entry.items():
+        if not isinstance(value, str) or not value:
+            return f"{key} is {json.dumps(value)[:80]}, not a string"
+        if key == "run_id" and not RUN_ID.fullmatch(value):
+            return f"run_id {value[:80]!r} is not a run id (letters, digits, - and _)"
+    return None
 
 
 def close_all(trackers: Iterable[Tracker]) -> None:

@@ -110,7 +110,11 @@ class EnvSettings:
     """Tokens on one root-to-leaf path at most (0: ``packing.budget``); a turn that would pass it stops
     its leaf with ``length`` (the sampled tokens kept and trained, nothing cut silently)."""
     max_observation_tokens: int = 256
-    """An observation message longer than this (in tokens) is cut, with a visible marker (0: never)."""
+    """An observation message longer than this (in tokens, its images' placeholders included) is cut, with a
+    visible marker (0: never)."""
+    max_image_pixels: int = 40_000_000
+    """Largest observation image (width x height): a larger one is an environment error, found from a file's
+    header before it is decoded (``ds_tree.data.chat_images.MAX_IMAGE_PIXELS``: an 8K screenshot is 33 M)."""
     step_timeout_s: float = 30.0
     """Seconds one environment call (``reset``, ``step``, ``fork``, ``score``) may take; a ``step`` over
     it answers the policy with a tool error, any other call ends the leaf as an environment error."""
@@ -146,7 +150,7 @@ class EnvSettings:
 
         if self.fork and self.fork not in FORK_MODES:
             raise ConfigError(f"rollout.env.fork must be one of {', '.join(FORK_MODES)} (or empty), got {self.fork!r}")
-        for name in ("max_turns", "workers"):
+        for name in ("max_turns", "workers", "max_image_pixels"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rollout.env.{name} must be >= 1, got {getattr(self, name)}")
         if any(not isinstance(count, int) or count < 1 for count in self.turn_branching):

@@ -48,6 +48,9 @@ class TrajectoryImage:
             raise DataError(
                 f"image grid {grid} has {grid[0] * grid[1] * grid[2]} patches but pixel_values has shape {pixels.shape}"
             )
+        if not np.isfinite(pixels).all():  # NaN or inf (or a value beyond float32): every loss would be nan
+            row = int(np.flatnonzero(~np.isfinite(pixels).all(axis=1))[0])
+            raise DataError(f"pixel_values has a value that is not a finite float32 number (NaN or inf) in row {row}")
         digest = hashlib.sha256()
         digest.update(repr((grid, merge_size, pixels.shape, str(pixels.dtype))).encode())
         digest.update(pixels.tobytes())

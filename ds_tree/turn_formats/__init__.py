@@ -52,10 +52,35 @@ def detect_format(chat_template: str | None) -> str:
     )
 
 
+def check_template_fits(turn_format: TurnFormat, chat_template: str | None) -> None:
+    """A ValueError when ``chat_template`` lacks one of ``turn_format``'s markers: the template then renders
+    another family's turns (harmony or mistral named for a ChatML template), the policy learns that family's
+    calls, and every tool call of every episode would be a parse error. A format without markers is not
+    checked. The error says what ``auto`` would pick."""
+    missing = [marker for marker in turn_format.markers if marker not in (chat_template or "")]
+    if not missing:
+        return
+    try:
+        fix = f"set rollout.env.format: auto (it finds {detect_format(chat_template)} in this template)"
+    except ValueError:
+        fix = "set rollout.env.format to the template's family"
+    raise ValueError(
+        f"the tokenizer's chat template does not write the {turn_format.name} format (it has no "
+        f"{', '.join(missing)}), so every tool call would be a parse error; {fix}, or use a tokenizer whose "
+        f"template is {turn_format.name}'s (ds-tree make-tokenizer --chat-format NAME writes each family's)"
+    )
+
+
 def resolve_format(name: str, tokenizer) -> TurnFormat:
-    """``rollout.env.format``: a registered name, or ``auto`` (:func:`detect_format` on the tokenizer's
-    chat template). ValueError saying why."""
-    return get_format(detect_format(getattr(tokenizer, "chat_template", None)) if name == "auto" else name)
+    """``rollout.env.format``: a registered name whose markers the tokenizer's chat template has
+    (:func:`check_template_fits`), or ``auto`` (:func:`detect_format` on that template). ValueError saying why."""
+    template = getattr(tokenizer, "chat_template", None)
+    if name == "auto":
+        return get_format(detect_format(template))
+    turn_format = get_format(name)
+    if template is None or isinstance(template, str):  # several named templates (a dict): not told apart here
+        check_template_fits(turn_format, template)
+    return turn_format
 
 
 def turn_stop_tokens(turn_format: TurnFormat, tokenizer) -> list[str]:
