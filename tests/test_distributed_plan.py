@@ -248,3 +248,61 @@ def test_the_exchange_runs_over_torch_distributed(tmp_path):
     torch.multiprocessing.start_processes(_gloo_rank, args=(groups, port, out), nprocs=2, start_method="fork")
     reports = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
     assert reports[0] == reports[1] == [["packed", "shard"], ["walked_shard"], ["packed", "walked_shard"]]
+
+
+HOST_KEYS = {
+    "step",
+    "world_size",
+    "groups",
+    "trajectories",
+    "flat_tokens",
+    "tree_tokens",
+    "parts",
+    "repeat",
+    "per_rank_seconds_max",
+    "per_rank_seconds_mean",
+    "summarise_seconds_max",
+    "materialise_seconds_max",
+    "global_seconds",
+    "speedup",
+    "balance",
+    "global_balance",
+    "exchange_bytes",
+    "dataset_bytes_per_rank",
+    "global_dataset_bytes_per_rank",
+    "bytes_per_rank_max",
+}
+
+
+@pytest.mark.parametrize("source", ["jsonl", "converted"])
+def test_the_scale_simulator_prints_the_host_figures(tmp_path, capsys, source):
+    """``ds-tree plan CONFIG --world-size W --host --json``: each simulated rank's host work beside the
+    whole-step plan, on tokens JSONL (loaded whole) and on a converted dataset (read lazily)."""
+    from ds_tree.cli.plan import main as plan_main
+    from ds_tree.data.tree_dataset import save_tree_dataset
+
+    groups = random_groups(24, seed=6)
+    trajectories = [t for group in groups for t in group]
+    data = tmp_path / "data.jsonl"
+    with data.open("w") as handle:
+        for t in trajectories:
+            record = {"group_id": t.group_id, "input_ids": t.input_ids.tolist(), "loss_mask": t.loss_mask.tolist()}
+            handle.write(json.dumps(record) + "\n")
+    if source == "converted":
+        save_tree_dataset(trajectories, tmp_path / "converted", {})
+        data = tmp_path / "converted"
+    overrides = [f"data.path={data}", "data.groups_per_step=24", "packing.budget=64", "packing.over_budget=dfs"]
+    argv = ["configs/tiny_cpu.yaml", *overrides, "--world-size", "4", "--memory-gib", "0.05", "--repeat", "1"]
+    assert plan_main([*argv, "--host", "--json"]) == 0
+    host = json.loads(capsys.readouterr().out)["host"]
+    assert set(host) == HOST_KEYS
+    assert (host["world_size"], host["groups"], host["trajectories"]) == (4, 24, len(trajectories))
+    assert host["flat_tokens"] == sum(len(t) for t in trajectories)
+    assert host["balance"] == pytest.approx(host["global_balance"], rel=1e-12) and host["balance"] >= 1
+    assert host["bytes_per_rank_max"] == host["exchange_bytes"] + host["dataset_bytes_per_rank"]
+    assert 0 < host["dataset_bytes_per_rank"] < host["global_dataset_bytes_per_rank"]
+    assert 0 < host["per_rank_seconds_max"] and 0 < host["global_seconds"]
+    assert plan_main([*argv, "--host", "0"]) == 0
+    assert "host work of step 0 over 4 simulated ranks" in capsys.readouterr().out
+    assert plan_main(["configs/online_parity_cpu.yaml", "--memory-gib", "0.05", "--host"]) == 2
+    assert "--host needs data.path" in capsys.readouterr().err
