@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 def format_host(host: dict) -> str:
     """The ``host`` figures as a few lines of text."""
-    mib = {name: host[name] / 2**20 for name in ("bytes_per_rank_max", "exchange_bytes", "global_dataset_bytes_per_rank")}
+    names = ("bytes_per_rank_max", "exchange_bytes", "global_dataset_bytes_per_rank")
+    mib = {name: host[name] / 2**20 for name in names}
     return (
         f"host work of step {host['step']} over {host['world_size']} simulated ranks ({host['groups']} groups, "
         f"{host['flat_tokens']} flat tokens, {host['parts']} parts; fastest of {host['repeat']} runs):\n"
