@@ -259,6 +259,7 @@ HOST_KEYS = {
     "tree_tokens",
     "parts",
     "repeat",
+    "clock",
     "per_rank_seconds_max",
     "per_rank_seconds_mean",
     "summarise_seconds_max",

@@ -180,7 +180,7 @@ def format_host(host: dict) -> str:
     mib = {name: host[name] / 2**20 for name in names}
     return (
         f"host work of step {host['step']} over {host['world_size']} simulated ranks ({host['groups']} groups, "
-        f"{host['flat_tokens']} flat tokens, {host['parts']} parts; fastest of {host['repeat']} runs):\n"
+        f"{host['flat_tokens']} flat tokens, {host['parts']} parts; CPU seconds, fastest of {host['repeat']} runs):\n"
         f"  slowest rank {host['per_rank_seconds_max']:.3f} s (mean {host['per_rank_seconds_mean']:.3f} s), "
         f"whole-step plan on one rank {host['global_seconds']:.3f} s: {host['speedup']:.1f}x\n"
         f"  balance (max / mean predicted cost) {host['balance']:.4f}, whole-step plan {host['global_balance']:.4f}\n"

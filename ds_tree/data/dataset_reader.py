@@ -56,15 +56,16 @@ class TreeDatasetReader:
     def flat_tokens(self, rows: Sequence[int]) -> np.ndarray:
         """Tokens of every trajectory of each of ``rows``' groups, summed per group, read from the
         ``input_ids`` column's offsets only."""
-        rows = self._check_rows(rows)
+        rows = np.array(self._check_rows(rows), dtype=np.int64)
         column = self.table.column("input_ids")
-        sizes = np.zeros(len(rows), dtype=np.int64)
-        for index, row in enumerate(rows):
-            chunk_index = int(np.searchsorted(self._starts, row, side="right")) - 1
-            chunk, local = column.chunk(chunk_index), row - int(self._starts[chunk_index])
+        chunk_of = np.searchsorted(self._starts, rows, side="right") - 1
+        sizes = np.zeros(rows.size, dtype=np.int64)
+        for chunk_index in np.unique(chunk_of):
+            here = chunk_of == chunk_index
+            chunk, local = column.chunk(int(chunk_index)), rows[here] - self._starts[chunk_index]
             outer = chunk.offsets.to_numpy()  # views of the mapped buffers
             inner = chunk.values.offsets.to_numpy()
-            sizes[index] = inner[outer[local + 1]] - inner[outer[local]]
+            sizes[here] = inner[outer[local + 1]] - inner[outer[local]]
         return sizes
 
     def groups(self, rows: Sequence[int]) -> list[list[Trajectory]]:
@@ -72,11 +73,18 @@ class TreeDatasetReader:
         rows = self._check_rows(rows)
         if self._images is None and "image_keys" in self.table.column_names:
             self._images = dataset_images(self.path, self.meta)
-        return table_groups(self.table.take(rows), rows, self.path, self.meta, self._images)
+        return table_groups(self._rows(rows), rows, self.path, self.meta, self._images)
 
     def nbytes(self, rows: Sequence[int]) -> int:
         """The Arrow bytes of ``rows`` (what reading them moves)."""
-        return int(self.table.take(self._check_rows(rows)).nbytes)
+        return int(self._rows(self._check_rows(rows)).nbytes)
+
+    def _rows(self, rows: list[int]):
+        """The table of ``rows``, in order, as zero-copy slices of the mapped table (``Table.take`` of nested
+        lists cost 0.15 s a call on a 23M-token table, whatever the rows)."""
+        import pyarrow as pa
+
+        return pa.concat_tables([self.table.slice(row, 1) for row in rows]) if rows else self.table.slice(0, 0)
 
 
 @dataclass

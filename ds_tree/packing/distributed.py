@@ -254,13 +254,14 @@ class _Balancer:
     def __init__(self, table: np.ndarray, costs: np.ndarray, settings: PlanSettings, world_size: int) -> None:
         self.table, self.costs, self.settings, self.world_size = table, costs, settings, world_size
         self.size = settings.sequence_parallel_size
+        self.tokens = table[:, TOKENS].tolist()
 
     def of_kind(self, kind: int) -> np.ndarray:
         return np.flatnonzero(self.table[:, KIND] == kind)
 
     def row_tokens(self, parts: tuple[int, ...], block: int) -> int:
         """Tokens of the row :func:`~ds_tree.packing.rows.assemble_row` makes of ``parts``, padding included."""
-        real = int(self.table[list(parts), TOKENS].sum())
+        real = sum(self.tokens[index] for index in parts)
         return -(-real // block) * block if real else block
 
     def shares(self, indices: np.ndarray, count: int) -> list[np.ndarray]:
@@ -368,10 +369,17 @@ class RankPlanner:
         """This rank's :class:`StepSummary`; a unit's data error is sent, not raised (every rank raises the
         step's first error after the exchange, so none waits for a rank that stopped)."""
         summary = StepSummary()
+        share = self.share()
+        try:
+            groups = self.units.read(share)  # one read of the whole share
+        except DataError as error:  # a damaged row
+            summary.errors.append((min(share), str(error)))
+            return summary
+        self.read_units.update(share)
         rows, parts = [summary.units], [summary.parts]
-        for unit in self.share():
+        for unit, trajectories in zip(share, groups, strict=True):
             try:
-                self.build([unit])
+                self.built[unit] = unit_trees(trajectories, self.settings)
             except DataError as error:
                 summary.errors.append((unit, str(error)))
                 continue
