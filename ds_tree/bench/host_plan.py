@@ -61,20 +61,23 @@ def simulate_host(units: StepUnits, settings: PlanSettings, world_size: int, rep
     """The ``host`` figures (module docstring) of one step's ``units`` on ``world_size`` simulated ranks."""
     every = list(range(len(units.sizes())))
     trajectories = [t for group in units.read(every) for t in group]
-    global_seconds, runs = [], []
+    global_seconds = []
     for _ in range(repeat):
         plan, seconds = _timed(plan_step, trajectories, settings, world_size)
         global_seconds.append(seconds)
         global_balance = balance(plan.rank_costs())
         del plan
-        runs.append(_ranks_once(units, settings, world_size))
+    count = len(trajectories)
+    del trajectories  # a rank never holds the whole step
+    needed = _units_needed(units, settings, world_size)
+    runs = [_ranks_once(units, settings, world_size, needed) for _ in range(repeat)]
     seconds = np.min([run["seconds"] for run in runs], axis=0)  # per rank, its fastest run
     first = runs[0]
     dataset_bytes = first["dataset_bytes"]
     return {
         "world_size": world_size,
         "groups": len(every),
-        "trajectories": len(trajectories),
+        "trajectories": count,
         "flat_tokens": first["flat_tokens"],
         "tree_tokens": first["tree_tokens"],
         "parts": first["parts"],
@@ -95,25 +98,42 @@ def simulate_host(units: StepUnits, settings: PlanSettings, world_size: int, rep
     }
 
 
-def _ranks_once(units: StepUnits, settings: PlanSettings, world_size: int) -> dict:
-    """One simulated step: every rank's summarise, the exchange, every rank's balance and materialise."""
+def _units_needed(units: StepUnits, settings: PlanSettings, world_size: int) -> list[set[int]]:
+    """Per rank, the units its items hold (an untimed pass: summaries, trees dropped at once, the balance)."""
+    summaries = [RankPlanner(units, settings, world_size, rank).summarise() for rank in range(world_size)]
+    assignment = RankPlanner(units, settings, world_size, 0).balance(summaries)
+    return [set(assignment.units_of(rank)) for rank in range(world_size)]
+
+
+def _ranks_once(units: StepUnits, settings: PlanSettings, world_size: int, needed: list[set[int]]) -> dict:
+    """One simulated step: every rank's summarise, the exchange, every rank's balance and materialise.
+
+    Between its two phases a simulated rank keeps only the trees its items need (``needed``), as a rank of a
+    run keeps only its own: the simulator would otherwise hold the whole step's trees at once, and the memory
+    it touches for them (page faults: CPU time) would be charged to the ranks."""
     planners = [RankPlanner(units, settings, world_size, rank) for rank in range(world_size)]
-    summaries, summarise = zip(*(_timed(planner.summarise) for planner in planners), strict=True)
+    summaries, summarise = [], []
+    for planner, keep in zip(planners, needed, strict=True):
+        summary, seconds = _timed(planner.summarise)
+        summaries.append(summary)
+        summarise.append(seconds)
+        planner.built = {unit: trees for unit, trees in planner.built.items() if unit in keep}
     materialise, dataset_bytes = [], []
     for planner in planners:
         (assignment, plan), seconds = _timed(_balanced_items, planner, summaries)
         materialise.append(seconds)
         dataset_bytes.append(planner.units.nbytes(sorted(planner.read_units)))
-        planner.built.clear()  # a rank holds its own trees only
+        planner.built.clear()
+        del plan
     return {
         "seconds": np.add(summarise, materialise),
         "summarise": np.array(summarise),
         "materialise": np.array(materialise),
-        "flat_tokens": plan.flat_tokens,
-        "tree_tokens": plan.tree_tokens,
+        "flat_tokens": assignment.flat_tokens,
+        "tree_tokens": assignment.tree_tokens,
         "parts": len(assignment.table),
         "balance": balance(assignment.rank_costs().tolist()),
-        "exchange_bytes": len(pickle.dumps(list(summaries))),
+        "exchange_bytes": len(pickle.dumps(summaries)),
         "dataset_bytes": dataset_bytes,
     }
 
