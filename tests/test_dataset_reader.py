@@ -21,7 +21,7 @@ from ds_tree.data.synthetic import SyntheticConfig, generate
 from ds_tree.data.tree_dataset import META_FILE, save_tree_dataset
 from ds_tree.errors import DataError
 from ds_tree.packing.distributed import GroupUnits, simulate_ranks
-from ds_tree.packing.plan import PlanSettings
+from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.trees.token_arrays import TOKEN_FIELDS
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 
@@ -89,19 +89,30 @@ def test_the_rows_of_chosen_groups_are_the_eager_loaders(dataset):
         reader.groups([23])
 
 
-def test_a_step_planned_from_the_reader_is_the_step_planned_from_memory(dataset):
-    """The step planner reading each rank's groups lazily makes the items it makes from the loaded groups."""
+@pytest.mark.parametrize("drawn", ["sampled", "a group twice"])
+def test_a_step_planned_from_the_reader_is_the_whole_step_plan(dataset, drawn):
+    """The step planner reading each rank's groups lazily makes, for every rank, the items ``plan_step`` makes
+    of the step's trajectories as the trainer lists them, also when a step (spanning two epochs) draws a group
+    twice: one trie of both copies, as ``plan_step`` builds."""
     eager = group_trajectories(load_trajectories(dataset))
     reader = TreeDatasetReader(dataset)
-    rows = StepSampler(reader.n_groups, 16, seed=1).groups_for_step(2)
-    settings = PlanSettings(budget=48, over_budget="dfs", block=8)
-    lazy = simulate_ranks(DatasetGroups(reader, rows), settings, 4)
-    loaded = simulate_ranks(GroupUnits([eager[row] for row in rows]), settings, 4)
-    for a, b in zip(lazy, loaded, strict=True):
-        assert [row.kind for row in a.rows] == [row.kind for row in b.rows]
-        for x, y in zip(a.rows, b.rows, strict=True):
-            assert all(np.array_equal(getattr(x, name), getattr(y, name)) for name in TOKEN_FIELDS)
-        assert (a.flat_tokens, a.tree_tokens, a.packed_tokens) == (b.flat_tokens, b.tree_tokens, b.packed_tokens)
+    if drawn == "sampled":
+        rows = StepSampler(reader.n_groups, 16, seed=1).groups_for_step(2)
+    else:
+        rows = [3, 9, 3, 0, 9, 12]
+    trajectories = [t for row in rows for t in eager[row]]  # StepSampler.trajectories_for_step
+    for settings in (PlanSettings(budget=48, over_budget="dfs", block=8), PlanSettings(budget=40)):
+        lazy = simulate_ranks(DatasetGroups(reader, rows), settings, 4)
+        expected = plan_step(trajectories, settings, 4)
+        for rank, plan in enumerate(lazy):
+            reference = expected.for_rank(rank)
+            assert [row.kind for row in plan.rows] == [row.kind for row in reference.rows]
+            for x, y in zip(plan.rows, reference.rows, strict=True):
+                assert all(np.array_equal(getattr(x, name), getattr(y, name)) for name in TOKEN_FIELDS)
+            counts = (plan.flat_tokens, plan.tree_tokens, plan.packed_tokens)
+            assert counts == (reference.flat_tokens, reference.tree_tokens, reference.packed_tokens)
+        in_memory = simulate_ranks(GroupUnits.of_step(trajectories), settings, 4)
+        assert [len(p.rows) for p in in_memory] == [len(p.rows) for p in lazy]
 
 
 def test_a_damaged_count_is_refused_at_open(dataset, tmp_path):

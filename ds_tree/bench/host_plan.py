@@ -47,7 +47,7 @@ def step_units(path: str | Path, groups_per_step: int, seed: int, step: int) -> 
         return DatasetGroups(reader, StepSampler(reader.n_groups, groups_per_step, seed).groups_for_step(step))
     groups = group_trajectories(load_trajectories(path))
     rows = StepSampler(len(groups), groups_per_step, seed).groups_for_step(step)
-    return GroupUnits([groups[row] for row in rows])
+    return GroupUnits.of_step([t for row in rows for t in groups[row]])
 
 
 def _timed(function, *args):

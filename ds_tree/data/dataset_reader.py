@@ -90,17 +90,26 @@ class TreeDatasetReader:
 @dataclass
 class DatasetGroups:
     """One step's groups of a :class:`TreeDatasetReader`, as the step planner reaches them
-    (:class:`~ds_tree.packing.distributed.StepUnits`): unit ``u`` is the dataset's group ``rows[u]``."""
+    (:class:`~ds_tree.packing.distributed.StepUnits`): a unit per distinct group of the step, in order of
+    first appearance, its trajectories as many times as the step drew the group (a step that spans two
+    epochs may draw a group twice: ``plan_step`` then builds one trie of both copies, and so does this)."""
 
     reader: TreeDatasetReader
     rows: Sequence[int]
     """The step's group indices (:meth:`~ds_tree.data.sampler.StepSampler.groups_for_step`)."""
 
+    def __post_init__(self) -> None:
+        counts: dict[int, int] = {}
+        for row in self.rows:
+            counts[int(row)] = counts.get(int(row), 0) + 1
+        self.distinct, self.copies = list(counts), list(counts.values())
+
     def sizes(self) -> np.ndarray:
-        return self.reader.flat_tokens(self.rows)
+        return self.reader.flat_tokens(self.distinct) * np.array(self.copies, dtype=np.int64)
 
     def read(self, units: Sequence[int]) -> list[list[Trajectory]]:
-        return self.reader.groups([self.rows[unit] for unit in units])
+        groups = self.reader.groups([self.distinct[unit] for unit in units])
+        return [group * self.copies[unit] for unit, group in zip(units, groups, strict=True)]
 
     def nbytes(self, units: Sequence[int]) -> int:
-        return self.reader.nbytes([self.rows[unit] for unit in units])
+        return self.reader.nbytes([self.distinct[unit] for unit in units])

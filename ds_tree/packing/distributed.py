@@ -20,8 +20,10 @@ Here a rank does three things, each from what it holds:
 
 A rank's host work is then its ``1/W`` share of the trees twice (summarised, then its items' trees) plus
 the balance over the summaries (``P log W`` for ``P`` parts); what it receives is the summaries (about 50
-bytes a part) and its own units' data. The step's trajectories are its units' in order (as
-:class:`~ds_tree.data.sampler.StepSampler` lists a step's groups); ``plan_step`` on that list is the reference.
+bytes a part) and its own units' data. The step's trajectories are its units' in order: a unit per group id,
+in order of first appearance (:meth:`GroupUnits.of_step`), as ``plan_step`` groups them, so ``plan_step`` on
+the units' trajectories is the reference (in tree mode the same plan as on the step's list in any order; in
+flat mode the trajectories' own trees follow the units' order).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from ds_tree.packing.plan import PlanSettings, RankPlan, tree_parts
 from ds_tree.packing.rows import PackedRow, assemble_row
 from ds_tree.packing.sequence_parallel import shard_row, split_for_sequence_parallel
 from ds_tree.trees.stats import token_counts
-from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.trees.trie import TokenTree, build_forest
 
 PACKED, WALKED, SHARDED = 0, 1, 2
@@ -75,6 +77,13 @@ class GroupUnits:
     """Units held in memory: the step's groups (online rollouts, a tokens JSONL loaded whole)."""
 
     groups: Sequence[Sequence[Trajectory]]
+
+    @classmethod
+    def of_step(cls, trajectories: Sequence[Trajectory]) -> GroupUnits:
+        """The units of a step's trajectories: one per group id, in order of first appearance, as
+        :func:`~ds_tree.packing.plan.plan_step` groups them (a group drawn twice in a step is one unit,
+        its trajectories twice)."""
+        return cls(group_trajectories(trajectories))
 
     def sizes(self) -> np.ndarray:
         return self._sizes
