@@ -417,3 +417,72 @@ def test_special_token_strings_in_a_chat_record_are_text(tmp_path, tokenizer_dir
         assert injected.input_ids.tolist().count(mark) == plain.input_ids.tolist().count(mark)
     trained = tokenizer.decode(injected.input_ids[injected.loss_mask > 0].tolist())
     assert "Refund sent." not in trained and "It has shipped." in trained
+
+
+def _tokens_records() -> list[dict]:
+    """Tokens records with every optional field, some null (a log-prob of a token not sampled: None), integer
+    group ids (a column holds one type), loss_mask or labels (the other null in that row, so left out)."""
+    return [
+        {"group_id": 1, "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "reward": 1.0, "trial": 0},
+        {"group_id": 1, "input_ids": [5, 6, 8], "loss_mask": [0, 1, 0.5], "logprobs": [None, -0.5, -0.25]},
+        {"group_id": 3, "input_ids": [9, 10], "labels": [-100, 10], "advantages": [0.0, 2.0]},
+    ]
+
+
+def _same_trajectories(got: list[Trajectory], expected: list[Trajectory]) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert (a.group_id, a.reward, a.trial) == (b.group_id, b.reward, b.trial)
+        for name in ("input_ids", "loss_mask", "logprobs", "advantages"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or np.array_equal(x, y, equal_nan=True), name
+
+
+@pytest.mark.parametrize("records", ["chat", "tokens"])
+def test_parquet_files_and_datasets_folders_convert_as_jsonl_does(tmp_path, tokenizer_dir, capsys, records):
+    """The same records from JSONL, a Parquet file written with pyarrow (two row groups, read a batch at a time)
+    and a datasets folder (Dataset.save_to_disk) make the same dataset; rows are named PATH:row N."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = GOOD * 3 if records == "chat" else _tokens_records()
+    options = () if records == "chat" else ("--format", "tokens")
+    reference = tmp_path / "jsonl"
+    assert run(tokenizer_dir, [write_jsonl(tmp_path / "in.jsonl", lines)], reference, *options) == 0
+    expected = summary(capsys)
+    names = list(dict.fromkeys(name for line in lines for name in line))  # every row every column (null: absent)
+    columns = {name: [line.get(name) for line in lines] for name in names}
+    parquet = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pydict(columns), parquet, row_group_size=2)
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_dict(columns).save_to_disk(str(folder))
+    for source in (parquet, folder):
+        output = tmp_path / f"from_{source.name}"
+        assert run(tokenizer_dir, [source], output, *options) == 0, capsys.readouterr().err
+        result = summary(capsys)
+        assert result["counts"] == expected["counts"] and result["lines"] == len(lines)
+        _same_trajectories(load_trajectories(output), load_trajectories(reference))
+    bad = {"group_id": 2, "input_ids": [5, -1], "loss_mask": [0, 1]}
+    pq.write_table(pa.Table.from_pylist([bad, bad]), parquet)
+    assert run(tokenizer_dir, [parquet], tmp_path / "bad", "--format", "tokens") == 2
+    assert capsys.readouterr().err.startswith(f"error: {parquet}:row 0: ")
+
+
+def test_arrow_inputs_that_are_not_records_are_one_error_line(tmp_path, tokenizer_dir, capsys):
+    not_parquet = tmp_path / "x.parquet"
+    not_parquet.write_text("{}")
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(GOOD)}).save_to_disk(str(splits))
+    converted = tmp_path / "converted"
+    assert run(tokenizer_dir, [write_jsonl(tmp_path / "in.jsonl", GOOD)], converted) == 0
+    capsys.readouterr()
+    cases = [
+        (not_parquet, f"{not_parquet}: not a readable Parquet file"),
+        (splits, f"{splits}: a DatasetDict of splits train: give one split's folder"),
+        (converted, f"{converted}: already a converted tree dataset"),
+    ]
+    for source, message in cases:
+        assert run(tokenizer_dir, [source], tmp_path / "out") == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "out").exists()

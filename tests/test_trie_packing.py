@@ -7,6 +7,8 @@ ancestry, targets and weights from those prefixes.
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
@@ -17,10 +19,12 @@ from ds_tree.attention.reference import visibility_mask
 from ds_tree.errors import DataError
 from ds_tree.packing.bins import first_fit_decreasing
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.packing.parts import split_tree, whole_tree
+from ds_tree.packing.parts import make_part, split_tree, whole_tree
 from ds_tree.packing.rows import assemble_row
+from ds_tree.trees.random_trees import TreeShape, random_token_paths
+from ds_tree.trees.token_arrays import TOKEN_FIELDS
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.trees.trie import build_forest
+from ds_tree.trees.trie import _sort_key, build_forest
 from tests.helpers.strategies import distinct_prefixes, forests, longest, prefix_key
 
 SETTINGS = settings(max_examples=150, deadline=None)
@@ -287,3 +291,28 @@ def test_small_hand_built_tree():
     np.testing.assert_array_equal(tree.pred_pos, [-1, 0, 1, 1, 3])
     np.testing.assert_allclose(tree.mask_sum, [0, 2.5, 2, 1, 1])
     np.testing.assert_allclose(tree.mask_max, [0, 1, 2, 1, 1])
+
+
+def test_the_tries_sort_key_orders_as_the_token_lists_do():
+    """Keys as bytes (sign bit flipped, big-endian) sort exactly as the lists of ids (image keys negative)."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        keys = [rng.integers(-4, 4, rng.integers(0, 6)).astype(np.int64) for _ in range(rng.integers(1, 9))]
+        keys.append(np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max]))
+        by_list = sorted(range(len(keys)), key=lambda i: keys[i].tolist())
+        assert sorted(range(len(keys)), key=lambda i: _sort_key(keys[i])) == by_list
+
+
+def test_a_whole_tree_part_is_the_identity_remapping():
+    """``whole_tree`` copies the tree's arrays: what ``make_part`` over the whole tree computes by remapping."""
+    rng = random.Random(3)
+    for _ in range(20):
+        shape = TreeShape(trees=2, depth=rng.randint(1, 4), children=(1, 3), node_tokens=(1, 9), alphabet=(3, 50))
+        trajectories = [Trajectory(np.array(p), np.ones(len(p)), group_id="g") for p in random_token_paths(rng, shape)]
+        for tree in build_forest(trajectories):
+            fast, remapped = whole_tree(tree), make_part(tree, [(0, tree.n_tokens, True)])
+            for name in TOKEN_FIELDS:
+                assert getattr(fast, name).dtype == getattr(remapped, name).dtype
+                assert np.array_equal(getattr(fast, name), getattr(remapped, name)), name
+            assert fast.trajectory_ids == remapped.trajectory_ids
+            assert all(np.array_equal(a, b) for a, b in zip(fast.paths, remapped.paths, strict=True))

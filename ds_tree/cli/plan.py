@@ -17,6 +17,12 @@ are in docs/MEMORY.md.
 --explain [STEP] also prints the step plan of step STEP (default 0) of data.path: every rank's work
 items, each with its execution kind (packed row, walked tree, sequence-parallel shard), tokens,
 trees, trajectories, predicted cost and why it got its kind.
+
+--host [STEP] simulates the host work of step STEP (default 0) of data.path on each of --world-size ranks,
+one rank at a time (the scale simulator, ds_tree/bench/host_plan.py): each rank summarises its share of the
+step's groups, the summaries are exchanged, each rank balances them and builds its own items. It prints
+the slowest rank's seconds beside today's whole-step plan on one rank (global_seconds), the bytes a rank
+receives, and the balance (max / mean predicted cost over ranks) of both plans.
 """
 
 from __future__ import annotations
@@ -127,6 +133,18 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         metavar="STEP",
         help="also print every rank's work items of step STEP (default 0) of data.path, with kinds and costs",
     )
+    parser.add_argument(
+        "--host",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="STEP",
+        help="also simulate the host work of step STEP (default 0) of data.path on each of --world-size ranks",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="--host: simulate this many times, each figure its fastest (default 2)"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     return parser
 
@@ -136,17 +154,61 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.world_size < 1 or not (math.isfinite(args.memory_gib) and args.memory_gib > 0) or args.path_tokens < 0:
         parser.error("--world-size must be >= 1, --memory-gib a finite number > 0 and --path-tokens >= 0")
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     try:
         plan = make_plan(args.config, args.overrides, args.world_size, args.memory_gib, args.path_tokens)
         steps = None if args.explain is None else step_plan(args.config, args.overrides, args.world_size, args.explain)
+        host = None
+        if args.host is not None:
+            host = host_work(args.config, args.overrides, args.world_size, args.host, args.repeat)
     except (ConfigError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(json_text(plan | ({} if steps is None else {"step_plan": steps.as_dict()}), indent=2))
+        extra = ({} if steps is None else {"step_plan": steps.as_dict()}) | ({} if host is None else {"host": host})
+        print(json_text(plan | extra, indent=2))
     else:
-        print(format_plan(plan) + ("" if steps is None else "\n\n" + steps.explain()))
+        text = format_plan(plan) + ("" if steps is None else "\n\n" + steps.explain())
+        print(text + ("" if host is None else "\n\n" + format_host(host)))
     return 0
+
+
+def format_host(host: dict) -> str:
+    """The ``host`` figures as a few lines of text."""
+    names = ("bytes_per_rank_max", "exchange_bytes", "global_dataset_bytes_per_rank")
+    mib = {name: host[name] / 2**20 for name in names}
+    return (
+        f"host work of step {host['step']} over {host['world_size']} simulated ranks ({host['groups']} groups, "
+        f"{host['flat_tokens']} flat tokens, {host['parts']} parts; CPU seconds, fastest of {host['repeat']} runs):\n"
+        f"  slowest rank {host['per_rank_seconds_max']:.3f} s (mean {host['per_rank_seconds_mean']:.3f} s), "
+        f"whole-step plan on one rank {host['global_seconds']:.3f} s: {host['speedup']:.1f}x\n"
+        f"  balance (max / mean predicted cost) {host['balance']:.4f}, whole-step plan {host['global_balance']:.4f}\n"
+        f"  received per rank: {mib['bytes_per_rank_max']:.2f} MiB at most ({mib['exchange_bytes']:.2f} MiB of "
+        f"summaries, {host['dataset_bytes_per_rank'] / 2**20:.2f} MiB of data; the whole step's data: "
+        f"{mib['global_dataset_bytes_per_rank']:.2f} MiB)"
+    )
+
+
+def host_work(config_path: str, overrides: list[str], world_size: int, step: int, repeat: int) -> dict:
+    """The scale simulator's figures (:func:`~ds_tree.bench.host_plan.simulate_host`) for ``step`` of the
+    config's data."""
+    from ds_tree.bench.host_plan import simulate_host, step_units
+    from ds_tree.errors import DataError
+    from ds_tree.models.loading import load_config as load_model_config
+    from ds_tree.packing.plan import PlanSettings
+
+    config = load_config(config_path, overrides)
+    if step < 0:
+        raise ConfigError(f"--host: the step must be >= 0, got {step}")
+    if not config.data.path:
+        raise ConfigError("--host needs data.path (an online RL config samples its steps' data)")
+    settings = PlanSettings.of_config(config, load_model_config(config.model.source).pad_token_id or 0)
+    try:
+        units = step_units(config.data.path, config.data.groups_per_step, config.data.seed, step)
+        return {"step": step} | simulate_host(units, settings, world_size, repeat)
+    except DataError as error:
+        raise ConfigError(f"data.path: {error}") from None
 
 
 def step_plan(config_path: str, overrides: list[str], world_size: int, step: int):

@@ -1,6 +1,8 @@
-"""Chat, tokens or explicit-tree JSONL -> a tree dataset (``ds_tree.data.tree_dataset``).
+"""Chat, tokens or explicit-tree records -> a tree dataset (``ds_tree.data.tree_dataset``).
 
-Formats (inputs .jsonl or .jsonl.gz, one record a line):
+Inputs: JSONL (.jsonl or .jsonl.gz, one record a line), Parquet files (.parquet) and Hugging Face datasets
+folders (``save_to_disk``), one record a row, read a batch at a time (:mod:`ds_tree.data.arrow_records`).
+Formats:
   chat    {"group_id", "trial"?, "messages": [OpenAI messages], "tools"?, "reward"?}
   tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?,
            "images"?, "image_index"?}   (images already processed: ds_tree.data.token_images)
@@ -26,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from ds_tree.data.arrow_records import is_arrow_input, read_arrow_records
 from ds_tree.data.chat import TRAIN_ON, check_text, render_chat
 from ds_tree.data.chat_images import MAX_IMAGE_PIXELS, ImageReader, check_parts, image_parts
 from ds_tree.data.explicit import trajectories_from_explicit_tree
@@ -83,11 +86,12 @@ class ConvertOptions:
 
 
 def read_records(paths: list[Path], limit: int | None) -> Iterator[tuple[str, dict | DataError]]:
-    """``(file:line, record)`` over all inputs, at most ``limit`` records; bad lines come as
-    errors in place of records so that ``skip_bad`` can go on past them."""
+    """``(file:line, record)`` (``PATH:row N`` for Parquet and datasets folders) over all inputs, at most
+    ``limit`` records; bad lines come as errors in place of records so that ``skip_bad`` can go on past them."""
     count = 0
     for path in paths:
-        for where, record in read_jsonl(path, keep_going=True):
+        records = read_arrow_records(path) if is_arrow_input(path) else read_jsonl(path, keep_going=True)
+        for where, record in records:
             if limit is not None and count >= limit:
                 return
             count += 1
@@ -251,7 +255,7 @@ def convert(
     trajectories: list[Trajectory] = []
     skipped: Counter[str] = Counter()
     lines = 0
-    progress = tqdm(read_records(inputs, options.limit), unit=" lines", file=sys.stderr, delay=2.0)
+    progress = tqdm(read_records(inputs, options.limit), unit=" records", file=sys.stderr, delay=2.0)
     for where, record in progress:
         lines += 1
         try:

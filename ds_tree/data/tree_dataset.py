@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,12 +76,13 @@ def _features(mask_dtype: str, with_images: bool = False):
 
 def dataset_counts(trajectories: list[Trajectory]) -> dict:
     """Group, trajectory and token counts of what a dataset holds (trees merged by group)."""
-    counts = token_counts(trajectories, merge="group")
+    groups = group_trajectories(trajectories)
+    counts = [token_counts(group, merge="group") for group in groups]  # one group's trees at a time
     return {
-        "groups": len({t.group_id for t in trajectories}),
+        "groups": len(groups),
         "trajectories": len(trajectories),
-        "flat_tokens": counts.flat_tokens,
-        "tree_tokens": counts.tree_tokens,
+        "flat_tokens": sum(count.flat_tokens for count in counts),
+        "tree_tokens": sum(count.tree_tokens for count in counts),
     }
 
 
@@ -154,7 +156,8 @@ def save_tree_dataset(
     counts and the format version are added here. Refuses what :func:`check_output_dir` refuses
     (``inputs``: the files the dataset was made from, never written over).
     """
-    from datasets import Dataset
+    from datasets import Dataset, DatasetInfo
+    from datasets.table import InMemoryTable
 
     output_dir = Path(output_dir).resolve()  # "." and "dir/.." name a directory by its real name
     check_output_dir(output_dir, overwrite, inputs)
@@ -166,22 +169,12 @@ def save_tree_dataset(
     masks_fit_float32 = all(np.array_equal(t.loss_mask.astype(np.float32), t.loss_mask) for t in trajectories)
     mask_dtype = "float32" if masks_fit_float32 else "float64"
 
-    groups = group_trajectories(trajectories)
-    columns = {
-        "group_id": [str(members[0].group_id) for members in groups],
-        "integer_group_id": [isinstance(members[0].group_id, int) for members in groups],
-        "input_ids": [[t.input_ids.astype(np.int32) for t in members] for members in groups],
-        "loss_mask": [[t.loss_mask.astype(mask_dtype) for t in members] for members in groups],
-        "reward": [[t.reward for t in members] for members in groups],
-        "trial": [[-1 if t.trial is None else t.trial for t in members] for members in groups],
-        **{name: [[getattr(t, name) for t in members] for members in groups] for name in ROLLOUT_COLUMNS},
-    }
     with_images = any(t.images for t in trajectories)
-    if with_images:
-        columns["image_keys"] = [[[i.key for i in t.images] if t.images else None for t in group] for group in groups]
-        columns["image_index"] = [
-            [t.image_index.astype(np.int32) if t.images else None for t in group] for group in groups
-        ]
+    features = _features(mask_dtype, with_images)
+    groups = group_trajectories(trajectories)
+    table = pa.Table.from_batches(
+        [_record_batch(batch, features, mask_dtype) for batch in _write_batches(groups)], features.arrow_schema
+    )
     full_meta = {
         "format_version": IMAGES_FORMAT_VERSION if with_images else FORMAT_VERSION,
         "loss_mask_dtype": mask_dtype,
@@ -192,7 +185,7 @@ def save_tree_dataset(
     temporary = output_dir.parent / f".{output_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     try:
-        Dataset.from_dict(columns, features=_features(mask_dtype, with_images)).save_to_disk(str(temporary))
+        Dataset(InMemoryTable(table), info=DatasetInfo(features=features)).save_to_disk(str(temporary))
         if with_images:
             save_images(trajectories, temporary / IMAGES_FILE)
         (temporary / META_FILE).write_text(json_text(full_meta, indent=2) + "\n")
@@ -200,6 +193,77 @@ def save_tree_dataset(
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
     return full_meta
+
+
+WRITE_BATCH_GROUPS = 1024
+WRITE_BATCH_TOKENS = 1 << 28
+"""A record batch holds at most this many groups, or tokens (Arrow's int32 list offsets end at 2**31)."""
+
+
+def _write_batches(groups: list[list[Trajectory]]) -> Iterator[list[list[Trajectory]]]:
+    batch, tokens = [], 0
+    for group in groups:
+        size = sum(len(t) for t in group)
+        if batch and (len(batch) == WRITE_BATCH_GROUPS or tokens + size > WRITE_BATCH_TOKENS):
+            yield batch
+            batch, tokens = [], 0
+        batch.append(group)
+        tokens += size
+    if batch:
+        yield batch
+
+
+def _record_batch(groups: list[list[Trajectory]], features, mask_dtype: str) -> pa.RecordBatch:
+    """One row per group, built from the trajectories' numpy arrays and Arrow offsets (no Python list per
+    token: ``Dataset.from_dict`` took about 70 bytes a token more at its peak)."""
+    schema = features.arrow_schema
+    counts = [len(group) for group in groups]
+    trajectories = [t for group in groups for t in group]
+
+    def per_trajectory(name: str, values: list) -> pa.Array:
+        kind = schema.field(name).type
+        return _lists(counts, pa.array(values, type=kind.value_type), kind)
+
+    def per_token(name: str, arrays: list[np.ndarray | None], dtype) -> pa.Array:
+        kind = schema.field(name).type
+        inner = _nested_values(arrays, dtype, kind.value_type)
+        return _lists(counts, inner, kind)
+
+    columns = {
+        "group_id": pa.array([str(group[0].group_id) for group in groups], pa.string()),
+        "integer_group_id": pa.array([isinstance(group[0].group_id, int) for group in groups], pa.bool_()),
+        "input_ids": per_token("input_ids", [t.input_ids for t in trajectories], np.int32),
+        "loss_mask": per_token("loss_mask", [t.loss_mask for t in trajectories], mask_dtype),
+        "reward": per_trajectory("reward", [t.reward for t in trajectories]),
+        "trial": per_trajectory("trial", [-1 if t.trial is None else t.trial for t in trajectories]),
+        **{name: per_token(name, [getattr(t, name) for t in trajectories], np.float64) for name in ROLLOUT_COLUMNS},
+    }
+    if "image_keys" in schema.names:
+        columns["image_keys"] = per_trajectory(
+            "image_keys", [[image.key for image in t.images] if t.images else None for t in trajectories]
+        )
+        columns["image_index"] = per_token(
+            "image_index", [t.image_index if t.images else None for t in trajectories], np.int32
+        )
+    return pa.RecordBatch.from_arrays([columns[name] for name in schema.names], schema=schema)
+
+
+def _offsets(lengths: list[int] | np.ndarray) -> pa.Array:
+    return pa.array(np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32))
+
+
+def _lists(counts: list[int], values: pa.Array, kind: pa.DataType) -> pa.Array:
+    """Row ``r`` is the next ``counts[r]`` entries of ``values``."""
+    return pa.ListArray.from_arrays(_offsets(counts), values, type=kind)
+
+
+def _nested_values(arrays: list[np.ndarray | None], dtype, kind: pa.DataType) -> pa.Array:
+    """One list per array (a null list for None) of ``arrays`` cast to ``dtype``."""
+    present = [array for array in arrays if array is not None]
+    values = np.concatenate([np.asarray(a, dtype=dtype) for a in present]) if present else np.zeros(0, dtype)
+    lengths = [0 if array is None else array.size for array in arrays]
+    nulls = pa.array([array is None for array in arrays]) if len(present) < len(arrays) else None
+    return pa.ListArray.from_arrays(_offsets(lengths), pa.array(values, type=kind.value_type), type=kind, mask=nulls)
 
 
 def save_images(trajectories: list[Trajectory], path: Path) -> None:
@@ -285,25 +349,36 @@ class _NestedLists:
         return self.values[self.lists[k] : self.lists[k + 1]] if self.valid[k] else None
 
 
-def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
-    """All trajectories of a tree dataset, validated, with ``source`` = ``DIR:row R:trajectory j``."""
+def open_table(dataset_dir: Path, meta: dict) -> pa.Table:
+    """The dataset's Arrow table as ``datasets.load_from_disk`` opens it (its files memory-mapped: nothing is
+    read until a row is), its columns checked against the format version."""
     from datasets import load_from_disk
 
-    dataset_dir = Path(dataset_dir)
-    meta = read_meta(dataset_dir)
     try:
         table = load_from_disk(str(dataset_dir)).data.table
     except (OSError, ValueError, pa.ArrowException) as error:  # a truncated or corrupt Arrow file
         raise DataError(f"{dataset_dir}: damaged dataset ({type(error).__name__}: {error})") from None
-    version_1 = meta["format_version"] == 1  # no rollout columns: trajectories without logprobs and advantages
-    required = [name for name in COLUMNS if not (version_1 and name in ROLLOUT_COLUMNS)]
-    missing = [name for name in required if name not in table.column_names]
+    missing = [name for name in required_columns(meta) if name not in table.column_names]
     if missing:
         raise DataError(f"{dataset_dir}: missing column(s) {', '.join(missing)}")
+    return table
+
+
+def required_columns(meta: dict) -> list[str]:
+    """The columns a dataset of ``meta``'s version holds (version 1: no rollout columns)."""
+    version_1 = meta["format_version"] == 1
+    return [name for name in COLUMNS if not (version_1 and name in ROLLOUT_COLUMNS)]
+
+
+def table_groups(
+    table: pa.Table, rows: Sequence[int], dataset_dir: Path, meta: dict, images: dict[str, TrajectoryImage] | None
+) -> list[list[Trajectory]]:
+    """The trajectories of every row of ``table`` (a dataset's table, or the rows ``rows`` taken from it,
+    which name them in errors and sources: ``DIR:row R:trajectory j``), validated; ``images``: the dataset's
+    (:func:`load_images`), None for a dataset without images."""
+    required = required_columns(meta)
     per_token = {name: _NestedLists(table.column(name)) for name in required if name not in SCALAR_COLUMNS}
-    with_images = meta["format_version"] >= IMAGES_FORMAT_VERSION
-    if with_images:
-        images = load_images(dataset_dir)
+    if images is not None:
         image_keys = table.column("image_keys").to_pylist()
         image_index = _NestedLists(table.column("image_index"))
     group_ids = table.column("group_id").to_pylist()
@@ -312,34 +387,56 @@ def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
         group_ids = [int(v) if mark and v is not None else v for v, mark in zip(group_ids, marks, strict=True)]
     rewards = table.column("reward").to_pylist()
     trials = table.column("trial").to_pylist()
-    trajectories = []
-    for row, group_id in enumerate(group_ids):
+    groups = []
+    for index, (row, group_id) in enumerate(zip(rows, group_ids, strict=True)):
         where = f"{dataset_dir}:row {row}"
-        count = len(trials[row])
-        if {len(rewards[row]), *(column.count(row) for column in per_token.values())} != {count}:
+        count = len(trials[index])
+        if {len(rewards[index]), *(column.count(index) for column in per_token.values())} != {count}:
             raise DataError(f"{where}: the columns {', '.join(required[1:])} hold different numbers of trajectories")
+        group = []
         for j in range(count):
-            reward, trial = rewards[row][j], trials[row][j]
+            reward, trial = rewards[index][j], trials[index][j]
             extra = {}
-            if with_images and image_keys[row][j]:
-                missing_keys = [key for key in image_keys[row][j] if key not in images]
+            if images is not None and image_keys[index][j]:
+                missing_keys = [key for key in image_keys[index][j] if key not in images]
                 if missing_keys:
                     raise DataError(f"{where}:trajectory {j}: image {missing_keys[0]} is not in {IMAGES_FILE}")
                 extra = {
-                    "images": tuple(images[key] for key in image_keys[row][j]),
-                    "image_index": image_index.get(row, j),
+                    "images": tuple(images[key] for key in image_keys[index][j]),
+                    "image_index": image_index.get(index, j),
                 }
-            trajectories.append(
+            group.append(
                 Trajectory(
                     group_id=group_id_of(where, group_id),
                     reward=None if reward is None or math.isnan(reward) else reward,
                     trial=None if trial < 0 else trial,
                     source=f"{where}:trajectory {j}",
-                    **{name: column.get(row, j) for name, column in per_token.items()},
+                    **{name: column.get(index, j) for name, column in per_token.items()},
                     **extra,
                 )
             )
+        groups.append(group)
+    return groups
+
+
+def dataset_images(dataset_dir: Path, meta: dict) -> dict[str, TrajectoryImage] | None:
+    """The dataset's images by key (:func:`load_images`), None for a dataset without images."""
+    return load_images(dataset_dir) if meta["format_version"] >= IMAGES_FORMAT_VERSION else None
+
+
+def check_count(dataset_dir: Path, meta: dict, found: int) -> None:
     expected = meta["counts"]["trajectories"]
-    if len(trajectories) != expected:
-        raise DataError(f"{dataset_dir}: holds {len(trajectories)} trajectories, its meta file says {expected}")
+    if found != expected:
+        raise DataError(f"{dataset_dir}: holds {found} trajectories, its meta file says {expected}")
+
+
+def load_tree_dataset(dataset_dir: str | Path) -> list[Trajectory]:
+    """All trajectories of a tree dataset, validated, with ``source`` = ``DIR:row R:trajectory j`` (read whole:
+    :class:`~ds_tree.data.dataset_reader.TreeDatasetReader` reads a step's groups only)."""
+    dataset_dir = Path(dataset_dir)
+    meta = read_meta(dataset_dir)
+    table = open_table(dataset_dir, meta)
+    groups = table_groups(table, range(table.num_rows), dataset_dir, meta, dataset_images(dataset_dir, meta))
+    trajectories = [trajectory for group in groups for trajectory in group]
+    check_count(dataset_dir, meta, len(trajectories))
     return trajectories

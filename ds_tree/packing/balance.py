@@ -9,6 +9,9 @@ attention crosses ranks (the split mode of docs/DESIGN.md section 5; not Ulysses
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
+
 from ds_tree.packing.parts import TreePart
 from ds_tree.packing.rows import PackedRow, assemble_row, pack_rows
 
@@ -17,17 +20,28 @@ def part_cost(part: TreePart, cost_per_token: float, cost_per_pair: float) -> fl
     return cost_per_token * part.n_tokens + cost_per_pair * part.visible_pairs
 
 
-def balance_parts(parts: list[TreePart], world_size: int, cost_per_token: float, cost_per_pair: float):
-    """``world_size`` lists of parts with near-equal total cost (greedy LPT)."""
-    costs = [part_cost(part, cost_per_token, cost_per_pair) for part in parts]
-    order = sorted(range(len(parts)), key=lambda i: -costs[i])
-    loads = [0.0] * world_size
+def lpt_shares(costs: Sequence[float], world_size: int) -> list[list[int]]:
+    """``world_size`` ascending lists of indices of ``costs`` with near-equal totals (greedy LPT).
+
+    Largest cost first (ties in index order), each to the least-loaded rank, ties to the rank with fewer
+    items, then to the lowest rank. A heap of ``(load, items, rank)`` pops exactly that rank, so a step of
+    ``P`` parts costs ``P log W``, not ``P x W``. Depends on the costs alone: every rank that has them (the
+    whole step's, or the summaries of :mod:`ds_tree.packing.distributed`) computes the same shares.
+    """
+    order = sorted(range(len(costs)), key=lambda i: -costs[i])
+    heap = [(0.0, 0, rank) for rank in range(world_size)]  # sorted, so already a heap
     assignment: list[list[int]] = [[] for _ in range(world_size)]
     for index in order:
-        rank = min(range(world_size), key=lambda r: (loads[r], len(assignment[r])))
+        load, count, rank = heap[0]
         assignment[rank].append(index)
-        loads[rank] += costs[index]
-    return [[parts[i] for i in sorted(members)] for members in assignment]
+        heapq.heapreplace(heap, (load + costs[index], count + 1, rank))
+    return [sorted(members) for members in assignment]
+
+
+def balance_parts(parts: list[TreePart], world_size: int, cost_per_token: float, cost_per_pair: float):
+    """``world_size`` lists of parts with near-equal total cost (:func:`lpt_shares`)."""
+    costs = [part_cost(part, cost_per_token, cost_per_pair) for part in parts]
+    return [[parts[i] for i in members] for members in lpt_shares(costs, world_size)]
 
 
 def rows_per_rank(

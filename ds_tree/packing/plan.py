@@ -123,6 +123,10 @@ class StepPlan:
             ],
         }
 
+    def rank_costs(self) -> list[float]:
+        """Each rank's predicted cost (:func:`item_share` summed over its items)."""
+        return [sum(item_share(row, self.settings) for row in items) for items in self.ranks]
+
     def explain(self) -> str:
         """A table of every rank's items: kind, tokens, trees, trajectories, predicted cost."""
         settings = self.settings
@@ -149,6 +153,19 @@ class StepPlan:
 def item_cost(row: PackedRow, settings: PlanSettings) -> float:
     """The cost model's figure for an item (its parts' costs, :func:`~ds_tree.packing.balance.part_cost`)."""
     return sum(part_cost(part, settings.cost_per_token, settings.cost_per_pair) for part in row.parts)
+
+
+def item_share(row: PackedRow, settings: PlanSettings) -> float:
+    """The cost model's figure for what the rank running ``row`` computes of it: a row or walk it computes
+    alone, whole; a shard of a row (or walk) that its sequence-parallel group computes together, ``1/S`` of it."""
+    cost = sum(part_cost(part, settings.cost_per_token, settings.cost_per_pair) for part in row.layout_parts)
+    return cost / settings.sequence_parallel_size if row.kind in ("shard", "walked_shard") else cost
+
+
+def balance(costs: Sequence[float]) -> float:
+    """Max over mean of the ranks' predicted costs (1: perfectly even; 1 for a step with nothing to do)."""
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean if mean > 0 else 1.0
 
 
 def why(row: PackedRow, settings: PlanSettings) -> str:

@@ -1,5 +1,5 @@
 """A stand-in vLLM server for the fleet tests: the routes the ``vllm`` engine uses, in another process, so that
-killing it is a real kill. ``python tests/fake_vllm.py PORT LOG [--die-after K] [--fail-reload]``.
+killing it is a real kill. ``python tests/helpers/fake_vllm.py PORT LOG [--die-after K] [--fail-reload]``.
 
 - ``POST /v1/completions`` with token-id prompts answers ``n`` choices with ``token_ids`` and
   ``logprobs.token_logprobs``, as vLLM does with ``return_token_ids`` and ``logprobs: 0``. Choice ``k`` is a
