@@ -39,11 +39,11 @@ def _builtins(registry: Registry, entries: dict[str, str]) -> Registry:
 ATTENTION_ENGINES: Registry = _builtins(
     Registry("attention engine", field="model.attention"),
     {
-        "reference": "ds_tree.attention.reference:tree_attention_reference",
-        "torch": "ds_tree.attention.blocksparse:blocksparse_tree_attention",
-        "triton": "ds_tree.attention.registry:_triton",
-        "flex": "ds_tree.attention.registry:_flex",
-        "varlen": "ds_tree.attention.registry:_varlen",
+        "reference": "ds_tree.attention.engines:REFERENCE",
+        "torch": "ds_tree.attention.engines:TORCH",
+        "triton": "ds_tree.attention.engines:TRITON",
+        "flex": "ds_tree.attention.engines:FLEX",
+        "varlen": "ds_tree.attention.engines:VARLEN",
     },
 )
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ds_tree.attention import implementation_name, register_tree_attention
+from ds_tree.attention.registry import implementation_name, register_tree_attention
 from ds_tree.cli.verify import main as verify_main
 from ds_tree.comparison import gradient_errors
 from ds_tree.data.jsonl import write_jsonl

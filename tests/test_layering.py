@@ -91,7 +91,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("the registries of every extension point (names only: lazy entries)", ["ds_tree.registries"]),
     ("trees", ["ds_tree.trees"]),
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
-    ("kernels and objectives", ["ds_tree.attention", "ds_tree.losses"]),
+    (
+        "kernels and objectives: attention engines, the Triton kernel, losses",
+        ["ds_tree.attention", "ds_tree.triton", "ds_tree.losses"],
+    ),
     ("models", ["ds_tree.models"]),
     ("sampling: settings, engines (HF, vLLM)", ["ds_tree.sampling"]),
     ("rollouts: the loop, episodes, rendering, rewards", ["ds_tree.rollout"]),

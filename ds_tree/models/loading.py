@@ -11,6 +11,7 @@ Mistral, ... Models with other token-mixing layers (state-space, linear attentio
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -23,9 +24,14 @@ from transformers import (
 )
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from ds_tree.attention import implementation_name, register_tree_attention
-from ds_tree.attention.registry import resolve_engine
-from ds_tree.errors import HubError
+from ds_tree.attention.registry import (
+    attention_engine,
+    implementation_name,
+    register_tree_attention,
+    resolve_engine,
+    tree_engines,
+)
+from ds_tree.errors import ConfigError, HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
 from ds_tree.models.fla_scan import resolve_recurrent_kernels
 from ds_tree.models.hybrid import install_tree_mixers
@@ -105,42 +111,47 @@ def load_config(source: str | Path) -> PretrainedConfig:
         raise ValueError(f"{source}: not a valid {model_type} config ({reason})") from None
 
 
+def check_attention_settings(config) -> None:
+    """``model.attention``'s engine against ``packing.mode``, ``model.dtype`` and the device
+    (:func:`check_model_settings`); a ``ConfigError`` naming the fields."""
+    name = resolve_engine(config.model.attention)
+    engine = attention_engine(name)
+    alternatives = " or ".join(", ".join(tree_engines()).rsplit(", ", 1))
+    if engine.flat_rows_only and config.packing.mode != "flat":
+        raise ConfigError(
+            f"model.attention: {name} runs flat rows only (kernels over independent sequences), and packing.mode "
+            f"is {config.packing.mode}: set packing.mode: flat for the flat baseline, or use {alternatives} for "
+            "tree rows"
+        )
+    if engine.dtypes and config.model.dtype not in engine.dtypes:
+        raise ConfigError(
+            f"model.attention: {name} needs model.dtype: {engine.dtypes[0]} (its kernels take "
+            f"{'/'.join(engine.dtypes)} only), got {config.model.dtype}; use {alternatives} in float32"
+        )
+    if torch.cuda.is_available():
+        return
+    cpu = resolve_engine("auto", "cpu")
+    if not engine.runs_on("cpu") or (engine.interpreted_off_cuda and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise ConfigError(
+            f"model.attention: {name} needs a CUDA GPU and none is visible ({engine.cpu_limit}); use {cpu} on the CPU"
+        )
+    if not engine.trains_on("cpu"):
+        raise ConfigError(
+            f"model.attention: {name} cannot train on the CPU: {engine.cpu_limit}; use {cpu} on the CPU, or {name} "
+            "on a CUDA GPU"
+        )
+
+
 def check_model_settings(config) -> None:
     """What the training config asks of the model that can be checked before anything is built, for the
-    engine ``model.attention`` resolves to here (``auto``: flex with a CUDA GPU, torch without):
-    ``model.recurrent_kernels: fla`` needs ``fla-core`` installed; ``triton`` needs a CUDA GPU (or
-    ``TRITON_INTERPRET=1``, Triton's CPU interpreter, which the tests use); ``flex`` needs one too
-    (FlexAttention has no backward on the CPU); ``varlen`` runs flat rows only (``packing.mode: flat``), in
-    bfloat16, on a CUDA GPU; ``objective.reference`` must be a loadable model config."""
-    import os
-
-    from ds_tree.errors import ConfigError
-
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    engine = resolve_engine(config.model.attention)
-    if engine == "triton" and not torch.cuda.is_available() and not interpreted:
-        raise ConfigError("model.attention: triton needs a CUDA GPU and none is visible; use torch on the CPU")
-    if engine == "varlen" and config.packing.mode != "flat":
-        raise ConfigError(
-            f"model.attention: varlen runs flat rows only (flash kernels on independent sequences), and "
-            f"packing.mode is {config.packing.mode}: set packing.mode: flat for the flat baseline, or use flex, "
-            "triton or torch for tree rows"
-        )
-    if engine == "varlen" and config.model.dtype != "bfloat16":
-        raise ConfigError(
-            f"model.attention: varlen needs model.dtype: bfloat16 (flash kernels take float16/bfloat16 only), "
-            f"got {config.model.dtype}; use flex, triton or torch in float32"
-        )
-    if engine == "varlen" and not torch.cuda.is_available():
-        raise ConfigError(
-            "model.attention: varlen needs a CUDA GPU and none is visible (flash kernels have no CPU "
-            "implementation); use torch on the CPU"
-        )
-    if engine == "flex" and not torch.cuda.is_available():
-        raise ConfigError(
-            "model.attention: flex cannot train on the CPU: torch's FlexAttention does not support backward on "
-            "CPU (it has a forward only there); use torch on the CPU, or flex on a CUDA GPU"
-        )
+    engine ``model.attention`` resolves to here (``auto``: flex with a CUDA GPU, torch without), from its
+    capabilities (:mod:`ds_tree.attention.engines`): one that runs flat rows only (varlen) needs
+    ``packing.mode: flat``; one that takes some dtypes only (varlen: bfloat16) needs ``model.dtype`` among
+    them; without a CUDA GPU, one with no CPU kernel (varlen) or no CPU backward (flex: FlexAttention has a
+    forward only there) is refused, and one that runs off CUDA only in Triton's interpreter (triton) needs
+    ``TRITON_INTERPRET=1`` (which the tests use). ``model.recurrent_kernels: fla`` needs ``fla-core``
+    installed; ``objective.reference`` must be a loadable model config."""
+    check_attention_settings(config)
     # fla named but not installed is refused here; model.dtype has no float64 (verify's own dtype is checked
     # where verify loads the model)
     resolve_recurrent_kernels(config.model.recurrent_kernels)
