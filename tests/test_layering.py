@@ -86,7 +86,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 LAYERS: list[tuple[str, list[str]]] = [
     (
         "foundations",
-        ["ds_tree.errors", "ds_tree.atomic", "ds_tree.comparison", "ds_tree.hub", "ds_tree.memory", "ds_tree.registry"],
+        ["ds_tree.errors", "ds_tree.atomic", "ds_tree.comparison", "ds_tree.hub", "ds_tree.registry"],
     ),
     ("the registries of every extension point (names only: lazy entries)", ["ds_tree.registries"]),
     ("trees", ["ds_tree.trees"]),
@@ -95,7 +95,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kernels and objectives: attention engines, the Triton kernel, losses",
         ["ds_tree.attention", "ds_tree.triton", "ds_tree.losses"],
     ),
-    ("models", ["ds_tree.models"]),
+    ("models and their families' specs", ["ds_tree.models"]),
+    ("memory, predicted (a hybrid's mixers read through its family spec) and measured", ["ds_tree.memory"]),
     ("sampling: settings, engines (HF, vLLM)", ["ds_tree.sampling"]),
     ("rollouts: the loop, episodes, rendering, rewards", ["ds_tree.rollout"]),
     ("example environments and rewards", ["ds_tree.rollout.envs"]),

@@ -16,6 +16,8 @@ from ds_tree.cli.common import command_parser
 from ds_tree.data.chat_templates import TEMPLATES
 
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+"""The vision-language model families (their specs' ``vision``, ds_tree/models/families), copied so that
+``--help`` needs no torch; tests/test_vision.py checks the copy."""
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

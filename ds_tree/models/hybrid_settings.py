@@ -7,7 +7,8 @@ parallel, rollout), which the layer's own modules never see.
 from __future__ import annotations
 
 from ds_tree.errors import ConfigError
-from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
+from ds_tree.models.families import family_of
+from ds_tree.models.hybrid import is_hybrid
 
 
 def check_hybrid_settings(config, model_config) -> None:
@@ -18,8 +19,7 @@ def check_hybrid_settings(config, model_config) -> None:
     states exactly."""
     if not is_hybrid(model_config):
         return
-    kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
-    what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
+    what = f"{model_config.model_type} is a hybrid model ({family_of(model_config).recurrent.mixer} layers)"
     if config.rollout.enabled and config.rollout.engine != "hf":
         raise ConfigError(
             f"rollout.engine: {config.rollout.engine}: {what}; hybrid models sample online with the in-process "

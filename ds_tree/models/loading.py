@@ -34,6 +34,7 @@ from ds_tree.attention.registry import (
 from ds_tree.errors import ConfigError, HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
 from ds_tree.models.fla_scan import resolve_recurrent_kernels
+from ds_tree.models.float64 import keep_logits_in_float64, keep_norms_in_float64
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
@@ -224,11 +225,12 @@ def load_model(
         if not is_deepspeed_zero3_enabled():
             model.to(dtype)
     check_router_noise(model)
-    install_tree_mixers(model, dtype, resolve_recurrent_kernels(recurrent_kernels, device, dtype))
-    install_vision(model)
-    if dtype == torch.float64:
+    install_tree_mixers(model, resolve_recurrent_kernels(recurrent_kernels, device, dtype))
+    if dtype == torch.float64:  # before install_vision, which wraps the model's forward
+        keep_logits_in_float64(model)
         keep_norms_in_float64(model)
         use_float64_routing(model)
+    install_vision(model)
     model.config.use_cache = False
     if checkpoint_every:
         enable_activation_checkpointing(model, checkpoint_every)
@@ -255,44 +257,3 @@ def enable_activation_checkpointing(model: PreTrainedModel, every: int = 1) -> N
     model.activation_checkpointing_enable(
         activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
     )
-
-
-def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def _gemma_rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return hidden_states * torch.rsqrt(variance + self.eps) * (1.0 + self.weight)
-
-
-# Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps`` (Qwen3.5's and Qwen3-Next's too).
-GEMMA_NORMS = (
-    "GemmaRMSNorm",
-    "Gemma2RMSNorm",
-    "Gemma3RMSNorm",
-    "Qwen3_5RMSNorm",
-    "Qwen3_5MoeRMSNorm",
-    "Qwen3NextRMSNorm",
-)
-
-
-def keep_norms_in_float64(model: torch.nn.Module) -> int:
-    """Make RMSNorm layers compute in float64 when the model is float64; returns how many.
-
-    transformers' RMSNorm casts its input to float32 (to protect bf16 training). In a float64
-    model that silently rounds every hidden state to float32 precision in the backward, so a
-    prefix gradient summed over branches differs from the flat per-branch sum by ~3e-8
-    relative: the float64 oracle would only be a float32 one. The replacement is the same
-    formula without the cast (Gemma's, :data:`GEMMA_NORMS`, likewise).
-    """
-    patched = 0
-    for module in model.modules():
-        if type(module).__name__ in GEMMA_NORMS:
-            module.forward = _gemma_rms_norm_float64.__get__(module)
-            patched += 1
-        elif type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = _rms_norm_float64.__get__(module)
-            patched += 1
-    return patched
