@@ -29,7 +29,6 @@ from ds_tree.comparison import gradient_errors
 from ds_tree.data.jsonl import write_jsonl
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models import hybrid
-from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation
 from ds_tree.models.tree_nodes import build_nodes
@@ -38,6 +37,7 @@ from ds_tree.packing.rows import assemble_row
 from ds_tree.sampling import hf as sampler
 from ds_tree.sampling.hf import sample_tree
 from ds_tree.sampling.settings import SamplerSettings
+from ds_tree.scans.linear_scans import chunk_gated_delta_rule, chunk_mamba2
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -418,7 +418,7 @@ def test_dry_run_accepts_sequence_parallel_and_dfs_for_hybrids(monkeypatch, caps
 def test_dry_run_refuses_fla_scans_without_the_package(monkeypatch, capsys, tmp_path):
     """``model.recurrent_kernels: fla`` needs fla-core: without it the dry run stops with the install command
     (``auto`` falls back to the torch scans instead; an unknown engine is a type error)."""
-    from ds_tree.models import fla_scan
+    from ds_tree.scans import fla_scan
 
     monkeypatch.setattr(fla_scan, "fla_available", lambda: False)
     config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))

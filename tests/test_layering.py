@@ -92,8 +92,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("trees", ["ds_tree.trees"]),
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
     (
-        "kernels and objectives: attention engines, the Triton kernel, losses",
-        ["ds_tree.attention", "ds_tree.triton", "ds_tree.losses"],
+        "kernels and objectives: attention engines, the Triton kernel, recurrent scans, losses",
+        ["ds_tree.attention", "ds_tree.triton", "ds_tree.scans", "ds_tree.losses"],
     ),
     ("models and their families' specs", ["ds_tree.models"]),
     ("memory, predicted (a hybrid's mixers read through its family spec) and measured", ["ds_tree.memory"]),

@@ -26,13 +26,13 @@ from ds_tree.config import ConfigError, load_config
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError, RolloutError
 from ds_tree.losses.sft import NORMALISATIONS, POLICIES
-from ds_tree.models.fla_scan import RECURRENT_KERNELS
 from ds_tree.models.loading import load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation, check_layer_types
 from ds_tree.packing.modes import MODES
 from ds_tree.registries import ATTENTION_ENGINES
 from ds_tree.run import checkpoint
 from ds_tree.sampling.interface import EngineError
+from ds_tree.scans.fla_scan import RECURRENT_KERNELS
 from tests.test_engine import PYTHON, ROOT, environment, launch_training, write_config, write_forest
 
 TINY_CPU = ROOT / "configs" / "tiny_cpu.yaml"

@@ -30,7 +30,7 @@ key/value heads of width ``d``, ``b`` bytes per element of the model dtype):
 
 A recurrent layer of a hybrid model (Gated DeltaNet: Qwen3.5, Qwen3-Next; Mamba2: Bamba, Falcon-H1)
 keeps its mixer's tensors instead of attention's (a Falcon-H1 layer: both), counted tensor by tensor
-from ``ds_tree/models/hybrid.py`` and ``ds_tree/models/linear_scans.py`` in :class:`RecurrentMixer`
+from ``ds_tree/models/hybrid.py`` and ``ds_tree/scans/linear_scans.py`` in :class:`RecurrentMixer`
 (its sizes read off the mixer by the family's memory hook, ``recurrent.sizes``):
 per token, per token of the scan (each node padded to a multiple of the scan's chunk) and per scan
 chunk of a node (the state it starts from), so a row's nodes matter (:class:`RowNodes`).
@@ -82,7 +82,7 @@ class RecurrentMixer:
 
     Per token (``b`` bytes of the model dtype, ``f = 4``: the scans and the gated norm compute in
     float32 for float32 and bf16 models), counted on the autograd graph of
-    ``ds_tree/models/hybrid.py`` and ``ds_tree/models/linear_scans.py`` (every saved tensor, parameters
+    ``ds_tree/models/hybrid.py`` and ``ds_tree/scans/linear_scans.py`` (every saved tensor, parameters
     and the layer's input excluded: 11780 of 11788 bytes per token for tiny Qwen3.5's mixer, 10637.5 of
     10640 for tiny Bamba's; the rest is the scan's constant ``chunk x chunk`` mask):
 

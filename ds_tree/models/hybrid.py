@@ -13,7 +13,7 @@ recurrent state**, and its causal convolution sees the **last K-1 inputs along i
 
 The layers are the models' own modules with ``forward`` replaced per instance (:func:`install_tree_mixers`):
 the projections, ``conv1d``, norms and ``out_proj`` are called as modules (so ZeRO-3's hooks gather
-their parameters), and the scans are :mod:`ds_tree.models.linear_scans` (transformers' chunked
+their parameters), and the scans are :mod:`ds_tree.scans.linear_scans` (transformers' chunked
 fallbacks, with a state per sequence, computing in float64 for float64 models). The tree comes from
 the ``kv_end`` model input that the tree attention receives too; without it (a plain sequence, a
 cached decode) the stock forward runs. Gradients reach a shared parent state from every child
@@ -47,7 +47,6 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ds_tree.models import fla_scan, linear_scans
 from ds_tree.models.families import family_of, family_of_model
 from ds_tree.models.head_parallel import (
     HeadShards,
@@ -56,8 +55,9 @@ from ds_tree.models.head_parallel import (
     shared_block,
     sliced_conv_forward,
 )
-from ds_tree.models.linear_scans import compute_dtype
 from ds_tree.models.tree_nodes import TreeNodes, chain_nodes, tree_nodes
+from ds_tree.scans import fla_scan, linear_scans
+from ds_tree.scans.linear_scans import compute_dtype
 
 GATED_DELTA_CHUNK = 64
 """The chunk of transformers' ``torch_chunk_gated_delta_rule`` (its default, what the stock layer uses)."""
@@ -438,7 +438,7 @@ def mamba2_sizes(module) -> dict:
 def install_tree_mixers(model: torch.nn.Module, scans: str = "torch") -> int:
     """Replace the ``forward`` of every recurrent mixer of ``model`` that its family runs on trees by its tree
     forward, scanning with :data:`RECURRENT_SCANS` ``[scans]`` (``torch`` or ``fla``, resolved by
-    :func:`~ds_tree.models.fla_scan.resolve_recurrent_kernels`). Returns how many mixers. (A float64 model's
+    :func:`~ds_tree.scans.fla_scan.resolve_recurrent_kernels`). Returns how many mixers. (A float64 model's
     gated norms compute in float64 like its other norms: :mod:`ds_tree.models.float64`.)"""
     recurrent = family_of_model(model).recurrent
     forwards = {} if recurrent is None else recurrent.tree_forwards

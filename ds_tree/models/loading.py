@@ -33,12 +33,12 @@ from ds_tree.attention.registry import (
 )
 from ds_tree.errors import ConfigError, HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
-from ds_tree.models.fla_scan import resolve_recurrent_kernels
 from ds_tree.models.float64 import keep_logits_in_float64, keep_norms_in_float64
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
 from ds_tree.models.vision import attention_implementations, check_vision_model_type, install_vision, is_vision_language
+from ds_tree.scans.fla_scan import resolve_recurrent_kernels
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -193,7 +193,7 @@ def load_model(
     before anything is built. ``checkpoint_every = k > 0``
     recomputes every k-th decoder layer in the backward (:func:`enable_activation_checkpointing`).
     ``recurrent_kernels`` (hybrids): the GDN / Mamba2 scans' engine for ``device``
-    (:func:`~ds_tree.models.fla_scan.resolve_recurrent_kernels`: ``auto`` is fla on CUDA when installed).
+    (:func:`~ds_tree.scans.fla_scan.resolve_recurrent_kernels`: ``auto`` is fla on CUDA when installed).
     """
     register_tree_attention()
     implementation = implementation_name(resolve_engine(attention, device))
