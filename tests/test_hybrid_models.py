@@ -17,11 +17,12 @@ import importlib
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ds_tree.attention.registry import implementation_name, register_tree_attention
 from ds_tree.cli.verify import main as verify_main
@@ -348,6 +349,18 @@ def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybri
             mine = np.isfinite(sampled)  # the sampled tokens (NaN on the prompt)
             assert mine.sum() == len(trajectory.input_ids) - 6
             np.testing.assert_allclose(recomputed[id(trajectory)][mine], sampled[mine], rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3_5", "tiny_bamba", "tiny_falcon_h1", "tiny_nemotron_h", "tiny_llama"])
+def test_the_sampler_forks_the_cache_layers_its_family_names(name):
+    """Each hybrid family names its cache layers (attention and recurrent; Falcon-H1's combined one,
+    Nemotron-H's empty MLP layers): the tree sampler takes them, and a plain growing KV cache; a sliding
+    window's cache is refused (it cannot be cropped back to a branch point)."""
+    sampler.check_cache_layers(SimpleNamespace(config=load_config(ROOT / "configs/models" / f"{name}.json")))
+    windowed = load_config(ROOT / "configs/models/tiny_llama.json").to_dict() | {"sliding_window": 4}
+    windowed = AutoConfig.for_model("mistral", **{k: v for k, v in windowed.items() if k != "model_type"})
+    with pytest.raises(ValueError, match=r"mistral uses \['DynamicSlidingWindowLayer'\]"):
+        sampler.check_cache_layers(SimpleNamespace(config=windowed))
 
 
 @pytest.mark.distributed
