@@ -45,7 +45,7 @@ from ds_tree.sampling.settings import EnvSettings, SamplerSettings, TurnBranched
 # normalisations, weight policies), tests/test_reliability.py asserts that the two agree.
 Dtype = Literal["float32", "bfloat16"]
 AttentionEngine = Annotated[str, ATTENTION_ENGINES.choices("auto")]
-RecurrentKernels = Literal["auto", "torch", "fla"]  # ds_tree.models.fla_scan.RECURRENT_KERNELS
+RecurrentKernels = Literal["auto", "torch", "fla"]  # ds_tree.scans.fla_scan.RECURRENT_KERNELS
 Merge = Literal["group", "global"]
 PackingMode = Literal["tree", "flat", "dfs"]
 OverBudget = Literal["error", "dfs", "sequence_parallel"]

@@ -50,11 +50,11 @@ def _builtins(registry: Registry, entries: dict[str, str]) -> Registry:
 ATTENTION_ENGINES: Registry = _builtins(
     Registry("attention engine", field="model.attention"),
     {
-        "reference": "ds_tree.attention.reference:tree_attention_reference",
-        "torch": "ds_tree.attention.blocksparse:blocksparse_tree_attention",
-        "triton": "ds_tree.attention.registry:_triton",
-        "flex": "ds_tree.attention.registry:_flex",
-        "varlen": "ds_tree.attention.registry:_varlen",
+        "reference": "ds_tree.attention.engines:REFERENCE",
+        "torch": "ds_tree.attention.engines:TORCH",
+        "triton": "ds_tree.attention.engines:TRITON",
+        "flex": "ds_tree.attention.engines:FLEX",
+        "varlen": "ds_tree.attention.engines:VARLEN",
     },
 )
 
@@ -137,7 +137,33 @@ SAMPLING_ENGINES: Registry = _builtins(
     },
 )
 
-MODEL_FAMILIES: Registry = Registry("model family", field="model.source (its config's model_type)")
+MODEL_FAMILIES: Registry = _builtins(
+    Registry("model family", field="model.source (its config's model_type)"),
+    {
+        "llama": "ds_tree.models.families.attention_only:LLAMA",
+        "qwen2": "ds_tree.models.families.attention_only:QWEN2",
+        "qwen3": "ds_tree.models.families.attention_only:QWEN3",
+        "mistral": "ds_tree.models.families.attention_only:MISTRAL",
+        "phi3": "ds_tree.models.families.attention_only:PHI3",
+        "gemma": "ds_tree.models.families.gemma:GEMMA",
+        "gemma2": "ds_tree.models.families.gemma:GEMMA2",
+        "gemma3_text": "ds_tree.models.families.gemma:GEMMA3_TEXT",
+        "gemma3": "ds_tree.models.families.gemma:GEMMA3",
+        "gemma3n": "ds_tree.models.families.gemma:GEMMA3N",
+        "paligemma": "ds_tree.models.families.gemma:PALIGEMMA",
+        "mixtral": "ds_tree.models.families.mixture_of_experts:MIXTRAL",
+        "qwen2_moe": "ds_tree.models.families.mixture_of_experts:QWEN2_MOE",
+        "qwen3_moe": "ds_tree.models.families.mixture_of_experts:QWEN3_MOE",
+        "qwen3_next": "ds_tree.models.families.gated_delta_net:QWEN3_NEXT",
+        "qwen3_5_text": "ds_tree.models.families.gated_delta_net:QWEN3_5",
+        "qwen3_5_moe_text": "ds_tree.models.families.gated_delta_net:QWEN3_5_MOE",
+        "bamba": "ds_tree.models.families.mamba2:BAMBA",
+        "nemotron_h": "ds_tree.models.families.mamba2:NEMOTRON_H",
+        "falcon_h1": "ds_tree.models.families.mamba2:FALCON_H1",
+        "qwen2_5_vl": "ds_tree.models.families.qwen_vl:QWEN2_5_VL",
+        "qwen3_vl": "ds_tree.models.families.qwen_vl:QWEN3_VL",
+    },
+)
 
 
 def missing_capability(engine: str, capability: str) -> str | None:

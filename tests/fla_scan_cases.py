@@ -1,4 +1,4 @@
-"""The hybrids' scans on flash-linear-attention's Triton kernels (``ds_tree/models/fla_scan.py``) against
+"""The hybrids' scans on flash-linear-attention's Triton kernels (``ds_tree/scans/fla_scan.py``) against
 the torch scans, under the Triton interpreter (``TRITON_INTERPRET=1``, as CI runs; on a GPU the same
 tests run the compiled kernels). Run by ``tests/test_fla_scan.py`` in a process of its own, with
 ``fla-core`` on its path (``tools/bootstrap.sh`` installs it into ``.cache/fla-site``, not the venv: where
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from ds_tree.comparison import gradient_errors
 from ds_tree.errors import ConfigError
-from ds_tree.models import fla_scan, linear_scans
 from ds_tree.models.loading import load_model
+from ds_tree.scans import fla_scan, linear_scans
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.verify.tree_vs_flat import run_mode
 from tests import test_hybrid_models

@@ -104,8 +104,6 @@ def test_tools_shim_help_has_one_usage_line_and_imports_no_torch():
 def test_the_help_choices_are_the_library_values():
     """ds_tree.cli.choices and the sampler options copy what the library keeps beside torch."""
     from ds_tree.attention import blocksparse
-    from ds_tree.attention.registry import ENGINE_CHOICES
-    from ds_tree.attention.triton.function import DTYPES as KERNEL_DTYPES
     from ds_tree.bench.steps import BENCH_DTYPES
     from ds_tree.cli import choices
     from ds_tree.cli.sample import SAMPLER_OPTIONS
@@ -117,11 +115,12 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.losses.sft import NORMALISATIONS, POLICIES
     from ds_tree.models.loading import DTYPES
     from ds_tree.packing.modes import MODES
-    from ds_tree.registries import AGGREGATIONS
+    from ds_tree.registries import AGGREGATIONS, ATTENTION_ENGINES
     from ds_tree.sampling.hf import SamplerSettings
+    from ds_tree.triton.function import DTYPES as KERNEL_DTYPES
     from ds_tree.verify.tree_vs_flat import VERIFY_DTYPES
 
-    assert choices.engines() == ENGINE_CHOICES and choices.MODES == tuple(MODES)
+    assert choices.engines() == ("auto", *ATTENTION_ENGINES.names()) and choices.MODES == tuple(MODES)
     assert (choices.NORMALISATIONS, choices.POLICIES) == (tuple(NORMALISATIONS), tuple(POLICIES))
     assert choices.estimators() == tuple(ESTIMATORS)
     assert (choices.aggregations(), choices.KL_ESTIMATORS) == (AGGREGATIONS.names(), tuple(KL_ESTIMATORS))

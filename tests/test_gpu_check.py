@@ -45,13 +45,14 @@ def test_smoke_run_writes_every_section_and_passes(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("engine", ["torch", "triton"])
 def test_a_wrong_engine_fails_the_check(tmp_path, monkeypatch, engine) -> None:
     """One key of one query head's output shifted: the correctness section names the engine, exit 1."""
-    right = registry.ENGINES[engine]
+    spec = registry.attention_engine(engine)
+    right = spec.function
 
     def wrong(query, key, value, kv_end, scale=None, **options):
         out = right(query, key, value, kv_end, scale, **options)
         return out + torch.where(torch.arange(out.shape[1], device=out.device) == 3, 1e-3, 0.0)[None, :, None, None]
 
-    monkeypatch.setitem(registry.ENGINES, engine, wrong)
+    monkeypatch.setitem(vars(spec), "function", wrong)  # the engine's loaded function (a cached property)
     first = attention.correctness_cases(True)[:1]
     monkeypatch.setattr(attention, "correctness_cases", lambda smoke: first)
     code = main(["--smoke", "--sections", "correctness", "--output", str(tmp_path)])
@@ -113,7 +114,7 @@ def test_autotune_is_imported_by_the_gpu_kernel_table_only() -> None:
     (there, only when the device is CUDA: the smoke run above reports it skipped)."""
     from tests.test_layering import import_graph
 
-    importers = {name for name, targets in import_graph().items() if "ds_tree.attention.triton.autotune" in targets}
+    importers = {name for name, targets in import_graph().items() if "ds_tree.triton.autotune" in targets}
     assert importers == {"ds_tree.bench.gpu.attention"}
 
 

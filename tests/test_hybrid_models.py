@@ -17,19 +17,19 @@ import importlib
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from ds_tree.attention import implementation_name, register_tree_attention
+from ds_tree.attention.registry import implementation_name, register_tree_attention
 from ds_tree.cli.verify import main as verify_main
 from ds_tree.comparison import gradient_errors
 from ds_tree.data.jsonl import write_jsonl
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.models import hybrid
-from ds_tree.models.linear_scans import chunk_gated_delta_rule, chunk_mamba2
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation
 from ds_tree.models.tree_nodes import build_nodes
@@ -38,6 +38,7 @@ from ds_tree.packing.rows import assemble_row
 from ds_tree.sampling import hf as sampler
 from ds_tree.sampling.hf import sample_tree
 from ds_tree.sampling.settings import SamplerSettings
+from ds_tree.scans.linear_scans import chunk_gated_delta_rule, chunk_mamba2
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -351,6 +352,18 @@ def test_tree_sampler_forks_recurrent_states_and_matches_the_trainer(name, hybri
             np.testing.assert_allclose(recomputed[id(trajectory)][mine], sampled[mine], rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["tiny_qwen3_5", "tiny_bamba", "tiny_falcon_h1", "tiny_nemotron_h", "tiny_llama"])
+def test_the_sampler_forks_the_cache_layers_its_family_names(name):
+    """Each hybrid family names its cache layers (attention and recurrent; Falcon-H1's combined one,
+    Nemotron-H's empty MLP layers): the tree sampler takes them, and a plain growing KV cache; a sliding
+    window's cache is refused (it cannot be cropped back to a branch point)."""
+    sampler.check_cache_layers(SimpleNamespace(config=load_config(ROOT / "configs/models" / f"{name}.json")))
+    windowed = load_config(ROOT / "configs/models/tiny_llama.json").to_dict() | {"sliding_window": 4}
+    windowed = AutoConfig.for_model("mistral", **{k: v for k, v in windowed.items() if k != "model_type"})
+    with pytest.raises(ValueError, match=r"mistral uses \['DynamicSlidingWindowLayer'\]"):
+        sampler.check_cache_layers(SimpleNamespace(config=windowed))
+
+
 @pytest.mark.distributed
 def test_online_rl_on_a_hybrid_samples_and_trains(tmp_path, tokenizer_dir):
     """Two online GRPO steps of the Qwen3.5 hybrid under the DeepSpeed launcher (one rank, ZeRO-3): the
@@ -419,7 +432,7 @@ def test_dry_run_accepts_sequence_parallel_and_dfs_for_hybrids(monkeypatch, caps
 def test_dry_run_refuses_fla_scans_without_the_package(monkeypatch, capsys, tmp_path):
     """``model.recurrent_kernels: fla`` needs fla-core: without it the dry run stops with the install command
     (``auto`` falls back to the torch scans instead; an unknown engine is a type error)."""
-    from ds_tree.models import fla_scan
+    from ds_tree.scans import fla_scan
 
     monkeypatch.setattr(fla_scan, "fla_available", lambda: False)
     config = write_config(tmp_path, write_forest(tmp_path / "forest.jsonl"))

@@ -86,13 +86,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 LAYERS: list[tuple[str, list[str]]] = [
     (
         "foundations",
-        ["ds_tree.errors", "ds_tree.atomic", "ds_tree.comparison", "ds_tree.hub", "ds_tree.memory", "ds_tree.registry"],
+        ["ds_tree.errors", "ds_tree.atomic", "ds_tree.comparison", "ds_tree.hub", "ds_tree.registry"],
     ),
     ("the registries of every extension point (names only: lazy entries)", ["ds_tree.registries"]),
     ("trees", ["ds_tree.trees"]),
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
-    ("kernels and objectives", ["ds_tree.attention", "ds_tree.losses"]),
-    ("models", ["ds_tree.models"]),
+    (
+        "kernels and objectives: attention engines, the Triton kernel, recurrent scans, losses",
+        ["ds_tree.attention", "ds_tree.triton", "ds_tree.scans", "ds_tree.losses"],
+    ),
+    ("models and their families' specs", ["ds_tree.models"]),
+    ("memory, predicted (a hybrid's mixers read through its family spec) and measured", ["ds_tree.memory"]),
     ("turn formats: a sampled turn's reasoning, text and tool calls", ["ds_tree.turn_formats"]),
     ("sampling: settings, prompts, engines (HF, vLLM)", ["ds_tree.sampling"]),
     ("rollouts: the loop, episodes, environments, rendering, rewards", ["ds_tree.rollout"]),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from ds_tree.comparison import gradient_errors
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.token_mixing import UnsupportedModelError
 from ds_tree.models.vision import attach_rope_positions
+from ds_tree.registries import MODEL_FAMILIES
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.verify.tree_vs_flat import run_mode
 from tests.test_vision import agent_trees
@@ -69,6 +71,7 @@ MODELS = {
         final_logit_softcapping=0.5,
         initializer_range=0.5,
     ),
+    "gemma": dict(model_type="gemma"),  # RMSNorm scaled by 1 + weight
     "gemma3": dict(model_type="gemma3_text", sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL),
     "phi3": dict(model_type="phi3"),
     # Hybrids (ds_tree/models/hybrid.py): recurrent layers run per tree node, from the parent's state.
@@ -79,6 +82,19 @@ MODELS = {
         linear_value_head_dim=8,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
+    ),
+    # Qwen3.5-MoE: its Gated DeltaNet mixer class, gated norm and router (with the router loss) are its own
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe_text",
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        **MOE,
     ),
     "bamba": dict(
         model_type="bamba",
@@ -133,6 +149,16 @@ MODELS = {
 
 VISION_MODELS = {"qwen2_5_vl": "configs/models/tiny_qwen2_5_vl.json", "qwen3_vl": "configs/models/tiny_qwen3_vl.json"}
 """Vision-language entries: the tiny configs of the repository (nested text and vision configs)."""
+
+
+def test_every_registered_family_has_an_entry():
+    """Adding a model family is its spec file, its line in ds_tree/registries.py and its entry here
+    (docs/MODELS.md, "Adding a model family"); the families refused at load are tested where they are refused."""
+    tested = {fields["model_type"] for fields in MODELS.values()}
+    tested |= {json.loads(Path(source).read_text())["model_type"] for source in VISION_MODELS.values()}
+    registered = {name for name, spec in MODEL_FAMILIES.items() if not spec.bidirectional_images}
+    assert registered == tested
+    assert all(spec.model_type == name for name, spec in MODEL_FAMILIES.items())
 
 
 @pytest.fixture(scope="module")

@@ -22,17 +22,17 @@ import torch
 
 from ds_tree import config as config_module
 from ds_tree import train
-from ds_tree.attention.registry import ENGINE_CHOICES
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import DataError, RolloutError
 from ds_tree.losses.sft import NORMALISATIONS, POLICIES
-from ds_tree.models.fla_scan import RECURRENT_KERNELS
 from ds_tree.models.loading import load_model
 from ds_tree.models.token_mixing import UnsupportedModelError, check_branch_isolation, check_layer_types
 from ds_tree.packing.modes import MODES
+from ds_tree.registries import ATTENTION_ENGINES
 from ds_tree.run import checkpoint
 from ds_tree.sampling.interface import EngineError
+from ds_tree.scans.fla_scan import RECURRENT_KERNELS
 from tests.helpers import ROOT
 from tests.helpers.configs import write_config
 from tests.helpers.data import write_forest
@@ -105,7 +105,7 @@ def test_values_are_checked_against_their_types(override: str, message: str) -> 
 
 
 def test_choices_are_the_library_registries() -> None:
-    assert typing.get_args(config_module.AttentionEngine)[1].names() == ENGINE_CHOICES
+    assert typing.get_args(config_module.AttentionEngine)[1].names() == ("auto", *ATTENTION_ENGINES.names())
     assert typing.get_args(config_module.PackingMode) == MODES
     assert typing.get_args(config_module.Normalisation) == NORMALISATIONS
     assert typing.get_args(config_module.WeightPolicy) == POLICIES
@@ -281,7 +281,7 @@ def test_probe_refuses_a_layer_that_mixes_tokens_by_itself() -> None:
     """A Mamba model built past the static check: its mixer runs along the packed row."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ds_tree.attention import register_tree_attention
+    from ds_tree.attention.registry import register_tree_attention
 
     register_tree_attention()
     config = AutoConfig.for_model("mamba", vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)

@@ -16,9 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ds_tree.attention.block_stats import block_stats
 from ds_tree.attention.reference import visibility_mask
-from ds_tree.attention.tile_lists import backward_tile_lists, classify_tiles, compact, query_tile_lists
+from ds_tree.registries import ATTENTION_ENGINES
+from ds_tree.triton.block_stats import block_stats
+from ds_tree.triton.tile_lists import SCHEDULES, backward_tile_lists, classify_tiles, compact, query_tile_lists
 from tests.helpers.strategies import forests, longest
 from tests.test_attention import _rows_kv_end
 
@@ -116,3 +117,8 @@ def test_compact_keeps_the_order_and_fills_the_rest():
     indices, counts = compact(mask)
     assert counts.tolist() == [[3, 0, 5]]
     assert indices.tolist() == [[[1, 3, 4, -1, -1], [-1] * 5, [0, 1, 2, 3, 4]]]
+
+
+def test_the_triton_engine_offers_every_tile_schedule():
+    """gpu-check checks each schedule the engine's capabilities list: all of the kernel's, its default first."""
+    assert ATTENTION_ENGINES.get("triton").tile_schedules == SCHEDULES

@@ -18,7 +18,8 @@ import yaml
 
 from ds_tree import config as config_module
 from ds_tree.config import ConfigError, load_config
-from ds_tree.run.trackers import STATE_FILE, TRACKERS
+from ds_tree.registry import RegistryError
+from ds_tree.run.trackers import STATE_FILE, TRACKERS, Tracker, register_tracker, tracker_class
 from tests.helpers import ROOT
 from tests.helpers.configs import write_config
 from tests.helpers.data import write_forest
@@ -30,6 +31,22 @@ ALL = ["tensorboard", "wandb", "mlflow", "trackio"]
 
 def test_choices_are_the_registry() -> None:
     assert typing.get_args(config_module.Tracker)[1].names() == tuple(TRACKERS)
+
+
+def test_a_project_tracker_registers_in_the_one_registry() -> None:
+    """register_tracker adds to ds_tree.registries.TRACKERS (the config then offers it), refuses a second class
+    under one name; an unknown name is a ConfigError naming logging.report_to and the known trackers."""
+    mine = type("MineTracker", (Tracker,), {"name": "mine", "package": "json", "requirement": "json"})
+    try:
+        assert register_tracker(mine) is mine and tracker_class("mine") is mine
+        assert "mine" in typing.get_args(config_module.Tracker)[1].names()
+        with pytest.raises(RegistryError, match="tracker 'mine' is already registered"):
+            register_tracker(type("OtherTracker", (Tracker,), {"name": "mine"}))
+    finally:
+        TRACKERS.unregister("mine")
+    known = r"\(known: tensorboard, wandb, mlflow, trackio\)"
+    with pytest.raises(ConfigError, match=rf"logging.report_to: unknown tracker 'mine' {known}"):
+        tracker_class("mine")
 
 
 @pytest.mark.parametrize(

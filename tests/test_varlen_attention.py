@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 
 from ds_tree import train
 from ds_tree.attention.reference import tree_attention_reference
-from ds_tree.attention.registry import ENGINES, has_backward, resolve_engine, tree_attention
+from ds_tree.attention.registry import has_backward, resolve_engine, tree_attention
 from ds_tree.attention.varlen import NotFlatError, VarlenUnavailable, flat_segments, kernel_name, varlen_attention
 from ds_tree.config import ConfigError, ModelConfig, load_config
 from ds_tree.models.loading import check_model_settings, load_model
 from ds_tree.packing.modes import pack_trajectories
+from ds_tree.registries import ATTENTION_ENGINES
 from ds_tree.trees.trajectory import Trajectory
 from tests.helpers import ROOT
 from tests.helpers.configs import write_config
@@ -167,7 +168,7 @@ def test_window_needs_offsets_counting_up():
 def test_resolve_engine_rules(monkeypatch):
     assert resolve_engine("auto", "cpu") == "torch"
     assert resolve_engine("auto", "cuda") == resolve_engine("auto", torch.device("cuda", 1)) == "flex"
-    for engine in ENGINES:
+    for engine in ATTENTION_ENGINES.names():
         assert resolve_engine(engine, "cpu") == resolve_engine(engine, "cuda") == engine
     for available, engine in ((False, "torch"), (True, "flex")):
         monkeypatch.setattr(torch.cuda, "is_available", lambda available=available: available)

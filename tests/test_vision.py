@@ -3,6 +3,7 @@ and Qwen2.5-VL / Qwen3-VL tree vs flat in float64 with the vision tower run once
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,13 +13,15 @@ import torch
 
 from ds_tree.cli.make_tokenizer import VISION_FAMILIES
 from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
-from ds_tree.data.vision_processor import FAMILIES, VISION_TOKENS, build_image_processor, load_vision_processor
+from ds_tree.data import vision_processor
+from ds_tree.data.vision_processor import VISION_TOKENS, build_image_processor, load_vision_processor
 from ds_tree.errors import ConfigError, DataError
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
 from ds_tree.models.vision import attach_rope_positions, check_vision_settings
 from ds_tree.packing.parts import whole_tree
 from ds_tree.packing.rows import assemble_row
+from ds_tree.registries import MODEL_FAMILIES
 from ds_tree.trees import trie as trie_module
 from ds_tree.trees.images import TrajectoryImage
 from ds_tree.trees.stats import tree_stats
@@ -34,10 +37,10 @@ VISION_START, VISION_END, IMAGE_PAD = 1024, 1025, 1026
 def make_image(family: str, seed: int, width_patches: int = 2, height_patches: int = 1) -> TrajectoryImage:
     """A random image of height_patches x width_patches merged patches (28x56 pixels for Qwen2.5-VL by default),
     processed by its family."""
-    side = FAMILIES[family].patch_size * 2
+    side = vision_processor.family(family).patch_size * 2
     pixels = np.random.default_rng(seed).random((side * height_patches, side * width_patches, 3))
     pixels = (pixels * 255).astype(np.uint8)
-    out = build_image_processor(FAMILIES[family])(images=[pixels], return_tensors="np")
+    out = build_image_processor(vision_processor.family(family))(images=[pixels], return_tensors="np")
     return TrajectoryImage.of(out["pixel_values"], out["image_grid_thw"][0])
 
 
@@ -95,7 +98,7 @@ def test_make_tokenizer_vision_writes_a_processor_folder(processor_folder):
     assert ids[start : start + 3] == [VISION_START, IMAGE_PAD, VISION_END]
     grid = build_image_processor(processor.family)(images=[np.zeros((28, 56, 3), np.uint8)])["image_grid_thw"]
     assert [int(v) for v in grid[0]] == [1, 2, 4]  # 28x56 pixels: 2 merged tokens
-    assert set(VISION_FAMILIES) == set(FAMILIES)
+    assert VISION_FAMILIES == tuple(name for name, spec in MODEL_FAMILIES.items() if spec.vision is not None)
 
 
 # ----------------------------------------------------------------------------- trees
@@ -171,10 +174,13 @@ def test_refused_settings_name_their_field(tmp_path, override, field):
         check_vision_settings(config, load_model_config(config.model.source))
 
 
-def test_bidirectional_image_attention_models_are_refused(tmp_path):
-    config = tmp_path / "gemma3.json"
-    config.write_text('{"model_type": "gemma3"}')
-    with pytest.raises(ValueError, match="bidirectionally"):
+@pytest.mark.parametrize(
+    "model_type", [name for name, spec in MODEL_FAMILIES.items() if spec.bidirectional_images]
+)  # gemma3, gemma3n, paligemma
+def test_bidirectional_image_attention_models_are_refused(tmp_path, model_type):
+    config = tmp_path / f"{model_type}.json"
+    config.write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ValueError, match="bidirectionally.*Supported vision-language models: qwen2_5_vl, qwen3_vl"):
         load_model(config)
 
 

@@ -1,15 +1,6 @@
-"""Tree attention: the ``kv_end`` mask contract and its engines."""
+"""Tree attention: the ``kv_end`` mask contract (``reference.py``), its engines and their registry
+(``engines.py``, ``registry.py``: ``tree_attention``, the transformers registration).
 
-from ds_tree.attention.blocksparse import blocksparse_tree_attention
-from ds_tree.attention.reference import tree_attention_reference, visibility_mask
-from ds_tree.attention.registry import ENGINES, implementation_name, register_tree_attention, tree_attention
-
-__all__ = [
-    "ENGINES",
-    "blocksparse_tree_attention",
-    "implementation_name",
-    "register_tree_attention",
-    "tree_attention",
-    "tree_attention_reference",
-    "visibility_mask",
-]
+Importing the package imports nothing: the engines' capabilities are read without torch
+(:mod:`ds_tree.attention.engines`).
+"""

@@ -1,10 +1,12 @@
-"""One ``tree_attention`` entry point over several engines, and its transformers registration.
+"""One ``tree_attention`` entry point over the registered engines, and its transformers registration.
 
-Engines: ``reference`` (dense mask, any dtype: the oracle), ``torch`` (block-sparse, the CPU
-default), ``triton`` (the GPU kernel; on a machine without a GPU only under
-``TRITON_INTERPRET=1``), ``flex`` (PyTorch's FlexAttention on the same mask; forward only on
-the CPU, ``flex.py``) and ``varlen`` (the flat baseline on flash kernels: flat rows only, CUDA
-only, ``varlen.py``). ``auto`` (:func:`resolve_engine`) is ``flex`` on CUDA, ``torch`` on the CPU.
+The engines are :data:`ds_tree.registries.ATTENTION_ENGINES`' entries, each an
+:class:`~ds_tree.attention.engines.AttentionEngine` (its function and capabilities): ``reference`` (dense
+mask, any dtype: the oracle), ``torch`` (block-sparse, the CPU default), ``triton`` (the GPU kernel,
+:mod:`ds_tree.triton`; on a machine without a GPU only under ``TRITON_INTERPRET=1``), ``flex`` (PyTorch's
+FlexAttention on the same mask; forward only on the CPU, ``flex.py``) and ``varlen`` (the flat baseline on
+flash kernels: flat rows only, CUDA only, ``varlen.py``). ``auto`` (:func:`resolve_engine`) is the engine
+whose ``auto_on`` names the device type: ``flex`` on CUDA, ``torch`` on the CPU.
 Each is registered in transformers' ``AttentionInterface`` as ``tree_<engine>``; a model built
 with that ``attn_implementation`` receives ``kv_end`` (and ``position_ids``) as forward kwargs and
 runs unchanged otherwise. A layer that passes ``sliding_window`` (Mistral, Qwen2/3 sliding
@@ -14,58 +16,52 @@ passes ``softcap`` (Gemma2) gets capped scores, on every engine (varlen: with fl
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from ds_tree.attention.blocksparse import blocksparse_tree_attention
-from ds_tree.attention.reference import tree_attention_reference
-
-
-def _triton(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
-    from ds_tree.attention.triton import triton_tree_attention  # imports triton: only on demand
-
-    return triton_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
-
-
-def _flex(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
-    from ds_tree.attention.flex import flex_tree_attention  # imports FlexAttention: only on demand
-
-    return flex_tree_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
-
-
-def _varlen(query, key, value, kv_end, scale=None, *, positions=None, window=None, softcap=None):
-    from ds_tree.attention.varlen import varlen_attention  # imports flash-attn when installed: only on demand
-
-    return varlen_attention(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
-
-
-ENGINES: dict[str, Callable[..., torch.Tensor]] = {
-    "reference": tree_attention_reference,
-    "torch": blocksparse_tree_attention,
-    "triton": _triton,
-    "flex": _flex,
-    "varlen": _varlen,
-}
+from ds_tree.attention.engines import AttentionEngine, auto_engine, registered
+from ds_tree.registries import ATTENTION_ENGINES
 
 AUTO = "auto"
-ENGINE_CHOICES = (AUTO, *ENGINES)
-"""What ``model.attention`` and the commands' ``--attention`` accept: an engine, or ``auto``."""
+
+
+def attention_engine(name: str) -> AttentionEngine:
+    """The registered engine ``name`` (its function and capabilities); ValueError for an unknown name."""
+    if name not in ATTENTION_ENGINES:
+        choices = ", ".join(ATTENTION_ENGINES.choices(AUTO).names())
+        raise ValueError(f"unknown attention engine {name!r}; choose one of {choices}")
+    return ATTENTION_ENGINES.get(name)
+
+
+def _device_type(device: torch.device | str | None) -> str:
+    """``device``'s type; None: the device this process trains on, CUDA when one is visible
+    (``torch.cuda.is_available()``, the choice DeepSpeed's accelerator makes), else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
 
 
 def resolve_engine(name: str, device: torch.device | str | None = None) -> str:
-    """The engine that ``name`` runs on ``device``: ``auto`` is ``flex`` on a CUDA device and ``torch``
-    anywhere else; an engine's own name is kept as given (whether it can run there is checked where it
-    is used: ``models.loading.check_model_settings``, the commands). ``device`` None: the device this
-    process trains on, CUDA when one is visible (``torch.cuda.is_available()``, the choice DeepSpeed's
-    accelerator makes), else the CPU. ValueError for an unknown name."""
-    if name == AUTO:
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return "flex" if torch.device(device).type == "cuda" else "torch"
-    if name not in ENGINES:
-        raise ValueError(f"unknown attention engine {name!r}; choose one of {', '.join(ENGINE_CHOICES)}")
-    return name
+    """The engine that ``name`` runs on ``device``: ``auto`` is the engine whose ``auto_on`` names the
+    device's type (``flex`` on CUDA, ``torch`` on the CPU and any other type); an engine's own name is kept
+    as given (whether it can run there is checked where it is used, from its capabilities:
+    ``models.loading.check_model_settings``, the commands). ``device`` None: the device this process trains
+    on (:func:`_device_type`). ValueError for an unknown name."""
+    if name != AUTO:
+        attention_engine(name)
+        return name
+    return auto_engine(_device_type(device))
+
+
+def tree_engines() -> tuple[str, ...]:
+    """The engines that train on tree rows (the oracle aside): what a message offers instead of one that cannot."""
+    return tuple(name for name, engine in registered() if engine.tree_rows and not engine.oracle)
+
+
+def flat_engine(device: torch.device | str) -> str | None:
+    """The flat-rows-only engine that runs on ``device`` (the flat baseline a user runs there: flash kernels
+    on a GPU), None where none does."""
+    kind = _device_type(device)
+    return next((name for name, engine in registered() if engine.flat_rows_only and engine.runs_on(kind)), None)
 
 
 def tree_attention(
@@ -76,29 +72,18 @@ def tree_attention(
     ``window`` (None: unlimited) limits query ``q`` to keys with ``positions[q] - positions[k] <
     window`` (``positions [B, N]``: the depths); ``softcap`` caps the scaled scores (reference module).
     """
-    try:
-        function = ENGINES[engine]
-    except KeyError:
-        raise ValueError(f"unknown attention engine {engine!r}; choose one of {sorted(ENGINES)}") from None
+    function = attention_engine(engine).function
     return function(query, key, value, kv_end, scale, positions=positions, window=window, softcap=softcap)
 
 
-FORWARD_ONLY = {"flex": "cpu"}
-"""Engines without a backward on a device type: torch 2.13's FlexAttention on the CPU."""
-CUDA_ONLY = {"varlen"}
-"""Engines with no kernel at all off CUDA: the flash kernels (flash-attn's, torch's varlen_attn)."""
-
-
 def has_backward(engine: str, device: torch.device | str = "cpu") -> bool:
-    """Whether ``engine`` can train (has a backward) on ``device``: not flex on the CPU, varlen on CUDA only."""
-    kind = torch.device(device).type
-    return FORWARD_ONLY.get(engine) != kind and (engine not in CUDA_ONLY or kind == "cuda")
+    """Whether ``engine`` can train (has a backward) on ``device`` (its ``backward`` capability)."""
+    return attention_engine(engine).trains_on(torch.device(device).type)
 
 
 def implementation_name(engine: str) -> str:
     """The ``attn_implementation`` string under which ``engine`` is registered."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown attention engine {engine!r}; choose one of {sorted(ENGINES)}")
+    attention_engine(engine)
     return f"tree_{engine}"
 
 
@@ -139,5 +124,5 @@ def register_tree_attention() -> None:
     """Register every engine with transformers (idempotent)."""
     from transformers import AttentionInterface
 
-    for engine in ENGINES:
+    for engine in ATTENTION_ENGINES.names():
         AttentionInterface.register(implementation_name(engine), _hf_attention(engine))

@@ -5,7 +5,7 @@ gets random q/k/v (float32) and one forward + backward of :func:`blocksparse_tre
 timed per row: one attention layer's work for the whole step. Both modes alternate within each
 repeat; the report gives the minimum and the median (first repeat left out as warm-up) in
 milliseconds, and per mode the visible (query, key) pairs and the scores the plan computes.
-The flex engine can be timed instead, forward only (see :func:`time_attention`).
+Another engine with a CPU kernel can be timed instead (the flex engine: forward only, see :func:`time_attention`).
 """
 
 from __future__ import annotations
@@ -15,13 +15,9 @@ import time
 
 import torch
 
-from ds_tree.attention.blocksparse import (
-    DEFAULT_BLOCK,
-    HUB_MIN_KEYS,
-    HUB_MIN_QUERIES,
-    block_plan,
-    blocksparse_tree_attention,
-)
+from ds_tree.attention.blocksparse import DEFAULT_BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES, block_plan
+from ds_tree.attention.engines import cpu_engines
+from ds_tree.attention.registry import attention_engine
 from ds_tree.data.sampler import StepSampler
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
@@ -42,14 +38,17 @@ def time_attention(
 ) -> dict:
     """Per mode: rows, tokens, ``min_ms``, ``median_ms``, ``visible_pairs``, ``computed_scores``.
 
-    ``engine`` ``flex`` times :mod:`ds_tree.attention.flex` instead, forward only (under no_grad:
-    FlexAttention has no backward on the CPU) and eager; ``computed_scores`` is then None (eager
-    FlexAttention computes every score of the row) and ``timed`` says ``forward only``.
+    ``engine``: one of :func:`~ds_tree.attention.engines.cpu_engines`. One without a CPU backward (``flex``:
+    FlexAttention, eager) is timed forward only, under no_grad, and ``timed`` says ``forward only``;
+    ``computed_scores`` is None for an engine that does not tile by the block plan (eager FlexAttention
+    computes every score of the row).
+    ``block`` and the hub options go to the engine that tiles by the plan (``torch``).
     """
-    if engine not in ("torch", "flex"):
-        raise ValueError(f"engine must be torch or flex, got {engine!r}")
-    if engine == "flex":
-        from ds_tree.attention.flex import flex_tree_attention
+    if engine not in cpu_engines():
+        raise ValueError(f"engine must be one of {', '.join(cpu_engines())}, got {engine!r}")
+    spec = attention_engine(engine)
+    tuning = dict(block=block, hub_min_keys=hub_min_keys, hub_min_queries=hub_min_queries) if spec.block_plan else {}
+    backward = spec.trains_on("cpu")
     if repeats < 2:
         raise ValueError("repeats must be at least 2 (the first is a warm-up for the median)")
     groups = group_trajectories(trajectories)
@@ -72,18 +71,12 @@ def time_attention(
         for mode, rows in inputs.items():
             elapsed = 0.0
             for kv_end, qkv, grad in rows:
-                if engine == "flex":
-                    started = time.perf_counter()
-                    with torch.no_grad():
-                        flex_tree_attention(*qkv, kv_end)
-                    elapsed += time.perf_counter() - started
-                    continue
-                q, k, v = (x.clone().requires_grad_() for x in qkv)
+                q, k, v = (x.clone().requires_grad_(backward) for x in qkv)
                 started = time.perf_counter()
-                output = blocksparse_tree_attention(
-                    q, k, v, kv_end, block=block, hub_min_keys=hub_min_keys, hub_min_queries=hub_min_queries
-                )
-                output.backward(grad)
+                with torch.set_grad_enabled(backward):
+                    output = spec.function(q, k, v, kv_end, **tuning)
+                if backward:
+                    output.backward(grad)
                 elapsed += time.perf_counter() - started
             times[mode].append(elapsed * 1e3)
 
@@ -96,7 +89,7 @@ def time_attention(
             "min_ms": min(times[mode]),
             "median_ms": statistics.median(times[mode][1:]),
             "visible_pairs": sum(plan.visible_pairs for plan in plans),
-            "computed_scores": sum(plan.computed_scores() for plan in plans) if engine == "torch" else None,
-            "timed": "forward+backward" if engine == "torch" else "forward only",
+            "computed_scores": sum(plan.computed_scores() for plan in plans) if spec.block_plan else None,
+            "timed": "forward+backward" if backward else "forward only",
         }
     return report

@@ -114,6 +114,35 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def check_attention_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve ``--attention`` (``auto``: flex on CUDA, else torch) and ``--flat-attention`` (by default the
+    flat baseline a user runs on the device: its flat-rows engine, flash kernels on a GPU, else the tree
+    engine) for ``--device``, and refuse, from the engines' capabilities, one that cannot run there or
+    cannot run the modes, and a tree engine that cannot train there."""
+    from ds_tree.attention.engines import cpu_engines
+    from ds_tree.attention.registry import attention_engine, flat_engine, resolve_engine, tree_engines
+
+    device = args.device.split(":")[0]
+    args.attention = resolve_engine(args.attention, args.device)
+    args.flat_attention = resolve_engine(args.flat_attention or flat_engine(args.device) or args.attention, args.device)
+    flat, tree = attention_engine(args.flat_attention), attention_engine(args.attention)
+    if not flat.runs_on(device):
+        parser.error(f"--flat-attention {args.flat_attention} needs a CUDA GPU ({flat.cpu_limit}): use --device cuda")
+    if tree.flat_rows_only and ({mode.strip() for mode in args.modes.split(",")} - {"flat", ""}):
+        parser.error(
+            f"--attention {args.attention} runs flat rows only: use --modes flat "
+            f"({', '.join(tree_engines())} for tree rows)"
+        )
+    if not tree.runs_on(device):
+        parser.error(f"--attention {args.attention} needs a CUDA GPU ({tree.cpu_limit}): use --device cuda")
+    if not tree.trains_on(device):
+        forward = f", or ds-tree bench-attention --engine {args.attention} for its forward"
+        parser.error(
+            f"--attention {args.attention} times training steps, and it cannot train on the CPU: {tree.cpu_limit}; "
+            f"use --device cuda{forward if args.attention in cpu_engines() else ''}"
+        )
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
@@ -122,24 +151,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         check_output_path(parser, output, option)
     import torch
 
-    from ds_tree.attention.registry import resolve_engine
-
-    args.attention = resolve_engine(args.attention, args.device)  # auto: flex with --device cuda, else torch
-    if args.flat_attention is None:  # the flat baseline a user runs today: flash kernels on a GPU
-        on_gpu = args.device.startswith("cuda") and args.attention != "varlen"
-        args.flat_attention = "varlen" if on_gpu else args.attention
-    args.flat_attention = resolve_engine(args.flat_attention, args.device)
-    if args.flat_attention == "varlen" and not args.device.startswith("cuda"):
-        parser.error("--flat-attention varlen needs a CUDA GPU (flash kernels have no CPU kernel): use --device cuda")
-    if args.attention == "varlen" and ({m.strip() for m in args.modes.split(",")} - {"flat", ""}):
-        parser.error("--attention varlen runs flat rows only: use --modes flat (flex, triton or torch for tree rows)")
-    if args.attention == "varlen" and not args.device.startswith("cuda"):
-        parser.error("--attention varlen needs a CUDA GPU (flash kernels have no CPU kernel): use --device cuda")
-    if args.attention == "flex" and not args.device.startswith("cuda"):
-        parser.error(
-            "--attention flex times training steps, and FlexAttention has no backward on the CPU: "
-            "use --device cuda, or ds-tree bench-attention --engine flex for its forward"
-        )
+    check_attention_options(parser, args)
     if args.device.startswith("cuda") and not torch.cuda.is_available():  # after the options' own rules
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     objective = objective_config(parser, args)

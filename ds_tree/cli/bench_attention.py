@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ds_tree.cli.choices import BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES
+from ds_tree.cli.choices import BLOCK, HUB_MIN_KEYS, HUB_MIN_QUERIES, cpu_attention_engines
 from ds_tree.cli.common import POSITIVE_INT, check_not_input, check_output_path, command_parser
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
@@ -41,7 +41,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--engine",
-        choices=("torch", "flex"),
+        choices=cpu_attention_engines(),
         default="torch",
         help="torch (block-sparse, forward+backward) or flex (FlexAttention, forward only: no backward on the CPU)",
     )

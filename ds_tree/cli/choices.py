@@ -13,12 +13,18 @@ from __future__ import annotations
 from typing import get_args
 
 from ds_tree import config
+from ds_tree.attention.engines import cpu_engines
 from ds_tree.registries import AGGREGATIONS, ATTENTION_ENGINES, ESTIMATORS, OBJECTIVES, SAMPLING_ENGINES
 
 
 def engines() -> tuple[str, ...]:
     """``model.attention`` / ``--attention``: ``auto`` and the registered attention engines."""
     return ATTENTION_ENGINES.choices("auto").names()
+
+
+def cpu_attention_engines() -> tuple[str, ...]:
+    """``bench-attention --engine``: the attention engines with a native CPU kernel (the oracle aside)."""
+    return cpu_engines()
 
 
 def objectives() -> tuple[str, ...]:
@@ -57,7 +63,7 @@ VERIFY_DTYPES = ("float64", "float32")
 BENCH_DTYPES = ("float32", "bfloat16")
 """ds_tree.bench.steps.BENCH_DTYPES"""
 KERNEL_DTYPES = ("float32", "float16", "bfloat16")
-"""ds_tree.attention.triton.function.DTYPES"""
+"""ds_tree.triton.function.DTYPES"""
 
 BLOCK = 128
 """ds_tree.attention.blocksparse.DEFAULT_BLOCK"""

@@ -24,6 +24,8 @@ from ds_tree.cli.common import command_parser, output_folder_problem
 from ds_tree.data.chat_templates import TEMPLATES
 
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+"""The vision-language model families (their specs' ``vision``, ds_tree/models/families), copied so that
+``--help`` needs no torch; tests/test_vision.py checks the copy."""
 MARKER = "ds_tree_tokenizer.json"
 """Written into every folder make-tokenizer makes (what it built): ``--overwrite`` replaces only such a folder."""
 WRITTEN = {

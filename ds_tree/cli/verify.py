@@ -127,13 +127,20 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parser.parse_args(argv)
     if args.dfs_recompute and args.dfs_chunk is None:
         parser.error("--dfs-recompute: only with --dfs-chunk C (it forwards each dfs chunk twice)")
-    from ds_tree.attention.registry import resolve_engine
+    from ds_tree.attention.registry import attention_engine, resolve_engine
 
     args.attention = resolve_engine(args.attention, "cpu")  # verify runs on the CPU: auto is torch
-    if args.attention == "varlen":
-        parser.error("--attention varlen runs flat rows on a CUDA GPU only: verify compares tree rows on the CPU")
-    if args.attention == "flex" and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
-        parser.error("--attention flex has no backward on the CPU: it checks the sft objective in one process only")
+    engine = attention_engine(args.attention)
+    if engine.flat_rows_only or not engine.runs_on("cpu"):
+        rows, where = (
+            "flat rows" if engine.flat_rows_only else "tree rows",
+            "" if engine.runs_on("cpu") else " on a CUDA GPU",
+        )
+        parser.error(f"--attention {args.attention} runs {rows}{where} only: verify compares tree rows on the CPU")
+    if not engine.trains_on("cpu") and (args.objective not in (None, "sft") or args.sequence_parallel > 1):
+        parser.error(
+            f"--attention {args.attention} has no backward on the CPU: it checks the sft objective in one process only"
+        )
     if args.lora and args.sequence_parallel > 1:
         parser.error("--lora checks single-process modes (not --sequence-parallel)")
     objective = objective_config(parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy"))

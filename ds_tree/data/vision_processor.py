@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ds_tree.data.chat_templates import CHAT_TEMPLATE
 from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE, build_tokenizer
+from ds_tree.registries import MODEL_FAMILIES
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -35,7 +36,8 @@ VISION_FILE = "ds_tree_vision.json"
 
 @dataclass(frozen=True)
 class VisionFamily:
-    """A family's image processor settings (its published preprocessor configs, with small pixel limits)."""
+    """A family's image processor settings (its published preprocessor configs, with small pixel limits): the
+    ``vision`` of its model family spec (``ds_tree/models/families/qwen_vl.py``)."""
 
     name: str
     patch_size: int
@@ -50,11 +52,6 @@ class VisionFamily:
         """Values per patch in ``pixel_values``: 3 channels x temporal patch x patch x patch."""
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
 
-
-FAMILIES = {
-    "qwen2_5_vl": VisionFamily("qwen2_5_vl", patch_size=14),
-    "qwen3_vl": VisionFamily("qwen3_vl", patch_size=16, min_pixels=32 * 32, max_pixels=64 * 32 * 32),
-}
 
 # Message content is a string or a list of parts; an image part renders as the family's placeholder.
 _CONTENT_MACRO = (
@@ -72,10 +69,13 @@ VISION_CHAT_TEMPLATE = _CONTENT_MACRO + CHAT_TEMPLATE.replace(
 
 
 def family(name: str) -> VisionFamily:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise ValueError(f"unknown vision family {name!r}; choose one of {', '.join(FAMILIES)}") from None
+    """The image processor settings of the vision-language family ``name``: its model family spec's ``vision``
+    (``ds_tree.models.families``, looked up by name in :data:`~ds_tree.registries.MODEL_FAMILIES`)."""
+    found = MODEL_FAMILIES.get(name).vision if name in MODEL_FAMILIES else None
+    if found is None:
+        known = [spec.model_type for _, spec in MODEL_FAMILIES.items() if spec.vision is not None]
+        raise ValueError(f"unknown vision family {name!r}; choose one of {', '.join(known)}")
+    return found
 
 
 def build_vision_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):

@@ -30,7 +30,8 @@ key/value heads of width ``d``, ``b`` bytes per element of the model dtype):
 
 A recurrent layer of a hybrid model (Gated DeltaNet: Qwen3.5, Qwen3-Next; Mamba2: Bamba, Falcon-H1)
 keeps its mixer's tensors instead of attention's (a Falcon-H1 layer: both), counted tensor by tensor
-from ``ds_tree/models/hybrid.py`` and ``ds_tree/models/linear_scans.py`` in :class:`RecurrentMixer`:
+from ``ds_tree/models/hybrid.py`` and ``ds_tree/scans/linear_scans.py`` in :class:`RecurrentMixer`
+(its sizes read off the mixer by the family's memory hook, ``recurrent.sizes``):
 per token, per token of the scan (each node padded to a multiple of the scan's chunk) and per scan
 chunk of a node (the state it starts from), so a row's nodes matter (:class:`RowNodes`).
 
@@ -81,7 +82,7 @@ class RecurrentMixer:
 
     Per token (``b`` bytes of the model dtype, ``f = 4``: the scans and the gated norm compute in
     float32 for float32 and bf16 models), counted on the autograd graph of
-    ``ds_tree/models/hybrid.py`` and ``ds_tree/models/linear_scans.py`` (every saved tensor, parameters
+    ``ds_tree/models/hybrid.py`` and ``ds_tree/scans/linear_scans.py`` (every saved tensor, parameters
     and the layer's input excluded: 11780 of 11788 bytes per token for tiny Qwen3.5's mixer, 10637.5 of
     10640 for tiny Bamba's; the rest is the scan's constant ``chunk x chunk`` mask):
 
@@ -137,25 +138,6 @@ class RecurrentMixer:
             state = f * h * p * n
         return conv + on_row * tokens + on_scan * scanned + state * (scanned // self.chunk)
 
-    @classmethod
-    def of(cls, module) -> RecurrentMixer:
-        """From a mixer module (the attributes ``ds_tree/models/hybrid.py`` reads)."""
-        conv = (module.conv1d.in_channels, module.conv1d.kernel_size[0])
-        if hasattr(module, "num_v_heads"):  # Gated DeltaNet; 64: hybrid.GATED_DELTA_CHUNK (tested equal)
-            return cls(
-                "gated_delta", module.num_v_heads, module.head_k_dim, module.head_v_dim, module.num_k_heads, *conv, 64
-            )
-        return cls(
-            "mamba2",
-            module.num_heads,
-            module.ssm_state_size,
-            module.head_dim,
-            module.n_groups,
-            *conv,
-            module.chunk_size,
-            projected=module.in_proj.out_features,
-        )
-
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -188,7 +170,10 @@ class ModelShape:
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+        from ds_tree.models.families import family_of
+
         vision = getattr(config, "vision_config", None) is not None  # a vision-language model: its tower counted
+        recurrent = family_of(config).recurrent  # a hybrid's recurrent mixers, and their memory hook
         with torch.device("meta"):
             model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(config)
         if vision:  # the sizes below are the language model's
@@ -196,13 +181,14 @@ class ModelShape:
         parameters = sum(p.numel() for p in model.parameters())
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         qk_norm = any(name.endswith((".q_norm", ".k_norm")) for name, _ in model.named_modules())
-        mixers = {m.layer_idx: m for m in model.modules() if hasattr(m, "conv1d") and hasattr(m, "layer_idx")}
+        forwards = {} if recurrent is None else recurrent.tree_forwards
+        mixers = {m.layer_idx: m for m in model.modules() if type(m).__name__ in forwards}
         attention = {  # the decoder layers with attention (``...layers.<i>.self_attn``)
             int(parts[-2])
             for parts in (name.split(".") for name, _ in model.named_modules())
             if parts[-1] == "self_attn" and len(parts) > 1 and parts[-2].isdigit()
         }
-        recurrent = RecurrentMixer.of(next(iter(mixers.values()))) if mixers else None
+        mixer = RecurrentMixer(**recurrent.sizes(next(iter(mixers.values())))) if mixers else None
         heads = config.num_attention_heads
         return cls(
             vocab=config.vocab_size,
@@ -215,7 +201,7 @@ class ModelShape:
             parameters=parameters,
             largest_module=largest,
             qk_norm=qk_norm,
-            recurrent=recurrent,
+            recurrent=mixer,
             recurrent_layers=tuple(sorted(mixers)),
             attention_free=tuple(sorted(set(mixers) - attention)),
         )

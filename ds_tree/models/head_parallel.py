@@ -39,24 +39,16 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 
 from ds_tree.errors import ConfigError
-
-RECURRENT_HEAD_FIELDS = {
-    "qwen3_5_text": ("linear_num_value_heads", "linear_num_key_heads"),
-    "qwen3_5_moe_text": ("linear_num_value_heads", "linear_num_key_heads"),
-    "qwen3_next": ("linear_num_value_heads", "linear_num_key_heads"),
-    "bamba": ("mamba_n_heads", "mamba_n_groups"),
-    "falcon_h1": ("mamba_n_heads", "mamba_n_groups"),
-    "nemotron_h": ("mamba_num_heads", "n_groups"),
-}
-"""``model_type`` -> (its recurrent layers' heads field, the field of the key heads / groups they share)."""
+from ds_tree.models.families import family_of
 
 
 def check_recurrent_heads(text_config, size: int, source: str) -> None:
-    """Refuse a hybrid whose recurrent heads do not split over ``size`` ranks (a ``ConfigError`` naming the field)."""
-    fields = RECURRENT_HEAD_FIELDS.get(getattr(text_config, "model_type", None))
-    if size == 1 or fields is None:
+    """Refuse a hybrid whose recurrent heads do not split over ``size`` ranks (a ``ConfigError`` naming the
+    field: its family's ``recurrent.head_fields``)."""
+    recurrent = family_of(text_config).recurrent
+    if size == 1 or recurrent is None:
         return
-    heads_field, shared_field = fields
+    heads_field, shared_field = recurrent.head_fields
     heads, shared = getattr(text_config, heads_field), getattr(text_config, shared_field)
     if heads % size:
         raise ConfigError(

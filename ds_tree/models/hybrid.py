@@ -13,7 +13,7 @@ recurrent state**, and its causal convolution sees the **last K-1 inputs along i
 
 The layers are the models' own modules with ``forward`` replaced per instance (:func:`install_tree_mixers`):
 the projections, ``conv1d``, norms and ``out_proj`` are called as modules (so ZeRO-3's hooks gather
-their parameters), and the scans are :mod:`ds_tree.models.linear_scans` (transformers' chunked
+their parameters), and the scans are :mod:`ds_tree.scans.linear_scans` (transformers' chunked
 fallbacks, with a state per sequence, computing in float64 for float64 models). The tree comes from
 the ``kv_end`` model input that the tree attention receives too; without it (a plain sequence, a
 cached decode) the stock forward runs. Gradients reach a shared parent state from every child
@@ -30,7 +30,8 @@ Under sequence parallelism a mixer gets one shard of a row (or of a dfs chunk) a
 ``kv_end``: it exchanges its shard's projections for the whole row of its heads, runs the same scan over
 every node for those heads and returns to shards (:mod:`ds_tree.models.head_parallel`).
 
-Supported mixers (:data:`TREE_MIXERS`): ``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet`` and
+The families whose mixers run on trees say so in their spec (``recurrent``: their mixer classes and tree
+forwards, :mod:`ds_tree.models.families`): ``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet`` and
 ``Qwen3NextGatedDeltaNet`` (``qwen3_5_text``, ``qwen3_5_moe_text``, ``qwen3_next``), ``BambaMixer``,
 ``NemotronHMamba2Mixer`` and ``FalconH1Mixer`` (``bamba``, ``nemotron_h``, ``falcon_h1``). Other
 hybrids (Jamba, granite-4, LFM2, Mamba) stay refused by :func:`ds_tree.models.token_mixing.check_layer_types`.
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ds_tree.models import fla_scan, linear_scans
+from ds_tree.models.families import family_of, family_of_model
 from ds_tree.models.head_parallel import (
     HeadShards,
     channels_of,
@@ -54,8 +55,9 @@ from ds_tree.models.head_parallel import (
     shared_block,
     sliced_conv_forward,
 )
-from ds_tree.models.linear_scans import compute_dtype
 from ds_tree.models.tree_nodes import TreeNodes, chain_nodes, tree_nodes
+from ds_tree.scans import fla_scan, linear_scans
+from ds_tree.scans.linear_scans import compute_dtype
 
 GATED_DELTA_CHUNK = 64
 """The chunk of transformers' ``torch_chunk_gated_delta_rule`` (its default, what the stock layer uses)."""
@@ -65,25 +67,16 @@ RECURRENT_SCANS = {"torch": linear_scans, "fla": fla_scan}
 ``chunk_gated_delta_rule`` and ``chunk_mamba2`` the mixers call: the torch scans (CPU, float64 oracle) or
 flash-linear-attention's Triton kernels (GPU)."""
 
-HYBRID_MODEL_TYPES = {
-    "qwen3_5_text": "Gated DeltaNet",
-    "qwen3_5_moe_text": "Gated DeltaNet",
-    "qwen3_next": "Gated DeltaNet",
-    "bamba": "Mamba2",
-    "nemotron_h": "Mamba2",
-    "falcon_h1": "Mamba2",
-}
-"""``model_type`` -> its recurrent mixer, for the model types whose ``linear_attention`` layers run on trees."""
-
 RECURRENT_LAYER_TYPES = ("linear_attention", "hybrid")
 """The ``layer_types`` entries that name these mixers (``hybrid``: Falcon-H1, a Mamba2 mixer and attention
 side by side in every layer)."""
 
 
 def is_hybrid(config) -> bool:
-    """Whether ``config`` is a hybrid model whose recurrent layers run on trees here."""
+    """Whether ``config`` is a hybrid model whose recurrent layers run on trees here (its family has
+    recurrent layers, and its ``layer_types`` list some)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(text, "model_type", None) in HYBRID_MODEL_TYPES and any(
+    return family_of(config).recurrent is not None and any(
         kind in RECURRENT_LAYER_TYPES for kind in (getattr(text, "layer_types", None) or [])
     )
 
@@ -410,111 +403,51 @@ def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     return self.out_proj(y.to(dtype))
 
 
-TREE_MIXERS: dict[str, Callable] = {
-    "Qwen3_5GatedDeltaNet": gated_delta_net_forward,
-    "Qwen3_5MoeGatedDeltaNet": gated_delta_net_forward,
-    "Qwen3NextGatedDeltaNet": qwen3_next_gated_delta_net_forward,
-    "BambaMixer": mamba2_forward,
-    "NemotronHMamba2Mixer": mamba2_forward,
-    "FalconH1Mixer": mamba2_forward,
-}
-"""Mixer class name -> its tree forward."""
-
-
-# ------------------------------------------------------------------------- float64 gated norms
-def _gated_norm_norm_first_float64(self, hidden_states, gate):
-    """Qwen3.5's gated RMSNorm (normalise, scale, then ``* silu(gate)``) without its float32 casts."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    hidden_states = self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-    return hidden_states * ACT2FN[self.activation](gate)
-
-
-def _gated_norm_gate_first_float64(self, hidden_states, gate=None):
-    """Bamba's grouped gated RMSNorm (``* silu(gate)`` first, then per group) without its float32 casts."""
-    if gate is not None:
-        hidden_states = hidden_states * F.silu(gate)
-    *prefix, last = hidden_states.shape
-    grouped = hidden_states.view(*prefix, last // self.group_size, self.group_size)
-    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    return self.weight * grouped.view(*prefix, last)
-
-
-def _falcon_h1_gated_norm_float64(self, hidden_states, gate=None):
-    """Falcon-H1's grouped gated RMSNorm (gate before or after, by ``norm_before_gate``) without its float32 casts."""
-    if not self.norm_before_gate and gate is not None:
-        hidden_states = hidden_states * F.silu(gate)
-    *prefix, last = hidden_states.shape
-    grouped = hidden_states.view(*prefix, self.n_groups, last // self.n_groups)
-    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-    hidden_states = (self.weight.view(self.n_groups, -1) * grouped).view(*prefix, last)
-    if self.norm_before_gate and gate is not None:
-        hidden_states = hidden_states * F.silu(gate)
-    return hidden_states
-
-
-FLOAT64_GATED_NORMS = {
-    "Qwen3_5RMSNormGated": _gated_norm_norm_first_float64,
-    "Qwen3_5MoeRMSNormGated": _gated_norm_norm_first_float64,
-    "Qwen3NextRMSNormGated": _gated_norm_norm_first_float64,
-    "BambaRMSNormGated": _gated_norm_gate_first_float64,
-    "NemotronHRMSNormGated": _gated_norm_gate_first_float64,
-    "FalconH1RMSNormGated": _falcon_h1_gated_norm_float64,
-}
-
-
-def _nemotron_h_forward_float64(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    cache=None,
-    inputs_embeds=None,
-    labels=None,
-    use_cache=None,
-    logits_to_keep=0,
-    **kwargs,
-):
-    """``NemotronHForCausalLM.forward`` without its ``.float()`` on the logits (which rounds a float64
-    model's logits to float32); no ``labels`` (the trainer computes its own losses)."""
-    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-    from transformers.modeling_utils import slice_logits_to_keep
-
-    if labels is not None:
-        raise ValueError("the float64 NemotronH forward computes no loss: pass no labels")
-    outputs = self.model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        inputs_embeds=inputs_embeds,
-        use_cache=use_cache,
-        **kwargs,
+def gated_delta_sizes(module) -> dict:
+    """What the memory model needs of a Gated DeltaNet mixer (``ds_tree.memory.predict.RecurrentMixer``'s
+    fields): the attributes its tree forward reads, and the scan's chunk."""
+    conv = module.conv1d
+    return dict(
+        kind="gated_delta",
+        heads=module.num_v_heads,
+        key_dim=module.head_k_dim,
+        value_dim=module.head_v_dim,
+        groups=module.num_k_heads,
+        conv_channels=conv.in_channels,
+        conv_kernel=conv.kernel_size[0],
+        chunk=GATED_DELTA_CHUNK,
     )
-    logits = self.lm_head(slice_logits_to_keep(outputs[0], logits_to_keep))
-    return MoeCausalLMOutputWithPast(logits=logits, cache=outputs.cache, router_logits=outputs.router_logits)
 
 
-FLOAT64_FORWARDS = {"NemotronHForCausalLM": _nemotron_h_forward_float64}
-"""Model classes whose own forward casts the logits to float32, with a float64 forward."""
+def mamba2_sizes(module) -> dict:
+    """What the memory model needs of a Mamba2 mixer (:func:`gated_delta_sizes`)."""
+    conv = module.conv1d
+    return dict(
+        kind="mamba2",
+        heads=module.num_heads,
+        key_dim=module.ssm_state_size,
+        value_dim=module.head_dim,
+        groups=module.n_groups,
+        conv_channels=conv.in_channels,
+        conv_kernel=conv.kernel_size[0],
+        chunk=module.chunk_size,
+        projected=module.in_proj.out_features,
+    )
 
 
-def install_tree_mixers(model: torch.nn.Module, dtype: torch.dtype, scans: str = "torch") -> int:
-    """Replace the ``forward`` of every supported recurrent mixer of ``model`` by its tree forward, scanning
-    with :data:`RECURRENT_SCANS` ``[scans]`` (``torch`` or ``fla``, resolved by
-    :func:`~ds_tree.models.fla_scan.resolve_recurrent_kernels`); for a float64 model (``dtype``) also lift the
-    gated norms' float32 casts (the stock norms round every mixer output to float32: float64 verification
-    could not see float64 round-off). Returns how many mixers."""
+def install_tree_mixers(model: torch.nn.Module, scans: str = "torch") -> int:
+    """Replace the ``forward`` of every recurrent mixer of ``model`` that its family runs on trees by its tree
+    forward, scanning with :data:`RECURRENT_SCANS` ``[scans]`` (``torch`` or ``fla``, resolved by
+    :func:`~ds_tree.scans.fla_scan.resolve_recurrent_kernels`). Returns how many mixers. (A float64 model's
+    gated norms compute in float64 like its other norms: :mod:`ds_tree.models.float64`.)"""
+    recurrent = family_of_model(model).recurrent
+    forwards = {} if recurrent is None else recurrent.tree_forwards
     installed = 0
-    float64 = dtype == torch.float64
-    if float64 and type(model).__name__ in FLOAT64_FORWARDS:
-        model.forward = FLOAT64_FORWARDS[type(model).__name__].__get__(model)
     for module in model.modules():
-        name = type(module).__name__
-        if name in TREE_MIXERS:
-            module.forward = TREE_MIXERS[name].__get__(module)
+        forward = forwards.get(type(module).__name__)
+        if forward is not None:
+            module.forward = forward.__get__(module)
             module.tree_scans = scans  # a name, not the module: a model with it still deep-copies
             module.conv1d.forward = sliced_conv_forward.__get__(module.conv1d)
             installed += 1
-        elif float64 and name in FLOAT64_GATED_NORMS:
-            module.forward = FLOAT64_GATED_NORMS[name].__get__(module)
     return installed

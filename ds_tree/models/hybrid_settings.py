@@ -7,7 +7,8 @@ parallel, rollout), which the layer's own modules never see.
 from __future__ import annotations
 
 from ds_tree.errors import ConfigError
-from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, is_hybrid
+from ds_tree.models.families import family_of
+from ds_tree.models.hybrid import is_hybrid
 from ds_tree.registries import missing_capability
 
 
@@ -19,8 +20,7 @@ def check_hybrid_settings(config, model_config) -> None:
     :mod:`ds_tree.models.head_parallel`) carry the states exactly."""
     if not is_hybrid(model_config):
         return
-    kind = HYBRID_MODEL_TYPES[model_config.get_text_config().model_type]
-    what = f"{model_config.model_type} is a hybrid model ({kind} layers)"
+    what = f"{model_config.model_type} is a hybrid model ({family_of(model_config).recurrent.mixer} layers)"
     rollout = config.rollout
     missing = missing_capability(rollout.engine, "recurrent_models") if rollout.enabled else None
     if missing:

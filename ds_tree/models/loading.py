@@ -11,6 +11,7 @@ Mistral, ... Models with other token-mixing layers (state-space, linear attentio
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -23,16 +24,22 @@ from transformers import (
 )
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from ds_tree.attention import implementation_name, register_tree_attention
-from ds_tree.attention.registry import resolve_engine
-from ds_tree.attention.tile_lists import resolve_schedule
-from ds_tree.errors import HubError
+from ds_tree.attention.registry import (
+    attention_engine,
+    implementation_name,
+    register_tree_attention,
+    resolve_engine,
+    tree_engines,
+)
+from ds_tree.errors import ConfigError, HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
-from ds_tree.models.fla_scan import resolve_recurrent_kernels
+from ds_tree.models.float64 import keep_logits_in_float64, keep_norms_in_float64
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
 from ds_tree.models.vision import attention_implementations, check_vision_model_type, install_vision, is_vision_language
+from ds_tree.scans.fla_scan import resolve_recurrent_kernels
+from ds_tree.triton.tile_lists import resolve_schedule
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,47 +113,52 @@ def load_config(source: str | Path) -> PretrainedConfig:
         raise ValueError(f"{source}: not a valid {model_type} config ({reason})") from None
 
 
+def check_attention_settings(config) -> None:
+    """``model.attention``'s engine against ``packing.mode``, ``model.dtype`` and the device
+    (:func:`check_model_settings`); a ``ConfigError`` naming the fields."""
+    name = resolve_engine(config.model.attention)
+    engine = attention_engine(name)
+    alternatives = " or ".join(", ".join(tree_engines()).rsplit(", ", 1))
+    if engine.flat_rows_only and config.packing.mode != "flat":
+        raise ConfigError(
+            f"model.attention: {name} runs flat rows only (kernels over independent sequences), and packing.mode "
+            f"is {config.packing.mode}: set packing.mode: flat for the flat baseline, or use {alternatives} for "
+            "tree rows"
+        )
+    if engine.dtypes and config.model.dtype not in engine.dtypes:
+        raise ConfigError(
+            f"model.attention: {name} needs model.dtype: {engine.dtypes[0]} (its kernels take "
+            f"{'/'.join(engine.dtypes)} only), got {config.model.dtype}; use {alternatives} in float32"
+        )
+    if torch.cuda.is_available():
+        return
+    cpu = resolve_engine("auto", "cpu")
+    if not engine.runs_on("cpu") or (engine.interpreted_off_cuda and os.environ.get("TRITON_INTERPRET") != "1"):
+        raise ConfigError(
+            f"model.attention: {name} needs a CUDA GPU and none is visible ({engine.cpu_limit}); use {cpu} on the CPU"
+        )
+    if not engine.trains_on("cpu"):
+        raise ConfigError(
+            f"model.attention: {name} cannot train on the CPU: {engine.cpu_limit}; use {cpu} on the CPU, or {name} "
+            "on a CUDA GPU"
+        )
+
+
 def check_model_settings(config) -> None:
     """What the training config asks of the model that can be checked before anything is built, for the
-    engine ``model.attention`` resolves to here (``auto``: flex with a CUDA GPU, torch without):
-    ``model.recurrent_kernels: fla`` needs ``fla-core`` installed; ``triton`` needs a CUDA GPU (or
-    ``TRITON_INTERPRET=1``, Triton's CPU interpreter, which the tests use); ``flex`` needs one too
-    (FlexAttention has no backward on the CPU); ``varlen`` runs flat rows only (``packing.mode: flat``), in
-    bfloat16, on a CUDA GPU; ``objective.reference`` must be a loadable model config; ``$DS_TREE_TRITON_TILES``
-    must name a tile schedule (checked on any machine: the config may be meant for a GPU's)."""
-    import os
-
-    from ds_tree.errors import ConfigError
-
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    engine = resolve_engine(config.model.attention)
+    engine ``model.attention`` resolves to here (``auto``: flex with a CUDA GPU, torch without), from its
+    capabilities (:mod:`ds_tree.attention.engines`): one that runs flat rows only (varlen) needs
+    ``packing.mode: flat``; one that takes some dtypes only (varlen: bfloat16) needs ``model.dtype`` among
+    them; without a CUDA GPU, one with no CPU kernel (varlen) or no CPU backward (flex: FlexAttention has a
+    forward only there) is refused, and one that runs off CUDA only in Triton's interpreter (triton) needs
+    ``TRITON_INTERPRET=1`` (which the tests use). ``model.recurrent_kernels: fla`` needs ``fla-core``
+    installed; ``objective.reference`` must be a loadable model config; ``$DS_TREE_TRITON_TILES`` must name a
+    tile schedule (checked on any machine: the config may be meant for a GPU's)."""
     try:  # the Triton engine's tile schedule from the environment: wrong on this machine, wrong on the GPU's
         resolve_schedule()
     except ValueError as error:
         raise ConfigError(f"{error} (the environment variable of the Triton engine's tile schedule)") from None
-    if engine == "triton" and not torch.cuda.is_available() and not interpreted:
-        raise ConfigError("model.attention: triton needs a CUDA GPU and none is visible; use torch on the CPU")
-    if engine == "varlen" and config.packing.mode != "flat":
-        raise ConfigError(
-            f"model.attention: varlen runs flat rows only (flash kernels on independent sequences), and "
-            f"packing.mode is {config.packing.mode}: set packing.mode: flat for the flat baseline, or use flex, "
-            "triton or torch for tree rows"
-        )
-    if engine == "varlen" and config.model.dtype != "bfloat16":
-        raise ConfigError(
-            f"model.attention: varlen needs model.dtype: bfloat16 (flash kernels take float16/bfloat16 only), "
-            f"got {config.model.dtype}; use flex, triton or torch in float32"
-        )
-    if engine == "varlen" and not torch.cuda.is_available():
-        raise ConfigError(
-            "model.attention: varlen needs a CUDA GPU and none is visible (flash kernels have no CPU "
-            "implementation); use torch on the CPU"
-        )
-    if engine == "flex" and not torch.cuda.is_available():
-        raise ConfigError(
-            "model.attention: flex cannot train on the CPU: torch's FlexAttention does not support backward on "
-            "CPU (it has a forward only there); use torch on the CPU, or flex on a CUDA GPU"
-        )
+    check_attention_settings(config)
     # fla named but not installed is refused here; model.dtype has no float64 (verify's own dtype is checked
     # where verify loads the model)
     resolve_recurrent_kernels(config.model.recurrent_kernels)
@@ -211,7 +223,7 @@ def load_model(
     before anything is built. ``checkpoint_every = k > 0``
     recomputes every k-th decoder layer in the backward (:func:`enable_activation_checkpointing`).
     ``recurrent_kernels`` (hybrids): the GDN / Mamba2 scans' engine for ``device``
-    (:func:`~ds_tree.models.fla_scan.resolve_recurrent_kernels`: ``auto`` is fla on CUDA when installed).
+    (:func:`~ds_tree.scans.fla_scan.resolve_recurrent_kernels`: ``auto`` is fla on CUDA when installed).
     """
     register_tree_attention()
     implementation = implementation_name(resolve_engine(attention, device))
@@ -237,11 +249,12 @@ def load_model(
         if not is_deepspeed_zero3_enabled():
             model.to(dtype)
     check_router_noise(model)
-    install_tree_mixers(model, dtype, resolve_recurrent_kernels(recurrent_kernels, device, dtype))
-    install_vision(model)
-    if dtype == torch.float64:
+    install_tree_mixers(model, resolve_recurrent_kernels(recurrent_kernels, device, dtype))
+    if dtype == torch.float64:  # before install_vision, which wraps the model's forward
+        keep_logits_in_float64(model)
         keep_norms_in_float64(model)
         use_float64_routing(model)
+    install_vision(model)
     model.config.use_cache = False
     if checkpoint_every:
         enable_activation_checkpointing(model, checkpoint_every)
@@ -268,44 +281,3 @@ def enable_activation_checkpointing(model: PreTrainedModel, every: int = 1) -> N
     model.activation_checkpointing_enable(
         activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
     )
-
-
-def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def _gemma_rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return hidden_states * torch.rsqrt(variance + self.eps) * (1.0 + self.weight)
-
-
-# Gemma's RMSNorm scales by ``1 + weight`` and names its epsilon ``eps`` (Qwen3.5's and Qwen3-Next's too).
-GEMMA_NORMS = (
-    "GemmaRMSNorm",
-    "Gemma2RMSNorm",
-    "Gemma3RMSNorm",
-    "Qwen3_5RMSNorm",
-    "Qwen3_5MoeRMSNorm",
-    "Qwen3NextRMSNorm",
-)
-
-
-def keep_norms_in_float64(model: torch.nn.Module) -> int:
-    """Make RMSNorm layers compute in float64 when the model is float64; returns how many.
-
-    transformers' RMSNorm casts its input to float32 (to protect bf16 training). In a float64
-    model that silently rounds every hidden state to float32 precision in the backward, so a
-    prefix gradient summed over branches differs from the flat per-branch sum by ~3e-8
-    relative: the float64 oracle would only be a float32 one. The replacement is the same
-    formula without the cast (Gemma's, :data:`GEMMA_NORMS`, likewise).
-    """
-    patched = 0
-    for module in model.modules():
-        if type(module).__name__ in GEMMA_NORMS:
-            module.forward = _gemma_rms_norm_float64.__get__(module)
-            patched += 1
-        elif type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = _rms_norm_float64.__get__(module)
-            patched += 1
-    return patched

@@ -24,20 +24,20 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from ds_tree.models.families import family_of
 from ds_tree.packing.rows import PackedRow
 
-# Config fields of models whose forward transforms the logits after ``lm_head`` (Cohere's and
-# Granite's scaling), with the values that leave them unchanged. The chunked head applies
-# ``lm_head`` alone, so it refuses any other value. Gemma's ``final_logit_softcapping`` is the
-# exception: the chunks apply it themselves, with the model's own operations in the model's
+# Gemma's ``final_logit_softcapping`` is the one transform of the logits after ``lm_head`` that the
+# chunked head takes: the chunks apply it themselves, with the model's own operations in the model's
 # order, while the model's forward sees it switched off (:func:`logprobs_and_entropy_at`).
-LOGIT_TRANSFORMS = {"logit_scale": (None, 1.0), "logits_scaling": (None, 1.0)}
 SOFTCAP = "final_logit_softcapping"
 
 
 def check_head_chunking(config) -> None:
-    """Refuse a model whose logits are more than ``lm_head(hidden)`` (the chunked head would differ)."""
-    for name, identities in LOGIT_TRANSFORMS.items():
+    """Refuse a model whose logits are more than ``lm_head(hidden)`` (the chunked head applies ``lm_head``
+    alone): a config field its family lists in ``logit_transforms`` (Cohere's and Granite's scaling) set to
+    another value than those that leave the logits unchanged."""
+    for name, identities in family_of(config).logit_transforms.items():
         value = getattr(config, name, None)
         if value not in identities:
             raise ValueError(f"model.head_chunk: this model transforms its logits ({name}={value}); set head_chunk=0")

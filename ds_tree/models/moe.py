@@ -6,8 +6,9 @@ A float64 model therefore gets the eager experts (a loop over experts, any dtype
 that compute in the model dtype (:func:`use_float64_routing`): with float32 routing the router
 weight gradient of the tree differs from the flat one by ~1e-8 relative (measured on tiny
 Qwen3-MoE and Mixtral configs), because a shared prefix token's routing backward runs once on a
-summed gradient instead of once per trajectory, each rounded to float32. Routers other than
-:data:`SOFTMAX_TOP_K_ROUTERS` are refused in float64.
+summed gradient instead of once per trajectory, each rounded to float32. Routers other than the
+softmax-top-k ones a model's family names (its spec's ``routers``, :mod:`ds_tree.models.families`) are
+refused in float64.
 
 Load-balancing loss, per trajectory (a sequence-wise balance loss). For trajectory ``i`` of
 ``|i|`` tokens (all of them: prompt, first token and trained tokens alike), over the ``L`` MoE
@@ -22,8 +23,7 @@ which is transformers' ``load_balancing_loss_func`` applied to trajectory ``i`` 
 the layers the same way). The step's loss is the token-weighted mean
 ``aux = sum_i |i| aux_i / N_flat`` with ``N_flat = sum_i |i|`` over every trajectory of the
 optimizer step (all ranks), and the trained objective adds ``coefficient * aux``. It is defined
-for the softmax-top-k routers of :data:`SOFTMAX_TOP_K_ROUTERS`; a model with another router
-must set the coefficient to 0.
+for the families' softmax-top-k routers; a model with another router must set the coefficient to 0.
 
 Why per trajectory: transformers pools ``f`` and ``P`` over a whole forward batch, so its value
 depends on which sequences share a micro-batch, and tree and flat packing put different
@@ -49,18 +49,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ds_tree.models.families import families_with, family_of_model
 from ds_tree.models.token_mixing import UnsupportedModelError
 from ds_tree.packing.rows import PackedRow
 
-SOFTMAX_TOP_K_ROUTERS = (
-    "MixtralTopKRouter",
-    "Qwen2MoeTopKRouter",
-    "Qwen3MoeTopKRouter",
-    "Qwen3NextTopKRouter",
-    "Qwen3_5MoeTopKRouter",
-)
-"""Routers that pick the top-k of a softmax over their logits (the load-balancing loss's model), whose
-float64 forward :func:`_router_forward_float64` reproduces."""
+
+def known_routers() -> list[str]:
+    """The routers of every registered family: they pick the top-k of a softmax over their logits (the
+    load-balancing loss's model), and :func:`_router_forward_float64` reproduces their forward in float64."""
+    return [router for spec in families_with(lambda spec: bool(spec.routers)) for router in spec.routers]
 
 
 def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -86,12 +83,13 @@ def check_router_noise(model: torch.nn.Module) -> None:
             )
 
 
-def _unknown_routers(routers: list[torch.nn.Module]) -> list[str]:
-    return sorted({type(router).__name__ for router in routers} - set(SOFTMAX_TOP_K_ROUTERS))
+def _unknown_routers(model, routers: list[torch.nn.Module]) -> list[str]:
+    """The classes of ``routers`` that ``model``'s family does not name."""
+    return sorted({type(router).__name__ for router in routers} - set(family_of_model(model).routers))
 
 
 def _router_forward_float64(self, hidden_states: torch.Tensor):
-    """The routers of :data:`SOFTMAX_TOP_K_ROUTERS` without their float32 cast: same outputs, in the model dtype."""
+    """A softmax-top-k router (:func:`known_routers`) without its float32 cast: same outputs, in the model dtype."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
     top_value, top_index = torch.topk(torch.softmax(router_logits, dim=-1), self.top_k, dim=-1)
@@ -105,11 +103,11 @@ def use_float64_routing(model) -> int:
     routers = router_modules(model)
     if not routers:
         return 0
-    refused = _unknown_routers(routers)
+    refused = _unknown_routers(model, routers)
     if refused:
         raise UnsupportedModelError(
             f"{type(model).__name__}: router {', '.join(refused)} computes in float32, which float64 verification "
-            f"cannot check to float64 round-off; float64 routing is known for {', '.join(SOFTMAX_TOP_K_ROUTERS)}. "
+            f"cannot check to float64 round-off; float64 routing is known for {', '.join(known_routers())}. "
             "Run this model in float32"
         )
     model.set_experts_implementation("eager")  # grouped_mm refuses float64
@@ -167,12 +165,12 @@ class RouterAuxLoss:
             return None
         if coefficient is None:
             coefficient = default_coefficient(model)
-        unknown = _unknown_routers(routers)
+        unknown = _unknown_routers(model, routers)
         if unknown:
             if coefficient:
                 raise UnsupportedModelError(
                     f"model.router_aux_loss_coef ({coefficient}): the load-balancing loss is implemented for the "
-                    f"softmax-top-k routers {', '.join(SOFTMAX_TOP_K_ROUTERS)}, not for {', '.join(unknown)}; "
+                    f"softmax-top-k routers {', '.join(known_routers())}, not for {', '.join(unknown)}; "
                     "set it to 0"
                 )
             return None

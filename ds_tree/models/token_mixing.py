@@ -28,7 +28,8 @@ import math
 
 import torch
 
-from ds_tree.models.hybrid import HYBRID_MODEL_TYPES, RECURRENT_LAYER_TYPES
+from ds_tree.models.families import families_with, family_of
+from ds_tree.models.hybrid import RECURRENT_LAYER_TYPES
 
 # Layer kinds whose token mixing is the attention interface's, or that act on each token alone.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "mlp", "moe")
@@ -49,10 +50,10 @@ class UnsupportedModelError(ValueError):
 def check_layer_types(config) -> None:
     """Refuse a config whose ``layer_types`` name a layer kind outside :data:`SUPPORTED_LAYER_TYPES`."""
     layer_types = getattr(config, "layer_types", None) or []
-    # The recurrent mixers of these hybrids run per tree node (ds_tree.models.hybrid); the same
+    # The recurrent mixers of the hybrid families run per tree node (ds_tree.models.hybrid); the same
     # layer kind in any other model type is a mixer that has no tree forward here.
     supported = SUPPORTED_LAYER_TYPES
-    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+    if family_of(config).recurrent is not None:
         supported = SUPPORTED_LAYER_TYPES + RECURRENT_LAYER_TYPES
     unsupported: dict[str, list[int]] = {}
     for index, kind in enumerate(layer_types):
@@ -65,8 +66,13 @@ def check_layer_types(config) -> None:
             f"for layers that mix tokens through transformers' attention interface with causal (or sliding-window) "
             f"attention (supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}); state-space, linear-attention "
             "and convolution layers would train with wrong gradients (the recurrent layers of "
-            f"{', '.join(sorted(HYBRID_MODEL_TYPES))} run on trees: docs/MODELS.md, 'Hybrid models')"
+            f"{', '.join(sorted(hybrid_model_types()))} run on trees: docs/MODELS.md, 'Hybrid models')"
         )
+
+
+def hybrid_model_types() -> list[str]:
+    """The model types of the registered families whose recurrent layers run on trees."""
+    return [spec.model_type for spec in families_with(lambda spec: spec.recurrent is not None)]
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -73,7 +73,7 @@ class TreeNodes:
 
     def scanned_tokens(self, chunk: int) -> int:
         """Tokens a scan with ``chunk`` runs over, padding included: each group of a level, its nodes times
-        its longest node rounded up to the chunk (``ds_tree.models.linear_scans`` pads to chunk multiples);
+        its longest node rounded up to the chunk (``ds_tree.scans.linear_scans`` pads to chunk multiples);
         what the memory plan counts per scanned token (:class:`ds_tree.memory.predict.RowNodes`)."""
         return sum(
             len(group.nodes) * -(-group.tokens.shape[1] // chunk) * chunk

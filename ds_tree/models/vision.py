@@ -67,27 +67,31 @@ import numpy as np
 import torch
 
 from ds_tree.errors import ConfigError
+from ds_tree.models.families import families_with, family_of
 from ds_tree.registries import missing_capability
 
-VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
-BIDIRECTIONAL_IMAGE_MODEL_TYPES = ("gemma3", "gemma3n", "paligemma")
-"""Models whose image tokens attend bidirectionally among themselves in the language model."""
 VISION_ATTENTION = "sdpa"
 """The vision tower's attention: transformers' own, per image (float64 on the CPU's math kernel)."""
 
 
 def is_vision_language(config) -> bool:
-    return getattr(config, "model_type", None) in VISION_MODEL_TYPES
+    """Whether ``config``'s family is a vision-language model that runs on trees (its spec's ``vision``)."""
+    return family_of(config).vision is not None
+
+
+def vision_model_types() -> str:
+    """The registered vision-language families' model types, for messages."""
+    return ", ".join(spec.model_type for spec in families_with(lambda spec: spec.vision is not None))
 
 
 def check_vision_model_type(config) -> None:
-    """Refuse a vision-language model type whose language model attends bidirectionally among image tokens."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in BIDIRECTIONAL_IMAGE_MODEL_TYPES:
+    """Refuse a vision-language model whose language model attends bidirectionally among image tokens (its
+    family's ``bidirectional_images``)."""
+    if family_of(config).bidirectional_images:
         raise ValueError(
-            f"{type(config).__name__} ({model_type}): its image tokens attend to each other bidirectionally inside "
-            "the language model; the tree mask is causal (k <= q), so tree training would change the model. "
-            f"Supported vision-language models: {', '.join(VISION_MODEL_TYPES)}"
+            f"{type(config).__name__} ({config.model_type}): its image tokens attend to each other bidirectionally "
+            "inside the language model; the tree mask is causal (k <= q), so tree training would change the "
+            f"model. Supported vision-language models: {vision_model_types()}"
         )
 
 
@@ -179,7 +183,7 @@ def attach_rope_positions(config, trajectories) -> None:
     if any(t.images for t in trajectories) and not is_vision_language(config):
         raise ValueError(
             f"the data has images and the model ({config.model_type}) has no vision tower; use a vision-language "
-            f"model ({', '.join(VISION_MODEL_TYPES)}: configs/models/tiny_qwen2_5_vl.json)"
+            f"model ({vision_model_types()}: configs/models/tiny_qwen2_5_vl.json)"
         )
     checked = set()
     for trajectory in trajectories:

@@ -2,8 +2,9 @@
 metrics that ``metrics.jsonl`` gets, under the same names (``loss/train``, ``tree/por``, ...), from
 rank 0 only.
 
-A tracker is a class registered by name (:func:`register_tracker`; the config's ``Tracker`` choices
-list the same names, a test checks that). Each but TensorBoard is an optional extra of the package
+A tracker is a class registered by name in :data:`ds_tree.registries.TRACKERS` (the built-ins below as
+lazy entries there, a project's own with :func:`register_tracker`), whose names the config's ``Tracker``
+choices read. Each but TensorBoard is an optional extra of the package
 (``pip install -e '.[wandb]'``); a name whose package is missing is refused at the dry run
 (:func:`check_installed`). Where the data goes is each library's own setting: TensorBoard
 ``<output_dir>/tensorboard``; W&B ``<output_dir>/wandb`` (``WANDB_MODE=offline`` keeps it local,
@@ -33,6 +34,8 @@ from typing import ClassVar
 
 from ds_tree.atomic import write_text_atomically
 from ds_tree.config import ConfigError
+from ds_tree.registries import TRACKERS
+from ds_tree.registry import UnknownName
 
 logger = logging.getLogger(__name__)
 
@@ -81,21 +84,16 @@ class Tracker:
         raise NotImplementedError
 
 
-TRACKERS: dict[str, type[Tracker]] = {}
-
-
 def register_tracker(cls: type[Tracker]) -> type[Tracker]:
-    """Register ``cls`` under ``cls.name`` (a name registered twice is an error)."""
-    if cls.name in TRACKERS:
-        raise ValueError(f"tracker {cls.name!r} is registered twice")
-    TRACKERS[cls.name] = cls
-    return cls
+    """Register ``cls`` under ``cls.name`` in :data:`TRACKERS` (a name registered twice is an error); usable
+    as a class decorator."""
+    return TRACKERS.register(cls.name, cls)
 
 
 def tracker_class(name: str) -> type[Tracker]:
     try:
-        return TRACKERS[name]
-    except KeyError:
+        return TRACKERS.get(name)
+    except UnknownName:
         raise ConfigError(f"logging.report_to: unknown tracker {name!r} (known: {', '.join(TRACKERS)})") from None
 
 
@@ -194,7 +192,6 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return flat
 
 
-@register_tracker
 class TensorBoardTracker(Tracker):
     """Event files in ``<output_dir>/tensorboard``; a resumed run purges the steps after its checkpoint."""
 
@@ -216,7 +213,6 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
-@register_tracker
 class WandbTracker(Tracker):
     """A Weights & Biases run in ``<output_dir>/wandb``, continued by id after a resume. The console
     stays the trainer's (``console="off"``: W&B does not wrap stdout and stderr)."""
@@ -258,7 +254,6 @@ MLFLOW_PARAM_CHARS = 6000
 """MLflow's longest parameter value."""
 
 
-@register_tracker
 class MlflowTracker(Tracker):
     """An MLflow run in experiment ``logging.project`` at the tracking URI MLflow is configured with
     (``MLFLOW_TRACKING_URI``). The config goes in as flat parameters (``optimizer.lr``) and as the
@@ -314,7 +309,6 @@ class MlflowTracker(Tracker):
         self.client.set_terminated(self.run_id)
 
 
-@register_tracker
 class TrackioTracker(Tracker):
     """A trackio run (local store ``TRACKIO_DIR``, or a Space with ``TRACKIO_SPACE_ID``), continued by
     name after a resume. Its own CPU and GPU sampling threads stay off."""

@@ -43,9 +43,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from ds_tree.models.families import family_of
 from ds_tree.sampling.settings import SamplerSettings
 from ds_tree.sampling.state_cache import (
-    SUPPORTED_LAYERS,
     has_recurrent_layers,
     layer_row,
     stacked_cache,
@@ -316,7 +316,9 @@ def check_cache_layers(model: PreTrainedModel) -> None:
     :mod:`ds_tree.sampling.state_cache`)."""
     kinds = {type(layer).__name__ for layer in DynamicCache(config=model.config).layers}
     plain = kinds == {DynamicLayer.__name__}  # a dense model's (cropped to re-branch); a hybrid's is re-encoded
-    if not plain and not (kinds <= set(SUPPORTED_LAYERS) and has_recurrent_layers(model.config)):
+    recurrent = family_of(model.config).recurrent
+    forked = set(recurrent.cache_layers) if recurrent is not None else set()  # the family's cache layers
+    if not plain and not (kinds <= forked and has_recurrent_layers(model.config)):
         raise ValueError(
             f"sample_tree needs a full KV cache or a recurrent state on every layer; {model.config.model_type} "
             f"uses {sorted(kinds)} (a sliding window cannot be cropped back to a branch point)"

@@ -12,7 +12,11 @@ P, N]`` for Mamba2). The sampler keeps one entry per layer and branch and forks 
 
 - both (Falcon-H1: a Mamba2 mixer and attention side by side in every layer, one
   ``LinearAttentionAndFullAttentionLayer``): ``(keys, values, conv_state, recurrent_state)``, the
-  keys/values grown, the states replaced, each part as above.
+  keys/values grown, the states replaced, each part as above;
+- none (an MLP-only layer: Nemotron-H's ``DummyLayer``).
+
+A hybrid family lists its cache layers in its spec (``recurrent.cache_layers``,
+:mod:`ds_tree.models.families`): the sampler forks those.
 
 All are batched by concatenating branches along the batch dimension into a fresh cache
 (:func:`stacked_cache`): the model updates that cache in place (``causal_conv1d_update``,
@@ -28,20 +32,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import (
     DummyLayer,
     DynamicLayer,
-    LinearAttentionAndFullAttentionLayer,
     LinearAttentionLayer,
 )
 
 LayerEntry = tuple[torch.Tensor, ...]
 """One layer of one branch (module docstring), batch dimension 1."""
-
-SUPPORTED_LAYERS = (
-    DynamicLayer.__name__,
-    LinearAttentionLayer.__name__,
-    LinearAttentionAndFullAttentionLayer.__name__,
-    DummyLayer.__name__,
-)
-"""Cache layers the sampler forks; a ``DummyLayer`` (an MLP-only layer: Nemotron-H) holds nothing."""
 
 
 def is_recurrent(layer) -> bool:

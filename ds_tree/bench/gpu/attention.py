@@ -34,19 +34,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ds_tree.attention.engines import registered
 from ds_tree.attention.flex import length_bucket
-from ds_tree.attention.registry import ENGINES, has_backward, tree_attention
-from ds_tree.attention.tile_lists import SCHEDULE_VARIABLE
+from ds_tree.attention.registry import attention_engine, has_backward, tree_attention, tree_engines
 from ds_tree.data.synthetic import SyntheticConfig, generate
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
-
-TREE_ENGINES = ("torch", "triton", "flex")
-"""The engines that run tree rows (``reference`` is the oracle; ``varlen`` runs flat rows only)."""
-TILE_SCHEDULES = {"triton": "loop", "triton list": "list"}
-"""The Triton engine's entries, one per tile schedule (``tile_lists.SCHEDULES``): ``triton`` is the loop
-schedule, ``triton list`` the full/partial tile lists (issue 46)."""
+from ds_tree.triton.tile_lists import SCHEDULE_VARIABLE
 
 
 @contextmanager
@@ -65,14 +60,19 @@ def tile_schedule(schedule: str | None) -> Iterator[None]:
 
 
 def engine_entries(engines: tuple[str, ...]) -> list[tuple[str, str, str | None]]:
-    """``(name in the report, registered engine, tile schedule)``: Triton once per schedule."""
+    """``(name in the report, registered engine, tile schedule)``: an engine with tile schedules once per
+    schedule (Triton: ``triton`` is its default, the loop schedule, ``triton list`` the full/partial tile
+    lists of issue 46)."""
     found = []
     for engine in engines:
-        if engine == "triton":
-            found += [(name, engine, schedule) for name, schedule in TILE_SCHEDULES.items()]
-        else:
-            found.append((engine, engine, None))
+        for index, schedule in enumerate(attention_engine(engine).tile_schedules or (None,)):
+            found.append((engine if index == 0 else f"{engine} {schedule}", engine, schedule))
     return found
+
+
+def flat_engines() -> tuple[str, ...]:
+    """The engines that run flat rows only (varlen): checked on the flat row."""
+    return tuple(name for name, engine in registered() if engine.flat_rows_only)
 
 
 FLOORS = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
@@ -179,7 +179,7 @@ def check_case(case: Case, engines: tuple[str, ...], device: str, dtypes, seed: 
         ]
         grad = torch.randn(1, n, case.heads, case.head_dim, generator=generator, dtype=torch.float64).to(device)
         reference = _run("reference", leaves, grad, kv_end, positions, case, torch.float64, True)
-        entries = engine_entries(engines) if layout == "tree" else [("varlen", "varlen", None)]
+        entries = engine_entries(engines if layout == "tree" else flat_engines())
         for dtype in dtypes:
             own = _run("reference", leaves, grad, kv_end, positions, case, dtype, True)
             baseline = max(relative_error(x, r) for x, r in zip(own, reference, strict=True))
@@ -219,7 +219,7 @@ def _check_engine(engine, layout, case, leaves, grad, kv_end, positions, dtype, 
 
 def correctness(device: str, smoke: bool, progress=print) -> dict:
     """Every registered engine (``reference`` aside) against the float64 reference, float32 and bf16."""
-    engines = tuple(e for e in TREE_ENGINES if e in ENGINES)
+    engines = tree_engines()
     started = time.perf_counter()
     results = []
     errors = []
@@ -394,7 +394,7 @@ def _installed(records: list[dict] | None) -> Iterator[None]:
     if not records:
         yield
         return
-    from ds_tree.attention.triton.autotune import installed
+    from ds_tree.triton.autotune import installed
 
     with installed(records):
         yield
@@ -404,7 +404,7 @@ class Tuning:
     """Autotune once per (length bucket, schedule) on the first row that meets it; keeps every record."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, dtype, progress) -> None:
-        from ds_tree.attention.triton import autotune, kernels  # GPU only: never imported on the CPU path
+        from ds_tree.triton import autotune, kernels  # GPU only: never imported on the CPU path
 
         self.autotune, self.kernels = autotune, kernels
         self.shape = (heads, kv_heads, head_dim, dtype)

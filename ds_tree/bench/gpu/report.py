@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ds_tree.atomic import write_text_atomically
+from ds_tree.attention.engines import auto_engine
 from ds_tree.data.jsonl import json_text
 
 ACCEPTANCE_EFFICIENCY = 0.95
@@ -50,7 +51,7 @@ def acceptance(report: dict) -> dict:
     for case in sections.get("steps", {}).get("cases", []):
         if not case.get("ran"):
             continue
-        if "efficiency_cost" in case and case["tree_engine"] == "flex":
+        if "efficiency_cost" in case and case["tree_engine"] == auto_engine("cuda"):
             found[f"speedup >= {ACCEPTANCE_EFFICIENCY} of the cost ideal: {case['case']}"] = (
                 case["efficiency_cost"] >= ACCEPTANCE_EFFICIENCY
             )

@@ -1,7 +1,7 @@
 """The recurrent scans on flash-linear-attention's Triton kernels (``fla-core``), the GPU engine.
 
-Drop-ins for :func:`ds_tree.models.linear_scans.chunk_gated_delta_rule` and
-:func:`~ds_tree.models.linear_scans.chunk_mamba2`: same arguments, same results within float32
+Drop-ins for :func:`ds_tree.scans.linear_scans.chunk_gated_delta_rule` and
+:func:`~ds_tree.scans.linear_scans.chunk_mamba2`: same arguments, same results within float32
 round-off, one initial state per batch row and the final state returned, gradients into both.
 :func:`ds_tree.models.hybrid.scan_levels` calls them once per group of a tree level exactly as it
 calls the torch scans (nodes right-padded with ``g = beta = 0`` / ``dt = 0``, which leave a state
@@ -90,7 +90,7 @@ def chunk_gated_delta_rule(
     chunk: int = 64,
     l2_norm_qk: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ds_tree.models.linear_scans.chunk_gated_delta_rule` on fla's kernel (its chunk is 64: ``chunk``
+    """:func:`ds_tree.scans.linear_scans.chunk_gated_delta_rule` on fla's kernel (its chunk is 64: ``chunk``
     must be 64). Output ``[B, T, Hv, Dv]`` in the input dtype, final state ``[B, Hv, Dk, Dv]`` in float32."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gated_delta_rule
 
@@ -123,7 +123,7 @@ def chunk_mamba2(
     initial_state: torch.Tensor | None,
     chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`ds_tree.models.linear_scans.chunk_mamba2` on fla's ``chunk_simple_gla`` (module docstring).
+    """:func:`ds_tree.scans.linear_scans.chunk_mamba2` on fla's ``chunk_simple_gla`` (module docstring).
     ``y`` ``[Bt, T, H, P]`` and the final state ``[Bt, H, P, N]``, both float32 (fla picks its own chunk
     of 64; ``chunk``, the model's, only shapes the torch scan's round-off)."""
     from fla.ops.simple_gla import chunk_simple_gla
