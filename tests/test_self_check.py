@@ -77,13 +77,13 @@ def matrix_sources(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2_sliding", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "mistral",
-                                  "gemma2", "gemma3", "phi3", "qwen3_5", "bamba", "qwen2", "qwen3_next", "falcon_h1",
-                                  "nemotron_h"])  # fmt: skip
+                                  "gemma", "gemma2", "gemma3", "phi3", "qwen3_5", "qwen3_5_moe", "bamba", "qwen2",
+                                  "qwen3_next", "falcon_h1", "nemotron_h"])  # fmt: skip
 def test_check_passes_on_every_model_family_of_the_matrix(matrix_sources, name):
     """docs/MODELS.md's matrix (dense, MoE, sliding windows, soft-caps, hybrids) in float32, as training runs."""
     from tests.test_model_matrix import BASE, MODELS
 
-    assert len(MODELS) == 16 and set(MODELS) == set(matrix_sources)  # a new family joins the list above
+    assert len(MODELS) == 18 and set(MODELS) == set(matrix_sources)  # a new family joins the list above
     shape = TreeShape(trees=2, depth=3, children=(2, 3), node_tokens=(2, 6), alphabet=(3, BASE["vocab_size"] - 1))
     forest = random_forest(random.Random(1), shape)
     model = load_model(matrix_sources[name], attention="torch", dtype=torch.float32, seed=7)
