@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from ds_tree.config import ConfigError, load_config
-from ds_tree.engine.step import run_rows
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
 from tests.processes import run_group, start_group
 
