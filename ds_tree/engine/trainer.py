@@ -221,7 +221,7 @@ class Trainer:
         check_branch_isolation(self.engine.module, self.engine.device)  # every rank: collective under ZeRO-3
         self.objective.build(Components(self.engine, self.ds_config, self.policy.hf_deepspeed_config))
         client_state = self.resume()
-        self.connect(client_state.get("skipped_steps", 0), client_state.get("untrained_steps", 0))
+        self.connect(int(client_state.get("skipped_steps", 0)), int(client_state.get("untrained_steps", 0)))
         self.open_metrics()
 
     def resume(self) -> dict:
