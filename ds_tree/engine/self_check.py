@@ -18,8 +18,8 @@ it is (the same weights for both sides), that objective twice:
 Each side gives the loss, every trajectory's log-probs (from its forwards with gradients,
 :attr:`~ds_tree.engine.runners.RunContext.collect_logprobs`) and the gradient of every trainable
 parameter. SFT runs compare the restoration-weighted SFT loss (:class:`ds_tree.objectives.sft.SFTCheck`);
-RL runs the clipped objective with its KL and entropy terms, the step's advantages, old and reference
-log-probs (:class:`ds_tree.objectives.policy_gradient.PolicyGradientCheck`). The check stops the run
+RL runs compare the clipped objective with its KL and entropy terms, the step's advantages, old and
+reference log-probs (:class:`ds_tree.objectives.policy_gradient.PolicyGradientCheck`). The check stops the run
 (:class:`SelfCheckError`) when the loss's or a gradient's relative error, or a log-prob's absolute error,
 exceeds the tolerance of the model's dtype (:data:`TOLERANCES`).
 
