@@ -25,7 +25,9 @@ import warnings
 
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.jsonl import json_text
-from ds_tree.engine.trainer import NonFiniteError, SelfCheckError, Trainer
+from ds_tree.engine.self_check import SelfCheckError
+from ds_tree.engine.trainer import Trainer
+from ds_tree.engine.updates import NonFiniteError
 from ds_tree.errors import DataError, RolloutError
 from ds_tree.models.token_mixing import UnsupportedModelError
 from ds_tree.run import checkpoint, failures

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.errors import DataError
-from ds_tree.losses.advantages import ESTIMATORS, estimate, grpo, rloo, tempo, treepo
+from ds_tree.losses.advantages import Estimator, estimate, estimator, grpo, rloo, tempo, treepo
+from ds_tree.registries import ESTIMATORS
 from ds_tree.trees.trajectory import Trajectory
 from tests.helpers.strategies import forests
 
@@ -27,6 +28,31 @@ def scalars(advantages) -> list[float]:
 
 def test_registry():
     assert set(ESTIMATORS) == {"grpo", "rloo", "treepo", "tempo", "given"}
+    for name, found in ESTIMATORS.items():  # the lazy entries name the module's Estimator objects
+        assert isinstance(found, Estimator) and found.name == name, name
+
+
+def test_a_registered_estimator_is_what_estimate_dispatches_to():
+    """A project's estimator: one function, wrapped by ``@estimator`` and registered by name (no table of
+    the module's own to edit); ``estimate`` finds it, and an unknown name lists the registered ones."""
+
+    @ESTIMATORS.register("best_of_group")
+    @estimator(normalise=None)
+    def best_of_group(group, settings):
+        best = group.rewards.max()
+        return [np.full(len(t), float(r == best)) for t, r in zip(group.trajectories, group.rewards, strict=True)]
+
+    try:
+        batch = [trajectory([5, 6], 1.0), trajectory([5, 7], 3.0), trajectory([4], 2.0, "alone")]
+        computed = estimate(batch, "best_of_group")
+        assert best_of_group.name == "best_of_group"
+        assert scalars(computed) == [0.0, 1.0, 0.0] and computed.singletons == 1  # alone: no baseline, 0
+        with pytest.raises(ValueError, match="normalisation"):
+            estimate(batch, "best_of_group", normalise=True)
+    finally:
+        ESTIMATORS.unregister("best_of_group")
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'best_of_group'.*choose one of grpo, rloo"):
+        estimate(batch, "best_of_group")
 
 
 def test_grpo_and_rloo_by_hand():
@@ -104,7 +130,7 @@ def test_treepo_equals_brute_force_subgroups(trajectories, data):
 )
 def test_one_trajectory_group_gets_zero_and_is_counted(name, normalise):
     batch = [trajectory([5, 6], 1.0, "alone"), trajectory([5, 7], 1.0, "pair"), trajectory([5, 8], 0.0, "pair")]
-    result = ESTIMATORS[name](batch, normalise=normalise)
+    result = ESTIMATORS.get(name)(batch, normalise=normalise)
     assert result.singletons == 1
     assert scalars(result)[0] == 0.0 and scalars(result)[1] > 0 > scalars(result)[2]
 
@@ -116,33 +142,33 @@ def test_one_trajectory_group_gets_zero_and_is_counted(name, normalise):
 def test_equal_rewards_give_exactly_zero(name, normalise):
     """0.1 * 3 / 3 != 0.1 in floating point: a naive mean gives 1e-17 and, normalised, +-1 garbage."""
     batch = [trajectory([5, 6, k], 0.1) for k in (7, 8, 9)] + [trajectory([5, 7, 8], 0.1, "h")] * 2
-    assert scalars(ESTIMATORS[name](batch, normalise=normalise)) == [0.0] * 5
+    assert scalars(ESTIMATORS.get(name)(batch, normalise=normalise)) == [0.0] * 5
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "treepo", "tempo"])
 def test_missing_reward_names_the_trajectory(name):
     batch = [trajectory([5, 6], 1.0), trajectory([5, 7], None, source="rollouts.jsonl:17")]
     with pytest.raises(DataError, match=r"rollouts\.jsonl:17: .*needs a finite reward"):
-        ESTIMATORS[name](batch)
+        ESTIMATORS.get(name)(batch)
 
 
 def test_given_advantages():
     a, b = trajectory([5, 6, 7], None), trajectory([5, 8], None, source="x.jsonl:2")
     a.advantages, b.advantages = [0.5, -1.0, 2.0], np.array([3.0, -4.0])
-    result = ESTIMATORS["given"]([a, b])
+    result = ESTIMATORS.get("given")([a, b])
     assert [v.tolist() for v in result.values] == [[0.5, -1.0, 2.0], [3.0, -4.0]] and result.singletons == 0
     b.advantages = [1.0]
     with pytest.raises(DataError, match=r"x\.jsonl:2: 1 advantages for 2 tokens"):
-        ESTIMATORS["given"]([a, b])
+        ESTIMATORS.get("given")([a, b])
     del b.advantages
     with pytest.raises(DataError, match=r"x\.jsonl:2: .*needs per-token advantages"):
-        ESTIMATORS["given"]([a, b])
+        ESTIMATORS.get("given")([a, b])
 
 
 @pytest.mark.parametrize("name", ["rloo", "given"])
 def test_no_normalisation_where_none_is_defined(name):
     with pytest.raises(ValueError, match="has no normalisation"):
-        ESTIMATORS[name]([trajectory([5], 1.0)], normalise=True)
+        ESTIMATORS.get(name)([trajectory([5], 1.0)], normalise=True)
 
 
 # ----------------------------------------------------------------------------------------- TEMPO

@@ -110,7 +110,6 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.data import convert
     from ds_tree.data.synthetic import SyntheticConfig
     from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE
-    from ds_tree.losses.advantages import ESTIMATORS
     from ds_tree.losses.rl import KL_ESTIMATORS
     from ds_tree.losses.sft import NORMALISATIONS, POLICIES
     from ds_tree.models.loading import DTYPES
@@ -122,7 +121,6 @@ def test_the_help_choices_are_the_library_values():
 
     assert choices.engines() == ("auto", *ATTENTION_ENGINES.names()) and choices.MODES == tuple(MODES)
     assert (choices.NORMALISATIONS, choices.POLICIES) == (tuple(NORMALISATIONS), tuple(POLICIES))
-    assert choices.estimators() == tuple(ESTIMATORS)
     assert (choices.aggregations(), choices.KL_ESTIMATORS) == (AGGREGATIONS.names(), tuple(KL_ESTIMATORS))
     assert choices.MODEL_DTYPES == tuple(DTYPES) and choices.VERIFY_DTYPES == tuple(VERIFY_DTYPES)
     assert choices.BENCH_DTYPES == tuple(BENCH_DTYPES)

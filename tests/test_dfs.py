@@ -23,11 +23,11 @@ import torch
 from ds_tree.comparison import gradient_errors
 from ds_tree.config import ConfigError, load_config
 from ds_tree.engine.dfs import DfsSettings, WalkStats, row_chunks
-from ds_tree.engine.step import run_rows
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.sft import Normalisers
 from ds_tree.memory.meters import PeakSavedMeter
 from ds_tree.models.loading import enable_activation_checkpointing, load_model
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.random_trees import TreeShape, random_forest
@@ -286,9 +286,10 @@ def test_trainer_plans_walked_rows(tmp_path: Path, packing: dict) -> None:
     config = write_config(tmp_path, data, deepspeed=str(ds_path), packing={"budget": 150, **packing})
     trainer = Trainer(load_config(config))
     trainer.prepare()  # paths over the budget are no error here
-    plan = trainer.plan_step(0, rank=0)
+    trajectories = trainer.sampler.trajectories_for_step(trainer.groups, 0)
+    plan = trainer.layout.plan(trajectories, rank=0)
     walked = [row for row in plan.rows if isinstance(row, DfsRow)]
-    trees = build_forest(trainer.step_trajectories(0))
+    trees = build_forest(trajectories)
     over = [tree for tree in trees if tree.max_path_tokens > 150]
     expected = trees if packing["mode"] == "dfs" else over
     assert sorted(row.n_real for row in walked) == sorted(tree.n_tokens for tree in expected)

@@ -23,12 +23,12 @@ from ds_tree.comparison import gradient_errors
 from ds_tree.data.jsonl import write_jsonl
 from ds_tree.engine.calls import BACKWARD, FORWARD, KINDS, NO_GRAD, UPDATE, merge_schedules
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.rl import RLSettings
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.packing.balance import rows_per_rank
 from ds_tree.packing.dfs_rows import DfsRow, split_over_budget, with_walked_rows
 from ds_tree.packing.parts import split_tree
+from ds_tree.registries import ESTIMATORS
 from ds_tree.trees.trie import build_forest
 from ds_tree.verify.tree_vs_flat import compare, compare_rl, metric_errors, run_rl_mode
 from tests.helpers.configs import write_accumulating_ds_config, write_config
@@ -203,7 +203,7 @@ def test_rl_update_mixes_packed_and_walked_rows():
     assert any(isinstance(row, DfsRow) for row in rows) and not all(isinstance(row, DfsRow) for row in rows)
     old, new = _policies()
     settings = RLSettings(kl_coef=0.1, importance_truncation=2.0, old_logprobs="recompute")
-    computed = ESTIMATORS["grpo"](trajectories, normalise=False)
+    computed = ESTIMATORS.get("grpo")(trajectories, normalise=False)
     advantages = {id(t): a for t, a in zip(trajectories, computed.values, strict=True)}
     normalisers = StepNormalisers.of(trajectories)
     for t in trajectories:  # the sampler's log-probs, for the truncated importance weights: another policy's

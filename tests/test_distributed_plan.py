@@ -19,10 +19,10 @@ import torch
 
 from ds_tree.comparison import gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.step import run_rows
 from ds_tree.errors import DataError
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.balance import lpt_shares
 from ds_tree.packing.distributed import (
     GroupUnits,

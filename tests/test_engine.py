@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from ds_tree.config import ConfigError, load_config
-from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
 from tests.helpers import ROOT
 from tests.helpers.configs import write_accumulating_ds_config, write_config

@@ -141,17 +141,18 @@ def rewarded(rewards: list[float]) -> list[Trajectory]:
 
 
 def test_non_finite_reward_and_advantage_statistics_are_found():
-    from ds_tree.losses.advantages import ESTIMATORS, check_finite_statistics, non_finite_statistics
+    from ds_tree.losses.advantages import check_finite_statistics, non_finite_statistics
+    from ds_tree.registries import ESTIMATORS
 
     ordinary = rewarded([1.0, 0.0, 0.5])
-    assert non_finite_statistics(ordinary, ESTIMATORS["grpo"](ordinary).values) is None
+    assert non_finite_statistics(ordinary, ESTIMATORS.get("grpo")(ordinary).values) is None
     huge = rewarded([1.5e308, 1.5e308, 0.0, 0.0])  # finite rewards, overflowing mean and spread
-    values = ESTIMATORS["grpo"](huge).values
+    values = ESTIMATORS.get("grpo")(huge).values
     problem = non_finite_statistics(huge, values)
     assert problem is not None and "the reward standard deviation" in problem and "4 trajectories" in problem
     opposite = rewarded([1e308, -1e308])
     with pytest.raises(DataError, match="not finite over 2 trajectories: .*the advantage"):
-        check_finite_statistics(opposite, ESTIMATORS["rloo"](opposite).values)
+        check_finite_statistics(opposite, ESTIMATORS.get("rloo")(opposite).values)
 
 
 def test_verify_refuses_rewards_overflowing_float64(tmp_path, capsys):

@@ -103,7 +103,9 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("example environments and rewards", ["ds_tree.rollout.envs"]),
     ("config", ["ds_tree.config"]),
     ("a run's life", ["ds_tree.run"]),
-    ("step execution and the trainer", ["ds_tree.engine"]),
+    ("step execution: runners, walks, updates, the self-check", ["ds_tree.engine"]),
+    ("objectives: what a step computes", ["ds_tree.objectives"]),
+    ("the trainer", ["ds_tree.engine.trainer"]),
     ("checks", ["ds_tree.verify"]),
     ("benchmarks", ["ds_tree.bench"]),
     ("entry points", ["ds_tree.cli", "ds_tree.train"]),
@@ -145,10 +147,10 @@ def test_no_import_runs_up_the_layers():
 
 def test_the_layer_check_sees_an_arrow_up():
     graph = {"ds_tree.trees.trie": {"ds_tree.engine.trainer"}, "ds_tree.engine.trainer": {"ds_tree.run.checkpoint"}}
-    assert arrows_up(graph) == [
-        "ds_tree.trees.trie -> ds_tree.engine.trainer (trees -> step execution and the trainer)"
-    ]
+    assert arrows_up(graph) == ["ds_tree.trees.trie -> ds_tree.engine.trainer (trees -> the trainer)"]
     assert arrows_up({"ds_tree.run.checkpoint": {"ds_tree.engine.dfs"}}), "run must not import the engine"
+    assert arrows_up({"ds_tree.engine.runners": {"ds_tree.objectives.sft"}}), "runners never see the objective"
+    assert arrows_up({"ds_tree.objectives.sft": {"ds_tree.engine.trainer"}}), "objectives sit below the trainer"
     assert arrows_up({"ds_tree.sampling.hf": {"ds_tree.rollout.envs.game24"}}), "engines sit below envs"
 
 

@@ -16,11 +16,11 @@ from ds_tree.cli.verify import main
 from ds_tree.config import ConfigError, LoraSettings, load_config
 from ds_tree.data import load_trajectories
 from ds_tree.data.jsonl import write_jsonl
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows
 from ds_tree.losses.advantages import estimate
 from ds_tree.losses.rl import RLSettings
 from ds_tree.models.loading import load_model
 from ds_tree.models.lora import AdaptersDisabled, apply_lora, merged_state_dict
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows
 from ds_tree.packing.modes import pack_trajectories
 from tests.test_verify_rl import records
 

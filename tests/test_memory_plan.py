@@ -18,7 +18,6 @@ import torch
 
 from ds_tree.cli.plan import main as plan_main
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
 from ds_tree.memory.predict import (
     ModelShape,
@@ -33,6 +32,7 @@ from ds_tree.memory.predict import (
 )
 from ds_tree.models.loading import load_config, load_model
 from ds_tree.models.logprobs import predicted_tokens, target_logprobs
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory
 
@@ -365,8 +365,8 @@ def _sharded_walk_peaks(rank: int, trajectories, settings: dict) -> list[float]:
     ``(chunk, recompute)`` measured after a warm-up; the largest peak over the ranks (process 0's is reported)."""
     import torch.distributed as dist
 
-    from ds_tree.engine.step import global_normalisers, run_rows
     from ds_tree.models.ulysses import enable_sequence_parallel
+    from ds_tree.objectives.sft import global_normalisers, run_rows
     from ds_tree.packing.plan import PlanSettings, plan_step
 
     model = load_model(BENCH)

@@ -174,7 +174,7 @@ def test_coefficient_config(tmp_path):
     rl = write_config(tmp_path, rollouts, model=model, objective={"kind": "grpo"})
     assert prepare(rl, f"output_dir={tmp_path / 'rl'}").config.model.router_aux_loss_coef == 0.01
     walked = ["packing.mode=dfs", "parallel.sequence_parallel_size=2", f"output_dir={tmp_path / 'walked'}"]
-    assert prepare(rl, *walked, world_size=2).dfs_settings is not None  # sharded walks too (no longer refused)
+    assert prepare(rl, *walked, world_size=2).layout.dfs_settings() is not None  # sharded walks too (no longer refused)
 
 
 @pytest.mark.distributed

@@ -485,7 +485,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
     from types import SimpleNamespace
 
     from ds_tree.config import ConfigError, load_config
-    from ds_tree.engine.trainer import learning_rate_factor
+    from ds_tree.engine.build import learning_rate_factor
     from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
 
@@ -617,35 +617,37 @@ TINY_LLAMA = "configs/models/tiny_llama.json"
 
 
 def test_reference_step_checkpoint_file_round_trips_and_its_absence_is_named(tmp_path: Path) -> None:
-    """The trainer's ``reference_policy.pt``: written into a checkpoint directory, loaded back into another
+    """The KL reference's ``reference_policy.pt``: written into a checkpoint directory, loaded back into another
     reference; a checkpoint past ``reference_step`` without it (saved by a run without the option) is a
     clear error naming the file, the steps and what to do, not a silent resume against the initial policy."""
-    from types import SimpleNamespace
-
     from ds_tree.config import load_config
     from ds_tree.engine.reference import REFERENCE_FILE, copy_policy
-    from ds_tree.engine.trainer import Trainer
     from ds_tree.models.loading import load_model
+    from ds_tree.objectives.reference import KLReference
     from ds_tree.run.checkpoint import CheckpointError
 
     def build(seed: int) -> torch.nn.Module:
         return load_model(TINY_LLAMA, attention="torch", dtype=torch.float32, seed=seed)
 
     overrides = [*SHIPPED, "objective.kl_coef=0.1", "objective.reference_step=12"]
-    config = load_config("configs/multiturn_cpu.yaml", overrides)
-    policy = build(0)
-    trainer = SimpleNamespace(config=config, rank=0, start_step=20, reference=build(1))  # Trainer's fields in use
-    copy_policy(trainer.reference, policy)
-    Trainer.save_reference_copy(trainer, tmp_path)
+    reference = KLReference(load_config("configs/multiturn_cpu.yaml", overrides))
+    policy, reference.model = build(0), build(1)
+    copy_policy(reference.model, policy)
+    reference.save(tmp_path, step=11)  # before reference_step: the reference is the initial policy, not saved
+    assert not (tmp_path / REFERENCE_FILE).exists()
+    reference.save(tmp_path, step=20)
     assert (tmp_path / REFERENCE_FILE).is_file()
-    trainer.reference = build(2)
-    Trainer.load_reference_copy(trainer, tmp_path)
-    for name, parameter in trainer.reference.named_parameters():
+    reference.model = build(2)
+    reference.load(tmp_path, step=20)
+    for name, parameter in reference.model.named_parameters():
         assert torch.equal(parameter, dict(policy.named_parameters())[name]), name
     (tmp_path / "old").mkdir()
     message = r"old holds no reference_policy.pt: .*policy of step 12, and this checkpoint of step 20 .*step: 0"
     with pytest.raises(CheckpointError, match=message):
-        Trainer.load_reference_copy(trainer, tmp_path / "old")
+        reference.load(tmp_path / "old", step=20)
+    with pytest.raises(CheckpointError, match=message):  # found by the dry run, before any model is built
+        reference.check_resumable(tmp_path / "old", step=20)
+    reference.check_resumable(tmp_path / "old", step=11)
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.comparison import gradient_errors
-from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.rl import KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.packing.parts import split_tree, whole_tree
-from ds_tree.registries import AGGREGATIONS
+from ds_tree.registries import AGGREGATIONS, ESTIMATORS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from tests.helpers.strategies import flat_coefficients, forests, longest
@@ -49,7 +48,7 @@ def _prepare(trajectories: list[Trajectory], rng: np.random.Generator, estimator
     for trajectory in trajectories:
         trajectory.reward = float(rng.choice([0.0, 0.5, 1.0, 1.0]))  # repeats: equal-reward groups occur
         trajectory.advantages = rng.normal(size=len(trajectory))  # read by the "given" estimator
-    advantages = ESTIMATORS[estimator](trajectories, normalise=estimator in ("grpo", "treepo"))
+    advantages = ESTIMATORS.get(estimator)(trajectories, normalise=estimator in ("grpo", "treepo"))
     advantage_of = {id(t): a for t, a in zip(trajectories, advantages.values, strict=True)}
     trained = [t.loss_mask[1:].sum() for t in trajectories]
     normalisers = {"total_tokens": sum(trained), "sequences": sum(s > 0 for s in trained), "constant": CONSTANT}

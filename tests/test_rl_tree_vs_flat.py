@@ -17,15 +17,14 @@ import pytest
 import torch
 
 from ds_tree import config as config_module
-from ds_tree.engine import rl_step
-from ds_tree.engine.step import run_rows
 from ds_tree.errors import DataError
-from ds_tree.losses.advantages import ESTIMATORS
 from ds_tree.losses.rl import KL_ESTIMATORS, RLSettings, trajectory_coefficients
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
+from ds_tree.objectives import rl_rows
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
-from ds_tree.registries import AGGREGATIONS
+from ds_tree.registries import AGGREGATIONS, ESTIMATORS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verify.tree_vs_flat import compare_rl, perturb_parameters
@@ -110,7 +109,7 @@ def oracle_loss(trajectories, advantages, settings: RLSettings, logp_old=None, i
 @pytest.mark.parametrize(("estimator", "normalise", "settings"), [c for c in CASES if not c[2].entropy_coef])
 def test_rl_tree_loss_equals_per_trajectory_oracle(estimator, normalise, settings):
     trajectories = rl_trajectories(seed=1)
-    computed = ESTIMATORS[estimator](trajectories, normalise=normalise)
+    computed = ESTIMATORS.get(estimator)(trajectories, normalise=normalise)
     report = compare_rl(
         trajectories, MODEL, estimator=estimator, normalise_advantages=normalise, settings=settings, budget=64
     )
@@ -125,9 +124,9 @@ def test_prefix_copies_count_their_trajectories(monkeypatch):
     def leaves_only(row):
         return [(t, path) for t, path in original(row) if path[-1] >= 0]
 
-    original = rl_step.trajectory_copies
+    original = rl_rows.trajectory_copies
     assert compare_rl(rl_trajectories(), MODEL, budget=64)["passed"]
-    monkeypatch.setattr(rl_step, "trajectory_copies", leaves_only)
+    monkeypatch.setattr(rl_rows, "trajectory_copies", leaves_only)
     assert not compare_rl(rl_trajectories(), MODEL, budget=64)["passed"]
 
 
@@ -135,7 +134,7 @@ def test_config_choices_are_the_library_registries():
     assert typing.get_args(config_module.Estimator)[1].names() == ("", *ESTIMATORS)
     assert typing.get_args(config_module.Aggregation)[1].names() == AGGREGATIONS.names()
     assert typing.get_args(config_module.KLEstimator) == KL_ESTIMATORS
-    assert typing.get_args(config_module.OldLogprobs) == rl_step.OLD_LOGPROBS
+    assert typing.get_args(config_module.OldLogprobs) == rl_rows.OLD_LOGPROBS
 
 
 def with_sampler_logprobs(trajectories, *, agree_on_shared: bool, seed: int = 5) -> list[Trajectory]:
@@ -180,7 +179,7 @@ def test_old_logprobs_from_data(budget):
     assert report["passed"], report
     metrics = report["metrics_flat"]
     assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics
-    computed = ESTIMATORS["grpo"](trajectories)
+    computed = ESTIMATORS.get("grpo")(trajectories)
     old = {id(t): t.logprobs[1:] for t in trajectories}
     expected = oracle_loss(trajectories, computed.values, settings, logp_old=old)
     assert abs(report["loss_tree"] - expected) <= 1e-10 * abs(expected), (report["loss_tree"], expected)
@@ -199,7 +198,7 @@ def test_truncated_importance_weights(budget):
     settings = RLSettings(importance_truncation=1.2)
     report = compare_rl(trajectories, MODEL, settings=settings, budget=budget)
     assert report["passed"], report
-    computed = ESTIMATORS["grpo"](trajectories)
+    computed = ESTIMATORS.get("grpo")(trajectories)
     old, _ = _policies()
     logp_old = _flat_logprobs(old, trajectories)
     weights = {id(t): np.minimum(np.exp(logp_old[id(t)] - t.logprobs[1:]), 1.2) for t in trajectories}
@@ -212,13 +211,13 @@ def test_shared_logprobs_checked_before_training():
     """The trainer's up-front check (``old_logprobs: data``) refuses what the step would refuse later."""
     agreeing = with_sampler_logprobs(rl_trajectories(seed=2), agree_on_shared=True)
     for tree in build_forest(agreeing):
-        rl_step.check_shared_logprobs(tree)
+        rl_rows.check_shared_logprobs(tree)
     disagreeing = with_sampler_logprobs(rl_trajectories(seed=2), agree_on_shared=False)
     with pytest.raises(
         DataError, match=r"g\d:\d, g\d:\d: these trajectories share a token whose sampler log-probs differ"
     ):
         for tree in build_forest(disagreeing):
-            rl_step.check_shared_logprobs(tree)
+            rl_rows.check_shared_logprobs(tree)
 
 
 def sampled_groups(mismatch: float) -> list[Trajectory]:
@@ -246,7 +245,7 @@ def test_online_sampler_logprobs_as_old_logprobs_and_importance_weights():
     ``pi_old`` and truncated importance sampling weighs each token by ``min(pi_old / pi_sampler, C)`` with
     them; tree equals flat and the per-trajectory oracle in both."""
     trajectories = sampled_groups(mismatch=0.2)
-    advantages = ESTIMATORS["grpo"](trajectories).values
+    advantages = ESTIMATORS.get("grpo")(trajectories).values
     sampler = {id(t): np.nan_to_num(t.logprobs[1:]) for t in trajectories}  # NaN: prompt tokens, untrained
     data = RLSettings(old_logprobs="data")
     report = compare_rl(trajectories, MODEL, settings=data, budget=32)

@@ -16,8 +16,8 @@ import torch
 from ds_tree.cli.sample import main as sample_main
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.tokens import read_tokens_jsonl
-from ds_tree.engine.rl_step import check_shared_logprobs
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.rl_rows import check_shared_logprobs
 from ds_tree.sampling.hf import FINISH_REASONS, SamplerSettings, generation_mode, repeats_ngram, sample_tree
 from ds_tree.trees.trie import build_forest
 

@@ -216,15 +216,14 @@ def test_a_crafted_reference_policy_is_refused_with_its_path(tmp_path: Path) -> 
     from types import SimpleNamespace
 
     from ds_tree.engine.reference import REFERENCE_FILE
-    from ds_tree.engine.trainer import Trainer
+    from ds_tree.objectives.reference import KLReference
 
     marker = tmp_path / "ran"
     file = tmp_path / REFERENCE_FILE
     torch.save({"weight": Payload(marker)}, file)
-    objective = SimpleNamespace(reference_step=1)
-    trainer = SimpleNamespace(config=SimpleNamespace(objective=objective), start_step=2, reference=None)
+    reference = KLReference(SimpleNamespace(objective=SimpleNamespace(reference_step=1)))
     with pytest.raises(CheckpointError, match=rf"^refusing to load {re.escape(str(file))}: .*would run pickled code"):
-        Trainer.load_reference_copy(trainer, tmp_path)
+        reference.load(tmp_path, step=2)
     assert not marker.exists()
 
 

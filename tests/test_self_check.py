@@ -15,9 +15,13 @@ import pytest
 import torch
 
 from ds_tree.data import load_trajectories
-from ds_tree.engine import self_check, step
+from ds_tree.engine import self_check
 from ds_tree.engine.dfs import DfsSettings
+from ds_tree.engine.self_check import CheckSettings
 from ds_tree.models.loading import load_model
+from ds_tree.objectives import sft
+from ds_tree.objectives.policy_gradient import PolicyGradientCheck
+from ds_tree.objectives.sft import SFTCheck
 from ds_tree.packing.plan import PlanSettings
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from tests.helpers.data import write_forest
@@ -55,7 +59,7 @@ def test_check_passes_within_the_dtype_tolerance(trajectories, dtype, dfs):
     sample = self_check.sample_groups(trajectories)
     plan = PlanSettings(mode="dfs", budget=400, dfs_chunk=24) if dfs else PlanSettings(budget=400)
     rng = torch.random.get_rng_state()
-    result = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
+    result = self_check.check_sample(model, SFTCheck(sample), CheckSettings(plan, dfs))
     self_check.verdict(result, 1, dtype)
     tolerance = self_check.TOLERANCES[dtype]
     assert 0 < result.tokens and result.max_abs_logprob_err < tolerance and result.max_grad_rel_err < tolerance
@@ -87,7 +91,7 @@ def test_check_passes_on_every_model_family_of_the_matrix(matrix_sources, name):
     shape = TreeShape(trees=2, depth=3, children=(2, 3), node_tokens=(2, 6), alphabet=(3, BASE["vocab_size"] - 1))
     forest = random_forest(random.Random(1), shape)
     model = load_model(matrix_sources[name], attention="torch", dtype=torch.float32, seed=7)
-    result = self_check.check_sample(model, forest, plan=PlanSettings(budget=4096))
+    result = self_check.check_sample(model, SFTCheck(forest), CheckSettings(PlanSettings(budget=4096)))
     self_check.verdict(result, 1, torch.float32)
     assert result.parameters >= 10 and result.trajectories == len(forest)
 
@@ -118,7 +122,7 @@ def test_check_passes_on_vision_language_models_with_each_trajectorys_images(fam
     model.model.visual.register_forward_hook(
         lambda _module, _args, kwargs, _out: encoded.append(len(kwargs["grid_thw"])), with_kwargs=True
     )
-    result = self_check.check_sample(model, trajectories, plan=PlanSettings(budget=4096))
+    result = self_check.check_sample(model, SFTCheck(trajectories), CheckSettings(PlanSettings(budget=4096)))
     self_check.verdict(result, 1, torch.float32)
     per_trajectory = sum(len({image.key for image in t.images}) for t in trajectories)
     per_tree = len({image.key for t in trajectories[:5] for image in t.images}) + 1  # 4 in task g, 1 in h
@@ -144,11 +148,11 @@ def test_vision_language_checks_walk_and_take_the_rl_objective(family, objective
         rl = None
         if objective == "grpo":
             advantages = estimate(trajectories, "grpo", False).by_trajectory()
-            rl = self_check.rl_inputs(model, trajectories, advantages, RLSettings(), plan=plan, dfs=dfs)
+            rl = PolicyGradientCheck.of(model, trajectories, advantages, RLSettings(), CheckSettings(plan, dfs))
             with torch.no_grad():  # the step's update
                 for parameter in model.parameters():
                     parameter.add_(0.02 * torch.randn_like(parameter))
-        result = self_check.check_sample(model, trajectories, plan=plan, dfs=dfs, rl=rl)
+        result = self_check.check_sample(model, rl or SFTCheck(trajectories), CheckSettings(plan, dfs))
         self_check.verdict(result, 1, torch.float32)
         assert result.items == {kind: 2 if kind == "walked" else 1}, result.items  # one walk per tree
         assert result.parameters == sum(1 for p in model.parameters() if p.requires_grad)
@@ -197,7 +201,7 @@ def test_a_merged_or_dropped_image_in_the_tree_stops_the_check(monkeypatch, faul
 
         monkeypatch.setattr(PackedRow, "image_inputs", faulty_inputs)
     plan = PlanSettings(mode="dfs", budget=4096, dfs_chunk=16) if dfs else PlanSettings(budget=4096)
-    result = self_check.check_sample(model, trajectories, plan=plan, dfs=dfs)
+    result = self_check.check_sample(model, SFTCheck(trajectories), CheckSettings(plan, dfs))
     assert set(result.items) == {"walked" if dfs else "packed"}
     message = r"step 2: the tree result differs .* gradient relative error .*; log-prob absolute error"
     with pytest.raises(self_check.SelfCheckError, match=message):
@@ -224,34 +228,36 @@ def test_rl_objective_is_checked_with_the_steps_old_logprobs(tmp_path, dfs):
     advantages = estimate(data, "grpo", False).by_trajectory()
     plan = PlanSettings(mode="dfs", budget=400, dfs_chunk=16) if dfs else PlanSettings(budget=400)
     reference = AdaptersDisabled(policy)
-    inputs = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=reference, dfs=dfs)
+    inputs = PolicyGradientCheck.of(policy, data, advantages, settings, CheckSettings(plan, dfs), reference=reference)
     assert len({t.group_id for t in inputs.sample}) == 1 and len(inputs.sample) > 1  # a whole group
     with torch.no_grad():  # the step's update
         for parameter in policy.parameters():
             if parameter.requires_grad:
                 parameter.add_(0.05 * torch.randn_like(parameter))
-    result = self_check.check_sample(policy, None, plan=plan, rl=inputs, dfs=dfs)
+    result = self_check.check_sample(policy, inputs, CheckSettings(plan, dfs))
     self_check.verdict(result, 1, torch.float32)
     assert result.max_grad_rel_err < 1e-5 and "lora_" in result.worst_parameter
     assert result.items == {"walked" if dfs else "packed": 1}
     assert all(p.grad is None for p in policy.parameters())
     # the objective is the clipped one: the same sample without the update has ratio 1, another loss
-    exact_ratio = self_check.rl_inputs(policy, data, advantages, settings, plan=plan, reference=reference, dfs=dfs)
-    unclipped = self_check.check_sample(policy, None, plan=plan, rl=exact_ratio, dfs=dfs)
+    exact_ratio = PolicyGradientCheck.of(
+        policy, data, advantages, settings, CheckSettings(plan, dfs), reference=reference
+    )
+    unclipped = self_check.check_sample(policy, exact_ratio, CheckSettings(plan, dfs))
     assert abs(unclipped.loss_flat - result.loss_flat) > 1e-4
 
 
 def test_a_broken_restoration_weight_stops_with_a_clear_error(trajectories, monkeypatch):
     model = load_model(MODEL, seed=3)
     sample = self_check.sample_groups(trajectories, cap=1000)  # whole groups: shared trained tokens
-    exact = step.restoration_weights
+    exact = sft.restoration_weights
 
     def broken(row, *args):  # fault injection: a shared token counted once, not once per trajectory
         weights = exact(row, *args)
         return np.where(row.mask_sum > row.mask_max, weights * row.mask_max / np.maximum(row.mask_sum, 1), weights)
 
-    monkeypatch.setattr(step, "restoration_weights", broken)
-    result = self_check.check_sample(model, sample, plan=PlanSettings(budget=400))
+    monkeypatch.setattr(sft, "restoration_weights", broken)
+    result = self_check.check_sample(model, SFTCheck(sample), CheckSettings(PlanSettings(budget=400)))
     message = r"step 7: the tree result differs .* loss relative error .*; gradient relative error .* \(parameter model"
     with pytest.raises(self_check.SelfCheckError, match=message):
         self_check.verdict(result, 7, torch.float32)
@@ -270,7 +276,7 @@ def test_trees_the_run_walks_are_walked_by_the_check_and_a_fault_of_the_walk_sto
     assert len(longest) == 2 and longest[0] < longest[1]
     plan = PlanSettings(budget=longest[0], over_budget="dfs")  # one group's tree packed, the other's walked
     dfs = DfsSettings(32)
-    result = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
+    result = self_check.check_sample(model, SFTCheck(sample), CheckSettings(plan, dfs))
     self_check.verdict(result, 1, torch.float32)
     assert result.items["walked"] == 1 and result.items["packed"] >= 1 and result.max_grad_rel_err < 1e-5
     exact = ChunkInputs.of_chunk.__func__
@@ -282,7 +288,7 @@ def test_trees_the_run_walks_are_walked_by_the_check_and_a_fault_of_the_walk_sto
         return inputs
 
     monkeypatch.setattr(ChunkInputs, "of_chunk", classmethod(deeper))
-    broken = self_check.check_sample(model, sample, plan=plan, dfs=dfs)
+    broken = self_check.check_sample(model, SFTCheck(sample), CheckSettings(plan, dfs))
     message = r"step 3: the tree result differs .* gradient relative error .* \(parameter model.*; log-prob absolute"
     with pytest.raises(self_check.SelfCheckError, match=message):
         self_check.verdict(broken, 3, torch.float32)
@@ -302,14 +308,12 @@ def test_the_moe_router_loss_is_checked_with_the_rl_objective(dfs):
     settings = RLSettings(eps_low=0.02, eps_high=0.02)
     advantages = estimate(data, "grpo", False).by_trajectory()
     plan = PlanSettings(mode="dfs", budget=400, dfs_chunk=16) if dfs else PlanSettings(budget=400)
-    inputs = self_check.rl_inputs(model, data, advantages, settings, plan=plan, dfs=dfs)
+    inputs = PolicyGradientCheck.of(model, data, advantages, settings, CheckSettings(plan, dfs))
     with torch.no_grad():  # the step's update
         for parameter in model.parameters():
             parameter.add_(0.02 * torch.randn_like(parameter))
     results = {
-        coefficient: self_check.check_sample(
-            model, None, plan=plan, rl=inputs, dfs=dfs, router_aux_loss_coef=coefficient
-        )
+        coefficient: self_check.check_sample(model, inputs, CheckSettings(plan, dfs), router_aux_loss_coef=coefficient)
         for coefficient in (0.0, 1.0)
     }
     for result in results.values():

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from ds_tree.config import ConfigError, load_config
-from ds_tree.engine.rl_step import StepNormalisers, row_sums, trajectory_copies
 from ds_tree.engine.trainer import Trainer
 from ds_tree.losses.advantages import estimate
 from ds_tree.losses.rl import RLSettings, TokenSums
+from ds_tree.objectives.rl_rows import StepNormalisers, row_sums, trajectory_copies
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows, shard_row
 from tests.helpers import ROOT
 from tests.helpers.configs import write_config

@@ -19,9 +19,9 @@ import torch
 
 from ds_tree.cli.plan import main as plan_main
 from ds_tree.engine import runners
-from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing import plan as plan_module
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.rows import PackedRow

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ds_tree.comparison import gradient_errors
-from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.triton.tile_lists import SCHEDULE_VARIABLE, SCHEDULES

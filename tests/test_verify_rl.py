@@ -17,7 +17,7 @@ import pytest
 from ds_tree.cli.verify import main
 from ds_tree.data.convert import ConvertOptions, convert
 from ds_tree.data.jsonl import slice_groups, write_jsonl
-from ds_tree.engine import rl_step
+from ds_tree.objectives import rl_rows
 from tests.helpers.rollouts import RolloutShape, rl_records
 from tests.helpers.shared_data import SHARED_DATA, absent
 
@@ -86,8 +86,8 @@ def test_rl_objective_tree_equals_flat_on_split_trees(data, capsys, estimator):
 
 def test_a_wrong_tree_objective_exits_1(data, capsys, monkeypatch):
     """Mutation: listing only the trajectories whose leaf a part holds drops advantage sums on split trees."""
-    original = rl_step.trajectory_copies
-    monkeypatch.setattr(rl_step, "trajectory_copies", lambda row: [c for c in original(row) if c[1][-1] >= 0])
+    original = rl_rows.trajectory_copies
+    monkeypatch.setattr(rl_rows, "trajectory_copies", lambda row: [c for c in original(row) if c[1][-1] >= 0])
     code, report, _ = run(["--data", data, "--model", MODEL, "--objective", "grpo", "--budget", "64"], capsys)
     assert code == 1 and not report["passed"]
 

@@ -225,7 +225,7 @@ def test_weight_sync_moves_the_server_to_the_new_policy(served) -> None:
 def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(served, tmp_path, tokenizer_dir, capsys):
     from ds_tree.cli.sample import main as sample_main
     from ds_tree.data.explicit import trajectories_from_explicit_tree
-    from ds_tree.engine.rl_step import check_shared_logprobs
+    from ds_tree.objectives.rl_rows import check_shared_logprobs
 
     engine, _ = served
     prompts = tmp_path / "prompts.jsonl"

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from ds_tree.comparison import gradient_errors, relative_error
 from ds_tree.data import load_trajectories
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.rl import RLSettings
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import enable_sequence_parallel
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.objectives.sft import global_normalisers, run_rows
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.verify.sequence_parallel import group_gradients, spawn_group
 from ds_tree.verify.tree_vs_flat import checked_advantages, rl_policies, run_mode, run_rl_mode

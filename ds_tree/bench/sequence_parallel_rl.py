@@ -7,8 +7,8 @@ trajectory its own tree; ``tree``: each group's trie) from the same seed with Ul
 attention, and plans the rows as the trainer does (a tree, or in flat mode a trajectory, with a path
 over ``budget`` goes to rows of up to ``S x budget`` tokens sharded over the group; the others to one
 rank each). A step is the trainer's RL step on every trajectory of the data: the old policy's no-grad
-pass on the shards (:func:`~ds_tree.engine.rl_step.prepare_rl_rows`; the model before the step is the
-old policy), then ``ppo_epochs`` updates (:func:`~ds_tree.engine.rl_step.run_rl_rows`, each rank
+pass on the shards (:func:`~ds_tree.objectives.rl_rows.prepare_rl_rows`; the model before the step is the
+old policy), then ``ppo_epochs`` updates (:func:`~ds_tree.objectives.rl_rows.run_rl_rows`, each rank
 backpropagating its own terms), the gradients summed over the group and an AdamW step. The modes
 alternate which goes first each step. Times are the slowest rank's; activation memory is the most
 autograd saves for backward in one of a rank's items in the first measured update
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.bench.steps import BenchModels, run_measuring
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.models.loading import parse_dtype
 from ds_tree.models.ulysses import enable_sequence_parallel
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.packing.sequence_parallel import RowShard, plan_sequence_parallel_rows
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory

@@ -5,9 +5,9 @@ steps alternate between modes so that both see the same machine conditions, and 
 every mode trains the same groups. An SFT step is: pack (tries, parts, rows), forward and backward
 of every row, optimizer step. An RL step (``objective``: GRPO/PPO, docs/RL.md) is what the trainer
 does with one mini-batch: pack and compute the advantages, the old policy's no-grad forward
-(per-token sums, old and reference log-probs: :func:`~ds_tree.engine.rl_step.prepare_rl_rows`),
+(per-token sums, old and reference log-probs: :func:`~ds_tree.objectives.rl_rows.prepare_rl_rows`),
 then ``ppo_epochs`` updates, each a forward and backward of every row
-(:func:`~ds_tree.engine.rl_step.run_rl_rows`) and an optimizer step. Times are medians over the
+(:func:`~ds_tree.objectives.rl_rows.run_rl_rows`) and an optimizer step. Times are medians over the
 measured steps.
 
 Ideal speedup = tokens the flat mode computes / tokens the tree mode computes (duplicated prefix
@@ -45,14 +45,14 @@ from ds_tree.bench.vision import TowerCounter, distinct_images, patch_weight, ro
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.dfs import DfsSettings, WalkStats
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
-from ds_tree.engine.step import run_rows
 from ds_tree.losses.advantages import estimate
 from ds_tree.losses.sft import Normalisers
 from ds_tree.memory.meters import PeakSavedMeter, SavedTensorMeter
 from ds_tree.memory.predict import profiled_peak_bytes
 from ds_tree.models.loading import load_model
 from ds_tree.models.vision import attach_rope_positions
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import TokenCounts, token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories

@@ -178,7 +178,7 @@ class WalkedShardRunner(WalkedRunner):
     """A tree its sequence-parallel group walks together (:class:`~ds_tree.packing.dfs_shards.DfsRowShard`):
     the walk with gradients, and the no-grad walk of the RL objective's old and reference policies
     (:meth:`WalkedRunner.logprobs`), each rank scoring the targets predicted from its shards (a shard's
-    ``owned`` holds only those, so they are the ones :func:`~ds_tree.engine.rl_step.prepare_rl_rows`
+    ``owned`` holds only those, so they are the ones :func:`~ds_tree.objectives.rl_rows.prepare_rl_rows`
     asks for). Every rank of the group makes the same forwards, so the all-to-alls pair up."""
 
     @staticmethod

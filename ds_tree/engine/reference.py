@@ -10,7 +10,7 @@ Built from ``objective.reference`` (default ``model.source`` at ``model.seed``, 
   Its forward gathers parameters collectively, so every rank must make as many reference forwards,
   in the same order relative to the policy's: one per packed item (every rank runs as many), one
   per chunk of a walked tree (dfs), the reference's pass padded to the busiest rank's count after
-  the old policy's pass (:func:`~ds_tree.engine.rl_step.prepare_rl_rows`).
+  the old policy's pass (:func:`~ds_tree.objectives.rl_rows.prepare_rl_rows`).
 
 Under sequence parallelism the reference scores the same shards as the policy, through the same
 Ulysses attention (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`).

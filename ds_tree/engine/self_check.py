@@ -1,9 +1,11 @@
 """The training-time tree-vs-flat self-check (``objective.self_check``; docs/LORA.md, "Self-check").
 
-On the chosen steps the trainer takes a small sample of the step's trajectories (whole groups, in the
-step's order, up to :data:`SAMPLE_TOKENS` flat tokens; when none fits, the first trajectories of the
-smallest group, two at least: :func:`sample_groups`) and computes,
-with the model as it is (the same weights for both sides), the run's own objective twice:
+A hook the trainer runs after each step (:class:`SelfCheck`), fed by the objective: on the steps it checks,
+the objective records what its loss on a small sample needs (:class:`CheckedObjective`: the sample, whole
+groups of the step's trajectories in order, up to :data:`SAMPLE_TOKENS` flat tokens, or when none fits the
+first trajectories of the smallest group, two at least, :func:`sample_groups`; RL: the step's advantages and
+its old log-probs, recorded before the step's updates). After the step the hook computes, with the model as
+it is (the same weights for both sides), that objective twice:
 
 - the tree: the sample laid out as the run lays out a step, by the step plan itself
   (:func:`~ds_tree.packing.plan.plan_step` with the run's plan settings, over this rank's
@@ -15,12 +17,11 @@ with the model as it is (the same weights for both sides), the run's own objecti
 
 Each side gives the loss, every trajectory's log-probs (from its forwards with gradients,
 :attr:`~ds_tree.engine.runners.RunContext.collect_logprobs`) and the gradient of every trainable
-parameter. SFT runs compare the restoration-weighted SFT loss; RL runs compare the clipped objective
-with its KL and entropy terms (:mod:`ds_tree.engine.rl_step`), with the step's advantages and the
-step's old log-probs (recorded before the step's updates by the tree side's no-grad forwards,
-:func:`rl_inputs`) and reference log-probs. The check stops the run (:class:`SelfCheckError`) when the
-loss's or a gradient's relative error, or a log-prob's absolute error, exceeds the tolerance of the
-model's dtype (:data:`TOLERANCES`).
+parameter. SFT runs compare the restoration-weighted SFT loss (:class:`ds_tree.objectives.sft.SFTCheck`);
+RL runs compare the clipped objective with its KL and entropy terms, the step's advantages, old and
+reference log-probs (:class:`ds_tree.objectives.policy_gradient.PolicyGradientCheck`). The check stops the run
+(:class:`SelfCheckError`) when the loss's or a gradient's relative error, or a log-prob's absolute error,
+exceeds the tolerance of the model's dtype (:data:`TOLERANCES`).
 
 Gradients are taken with ``torch.autograd.grad`` on the trainable parameters of the bare module (not
 the DeepSpeed engine): the runners hand every loss (a dfs chunk's surrogate included) to a
@@ -46,20 +47,18 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from ds_tree import comparison
-from ds_tree.config import self_check_every
+from ds_tree.config import Config, self_check_every
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
-from ds_tree.engine.runners import RunContext, runner_of
-from ds_tree.engine.step import run_rows
-from ds_tree.losses.rl import RLSettings
-from ds_tree.losses.sft import Normalisers
+from ds_tree.engine.layout import StepLayout
+from ds_tree.engine.runners import RunContext, StepOutput
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
@@ -114,20 +113,6 @@ class SelfCheckResult:
         }
 
 
-@dataclass
-class RLInputs:
-    """What the RL objective of the sample needs, fixed before the step's updates (:func:`rl_inputs`)."""
-
-    sample: list[Trajectory]
-    settings: RLSettings
-    advantages: dict[int, np.ndarray]
-    """``id(trajectory) -> per-token advantages`` (the step's)."""
-    old_logprobs: dict[int, np.ndarray] | None
-    """``id(trajectory) -> log p`` of its tokens (index 0 unused) under the policy before the step's
-    updates; None with ``old_logprobs: data`` (the sampler's, read from the trajectories)."""
-    reference: object | None = None
-
-
 @dataclass(frozen=True)
 class SequenceParallel:
     """This rank's sequence-parallel group, over which the tree side plans the sample (:func:`tree_items`)."""
@@ -137,6 +122,32 @@ class SequenceParallel:
     """This rank's position in the group: whose items of the group's plan it runs."""
     group: object | None = None
     """The process group (DeepSpeed's sequence-parallel group); None: the default group."""
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """How the check lays out and runs the sample: the run's own settings at the step checked."""
+
+    plan: PlanSettings
+    dfs: DfsSettings | None = None
+    device: torch.device | str = "cpu"
+    sequence_parallel: SequenceParallel | None = None
+    head_chunk: int = 0
+
+
+class CheckedObjective(Protocol):
+    """An objective's loss on the sample, as the objective records it for a checked step."""
+
+    sample: list[Trajectory]
+    targets_only: bool
+    """Its loss scores only some tokens (RL: the trained ones): log-probs are compared where both sides
+    scored them, not on every predicted token."""
+
+    def run(
+        self, model, items: list[PackedRow], group_items: list[PackedRow], backward: Callable, run: RunContext
+    ) -> StepOutput:
+        """Forward this rank's ``items`` of the sample and hand their loss to ``backward``, with the log-probs
+        ``run`` collects; ``group_items`` are every item of the sample's plan (its normalisers' rows)."""
 
 
 def is_due(setting: str, step: int, first_step: int) -> bool:
@@ -269,7 +280,7 @@ def _by_trajectory(sample: Sequence[Trajectory], logprobs: dict[int, np.ndarray]
     return [logprobs.get(id(t), np.full(len(t) - 1, np.nan)) for t in sample]
 
 
-def _merge_over_group(values: list[np.ndarray], group) -> list[np.ndarray]:
+def merge_over_group(values: list[np.ndarray], group) -> list[np.ndarray]:
     """Each entry where a rank of ``group`` knows it (each is known by one rank: the one predicting it),
     NaN where none does."""
     import torch.distributed as dist
@@ -296,111 +307,24 @@ def _sum_over_group(side: _Side, sequence_parallel: SequenceParallel) -> _Side:
     dist.all_reduce(loss, group=group)
     for name in sorted(side.gradients):  # every trainable parameter's (:meth:`GradientCollector.all_gradients`)
         dist.all_reduce(side.gradients[name], group=group)
-    return _Side(float(loss.item()), _merge_over_group(side.logprobs, group), side.gradients)
+    return _Side(float(loss.item()), merge_over_group(side.logprobs, group), side.gradients)
 
 
 def _run_side(
     model,
-    sample: Sequence[Trajectory],
+    inputs: CheckedObjective,
     items: list[PackedRow],
-    normalisers: Normalisers,
-    *,
-    normalisation: str,
-    rl: RLInputs | None,
-    dfs: DfsSettings | None,
-    device,
-    head_chunk: int,
-    router_aux: RouterAuxLoss | None = None,
+    group_items: list[PackedRow],
+    run: RunContext,
     every_parameter: bool = False,
 ) -> _Side:
-    """One side's loss, log-probs and gradients of the sample: ``items`` run with their kinds' runners
-    (:mod:`ds_tree.engine.runners`), gradients taken by a :class:`GradientCollector`; ``router_aux``: an MoE
-    model's router load-balancing loss over the sample, added to either objective."""
+    """One side's loss, log-probs and gradients of the sample: ``items`` run by the objective's ``inputs``
+    with their kinds' runners (:mod:`ds_tree.engine.runners`), gradients taken by a :class:`GradientCollector`;
+    ``run.router_aux``: an MoE model's router load-balancing loss over the sample, added to either objective."""
     collector = GradientCollector(model)
-    if rl is None:
-        output = run_rows(
-            model,
-            items,
-            normalisers,
-            normalisation,
-            backward=collector,
-            dfs=dfs,
-            collect_logprobs=True,
-            device=device,
-            head_chunk=head_chunk,
-            router_aux=router_aux,
-        )
-    else:
-        prepared = prepare_rl_rows(
-            model,
-            items,
-            rl.advantages,
-            rl.settings,
-            StepNormalisers.of(rl.sample),
-            reference=rl.reference,
-            device=device,
-            head_chunk=head_chunk,
-            dfs=dfs,
-            old_logprobs=rl.old_logprobs,
-        )
-        output = run_rl_rows(
-            model,
-            prepared,
-            rl.settings,
-            backward=collector,
-            dfs=dfs,
-            device=device,
-            head_chunk=head_chunk,
-            collect_logprobs=True,
-            router_aux=router_aux,
-        )
+    output = inputs.run(model, items, group_items, collector, run)
     gradients = collector.all_gradients() if every_parameter else collector.gradients
-    return _Side(output.loss, _by_trajectory(sample, output.trajectory_logprobs), gradients)
-
-
-def rl_inputs(
-    model,
-    trajectories: Sequence[Trajectory],
-    advantages: dict[int, np.ndarray],
-    settings: RLSettings,
-    *,
-    plan: PlanSettings,
-    reference=None,
-    dfs: DfsSettings | None = None,
-    sequence_parallel: SequenceParallel | None = None,
-    device: torch.device | str = "cpu",
-    head_chunk: int = 0,
-) -> RLInputs:
-    """Before the step's updates: the sample, its advantages, and its old log-probs from the model as
-    the step's rollouts saw it (the tree side's no-grad forwards, its items run by their kinds' runners,
-    shared by both sides so that both compute the same objective; with ``old_logprobs: data`` the
-    sampler's, read later)."""
-    sample = sample_groups(trajectories)
-    old = None
-    if settings.old_logprobs != "data" and sample:
-        items, _ = tree_items(sample, plan, sequence_parallel)
-        values = _tree_logprobs(model, sample, items, RunContext(device, head_chunk, dfs))
-        if sequence_parallel is not None:
-            values = _merge_over_group(values, sequence_parallel.group)
-        old = {id(t): v for t, v in zip(sample, values, strict=True)}
-    return RLInputs(sample, settings, {id(t): advantages[id(t)] for t in sample}, old, reference)
-
-
-@torch.no_grad()
-def _tree_logprobs(model, sample: Sequence[Trajectory], items: list[PackedRow], run: RunContext) -> list[np.ndarray]:
-    """Per trajectory of the sample, ``log p`` of its tokens (index 0 unused, NaN) where this rank's items
-    predict them: each item's runner scores the tokens the item owns (a shard: those predicted from it)."""
-    index = {id(t): i for i, t in enumerate(sample)}
-    values = [np.full(len(t), np.nan) for t in sample]
-    for row in items:
-        targets = np.flatnonzero(row.owned & (row.pred_pos >= 0))
-        by_token = np.full(row.n_tokens + 1, np.nan)  # the last entry: tokens absent from the row
-        by_token[targets] = runner_of(row).logprobs(model, row, targets, run)
-        for trajectory, path in trajectory_copies(row):
-            found = by_token[path]  # -1 (absent) reads the NaN entry
-            known = ~np.isnan(found)
-            values[index[id(trajectory)]][known] = found[known]
-    return values
+    return _Side(output.loss, _by_trajectory(inputs.sample, output.trajectory_logprobs), gradients)
 
 
 @contextlib.contextmanager
@@ -425,50 +349,39 @@ def zero3_leaf_hooks_suspended(optimizer) -> Iterator[None]:
 
 
 def check_sample(
-    model,
-    sample: Sequence[Trajectory],
-    *,
-    plan: PlanSettings,
-    normalisation: str = "token_mean",
-    dfs: DfsSettings | None = None,
-    device: torch.device | str = "cpu",
-    rl: RLInputs | None = None,
-    sequence_parallel: SequenceParallel | None = None,
-    head_chunk: int = 0,
-    router_aux_loss_coef: float | None = None,
+    model, inputs: CheckedObjective, settings: CheckSettings, router_aux_loss_coef: float | None = None
 ) -> SelfCheckResult:
-    """Tree against flat on ``sample`` (module docstring): loss, log-probs and the trainable parameters'
-    gradients, with the SFT objective or, given ``rl``, the RL objective (``rl.sample`` is the sample).
-    ``model``: the bare module (not a DeepSpeed engine, whose backward hooks would count the check's
-    backwards as training's). The tree side is the sample planned with the run's ``plan`` settings over
-    ``sequence_parallel`` (this rank's group; None without sequence parallelism, :func:`tree_items`),
-    its items run by their kinds' runners, walked ones as ``dfs`` says. An MoE model's objective includes
-    its router load-balancing loss over the sample (``router_aux_loss_coef``, None: the model config's),
-    as training adds it."""
+    """Tree against flat on the sample of ``inputs`` (module docstring): loss, log-probs and the trainable
+    parameters' gradients of the objective that recorded them. ``model``: the bare module (not a DeepSpeed
+    engine, whose backward hooks would count the check's backwards as training's). The tree side is the
+    sample planned with the run's plan settings over ``settings.sequence_parallel`` (this rank's group; None
+    without sequence parallelism, :func:`tree_items`), its items run by their kinds' runners, walked ones as
+    ``settings.dfs`` says. An MoE model's objective includes its router load-balancing loss over the sample
+    (``router_aux_loss_coef``, None: the model config's), as training adds it."""
     started = time.perf_counter()
-    sample = list(rl.sample if rl is not None else sample)
+    sample = list(inputs.sample)
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         longest = max((len(t) for t in sample), default=1)
-        flat_rows = pack_trajectories(sample, "flat", max(plan.budget, longest))  # whole rows, on every rank
-        items, group_items = tree_items(sample, plan, sequence_parallel)
+        flat_rows = pack_trajectories(sample, "flat", max(settings.plan.budget, longest))  # whole rows, on every rank
+        items, group_items = tree_items(sample, settings.plan, settings.sequence_parallel)
         router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in sample))
-        common = dict(normalisation=normalisation, rl=rl, device=device, head_chunk=head_chunk, router_aux=router_aux)
-        flat = _run_side(model, sample, flat_rows, Normalisers.from_rows(flat_rows), dfs=None, **common)
-        normalisers = Normalisers.from_rows(group_items)  # the group's sums (as global_normalisers' over ranks)
-        tree = _run_side(
-            model, sample, items, normalisers, dfs=dfs, every_parameter=sequence_parallel is not None, **common
-        )
-        if sequence_parallel is not None:
-            tree = _sum_over_group(tree, sequence_parallel)
+        device, head_chunk = settings.device, settings.head_chunk
+        flat_run = RunContext(device, head_chunk, None, router_aux, collect_logprobs=True)
+        flat = _run_side(model, inputs, flat_rows, flat_rows, flat_run)
+        tree_run = RunContext(device, head_chunk, settings.dfs, router_aux, collect_logprobs=True)
+        sharded = settings.sequence_parallel is not None
+        tree = _run_side(model, inputs, items, group_items, tree_run, every_parameter=sharded)
+        if sharded:
+            tree = _sum_over_group(tree, settings.sequence_parallel)
     finally:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     worst, worst_name = 0.0, ""
     for trajectory, a, b in zip(sample, tree.logprobs, flat.logprobs, strict=True):
-        if rl is not None:  # the RL objective scores its targets only: compare where both sides did
+        if inputs.targets_only:  # an objective scoring some targets only: compare where both sides did
             both = ~np.isnan(a) & ~np.isnan(b)
             a, b = a[both], b[both]
         error = float(np.abs(a - b).max(initial=0.0))
@@ -533,3 +446,84 @@ def verdict(result: SelfCheckResult, step: int, dtype: torch.dtype) -> None:
             f"{'; '.join(failures)}; tolerance {tolerance:.0e} for {str(dtype).removeprefix('torch.')}. "
             "Run `ds-tree verify` on this data and model to locate it (objective.self_check: off skips the check)"
         )
+
+
+class SelfCheck:
+    """``objective.self_check`` as a hook around each training step (module docstring): the objective asks
+    :meth:`wanted` and :meth:`record` s its :class:`CheckedObjective` before its updates, the trainer runs
+    :meth:`after_step`.
+
+    A due step whose loss is not finite (discarded by ``optimizer.non_finite: skip``) is not a tree-vs-flat
+    question: both sides are NaN. The check moves to the next step with a finite loss. So does a due step
+    for which the objective recorded nothing (a multi-turn RL run's warm-up step, SFT on demonstrations):
+    the run's first RL step is checked.
+    """
+
+    def __init__(self, config: Config, layout: StepLayout, engine, first_step: int, sequence_parallel=None) -> None:
+        self.config = config
+        self.layout = layout
+        self.engine = engine
+        """The policy's DeepSpeed engine: the check runs its bare module."""
+        self.first_step = first_step
+        """This run's first step (``first`` checks it)."""
+        self.sequence_parallel = sequence_parallel
+        """This rank's sequence-parallel group (:func:`~ds_tree.models.ulysses.enable_sequence_parallel`), or None."""
+        self.deferred = False
+        """A due step was not checked (module docstring): the next step is."""
+        self.inputs: CheckedObjective | None = None
+        """What the objective recorded for the step being run."""
+
+    def wanted(self, step: int) -> bool:
+        """Whether ``step`` (0-based) is checked: due under ``objective.self_check``, or after a deferred one."""
+        return self.deferred or is_due(self.config.objective.self_check, step, self.first_step)
+
+    def settings(self) -> CheckSettings:
+        """The run's layout as the check takes it, from the config as it is now."""
+        return CheckSettings(
+            plan=self.layout.plan_settings(),  # the sample's items: the kinds this run's plan gives them
+            dfs=self.layout.dfs_settings(),
+            device=self.engine.device,
+            sequence_parallel=self.group(),
+            head_chunk=self.config.model.head_chunk,
+        )
+
+    def group(self) -> SequenceParallel | None:
+        """This rank's sequence-parallel group, over which the sample is planned (None without SP)."""
+        if self.sequence_parallel is None:
+            return None
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        group = self.sequence_parallel
+        return SequenceParallel(group.size, group.position, parallel_state_sp.get_sequence_parallel_group())
+
+    def record(self, inputs: CheckedObjective | None) -> None:
+        """The objective's inputs for the step being run (None: nothing to check on it)."""
+        self.inputs = inputs
+        self.release()  # the no-grad forwards that made them (RL's old log-probs) may leave parameters prefetched
+
+    def after_step(self, step: int, loss: float) -> dict[str, float]:
+        """The check of ``step`` when it is wanted: its ``selfcheck/`` scalars, or a :class:`SelfCheckError`."""
+        inputs, self.inputs = self.inputs, None
+        if not self.wanted(step):
+            return {}
+        self.deferred = not math.isfinite(loss) or inputs is None
+        if self.deferred or not inputs.sample:
+            return {}
+        with zero3_leaf_hooks_suspended(self.engine.optimizer):
+            result = check_sample(
+                self.engine.module,  # the bare module: the engine's backward hooks stay out of the check
+                inputs,
+                self.settings(),
+                router_aux_loss_coef=self.config.model.router_aux_loss_coef,
+            )
+        self.release()
+        dtype = torch.bfloat16 if self.config.model.dtype == "bfloat16" else torch.float32
+        verdict(result, step + 1, dtype)
+        return result.scalars()
+
+    def release(self) -> None:
+        """After the check's forwards, outside a training step: ZeRO-3 may still hold parameters it
+        prefetched for them, in flight. Release them now, or the next gather of a parameter (the vLLM
+        weight sync) fails with "Cannot partition a param in flight"."""
+        if self.engine.zero_optimization_stage() == 3:
+            self.engine.empty_partition_cache()

@@ -7,9 +7,12 @@ carries a value only for alignment). A group is the trajectories that share a ``
 
 One interface: an estimator is a function of one group (:class:`GroupTrie`: its trajectories, their
 rewards and, built on first use and shared, the group's exact-token trie with per-node leaf counts and
-reward sums) and the :class:`EstimatorSettings`, returning the group's per-token advantages; it is
-registered by name with :func:`register_estimator`, and :func:`estimate` is the one dispatch the
-trainer, ``verify`` and ``bench`` share. A new tree estimator is one function and a registration.
+reward sums) and the :class:`EstimatorSettings`, returning the group's per-token advantages, wrapped in
+an :class:`Estimator` (by the :func:`estimator` decorator) and registered by name in
+:data:`ds_tree.registries.ESTIMATORS` (the built-ins below as lazy entries; a project's own with
+``ESTIMATORS.register("mine", Estimator(...))`` or the decorator ``@ESTIMATORS.register("mine")`` above
+``@estimator(...)``). :func:`estimate` is the one dispatch the trainer, ``verify`` and ``bench`` share. A
+new tree estimator is one function and a registration.
 
 - ``grpo``  (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300): ``A_i = R_i - mean_G R``, divided
   by the group's sample standard deviation (ddof 1, as ``torch.std``) when ``normalise``; without
@@ -60,6 +63,7 @@ from typing import Literal
 import numpy as np
 
 from ds_tree.errors import DataError
+from ds_tree.registries import ESTIMATORS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree, build_trees
 
@@ -187,7 +191,7 @@ GroupEstimator = Callable[[GroupTrie, EstimatorSettings], list[np.ndarray]]
 
 @dataclass(frozen=True)
 class Estimator:
-    """A registered estimator: the per-group function and what it needs."""
+    """An advantage estimator: the per-group function and what it needs (module docstring)."""
 
     name: str
     group_advantages: GroupEstimator
@@ -219,23 +223,20 @@ class Estimator:
         return Advantages(values, int((~with_peers).sum()) if self.needs_peers else 0)
 
 
-ESTIMATORS: dict[str, Estimator] = {}
-"""name -> :class:`Estimator` (callable as ``estimator(trajectories, *, normalise) -> Advantages``)."""
-
-
-def register_estimator(
-    name: str, *, normalise: Literal["group", "batch", None], needs_rewards: bool = True, needs_peers: bool = True
+def estimator(
+    *,
+    normalise: Literal["group", "batch", None],
+    needs_rewards: bool = True,
+    needs_peers: bool = True,
+    name: str | None = None,
 ) -> Callable[[GroupEstimator], Estimator]:
-    """Register ``group_advantages`` as the estimator ``name`` (``objective.estimator``); the config's
-    ``Estimator`` choices must list it too (a test checks the two agree)."""
+    """The :class:`Estimator` of the decorated per-group function (named after it unless ``name``), not
+    registered: :data:`ds_tree.registries.ESTIMATORS` names it (``objective.estimator``)."""
 
-    def register(group_advantages: GroupEstimator) -> Estimator:
-        if name in ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ESTIMATORS[name] = Estimator(name, group_advantages, normalise, needs_rewards, needs_peers)
-        return ESTIMATORS[name]
+    def build(group_advantages: GroupEstimator) -> Estimator:
+        return Estimator(name or group_advantages.__name__, group_advantages, normalise, needs_rewards, needs_peers)
 
-    return register
+    return build
 
 
 def _batch_normalised(values: list[np.ndarray], with_peers: np.ndarray) -> list[np.ndarray]:
@@ -266,13 +267,13 @@ def _group_mean(rewards: np.ndarray) -> np.ndarray:
     return rewards.mean()
 
 
-@register_estimator("grpo", normalise="group")
+@estimator(normalise="group")
 def grpo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """``A_i = R_i - mean_G R`` (``/ std_G R``, sample std, when ``normalise``); see the module docstring."""
     return _per_token(group, _centred(group, _group_mean, settings.normalise))
 
 
-@register_estimator("rloo", normalise=None)
+@estimator(normalise=None)
 def rloo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """``A_i = R_i - (sum_G R - R_i) / (|G| - 1)``, the leave-one-out baseline."""
     return _per_token(group, _centred(group, lambda r: (r.sum() - r) / (r.size - 1), False))
@@ -293,7 +294,7 @@ def _subgroup_sums(statistics: NodeStatistics, rewards: np.ndarray) -> tuple[np.
     return sums, counts
 
 
-@register_estimator("treepo", normalise="batch")
+@estimator(normalise="batch")
 def treepo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """Mean over trie sub-groups of ``R_i - mean_S R`` (``/ batch std`` when ``normalise``); see the module doc."""
     per_tree = []
@@ -316,7 +317,7 @@ def _branch_gate(tree: TokenTree) -> np.ndarray:
     return gate
 
 
-@register_estimator("tempo", normalise="group")
+@estimator(normalise="group")
 def tempo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """GRPO's advantage plus ``tempo_coef`` times the branch-gated TD of the prefix values; see the module doc."""
     relative = _centred(group, _group_mean, settings.normalise)
@@ -337,7 +338,7 @@ def tempo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     return group.in_group_order(per_tree)
 
 
-@register_estimator("given", normalise=None, needs_rewards=False, needs_peers=False)
+@estimator(normalise=None, needs_rewards=False, needs_peers=False)
 def given(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """The per-token ``advantages`` each trajectory carries (same length as its ``input_ids``), as float64."""
     values = []
@@ -359,11 +360,10 @@ def given(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
 def estimate(
     trajectories: Sequence[Trajectory], estimator: str, normalise: bool = False, *, tempo_coef: float = 1.0
 ) -> Advantages:
-    """The advantages of ``trajectories`` by the estimator named ``estimator`` (:data:`ESTIMATORS`): the
+    """The advantages of ``trajectories`` by the estimator registered as ``estimator``
+    (:data:`ds_tree.registries.ESTIMATORS`; an unknown name is a ValueError listing the registered ones): the
     one dispatch the trainer, ``verify`` and ``bench`` share."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"advantage estimator must be one of {tuple(ESTIMATORS)}, got {estimator!r}")
-    computed = ESTIMATORS[estimator](trajectories, normalise=normalise, tempo_coef=tempo_coef)
+    computed = ESTIMATORS.get(estimator)(trajectories, normalise=normalise, tempo_coef=tempo_coef)
     computed.trajectories = trajectories
     return computed
 

@@ -106,7 +106,7 @@ class AdaptersDisabled:
     Calls go to the same module (a DeepSpeed engine or a PEFT model) inside PEFT's
     ``disable_adapter`` (LoRA layers return their base layer's output; ``modules_to_save`` use the
     original module), so under ZeRO-3 they are the policy's own collective forwards: every rank
-    makes them in the same number (:func:`~ds_tree.engine.rl_step.gathers_collectively` reads the
+    makes them in the same number (:func:`~ds_tree.objectives.rl_rows.gathers_collectively` reads the
     engine's ZeRO stage through this wrapper). Attribute reads go to the wrapped module.
     """
 

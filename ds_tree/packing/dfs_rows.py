@@ -48,7 +48,7 @@ def with_walked_rows(
     """Each rank's packed rows (``shares``) followed by its share of ``walked`` trees as :class:`DfsRow`.
 
     When trees are walked, the empty rows that even out the row counts are dropped: the dfs step
-    evens out the backward calls itself (:func:`ds_tree.engine.step.run_rows` with ``dfs``).
+    evens out the backward calls itself (:func:`ds_tree.objectives.sft.run_rows` with ``dfs``).
     """
     if not walked:
         return shares

@@ -16,7 +16,7 @@ A rank computes its shard of a row as a :class:`RowShard`: the whole row's array
 terms of the targets predicted from other shards set to 0 (labels are shifted on the whole row:
 ``pred_pos`` may point into an earlier shard) and ``pred_pos`` made shard-local, and model inputs cut
 to the shard except ``kv_end``, which the tree attention needs whole after the all-to-all. The
-shards of a row hold each loss term exactly once, so :func:`~ds_tree.engine.step.run_rows` and the
+shards of a row hold each loss term exactly once, so :func:`~ds_tree.objectives.sft.run_rows` and the
 step-wide sums of :class:`~ds_tree.losses.sft.Normalisers` take them as they take rows.
 """
 
@@ -124,7 +124,7 @@ class RowShard(PackedRow):
     row_parts: list[TreePart]
     """The whole row's parts, on every shard (``parts`` lists them on the first shard only): the
     trajectories laid out in the row's tokens, whose per-token RL terms each shard forms for the
-    targets predicted inside it (:func:`~ds_tree.engine.rl_step.trajectory_copies`)."""
+    targets predicted inside it (:func:`~ds_tree.objectives.rl_rows.trajectory_copies`)."""
 
     @property
     def layout_parts(self) -> list[TreePart]:

@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings, WalkStats
-from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.memory.meters import PeakSavedMeter
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import enable_sequence_parallel
+from ds_tree.objectives.sft import global_normalisers, run_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.trees.trajectory import Trajectory

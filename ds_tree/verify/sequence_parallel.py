@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.data.jsonl import json_text
-from ds_tree.engine.step import global_normalisers, run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.memory.meters import SavedTensorMeter
 from ds_tree.models.loading import load_config as load_model_config
@@ -36,6 +35,7 @@ from ds_tree.models.loading import load_model
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
 from ds_tree.models.vision import attach_rope_positions
+from ds_tree.objectives.sft import global_normalisers, run_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows

@@ -6,9 +6,9 @@
 ``seed``) and the trained policy (moved off it by ``perturbation`` times each parameter's spread, as
 :func:`~ds_tree.verify.tree_vs_flat.compare_rl` does) with Ulysses around the tree attention, plans the
 rows as the trainer does (trees with a path over ``budget`` sharded over the group) and runs the
-trainer's two RL passes on its items: :func:`~ds_tree.engine.rl_step.prepare_rl_rows` (the old and
+trainer's two RL passes on its items: :func:`~ds_tree.objectives.rl_rows.prepare_rl_rows` (the old and
 reference policies' no-grad forwards on the shards, per-token sums of the trajectories whose
-targets each shard predicts) and :func:`~ds_tree.engine.rl_step.run_rl_rows` (each rank
+targets each shard predicts) and :func:`~ds_tree.objectives.rl_rows.run_rl_rows` (each rank
 backpropagating its own shard's terms). Loss, gradients and metric sums are then summed over the
 ranks, and the old log-probs of every trained token gathered. Process 0 compares them with the
 single-process flat result (:func:`~ds_tree.verify.tree_vs_flat.run_rl_mode` in the flat layout).
@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.engine.runners import StepOutput
 from ds_tree.losses.rl import SUMMED_METRICS, RLSettings
 from ds_tree.models.ulysses import enable_sequence_parallel
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
 from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
@@ -167,8 +167,8 @@ def _gathered_old_logprobs(trajectories: list[Trajectory], prepared) -> tuple[np
 
 def _report(trajectories, options, advantages, losses, gradients, metrics, old_logprobs, sharded) -> dict:
     """Process 0: the flat baseline from the same weights, in this process, and the errors."""
-    from ds_tree.engine.step import run_rows
     from ds_tree.losses.sft import Normalisers
+    from ds_tree.objectives.sft import run_rows
 
     settings, size, budget, block = options["settings"], options["size"], options["budget"], options["block"]
     torch_dtype = verification_dtype(trajectories, options["dtype"])

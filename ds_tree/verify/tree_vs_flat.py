@@ -16,11 +16,11 @@ import torch
 from ds_tree.attention.registry import has_backward
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
-from ds_tree.engine.step import run_rows
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
 from ds_tree.models.moe import RouterAuxLoss
 from ds_tree.models.vision import attach_rope_positions
+from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
@@ -327,7 +327,7 @@ def run_rl_mode(
     """One RL pass (old log-probs from ``old_model``, loss and gradients of ``model``) in ``mode``
     (``dfs``: every tree walked with ``dfs``, the old and reference log-probs too; ``router_aux``: the
     MoE router loss added, on ``model``'s routing)."""
-    from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+    from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
 
     rows = pack_trajectories(trajectories, mode, budget, block)
     normalisers = StepNormalisers.of(trajectories)

@@ -18,15 +18,16 @@ import torch.distributed as dist
 from ds_tree.models.loading import load_model
 from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.train import exit_now
-from tests.distributed.common import check_arguments, flat_sft, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, sft_backward, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 
 
 def main() -> None:
     args, config = check_arguments()
     trainer = started_trainer(config)
-    plan = trainer.plan_step(0)
-    output = trainer.forward_backward(plan.rows)
+    trajectories = trainer.context.trajectories(0)
+    plan = trainer.context.plan(trajectories)
+    output = sft_backward(trainer, plan.rows)
     gradients = gather_full_gradients(trainer.engine)
     walked = sum(isinstance(row, DfsRow) for row in plan.rows)
     counts = torch.tensor([[walked, len(plan.rows) - walked]])
@@ -36,7 +37,7 @@ def main() -> None:
     dist.all_reduce(loss)
     if dist.get_rank() == 0:
         model = load_model(config.model.source, attention="reference", dtype="float32", seed=config.model.seed)
-        flat = flat_sft(model, trainer.step_trajectories(0), config)
+        flat = flat_sft(model, trajectories, config)
         report = {
             "world_size": dist.get_world_size(),
             "zero_stage": trainer.engine.zero_optimization_stage(),

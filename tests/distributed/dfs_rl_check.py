@@ -6,9 +6,9 @@ different shapes, so their walks make different sequences of calls. For each Dee
 on the same weights each time):
 
 - SFT, without recompute (held forwards, lone backwards): one accumulation of the trainer's
-  first step (``forward_backward``);
-- RL, with recompute: the trainer's rollouts of the step (old log-probs by a no-grad walk) and
-  one update's backward (``rl_backward``).
+  first step (``sft_backward``);
+- RL, with recompute: the objective's rollouts of the step (old log-probs by a no-grad walk,
+  ``prepare_step``) and one update's backward (``run_update``).
 
 Every rank gathers the full gradients, then the optimizer steps (ZeRO-3 keeps gradients until a
 step); rank 0 computes the same objective in one process, float64, flat layout, from the parameters
@@ -36,13 +36,14 @@ import torch.distributed as dist
 
 from ds_tree.engine.dfs import row_chunks, settings_of, walk_events
 from ds_tree.engine.reference import build_reference
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.policy_gradient import global_metrics
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.packing.dfs_rows import DfsRow
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.train import exit_now
-from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, sft_backward, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 from tests.distributed.sp_grad_check import full_parameters
 
@@ -66,16 +67,17 @@ def flat_model(config, parameters):
 def sft_case(trainer, step: int) -> dict:
     config = trainer.config
     parameters = full_parameters(trainer.engine)
-    plan = trainer.plan_step(0)
-    output = trainer.forward_backward(plan.rows)
+    trajectories = trainer.context.trajectories(0)
+    plan = trainer.context.plan(trajectories)
+    output = sft_backward(trainer, plan.rows)
     gradients = gather_full_gradients(trainer.engine)
-    trainer.apply_update(step, output.loss)  # consumes the gradients (ZeRO-3 keeps them until a step)
+    trainer.updates.apply(step, output.loss)  # consumes the gradients (ZeRO-3 keeps them until a step)
     loss = torch.tensor([output.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     result = {"kinds": call_kinds(trainer, plan.rows), "walked": sum(isinstance(r, DfsRow) for r in plan.rows)}
     if dist.get_rank() == 0:
         model = flat_model(config, parameters)
-        flat = flat_sft(model, trainer.step_trajectories(0), config)
+        flat = flat_sft(model, trajectories, config)
         result.update(
             loss_rel_err=abs(float(loss.item()) - flat.loss) / abs(flat.loss),
             max_rel_grad_err=max(relative(gradients[n], p.grad.numpy()) for n, p in model.named_parameters()),
@@ -87,22 +89,22 @@ def rl_case(trainer, step: int) -> dict:
     config = trainer.config
     parameters = full_parameters(trainer.engine)
     reference = None
-    if trainer.reference is not None:  # the partitioned reference's weights, gathered (a collective)
-        module = trainer.reference.module
+    if trainer.objective.reference.model is not None:  # the partitioned reference's weights, gathered
+        module = trainer.objective.reference.model.module
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             reference = {name: p.detach().clone() for name, p in module.named_parameters()}
-    rollouts = trainer.rl_rollouts(0)
-    (rows,), (plan,) = rollouts.prepared, rollouts.plans
-    output = trainer.rl_backward(rows, plan)
+    rollouts = trainer.objective.prepare_step(0, trainer.context)
+    (rows,), (update,) = rollouts.rows, rollouts.updates
+    output = trainer.objective.run_update(update, trainer.context)
     gradients = gather_full_gradients(trainer.engine)
-    trainer.apply_update(step, output.loss)
+    trainer.updates.apply(step, output.loss)
     loss = torch.tensor([output.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     result = {"kinds": call_kinds(trainer, [item.row for item in rows])}
     if reference is not None:  # the no-grad forwards of each model a rank's rows need, before padding
-        run = RunContext(dfs=trainer.dfs_settings)
+        run = RunContext(dfs=trainer.layout.dfs_settings())
         result["forwards"] = sum(runner_of(item.row).forwards(item.row, run) for item in rows)
-        result["kl_ref"] = trainer.global_metrics(output.metrics)["kl_ref"]
+        result["kl_ref"] = global_metrics(output.metrics)["kl_ref"]
     if dist.get_rank() == 0:
         model = flat_model(config, parameters)
         trajectories = rollouts.trajectories
@@ -152,13 +154,13 @@ def main() -> None:
     if args.partitioned_reference:  # under the last engine (ZeRO-3)
         trainer.config.objective.kl_coef = 0.05
         chunk, trainer.config.packing.dfs_chunk = trainer.config.packing.dfs_chunk, 16  # 49 and 45 chunks (64: 18, 18)
-        trainer.reference = partitioned_reference(trainer)
+        trainer.objective.reference.model = partitioned_reference(trainer)
         step += 1
         result = rl_case(trainer, step)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, (result.pop("kinds"), result.pop("forwards")))
         report["partitioned_reference"] = {
-            "reference": type(trainer.reference).__name__,
+            "reference": type(trainer.objective.reference.model).__name__,
             "kinds_per_rank": [kinds for kinds, _ in every],
             "forwards_per_rank": [forwards for _, forwards in every],
             **result,

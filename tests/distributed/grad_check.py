@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.comparison import gradient_errors
-from ds_tree.engine.trainer import learning_rate_factor
+from ds_tree.engine.build import learning_rate_factor
 from ds_tree.models.loading import load_model
 from ds_tree.train import exit_now
-from tests.distributed.common import check_arguments, flat_sft, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, sft_backward, started_trainer
 
 
 def gather_full_gradients(engine) -> dict[str, np.ndarray]:
@@ -40,10 +40,10 @@ def main() -> None:
     trainer = started_trainer(config)
     from deepspeed.utils import safe_get_full_fp32_param
 
-    plan = trainer.plan_step(0)
-    trainer.forward_backward(plan.rows)
+    plan = trainer.context.plan(trainer.context.trajectories(0))
+    sft_backward(trainer, plan.rows)
     gradients = gather_full_gradients(trainer.engine)
-    trainer.optimizer_step()
+    trainer.engine.step()
     updated = {
         name: safe_get_full_fp32_param(p).detach().double().cpu().numpy()
         for name, p in trainer.engine.module.named_parameters()

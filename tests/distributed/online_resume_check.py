@@ -37,8 +37,8 @@ def recorded_run(config, samples: dict[int, list]) -> dict:
     reference_gaps = {}
 
     def recording(step, policy):
-        if trainer.reference is not None:  # a collective: every rank
-            weights, reference = whole(policy), whole(reference_module(trainer.reference))
+        if trainer.objective.reference.model is not None:  # a collective: every rank
+            weights, reference = whole(policy), whole(reference_module(trainer.objective.reference.model))
             reference_gaps[step + 1] = max((reference[n] - weights[n]).abs().max().item() for n in weights)
         trajectories = sample(step, policy)
         samples[step + 1] = [[t.input_ids.tolist(), t.reward] for t in trajectories]

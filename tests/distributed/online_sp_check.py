@@ -22,11 +22,11 @@ def main() -> None:
     args, config = check_arguments()
     trainer = started_trainer(config)
     steps: dict[int, dict] = {}
-    rollouts = trainer.rl_rollouts
+    prepare = trainer.objective.prepare_step
 
-    def recording(step):
-        prepared = rollouts(step)
-        shards = torch.tensor([sum(isinstance(item.row, RowShard) for rows in prepared.prepared for item in rows)])
+    def recording(step, context):
+        prepared = prepare(step, context)
+        shards = torch.tensor([sum(isinstance(item.row, RowShard) for rows in prepared.rows for item in rows)])
         dist.all_reduce(shards)
         steps[step + 1] = {
             "longest": max(len(t) for t in prepared.trajectories),
@@ -35,7 +35,7 @@ def main() -> None:
         }
         return prepared
 
-    trainer.rl_rollouts = recording
+    trainer.objective.prepare_step = recording
     trainer.train()
     trainer.metrics.close()
     if trainer.rank == 0:

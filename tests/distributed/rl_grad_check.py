@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-from ds_tree.engine.rl_step import StepNormalisers, prepare_rl_rows, run_rl_rows
+from ds_tree.engine.reference import reference_module
 from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.models.loading import load_model
+from ds_tree.objectives.policy_gradient import global_metrics
+from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.packing.dfs_shards import DfsRowShard
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.sequence_parallel import RowShard
@@ -51,26 +53,28 @@ def reference_copy_differences(trainer) -> dict[str, float]:
     """The policy copied into the reference (:func:`copy_policy`), then the reference's whole state
     (:func:`reference_state`, rank 0's, broadcast) loaded back after the reference was moved by 1: the
     largest differences of the gathered reference from the policy after each (0 when exact)."""
-    from ds_tree.engine.reference import copy_policy, load_reference_state, reference_module, reference_state
+    from ds_tree.engine.reference import copy_policy, load_reference_state, reference_state
 
     def whole(module) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
             return {name: p.detach().clone() for name, p in module.named_parameters()}
 
+    model = trainer.objective.reference.model
+
     def largest_difference() -> float:
-        policy, reference = whole(trainer.engine.module), whole(reference_module(trainer.reference))
+        policy, reference = whole(trainer.engine.module), whole(reference_module(model))
         return max((reference[name].float() - policy[name].float()).abs().max().item() for name in policy)
 
-    copy_policy(trainer.reference, trainer.engine.module)
+    copy_policy(model, trainer.engine.module)
     copied = largest_difference()
-    state = [reference_state(trainer.reference)]
+    state = [reference_state(model)]
     dist.broadcast_object_list(state, src=0)
-    reference = reference_module(trainer.reference)
+    reference = reference_module(model)
     with deepspeed.zero.GatheredParameters(list(reference.parameters()), modifier_rank=0), torch.no_grad():
         for parameter in reference.parameters():  # frozen: perturb_parameters moves trainable ones only
             parameter.add_(1.0)
     perturbed = largest_difference()
-    load_reference_state(trainer.reference, state[0])
+    load_reference_state(model, state[0])
     return {"copied": copied, "perturbed": perturbed, "reloaded": largest_difference()}
 
 
@@ -92,21 +96,21 @@ def rl_case(trainer) -> tuple[dict | None, float]:
     config = trainer.config
     initial = full_parameters(trainer.engine)
     reference = None
-    if trainer.reference is not None:  # a partitioned reference is built as the initial policy was
-        reference = gathered_weights(getattr(trainer.reference, "module", trainer.reference))
-    rollouts = trainer.rl_rollouts(0)
-    trainer.release_partition_cache()  # the walks' prefetched parameters, before they are gathered here
+    if trainer.objective.reference.model is not None:  # a partitioned reference is built as the initial policy was
+        reference = gathered_weights(reference_module(trainer.objective.reference.model))
+    rollouts = trainer.objective.prepare_step(0, trainer.context)
+    trainer.self_check.release()  # the walks' prefetched parameters, before they are gathered here
     module = trainer.engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
         perturb_parameters(module, PERTURBATION, SEED)
-    output = trainer.rl_backward(rollouts.prepared[0], rollouts.plans[0])
+    output = trainer.objective.run_update(rollouts.updates[0], trainer.context)
     gradients = gather_full_gradients(trainer.engine)
-    metrics = trainer.global_metrics(output.metrics)
-    rows = rollouts.plans[0].rows
+    metrics = global_metrics(output.metrics)
+    rows = rollouts.updates[0].plan.rows
     shards = sum(isinstance(row, (RowShard, DfsRowShard)) and row.n_real > 0 for row in rows)
-    micro_batches = torch.tensor([len(rollouts.prepared[0]), shards])
+    micro_batches = torch.tensor([len(rollouts.rows[0]), shards])
     dist.all_reduce(micro_batches, op=dist.ReduceOp.MIN)
-    run = RunContext(dfs=trainer.dfs_settings)  # each rank's forwards of one no-grad pass, before any padding
+    run = RunContext(dfs=trainer.layout.dfs_settings())  # each rank's forwards of one no-grad pass, before any padding
     forwards = [None] * dist.get_world_size()
     dist.all_gather_object(forwards, sum(runner_of(row).forwards(row, run) for row in rows))
     if dist.get_rank() != 0:
@@ -128,7 +132,7 @@ def rl_case(trainer) -> tuple[dict | None, float]:
         "mode": config.packing.mode,
         "min_micro_batches_per_rank": int(micro_batches[0]),
         "min_sharded_rows_per_rank": int(micro_batches[1]),
-        "mini_batches": len(rollouts.prepared),
+        "mini_batches": len(rollouts.rows),
         "forwards_per_rank": forwards,
         "max_rel_grad_err": max(
             relative(gradients[name], p.grad.detach().double().numpy()) for name, p in new.named_parameters()
@@ -143,12 +147,13 @@ def rl_case(trainer) -> tuple[dict | None, float]:
     return report, output.loss
 
 
-def walked_shard_fault(trainer) -> dict:
-    """The SFT self-check of the last step's sample with a fault in the walk sharded over the group alone:
+def walked_shard_fault(trainer, step: int) -> dict:
+    """The SFT self-check of ``step``'s sample with a fault in the walk sharded over the group alone:
     the tokens of every shard but a chunk's first placed one position deeper (an off-by-one where the
     chunk is cut into shards). Its items and verdict ('' when it passed)."""
     from ds_tree.engine import self_check
     from ds_tree.engine.dfs_sequence_parallel import ShardedChunks
+    from ds_tree.objectives.sft import SFTCheck
 
     exact = ShardedChunks.chunk_inputs
 
@@ -160,19 +165,12 @@ def walked_shard_fault(trainer) -> dict:
 
     ShardedChunks.chunk_inputs = shifted
     try:
+        sample = self_check.sample_groups(trainer.context.trajectories(step))
         with self_check.zero3_leaf_hooks_suspended(trainer.engine.optimizer):
-            result = self_check.check_sample(
-                trainer.engine.module,
-                self_check.sample_groups(trainer.last_trajectories),
-                plan=trainer.plan_settings,
-                dfs=trainer.dfs_settings,
-                device=trainer.engine.device,
-                sequence_parallel=trainer.self_check_group(),
-                head_chunk=trainer.config.model.head_chunk,
-            )
+            result = self_check.check_sample(trainer.engine.module, SFTCheck(sample), trainer.self_check.settings())
     finally:
         ShardedChunks.chunk_inputs = exact
-    trainer.release_partition_cache()
+    trainer.self_check.release()
     try:
         self_check.verdict(result, 0, torch.float32)
         message = ""
@@ -190,7 +188,7 @@ def main() -> None:
     report, loss = rl_case(trainer)
     step = 1
     if args.dfs_chunk:
-        trainer.apply_update(step, loss)
+        trainer.updates.apply(step, loss)
         step += 1
         config.packing.mode, config.packing.dfs_chunk = "dfs", args.dfs_chunk
         dfs, loss = rl_case(trainer)
@@ -200,18 +198,20 @@ def main() -> None:
         report.update(
             world_size=dist.get_world_size(),
             zero_stage=trainer.engine.zero_optimization_stage(),
-            reference=type(trainer.reference).__name__,
+            reference=type(trainer.objective.reference.model).__name__,
         )
     if args.train_step:
-        trainer.apply_update(step, loss)
+        trainer.updates.apply(step, loss)
         scalars = trainer.train_step(step)
         if report is not None:
             report["train_step"] = scalars
         if config.packing.mode == "dfs" and config.parallel.sequence_parallel_size > 1:
-            fault = walked_shard_fault(trainer)
+            fault = walked_shard_fault(trainer, step)
             if report is not None:
                 report["selfcheck_fault"] = fault
-    if trainer.reference is not None:  # objective.reference_step's copy, its checkpoint state and reload
+    if (
+        trainer.objective.reference.model is not None
+    ):  # objective.reference_step's copy, its checkpoint state and reload
         differences = reference_copy_differences(trainer)
         if report is not None:
             report["reference_copy"] = differences

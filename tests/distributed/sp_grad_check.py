@@ -29,7 +29,7 @@ from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.packing.dfs_shards import DfsRowShard
 from ds_tree.packing.sequence_parallel import RowShard
 from ds_tree.train import exit_now
-from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, started_trainer
+from tests.distributed.common import check_arguments, flat_sft, rebuild_engine, sft_backward, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
 
 
@@ -51,13 +51,13 @@ def run_case(trainer, step: int, trajectories, mode: str) -> dict:
     config = trainer.config
     config.packing.mode = mode
     parameters = full_parameters(trainer.engine)
-    plan = trainer.plan_rows(trajectories)
+    plan = trainer.context.plan(trajectories)
     shards = [row for row in plan.rows if isinstance(row, (RowShard, DfsRowShard))]
     counts = torch.tensor([len(plan.rows), sum(row.n_real > 0 for row in shards), len(plan.rows) - len(shards)])
     dist.all_reduce(counts, op=dist.ReduceOp.MIN)
-    output = trainer.forward_backward(plan.rows)
+    output = sft_backward(trainer, plan.rows)
     gradients = gather_full_gradients(trainer.engine)
-    loss, grad_norm = trainer.apply_update(step, output.loss)
+    loss, grad_norm = trainer.updates.apply(step, output.loss)
     result = {"micro_batches": int(counts[0]), "sharded_rows": int(counts[1]), "own_rows": int(counts[2])}
     if dist.get_rank() == 0:
         budget = config.packing.budget * config.parallel.sequence_parallel_size

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ds_tree.engine.rl_step import RLRow, trajectory_copies
+from ds_tree.objectives.rl_rows import RLRow, trajectory_copies
 
 
 def row_mismatch(item: RLRow) -> np.ndarray:

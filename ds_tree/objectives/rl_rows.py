@@ -1,7 +1,8 @@
 """The RL objective on packed rows: old/reference log-probs, per-token sums, loss and metrics.
 
-The computation every entry point shares (trainer, ``verify``, ``bench``), in two passes over the
-same rows (docs/RL.md):
+The computation every entry point shares (the policy-gradient objective,
+:mod:`ds_tree.objectives.policy_gradient`; ``verify``; ``bench``), in two passes over the same rows
+(docs/RL.md):
 
 1. :func:`prepare_rl_rows` (no gradient): per row, fold the trajectories through its tokens into
    per-token sums (:func:`ds_tree.losses.rl.token_sums`: the sign split of the clipped objective),

@@ -1,0 +1,108 @@
+"""Every registered objective (:data:`ds_tree.registries.OBJECTIVES`) computes on trees exactly what it
+computes on the flat baseline: its prepared updates (:meth:`~ds_tree.objectives.base.Objective.prepare_step`),
+run by the runners of their items' kinds (:meth:`~ds_tree.objectives.base.Objective.run_update`), give the flat
+layout's loss, gradient and metrics in float64, on packed trees split into parts and on walked trees. A new
+objective registered in ``OBJECTIVES`` is checked here with no test of its own to write."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
+from ds_tree.config import load_config
+from ds_tree.data.sampler import StepSampler
+from ds_tree.engine.layout import StepLayout
+from ds_tree.models.loading import load_model
+from ds_tree.objectives.base import Components, StepContext
+from ds_tree.registries import OBJECTIVES
+from ds_tree.trees.trajectory import group_trajectories
+from ds_tree.verify.tree_vs_flat import perturb_parameters
+from tests.helpers.rollouts import rl_trajectories
+
+MODEL = "configs/models/tiny_llama.json"
+TOLERANCE = TOLERANCES[torch.float64]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    """A 1-rank process group: the objectives sum their normalisers and metrics over the ranks."""
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if started:
+        dist.destroy_process_group()
+
+
+class PlainBackward:
+    """Each update's ``backward`` as plain autograd, one process (the flat baseline's; DeepSpeed's scaling
+    around it is tests/test_engine.py's)."""
+
+    @staticmethod
+    def backward_for(n_rows: int):
+        return torch.Tensor.backward
+
+
+def run_objective(name: str, mode: str) -> tuple[list[tuple[float, dict]], dict[str, float], object]:
+    """Objective ``name`` on one step of three groups in layout ``mode``: each update's loss and gradient
+    (the policy moved off the old one between the preparation and the updates), then the step's metrics."""
+    kind = ["objective.mini_batches=2", "objective.entropy_coef=0.01", "objective.eps_low=0.05"]
+    overrides = [f"objective.kind={name}", *(kind if name != "sft" else [])]
+    packing = ["packing.budget=64", f"packing.mode={mode}", "data.groups_per_step=3"]
+    packing += ["packing.dfs_chunk=16"] if mode == "dfs" else []
+    config = load_config("configs/tiny_cpu.yaml", [*overrides, *packing])
+    trajectories = rl_trajectories(seed=1, groups=3, per_group=4)
+    rng = np.random.default_rng(2)
+    for trajectory in trajectories:  # the data's own advantages (estimator "given", PPO's default)
+        trajectory.advantages = rng.normal(size=len(trajectory))
+    model = load_model(MODEL, attention="torch", dtype=torch.float64, seed=0)
+    groups = group_trajectories(trajectories)
+    context = StepContext(
+        config,
+        model,
+        PlainBackward(),
+        StepLayout(config, {}, pad_id=0, world_size=1),
+        None,
+        rank=0,
+        groups=groups,
+        sampler=StepSampler(len(groups), len(groups), seed=0),
+    )
+    objective = OBJECTIVES.get(name)(config)
+    objective.check_data(trajectories)
+    objective.build(Components(model, {}))
+    prepared = objective.prepare_step(0, context)
+    assert len(prepared.trajectories) == len(trajectories)
+    perturb_parameters(model, 0.5, 1)  # ratios off 1: both clips of the RL objectives act
+    results, outputs = [], []
+    for update in prepared.updates:
+        model.zero_grad(set_to_none=True)
+        outputs.append(objective.run_update(update, context))
+        gradients = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((outputs[-1].loss, gradients))
+    losses = [loss for loss, _ in results]  # one rank: the global losses
+    return results, objective.step_metrics(prepared, outputs, losses, context), prepared
+
+
+@pytest.mark.parametrize("mode", ["tree", "dfs"])
+@pytest.mark.parametrize("name", OBJECTIVES.names())
+def test_every_objective_on_trees_equals_its_flat_baseline(name: str, mode: str) -> None:
+    flat, flat_scalars, _ = run_objective(name, "flat")
+    tree, tree_scalars, prepared = run_objective(name, mode)
+    assert len(tree) == len(flat) >= 1
+    kinds = {row.kind for update in prepared.updates for row in update.plan.rows}
+    assert kinds == ({"walked"} if mode == "dfs" else {"packed"}), kinds
+    if mode == "tree":  # the budget splits trees into parts: prefixes copied, each token owned once
+        assert any(row.n_real and len(row.parts) > 1 for update in prepared.updates for row in update.plan.rows)
+    for (tree_loss, tree_gradients), (flat_loss, flat_gradients) in zip(tree, flat, strict=True):
+        assert flat_loss != 0 and relative_error(tree_loss, flat_loss) <= TOLERANCE, (tree_loss, flat_loss)
+        assert set(tree_gradients) == set(flat_gradients)
+        worst = max(gradient_errors(flat_gradients, tree_gradients).values())
+        assert worst <= TOLERANCE, worst
+    assert set(tree_scalars) == set(flat_scalars)
+    for key, value in flat_scalars.items():
+        assert abs(tree_scalars[key] - value) <= TOLERANCE * max(abs(value), 1.0), (key, tree_scalars[key], value)
+    if name != "sft":  # the RL objectives report the clipped ratios: the perturbation moved them
+        assert flat_scalars["rl/clip_frac_low"] + flat_scalars["rl/clip_frac_high"] > 0, flat_scalars
