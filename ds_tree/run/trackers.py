@@ -26,6 +26,7 @@ import importlib.util
 import json
 import logging
 import re
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -225,6 +226,9 @@ class WandbTracker(Tracker):
         import wandb
 
         run_id = (previous or {}).get("run_id")
+        self.hooks = (sys.exit, sys.excepthook)
+        """What wandb.init replaces with its exit hooks (an exit without a code then reads as ``sys.exit(0)``): put
+        back by :meth:`close`, so the process after the run (a test, an in-process caller) gets its own."""
         self.run = wandb.init(
             project=run.project,
             name=run.name,
@@ -246,6 +250,7 @@ class WandbTracker(Tracker):
 
     def close(self) -> None:
         self.run.finish()
+        sys.exit, sys.excepthook = self.hooks
 
 
 MLFLOW_BATCH = 100
