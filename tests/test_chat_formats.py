@@ -11,8 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_tree.data.chat_templates import TEMPLATES
-from ds_tree.data.tokenizer import build_tokenizer
 from ds_tree.registries import TURN_FORMATS
 from ds_tree.rollout.env import EnvironmentCalls, ToolEnvironment
 from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
@@ -22,6 +20,8 @@ from ds_tree.sampling.interface import SampledTurn, TurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 from ds_tree.turn_formats import detect_format, get_format, resolve_format, turn_stop_tokens
 from ds_tree.turn_formats.base import TurnFormat
+from ds_tree.vocab.chat_templates import TEMPLATES
+from ds_tree.vocab.tokenizer import build_tokenizer
 
 MODEL = "configs/models/tiny_llama.json"
 _TOKENIZERS: dict[str, object] = {}

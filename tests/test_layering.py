@@ -90,6 +90,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("the registries of every extension point (names only: lazy entries)", ["ds_tree.registries"]),
     ("trees", ["ds_tree.trees"]),
+    ("the project's tokenizer, chat templates and processor folders", ["ds_tree.vocab"]),
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
     (
         "kernels and objectives: attention engines, the Triton kernel, recurrent scans, losses",
@@ -107,7 +108,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("objectives: what a step computes", ["ds_tree.objectives"]),
     ("the trainer", ["ds_tree.engine.trainer"]),
     ("checks", ["ds_tree.verify"]),
-    ("benchmarks", ["ds_tree.bench"]),
+    ("benchmarks and the GPU check", ["ds_tree.bench", "ds_tree.gpu_check"]),
     ("entry points", ["ds_tree.cli", "ds_tree.train"]),
 ]
 """Bottom to top. A module belongs to the layer of its longest matching prefix and may import only

@@ -30,8 +30,6 @@ import sys
 import torch
 from tqdm import tqdm
 
-from ds_tree.data.chat_templates import chat_template
-from ds_tree.data.tokenizer import build_tokenizer
 from ds_tree.rollout.env import EnvironmentCalls
 from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
 from ds_tree.rollout.episodes.runner import EpisodeRunner
@@ -41,6 +39,8 @@ from ds_tree.sampling.interface import SampledTurn, TurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 from ds_tree.trees.stats import token_counts
 from ds_tree.turn_formats import resolve_format, turn_stop_tokens
+from ds_tree.vocab.chat_templates import chat_template
+from ds_tree.vocab.tokenizer import build_tokenizer
 
 COLUMNS = ("template", "episodes", "leaves", "rewritten", "tree", "turn_samples", "independent", "re_rendered")
 WORDS = "first the tool then read its answer so the secret is the digit it states and I answer that".split()

@@ -73,7 +73,7 @@ HUB_MIN_QUERIES = 128
 """ds_tree.attention.blocksparse.HUB_MIN_QUERIES"""
 
 TOKENIZER_VOCAB_SIZE = 1024
-"""ds_tree.data.tokenizer.DEFAULT_VOCAB_SIZE"""
+"""ds_tree.vocab.tokenizer.DEFAULT_VOCAB_SIZE"""
 SYNTHETIC_SEED = 0
 """SyntheticConfig().seed (ds_tree.data.synthetic)"""
 SYNTHETIC_MAX_TOKENS = 512

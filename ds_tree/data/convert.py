@@ -35,15 +35,15 @@ from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
 from ds_tree.data.records import MISSING, PER_TOKEN_FIELDS, group_id
 from ds_tree.data.token_images import ProcessedImageReader, given_image_index, placeholder_index
-from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tokens import trajectory_from_record
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
-from ds_tree.data.vision_processor import VisionProcessor, load_vision_processor
 from ds_tree.errors import DataError, RecordError
 from ds_tree.hub import TOKENIZER_FILES, local_path
 from ds_tree.trees.images import TrajectoryImage
 from ds_tree.trees.stats import TokenCounts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.vocab.tokenizer import tokenizer_identity
+from ds_tree.vocab.vision_processor import VisionProcessor, load_vision_processor
 
 FORMATS = ("chat", "tokens", "tree")
 MERGES = ("group", "global")

@@ -111,7 +111,7 @@ class LaunchFailed(Exception):
 def make_inputs(workdir: Path, sizes: Sizes) -> tuple[Path, Path, dict]:
     """The project tokenizer and the synthetic trees (``ds-tree make-tokenizer``, ``make-synthetic``)."""
     from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
-    from ds_tree.data.tokenizer import save_tokenizer
+    from ds_tree.vocab.tokenizer import save_tokenizer
 
     tokenizer = save_tokenizer(workdir / "tokenizer")
     data = workdir / "data" / "synthetic.jsonl"

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import time
 
-from ds_tree.bench.gpu.attention import agent_trials, grpo_groups
 from ds_tree.bench.steps import run_benchmark
 from ds_tree.config import REPOSITORY, ObjectiveConfig
+from ds_tree.gpu_check.attention import agent_trials, grpo_groups
 
 
 def cases(smoke: bool) -> list[dict]:

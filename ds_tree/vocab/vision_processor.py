@@ -1,6 +1,6 @@
 """The project's processor folders for vision-language families (``ds-tree make-tokenizer --vision``).
 
-A processor folder is the project tokenizer (:mod:`ds_tree.data.tokenizer`) with the family's image
+A processor folder is the project tokenizer (:mod:`ds_tree.vocab.tokenizer`) with the family's image
 tokens added after its vocabulary, a chat template of the project's own that lays images out as the
 family does, and the family's image processor config. Everything is built in code, offline.
 
@@ -24,9 +24,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ds_tree.data.chat_templates import CHAT_TEMPLATE
-from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE, build_tokenizer
 from ds_tree.registries import MODEL_FAMILIES
+from ds_tree.vocab.chat_templates import CHAT_TEMPLATE
+from ds_tree.vocab.tokenizer import DEFAULT_VOCAB_SIZE, build_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"

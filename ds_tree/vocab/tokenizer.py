@@ -28,7 +28,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ds_tree.data.chat_templates import chat_template
+from ds_tree.vocab.chat_templates import chat_template
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 """Ids 0..4 in this order."""
@@ -109,7 +109,7 @@ def training_corpus(n_documents: int = 3000, seed: int = CORPUS_SEED) -> Iterato
 def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, chat_format: str = "hermes") -> PreTrainedTokenizerFast:
     """Train the byte-level BPE tokenizer; its vocabulary has exactly ``vocab_size`` entries.
 
-    ``chat_format`` names a template of :mod:`ds_tree.data.chat_templates`; its family's special
+    ``chat_format`` names a template of :mod:`ds_tree.vocab.chat_templates`; its family's special
     tokens follow the project's five (the default ``hermes`` adds none: the same tokenizer as ever)."""
     template = chat_template(chat_format)
     special_tokens = SPECIAL_TOKENS + [token for token in template.special_tokens if token not in SPECIAL_TOKENS]

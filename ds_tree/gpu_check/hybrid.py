@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ds_tree.bench.gpu.attention import agent_trials
 from ds_tree.comparison import gradient_errors
 from ds_tree.config import REPOSITORY
+from ds_tree.gpu_check.attention import agent_trials
 from ds_tree.models.loading import load_model
 from ds_tree.scans.fla_scan import FLA_INSTALL, fla_available
 from ds_tree.verify.tree_vs_flat import run_mode
