@@ -115,7 +115,7 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.packing.modes import MODES
     from ds_tree.registries import AGGREGATIONS, ATTENTION_ENGINES
     from ds_tree.sampling.hf import SamplerSettings
-    from ds_tree.triton.function import DTYPES as KERNEL_DTYPES
+    from ds_tree.kernel.function import DTYPES as KERNEL_DTYPES
     from ds_tree.verify.tree_vs_flat import VERIFY_DTYPES
     from ds_tree.vocab.tokenizer import DEFAULT_VOCAB_SIZE
 

@@ -114,7 +114,7 @@ def test_autotune_is_imported_by_the_gpu_kernel_table_only() -> None:
     (there, only when the device is CUDA: the smoke run above reports it skipped)."""
     from tests.test_layering import import_graph
 
-    importers = {name for name, targets in import_graph().items() if "ds_tree.triton.autotune" in targets}
+    importers = {name for name, targets in import_graph().items() if "ds_tree.kernel.autotune" in targets}
     assert importers == {"ds_tree.gpu_check.attention"}
 
 

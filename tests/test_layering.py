@@ -94,7 +94,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
     (
         "kernels and objectives: attention engines, the Triton kernel, recurrent scans, losses",
-        ["ds_tree.attention", "ds_tree.triton", "ds_tree.scans", "ds_tree.losses"],
+        ["ds_tree.attention", "ds_tree.kernel", "ds_tree.scans", "ds_tree.losses"],
     ),
     ("models and their families' specs", ["ds_tree.models"]),
     ("memory, predicted (a hybrid's mixers read through its family spec) and measured", ["ds_tree.memory"]),

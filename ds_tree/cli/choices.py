@@ -63,7 +63,7 @@ VERIFY_DTYPES = ("float64", "float32")
 BENCH_DTYPES = ("float32", "bfloat16")
 """ds_tree.bench.steps.BENCH_DTYPES"""
 KERNEL_DTYPES = ("float32", "float16", "bfloat16")
-"""ds_tree.triton.function.DTYPES"""
+"""ds_tree.kernel.function.DTYPES"""
 
 BLOCK = 128
 """ds_tree.attention.blocksparse.DEFAULT_BLOCK"""

@@ -41,7 +41,7 @@ from ds_tree.data.synthetic import SyntheticConfig, generate
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.triton.tile_lists import SCHEDULE_VARIABLE
+from ds_tree.kernel.tile_lists import SCHEDULE_VARIABLE
 
 
 @contextmanager
@@ -394,7 +394,7 @@ def _installed(records: list[dict] | None) -> Iterator[None]:
     if not records:
         yield
         return
-    from ds_tree.triton.autotune import installed
+    from ds_tree.kernel.autotune import installed
 
     with installed(records):
         yield
@@ -404,7 +404,7 @@ class Tuning:
     """Autotune once per (length bucket, schedule) on the first row that meets it; keeps every record."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, dtype, progress) -> None:
-        from ds_tree.triton import autotune, kernels  # GPU only: never imported on the CPU path
+        from ds_tree.kernel import autotune, kernels  # GPU only: never imported on the CPU path
 
         self.autotune, self.kernels = autotune, kernels
         self.shape = (heads, kv_heads, head_dim, dtype)

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ds_tree.attention.reference import check_window, gqa_group
-from ds_tree.triton import kernels
-from ds_tree.triton.tile_lists import resolve_schedule
+from ds_tree.kernel import kernels
+from ds_tree.kernel.tile_lists import resolve_schedule
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The input dtypes the kernels take."""

@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ds_tree.triton import kernels
+from ds_tree.kernel import kernels
 
 KERNELS = {"forward": kernels._forward_kernel, "query": kernels._query_kernel, "key_value": kernels._key_value_kernel}
 """The kernels with a tile loop (the delta preprocess has none)."""

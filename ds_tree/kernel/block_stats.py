@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ds_tree.triton.tile_lists import classify_tiles
+from ds_tree.kernel.tile_lists import classify_tiles
 
 
 def block_stats(kv_end: torch.Tensor, block_m: int, block_n: int) -> dict:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ds_tree.triton import kernels
+from ds_tree.kernel import kernels
 
 
 def _config(forward: tuple[int, int], backward: tuple[int, int], num_warps: int, num_stages: int) -> dict:

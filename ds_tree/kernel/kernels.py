@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ds_tree.triton.tile_lists import (
+from ds_tree.kernel.tile_lists import (
     DEFAULT_SCHEDULE,
     TileLists,
     backward_tile_lists,
@@ -95,7 +95,7 @@ LOG2E = math.log2(math.e)
 
 
 TUNED: dict[tuple, dict] = {}
-"""Configurations :mod:`ds_tree.triton.autotune` measured fastest, keyed by
+"""Configurations :mod:`ds_tree.kernel.autotune` measured fastest, keyed by
 :func:`tuning_key`; empty unless a tuning was installed in this process (on a GPU only)."""
 
 
