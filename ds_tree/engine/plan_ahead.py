@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Generic, TypeVar
@@ -73,7 +73,8 @@ def timed(work: Work, comm: Collectives) -> Timed:
 
 @dataclass
 class _Job:
-    key: Hashable
+    key: object
+    """What the work depends on (compared with ``==``)."""
     work: Work
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Timed | None = None
@@ -101,7 +102,7 @@ class Planning:
     def ahead_of_time(self) -> bool:
         return self._thread is not None
 
-    def run(self, key: Hashable, work: Work) -> Timed:
+    def run(self, key: object, work: Work) -> Timed:
         """The host work of ``key``: the one begun ahead when its key matches, else done now; with the time
         the caller waited for it."""
         started = time.perf_counter()
@@ -118,12 +119,12 @@ class Planning:
         outcome.wait_s = time.perf_counter() - started
         return outcome
 
-    def ahead(self, key: Hashable, work: Work) -> None:
+    def ahead(self, key: object, work: Work) -> None:
         """Begin the host work of ``key`` (the next step) in the background (nothing without a thread)."""
         if self._thread is not None and self.pending is None:
             self.pending = self._submit(key, work)
 
-    def _submit(self, key: Hashable, work: Work) -> _Job:
+    def _submit(self, key: object, work: Work) -> _Job:
         job = _Job(key, work)
         with self._condition:
             self._queue.append(job)
