@@ -30,7 +30,13 @@ CASES = {
         "deepspeed": str(ROOT / "configs/ds/zero3.json"),
         "max_steps": 3,
         "packing": {"budget": 200},
-        "objective": {"kind": "grpo", "estimator": "treepo", "normalise_advantages": True, "mini_batches": 2},
+        "objective": {
+            "kind": "grpo",
+            "estimator": "treepo",
+            "normalise_advantages": True,
+            "mini_batches": 2,
+            "ppo_epochs": 2,  # 4 updates a step: a step computes for a while (the plan ahead hides behind it)
+        },
     },
 }
 """Each a 2-rank run: SFT on a converted dataset (read lazily), ZeRO-2; GRPO with the batch-normalised ``treepo``
@@ -59,43 +65,43 @@ RECORDED = {
     },
     "grpo_treepo": {
         1: {
-            "loss/train": -0.11093464028090239,
+            "loss/train": -0.17486315919086337,
             "tree/por": 0.25043478260869567,
             "tree/err": 0.03565217391304343,
             "tree/micro_batches": 7.0,
             "rl/reward_mean": -0.14984189796437955,
             "rl/advantage_mean": 0.11379167368502842,
             "rl/advantage_std": 0.9562398300619663,
-            "rl/clip_frac_low": 0.0,
-            "rl/clip_frac_high": 0.0,
-            "rl/approx_kl": 8.11245014418417e-05,
-            "rl/entropy": 6.918529590208139,
+            "rl/clip_frac_low": 0.03731343283582089,
+            "rl/clip_frac_high": 0.08768656716417911,
+            "rl/approx_kl": 0.007080783505937946,
+            "rl/entropy": 6.918439016769182,
         },
         2: {
-            "loss/train": -0.02859846130013466,
+            "loss/train": -0.0702240839600563,
             "tree/por": 0.4818339100346021,
             "tree/err": 0.29844290657439443,
             "tree/micro_batches": 5.0,
             "rl/reward_mean": -0.16409725816868914,
             "rl/advantage_mean": -0.06136412241465472,
             "rl/advantage_std": 0.860808632028817,
-            "rl/clip_frac_low": 0.0,
-            "rl/clip_frac_high": 0.0,
-            "rl/approx_kl": 0.00043819474398031744,
-            "rl/entropy": 6.918458611302122,
+            "rl/clip_frac_low": 0.008505917159763314,
+            "rl/clip_frac_high": 0.03735207100591716,
+            "rl/approx_kl": 0.003955038054983997,
+            "rl/entropy": 6.918118437366373,
         },
         3: {
-            "loss/train": -0.029582900926470757,
+            "loss/train": -0.06903938204050064,
             "tree/por": 0.2810361681329423,
             "tree/err": 0.06940371456500494,
             "tree/micro_batches": 6.0,
             "rl/reward_mean": -0.24746949797562814,
             "rl/advantage_mean": 0.02820225829079218,
             "rl/advantage_std": 0.9474480397269296,
-            "rl/clip_frac_low": 0.0,
-            "rl/clip_frac_high": 0.0,
-            "rl/approx_kl": 0.00016075778841752813,
-            "rl/entropy": 6.918128756528401,
+            "rl/clip_frac_low": 0.0009208103130755065,
+            "rl/clip_frac_high": 0.0055248618784530384,
+            "rl/approx_kl": 0.0030525566299975907,
+            "rl/entropy": 6.917268475555364,
         },
     },
 }
@@ -158,16 +164,17 @@ def test_sft_on_a_converted_dataset_trains_as_the_whole_step_planner(tmp_path: P
     assert "plan " in output and "(waited " in output  # the console line reports it too
 
 
-DELAY_S = 1.0
-"""The planning delay injected into every step of the GRPO run (its steps compute for ~3 s on 2 CPU ranks)."""
+DELAY_S = 0.3
+"""The planning delay injected into every step of the GRPO run (its steps compute for 1-1.5 s on 2 CPU ranks, the
+first with its self-check 4-5 s: measured 2026-11-28 at load 4-5)."""
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_grpo_trains_as_the_whole_step_planner_and_a_slow_plan_is_hidden(tmp_path: Path) -> None:
     """GRPO's advantages (``treepo``, normalised over the step's groups of both ranks) and losses are the old
-    planner's, while every step's host work takes an injected second more: from step 2 on it was done during
-    the step before, so the step waits for almost none of it."""
+    planner's, while every step's host work takes an injected 0.3 s more: from step 2 on it was done during the
+    step before, so the step waits for none of it (it takes the finished work)."""
     _, by_step = train(case_config(tmp_path, "grpo_treepo"), {DELAY_VARIABLE: str(DELAY_S)})
     assert_recorded("grpo_treepo", by_step)
     first = by_step[1]
@@ -175,4 +182,4 @@ def test_grpo_trains_as_the_whole_step_planner_and_a_slow_plan_is_hidden(tmp_pat
     for step in (2, 3):
         record = by_step[step]
         assert record["time/plan_s"] >= DELAY_S, record
-        assert record["time/plan_wait_s"] < 0.1 * DELAY_S, record
+        assert record["time/plan_wait_s"] < 0.05, record
