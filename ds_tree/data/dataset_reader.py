@@ -154,7 +154,7 @@ class LoadedGroups:
 
 @dataclass
 class DatasetGroups:
-    """One step's groups of a :class:`TreeDatasetReader`, as the step planner reaches them
+    """One step's groups of a :class:`TreeDatasetReader` (or of :class:`LoadedGroups`), as the step planner reaches them
     (:class:`~ds_tree.packing.distributed.StepUnits`): a unit per distinct group of the step, in order of
     first appearance, its trajectories as many times as the step drew the group (a step that spans two
     epochs may draw a group twice: ``plan_step`` then builds one trie of both copies, and so does this)."""

@@ -15,6 +15,9 @@ on the training loop, and every tree and row would cross a process boundary pick
 process's memory and group machinery; its pure-Python parts hold the GIL, but the training step's time is in
 kernels that release it (GPU launches and synchronisations, CPU ATen ops).
 
+The cost: a rank holds two steps' host work at once (the step computing and the next one's items), which is
+its own share of two steps' trees, not the data set.
+
 A step whose settings changed since its work began ahead (a check script edits ``packing`` between steps) is
 planned again: the work is keyed by the step and a snapshot of the config. Online RL has nothing to plan ahead
 (its data is sampled in the step): its work runs on the main thread (:class:`Planning` without a thread), on
