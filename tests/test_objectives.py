@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.config import load_config
+from ds_tree.data.dataset_reader import LoadedGroups
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.layout import StepLayout
 from ds_tree.models.loading import load_model
@@ -67,7 +68,7 @@ def run_objective(name: str, mode: str) -> tuple[list[tuple[float, dict]], dict[
         StepLayout(config, {}, pad_id=0, world_size=1),
         None,
         rank=0,
-        groups=groups,
+        groups=LoadedGroups(groups),
         sampler=StepSampler(len(groups), len(groups), seed=0),
     )
     objective = OBJECTIVES.get(name)(config)

@@ -484,7 +484,7 @@ def test_a_runs_vllm_engine_is_built_before_the_policy_and_starts_at_its_first_s
 # ------------------------------------------------------------------- asynchronous steps
 @pytest.mark.parametrize("start, staleness, every", [(0, 1, 1), (0, 2, 1), (0, 1, 2), (3, 1, 2), (0, 0, 3)])
 def test_ahead_sampler_samples_each_step_with_the_scheduled_version_while_training(start, staleness, every) -> None:
-    """The trainer's loop of OnlineRollouts.step_trajectories against a background sampler (no server): each
+    """The trainer's loop of OnlineRollouts.step_units against a background sampler (no server): each
     step is sampled once, with the version the schedule names, before training reaches it by k steps at most."""
     events, engine = [], {"version": start}
     started = {step: threading.Event() for step in range(start, start + 20)}

@@ -1,9 +1,11 @@
 """The DeepSpeed training engine for tree data (docs/DESIGN.md sections 3 and 5).
 
 One optimizer step:
-1. every rank computes the same plan from ``(seed, step)``: the step's groups, their trees split
-   into parts under the row budget, parts balanced over ranks and packed into rows (each rank
-   pads its list with empty rows to the common count, because ZeRO-3 forwards are collective);
+1. the step's groups come from ``(seed, step)``; each rank builds the trees of its share of them, the ranks
+   exchange per-part summaries and every rank runs the same balance on them, then each builds its own items:
+   trees split into parts under the row budget, packed into rows (each rank pads its list with empty rows to
+   the common count, because ZeRO-3 forwards are collective) (:mod:`ds_tree.packing.step_units`). For offline
+   data this host work runs one step ahead, while the step before computes (:mod:`ds_tree.engine.plan_ahead`);
 2. the normalisers of the objective (trained tokens, sequences) are summed over ranks with one
    all-reduce, before the first forward, so every micro-batch's loss is a term of the global
    objective;
@@ -38,11 +40,14 @@ from ds_tree.attention.registry import resolve_engine
 from ds_tree.config import Config, ConfigError, config_to_dict
 from ds_tree.data import load_trajectories
 from ds_tree.data.convert import load_tokenizer
+from ds_tree.data.dataset_reader import LoadedGroups, TreeDatasetReader
 from ds_tree.data.sampler import StepSampler
+from ds_tree.data.tree_dataset import is_tree_dataset_dir
 from ds_tree.engine import dfs
 from ds_tree.engine.build import Policy, build_engine, load_policy
 from ds_tree.engine.layout import StepLayout
 from ds_tree.engine.memory import check_memory
+from ds_tree.engine.plan_ahead import Planning, planning_group
 from ds_tree.engine.self_check import SelfCheck
 from ds_tree.engine.updates import Updates
 from ds_tree.errors import DataError, HubError
@@ -53,6 +58,7 @@ from ds_tree.models.token_mixing import check_branch_isolation, check_layer_type
 from ds_tree.models.ulysses import check_sequence_parallel
 from ds_tree.models.vision import attach_rope_positions, check_vision_settings
 from ds_tree.objectives.base import Components, Objective, Rollouts, StepContext, StepResult
+from ds_tree.packing.exchange import Collectives
 from ds_tree.registries import OBJECTIVES
 from ds_tree.run import checkpoint, process_group, resume, run_dir, run_lock
 from ds_tree.run.console import progress_bar
@@ -63,6 +69,9 @@ from ds_tree.run.trackers import TrackerRun, check_installed, open_trackers
 from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
 
 logger = logging.getLogger(__name__)
+
+CHECK_BATCH = 1024
+"""Groups of a converted dataset read at a time by the start-up checks (a batch in memory, not the dataset)."""
 
 
 class Trainer:
@@ -87,8 +96,10 @@ class Trainer:
         """The resolved DeepSpeed config."""
         self.layout: StepLayout | None = None
         self.trajectories: list[Trajectory] = []
-        """``data.path``'s trajectories (offline data)."""
-        self.groups: list[list[Trajectory]] = []
+        """``data.path``'s trajectories when they are loaded whole (tokens JSONL; empty for a converted dataset)."""
+        self.groups: LoadedGroups | TreeDatasetReader = LoadedGroups([])
+        """``data.path``'s groups by index: a converted dataset read lazily (each step reads only the groups a
+        rank needs), or tokens JSONL held in memory."""
         self.sampler: StepSampler | None = None
         """Which groups (online: prompts) each step takes."""
         self.online: Rollouts | None = None
@@ -98,6 +109,9 @@ class Trainer:
         self.engine = None
         """The policy's DeepSpeed engine."""
         self.updates: Updates | None = None
+        self.planning: Planning | None = None
+        """Where each step's host work runs: offline data one step ahead on a thread
+        (:mod:`ds_tree.engine.plan_ahead`)."""
         self.self_check: SelfCheck | None = None
         self.context: StepContext | None = None
         self.metrics: MetricsLogger | None = None
@@ -164,37 +178,77 @@ class Trainer:
         return model_config
 
     def prepare_dataset(self) -> None:
-        """:meth:`prepare`'s data: the trajectories of ``data.path``, their checks, the step sampler."""
-        config = self.config
+        """:meth:`prepare`'s data: ``data.path``'s groups (a converted dataset without images read lazily, else
+        loaded whole), their checks, the step sampler."""
+        path, reader = Path(self.config.data.path), None
         try:
-            self.trajectories = load_trajectories(config.data.path)
+            if is_tree_dataset_dir(path):
+                reader = TreeDatasetReader(path)
+                if "image_keys" in reader.table.column_names:  # images: loaded whole (docs/DATA.md)
+                    reader = None
+            if reader is None:
+                self.trajectories = load_trajectories(path)
         except DataError as error:
             raise ConfigError(f"data.path: {error}") from None
+        if reader is not None:
+            self.prepare_converted(reader)
+        else:
+            self.prepare_loaded()
+
+    def prepare_loaded(self) -> None:
+        """Checks and sampler of a dataset loaded whole (:attr:`trajectories`)."""
+        config = self.config
         check_vocab(self.trajectories, self.model_config.get_text_config().vocab_size)
         try:  # images: positions by the model's rule, laid out on the trees when they are built
             attach_rope_positions(self.model_config, self.trajectories)
         except ValueError as error:
             raise ConfigError(f"model.source: {error} (data.path {config.data.path})") from None
+        longest = max(self.trajectories, key=len)
+        self.check_longest(len(longest), longest.source or f"group {longest.group_id!r}")
+        self.groups = LoadedGroups(group_trajectories(self.trajectories))
+        self.check_groups_per_step()
+        self.objective.check_data(self.trajectories)
+
+    def prepare_converted(self, reader: TreeDatasetReader) -> None:
+        """Checks and sampler of a converted dataset read lazily: from its mapped columns (largest token id,
+        longest trajectory), and the objective's checks a batch of groups at a time (memory bounded by a batch,
+        not the dataset)."""
+        vocab = self.model_config.get_text_config().vocab_size
+        if reader.max_token_id() >= vocab:  # name the first trajectory over it
+            for groups in reader.batches(CHECK_BATCH):
+                check_vocab([t for group in groups for t in group], vocab)
+        tokens, row = reader.longest_trajectory()
+        longest = max(reader.groups([row])[0], key=len) if tokens else None
+        self.check_longest(tokens, longest.where if longest is not None else "")
+        self.groups = reader
+        self.check_groups_per_step()
+        if type(self.objective).check_data is not Objective.check_data:  # the objective reads the data
+            for groups in reader.batches(CHECK_BATCH):
+                self.objective.check_data([t for group in groups for t in group])
+
+    def check_longest(self, tokens: int, where: str) -> None:
+        """Every root-to-leaf path fits a row (a sequence-parallel group's under SP), unless dfs walks it."""
+        config = self.config
         size = config.parallel.sequence_parallel_size
         budget = config.packing.budget * size
-        longest = max(self.trajectories, key=len)
-        if len(longest) > budget and not dfs.uses_dfs(config.packing):  # dfs walks paths of any length
-            where = longest.source or f"group {longest.group_id!r}"
+        if tokens > budget and not dfs.uses_dfs(config.packing):  # dfs walks paths of any length
             limit = f"packing.budget ({budget})"
             if size > 1:
                 limit = f"packing.budget x parallel.sequence_parallel_size ({config.packing.budget} x {size})"
             raise ConfigError(
-                f"{limit} is below the longest trajectory ({len(longest)} tokens, {where}); "
+                f"{limit} is below the longest trajectory ({tokens} tokens, {where}); "
                 "every root-to-leaf path must fit one row"
             )
-        self.groups = group_trajectories(self.trajectories)
-        if config.data.groups_per_step > len(self.groups):  # a step would train some groups twice
+
+    def check_groups_per_step(self) -> None:
+        """A step's groups are distinct (else some are trained twice); then the step sampler."""
+        config, groups = self.config, self.groups.n_groups
+        if config.data.groups_per_step > groups:  # a step would train some groups twice
             raise ConfigError(
-                f"data.groups_per_step ({config.data.groups_per_step}) is more than the {len(self.groups)} groups "
-                f"in data.path ({config.data.path}); set it to at most {len(self.groups)}"
+                f"data.groups_per_step ({config.data.groups_per_step}) is more than the {groups} groups "
+                f"in data.path ({config.data.path}); set it to at most {groups}"
             )
-        self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
-        self.objective.check_data(self.trajectories)
+        self.sampler = StepSampler(groups, config.data.groups_per_step, config.data.seed)
 
     def prepare_online(self) -> None:
         """:meth:`prepare`'s data for online RL: prompts, tokenizer and reward function instead of a dataset."""
@@ -213,6 +267,8 @@ class Trainer:
         """Process group, policy, its DeepSpeed engine, the objective's models, resume. Call :meth:`prepare` first."""
         config = self.config
         self.rank = process_group.start(self.ds_config, config.distributed.timeout_s, self.world_size)
+        if self.online is None:  # offline data: each step's host work one step ahead, on its own group
+            self.planning = Planning(Collectives(planning_group(config.distributed.timeout_s)))
         if self.online is not None:  # before any zero.Init: the generation copy is never partitioned
             self.online.build_model()
         self.policy = load_policy(config, self.ds_config, self.attention_engine)
@@ -273,6 +329,7 @@ class Trainer:
             self.groups,
             self.sampler,
             self.online,
+            self.planning,
         )
 
     def open_metrics(self) -> None:
@@ -401,6 +458,8 @@ class Trainer:
         """
         if self.metrics is not None:
             self.metrics.close()
+        if self.planning is not None:  # its step ahead finishes on every rank before the group goes
+            self.planning.close()
         if self.online is not None:  # a managed vLLM server stops with the run
             self.online.close()
         run_lock.release(self.output_dir)

@@ -324,30 +324,17 @@ def run_rl_rows(
     return run_items(model, rows, [rl_terms(item, settings) for item in prepared], run, backward_for)
 
 
-def rl_scalars(
-    trajectories: list[Trajectory], advantages: list[np.ndarray], metrics: dict[str, float]
-) -> dict[str, float]:
-    """``rl/`` scalars as the flat batch computes them: rewards per trajectory, advantages per
-    trained (trajectory, token), the loss metrics per trained token summed over the step's updates."""
-    rewards = np.array([t.reward for t in trajectories if t.reward is not None], dtype=np.float64)
-    masks = [t.loss_mask[1:] for t in trajectories]
-    weight = float(sum(m.sum() for m in masks))
-    mean = float(sum((m * a[1:]).sum() for m, a in zip(masks, advantages, strict=True))) / weight if weight else 0.0
-    variance = (
-        float(sum((m * (a[1:] - mean) ** 2).sum() for m, a in zip(masks, advantages, strict=True))) / weight
-        if weight
-        else 0.0
-    )
+def rl_scalars(statistics: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
+    """``rl/`` scalars as the flat batch computes them: ``statistics``, the reward and advantage ones
+    (:meth:`~ds_tree.objectives.rl_statistics.StepStatistics.scalars`: rewards per trajectory, advantages per
+    trained (trajectory, token)), and the loss metrics per trained token summed over the step's updates."""
     tokens = metrics["tokens"]
 
     def per_token(name: str) -> float:
         return metrics[name] / tokens if tokens else 0.0
 
     return {
-        "rl/reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "rl/reward_std": float(rewards.std()) if rewards.size else float("nan"),
-        "rl/advantage_mean": mean,
-        "rl/advantage_std": variance**0.5,
+        **statistics,
         "rl/clip_frac_low": per_token("clip_low"),
         "rl/clip_frac_high": per_token("clip_high"),
         "rl/clip_frac_dual": per_token("clip_dual"),
