@@ -14,6 +14,7 @@ samples file --output was given (JSONL, one sample a line). Bad input exits 2 wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from pathlib import Path
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ds_tree.sampling.interface import EngineError
 
     try:
-        summary = evaluate(args)
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed and transformers print: stdout is the JSON's
+            summary = evaluate(args)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2

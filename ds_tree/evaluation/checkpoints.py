@@ -2,8 +2,8 @@
 
 The checkpoint's files are checked against its record first (size, sha256, nothing unlisted: the trust rule
 of a resume, docs/LAUNCH.md), and every ``torch.load`` runs with ``weights_only=True``
-(:func:`~ds_tree.run.checkpoint.weights_only_loads`). ZeRO shards (stages 1-3) are consolidated into the fp32
-weights by DeepSpeed's ``zero_to_fp32``; a stage-0 checkpoint holds the whole module. A LoRA run's checkpoint
+(:func:`~ds_tree.run.checkpoint.weights_only_loads`). ZeRO-3 shards are consolidated into the fp32 weights by
+DeepSpeed's ``zero_to_fp32``; a checkpoint of stage 0-2 holds the whole module. A LoRA run's checkpoint
 holds its adapters: they are loaded into the adapted model and merged into its weights.
 """
 
@@ -41,18 +41,16 @@ def verified_record(directory: Path, tag: str) -> dict:
     return record
 
 
-def consolidated_state(directory: Path, tag: str, record: dict) -> dict[str, torch.Tensor]:
-    """The checkpoint's model weights in float32, whole."""
-    if any("optim_states" in name and name.startswith("zero_pp_rank_") for name in record["files"]):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        with checkpoint.weights_only_loads():
-            return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
+def consolidated_state(directory: Path, tag: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's model weights, whole: ZeRO stages 0-2 keep them in ``mp_rank_00_model_states.pt`` (the
+    module the run forwarded), stage 3 partitions them, consolidated in float32 by DeepSpeed's ``zero_to_fp32``."""
     states = directory / tag / "mp_rank_00_model_states.pt"
-    if not states.is_file():
-        raise CheckpointError(f"{directory / tag}: neither ZeRO shards nor {states.name}")
-    module = checkpoint.trusted_load(states, map_location="cpu")["module"]
-    return {name: value.float() for name, value in module.items()}
+    if states.is_file():
+        return dict(checkpoint.trusted_load(states, map_location="cpu")["module"])
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with checkpoint.weights_only_loads():
+        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag)
 
 
 def load_checkpoint_weights(model: torch.nn.Module, path: Path, config: Config) -> tuple[torch.nn.Module, int]:
@@ -60,7 +58,7 @@ def load_checkpoint_weights(model: torch.nn.Module, path: Path, config: Config) 
     merged), and the checkpoint's step. A checkpoint of another architecture is a :class:`CheckpointError`."""
     directory, tag = checkpoint_location(path)
     record = verified_record(directory, tag)
-    state = consolidated_state(directory, tag, record)
+    state = consolidated_state(directory, tag)
     lora = config.model.lora
     if lora.enabled:
         from ds_tree.models.lora import apply_lora
