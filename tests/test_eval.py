@@ -288,6 +288,23 @@ def test_ds_tree_eval_scores_a_model_and_names_bad_input(tmp_path, capsys) -> No
     assert "not a checkpoint directory" in capsys.readouterr().err
 
 
+def test_every_tracker_takes_the_eval_metric_names(tmp_path, monkeypatch) -> None:
+    """MLflow refuses ``@`` in a metric name: ``eval/pass@4`` goes to it as ``eval/pass_at_4``."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from ds_tree.run.trackers import MlflowTracker, TrackerRun, mlflow_key
+
+    assert mlflow_key("eval/odd-1/pass@4") == "eval/odd-1/pass_at_4" and mlflow_key("loss/train") == "loss/train"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    tracker = MlflowTracker(TrackerRun(tmp_path, "trees", "run", {"max_steps": 2}, 0), None)
+    tracker.log(2, {"eval/pass@4": 0.5, "eval/even/pass@1": 0.25})
+    tracker.close()
+    metrics = MlflowClient(tracking_uri=f"file:{tmp_path / 'mlruns'}").get_run(tracker.run_id).data.metrics
+    assert metrics == {"eval/pass_at_4": 0.5, "eval/even/pass_at_1": 0.25}
+
+
 # ------------------------------------------------------------------- plots
 def write_metrics(run: Path, records: list[dict]) -> Path:
     run.mkdir()
