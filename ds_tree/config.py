@@ -63,6 +63,7 @@ OldLogprobs = Literal["recompute", "data"]
 Tracker = Annotated[str, TRACKERS.choices()]
 SamplingEngine = Annotated[str, SAMPLING_ENGINES.choices()]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
+BestMode = Literal["auto", "max", "min"]
 
 
 TEMPO_COEF_MAX = 1e6
@@ -513,12 +514,29 @@ class CheckpointConfig:
     """Seconds from the first preemption signal to the forced exit; keep it below what the scheduler
     allows before its SIGKILL (SLURM: the ``GRACE`` of ``--signal=B:USR1@GRACE``, ``KillWait`` or
     ``GraceTime`` of a preemption)."""
+    keep_best: str = ""
+    """An ``eval/`` metric the ``eval`` section produces (``eval/loss``, ``eval/reward_mean``, ``eval/pass@1``,
+    ``eval/pass@K``, ``eval/TAG/...``): the checkpoint that scored best on it is kept beside the newest ones,
+    named in ``<output_dir>/checkpoints/best.json``, never deleted by ``keep_last``'s rotation, and kept
+    across a resume (docs/EVAL.md). Only checkpoints of evaluated steps are scored: ``every`` must be a
+    multiple of ``eval.every_steps``. Empty: off."""
+    best_mode: BestMode = "auto"
+    """Whether ``keep_best``'s metric is better ``max`` or ``min``; ``auto``: ``min`` for a loss, ``max``
+    otherwise."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
             raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
         if self.preempt_grace_s <= 0:
             raise ConfigError(f"checkpoint.preempt_grace_s must be > 0, got {self.preempt_grace_s}")
+        if self.best_mode != "auto" and not self.keep_best:
+            raise ConfigError(f"checkpoint.best_mode ({self.best_mode}) is keep_best's: set checkpoint.keep_best")
+
+    def best_direction(self) -> str:
+        """``max`` or ``min``: how ``keep_best``'s metric improves (``auto``: ``min`` for a loss)."""
+        if self.best_mode != "auto":
+            return self.best_mode
+        return "min" if self.keep_best.rsplit("/", 1)[-1] == "loss" else "max"
 
 
 @dataclass
@@ -693,6 +711,113 @@ class RolloutConfig(SamplerSettings):
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on held-out data and tasks (docs/EVAL.md): every ``every_steps`` steps and at the run's
+    end, and with ``ds-tree eval`` on any checkpoint or model. Off while ``data`` and ``prompts`` are empty.
+    Its metrics (``eval/...``) go to ``metrics.jsonl`` and every tracker; it never changes the training
+    run's random streams (a run with it trains exactly as one without)."""
+
+    every_steps: int = 0
+    """Evaluate after every N-th step (0: only after the last); the run's last step is always evaluated."""
+    data: str = ""
+    """Held-out tokens JSONL or converted dataset (``tools/convert.py``): ``eval/loss``, its exact tree-packed
+    loss with the training objective's normalisation (no gradient), with ``eval/tree_tokens`` and
+    ``eval/flat_tokens``. A converted dataset must be of ``model.tokenizer`` (or ``data.path``'s)."""
+    prompts: str = ""
+    """Held-out prompts JSONL (``rollout.prompts``' format, scored by ``rollout.reward``) or, with
+    ``rollout.env.path``, held-out tasks of the environment; an optional ``"tag"`` per line gives the
+    ``eval/TAG/`` breakdown. Sampled on ``rollout.engine`` with the policy's current weights: needs online
+    RL (``rollout.enabled``)."""
+    samples: int = 4
+    """Completions (episodes) sampled per prompt (task), independently: ``n`` of pass@k."""
+    pass_k: int = 0
+    """The k of ``eval/pass@K`` (1 <= k <= samples; 0: ``samples``), by the unbiased estimator
+    ``1 - C(n - c, k) / C(n, k)`` over ``n`` samples with ``c`` successes."""
+    success_threshold: float = 1.0
+    """A sample succeeds (pass@k) when its reward is at least this."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy (then every sample of a prompt is the same: use ``samples: 1``)."""
+    max_new_tokens: int = 0
+    """Longest completion (multi-turn: turn), in tokens; 0: ``rollout.max_new_tokens``."""
+    seed: int = 0
+    """With the step and the prompt's index, the seed of each prompt's own sampling generator (never the
+    training run's generators)."""
+    save_samples: bool = True
+    """Write every evaluation's samples to ``<output_dir>/eval/step_<N>.jsonl`` (rank 0)."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0 or self.max_new_tokens < 0:
+            raise ConfigError(
+                f"eval.every_steps and eval.max_new_tokens must be >= 0, got {self.every_steps}, {self.max_new_tokens}"
+            )
+        if self.samples < 1:
+            raise ConfigError(f"eval.samples must be >= 1 (completions per prompt), got {self.samples}")
+        if not 0 <= self.pass_k <= self.samples:
+            raise ConfigError(
+                f"eval.pass_k must be in [1, eval.samples] (0: samples), got {self.pass_k} with samples {self.samples}"
+            )
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        stray = [name for name in off_default(self) if name not in ("data", "prompts")]
+        if not self.enabled and stray:
+            raise ConfigError(
+                f"eval.{', eval.'.join(stray)}: only with eval.data or eval.prompts; set one or leave them out"
+            )
+        sampling = ("samples", "pass_k", "success_threshold", "temperature", "max_new_tokens", "seed")
+        stray = [name for name in stray if name in sampling]
+        if self.data and not self.prompts and stray:
+            raise ConfigError(f"eval.{', eval.'.join(stray)}: only with eval.prompts (sampled tasks); leave them out")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.data or self.prompts)
+
+    @property
+    def k(self) -> int:
+        """The k of ``eval/pass@K``."""
+        return self.pass_k or self.samples
+
+    def metrics(self) -> list[str]:
+        """The scores it produces (without the per-tag ones): what ``checkpoint.keep_best`` may name."""
+        names = ["eval/loss"] if self.data else []
+        if self.prompts:
+            names += ["eval/reward_mean", "eval/pass@1", f"eval/pass@{self.k}"]
+        return list(dict.fromkeys(names))
+
+    def check_with(self, config: Config) -> None:
+        """What the section needs from the rest of the config: sampled tasks an online run's reward or
+        environment and engine, holding the current weights; a ``checkpoint.keep_best`` it scores."""
+        rollout = config.rollout
+        if self.prompts and not rollout.enabled:
+            raise ConfigError(
+                "eval.prompts needs rollout.enabled: the reward (rollout.reward) or environment (rollout.env.path) "
+                "and the sampling engine (rollout.engine) are the rollout section's"
+            )
+        if self.prompts and (rollout.max_staleness or rollout.sync_every != 1):
+            raise ConfigError(
+                f"eval.prompts samples on rollout.engine with the current weights, which rollout.max_staleness "
+                f"({rollout.max_staleness}) and rollout.sync_every ({rollout.sync_every}) keep older for training: "
+                "set them to 0 and 1, or evaluate checkpoints with ds-tree eval"
+            )
+        best = config.checkpoint.keep_best
+        if not best:
+            return
+        if not self.enabled:
+            raise ConfigError(f"checkpoint.keep_best ({best}) needs an eval section (eval.data or eval.prompts)")
+        if not best.startswith("eval/") or not (best in self.metrics() or self.prompts and best.count("/") == 2):
+            raise ConfigError(
+                f"checkpoint.keep_best: no evaluation produces {best!r}; the eval section gives "
+                f"{', '.join(self.metrics())}" + (" and eval/TAG/... per tag of eval.prompts" if self.prompts else "")
+            )
+        every = config.checkpoint.every
+        if every and (not self.every_steps or every % self.every_steps):
+            raise ConfigError(
+                f"checkpoint.keep_best scores the checkpoints of evaluated steps: checkpoint.every ({every}) must be a "
+                f"multiple of eval.every_steps ({self.every_steps}; 0: only the last step is evaluated)"
+            )
+
+
+@dataclass
 class ParallelConfig:
     sequence_parallel_size: int = 1
     """Ranks per sequence-parallel group (Ulysses, docs/DESIGN.md section 5). With S > 1 the ranks
@@ -731,6 +856,8 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out loss and task success (docs/EVAL.md); off unless ``eval.data`` or ``eval.prompts`` is set."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -780,6 +907,7 @@ class Config:
             raise ConfigError("data.path is required")
         if not self.output_dir:
             raise ConfigError("output_dir is required")
+        self.eval.check_with(self)
 
     def _refuse_settings_that_cannot_apply(self) -> None:
         """The one rule (as for the objective's fields): a field set off its default where nothing would
@@ -998,7 +1126,16 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-INPUT_PATHS = ("model.source", "model.tokenizer", "data.path", "deepspeed", "objective.reference", "rollout.prompts")
+INPUT_PATHS = (
+    "model.source",
+    "model.tokenizer",
+    "data.path",
+    "deepspeed",
+    "objective.reference",
+    "rollout.prompts",
+    "eval.data",
+    "eval.prompts",
+)
 """Config fields naming files the run reads (``output_dir`` is written, and stays as given)."""
 
 

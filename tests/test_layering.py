@@ -106,6 +106,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("a run's life", ["ds_tree.run"]),
     ("step execution: runners, walks, updates, the self-check", ["ds_tree.engine"]),
     ("objectives: what a step computes", ["ds_tree.objectives"]),
+    ("evaluation: held-out loss and task success", ["ds_tree.evaluation"]),
     ("the trainer", ["ds_tree.engine.trainer"]),
     ("checks", ["ds_tree.verify"]),
     ("benchmarks and the GPU check", ["ds_tree.bench", "ds_tree.gpu_check"]),

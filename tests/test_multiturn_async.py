@@ -164,6 +164,7 @@ def test_multiturn_staleness_config_needs_the_importance_correction(tokenizer_di
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
     base = [f"rollout.prompts={tmp_path / 'tasks.jsonl'}", f"model.tokenizer={tokenizer_dir}"]
+    base += ["eval.prompts=", "eval.every_steps=0"]  # held-out tasks sample with the current weights: not ahead
     for overrides in (["objective.importance_truncation=2.0"], ["objective.old_logprobs=data"]):
         config = load_config(MULTITURN_CPU, [*base, "rollout.max_staleness=1", "rollout.sync_every=2", *overrides])
         assert (config.rollout.max_staleness, config.rollout.engine) == (1, "hf")  # hf: environments overlap

@@ -6,9 +6,10 @@ steps after the first RL step are refresh steps, rollout.env.refresh_every) and 
 steps, the guessing rate (0.1) and the 0.8 target. Right, per RL step: the tokens the episode trees
 sampled (rollout/sampled_tokens) against what independent episodes with the same leaves would
 sample (plus rollout/tokens_saved: every leaf's assistant tokens), and the tree tokens trained
-against their flat count (tree/por). Writes the figure to --output and prints the figures the docs
-quote. A run directory without metrics.jsonl, a malformed record, or a record without those
-metrics, exits 2 naming the file and line.
+against their flat count (tree/por). A run that evaluates held-out tasks (the eval section,
+docs/EVAL.md) gets its eval/reward_mean drawn on the left panel too, and a line of its figures. Writes
+the figure to --output and prints the figures the docs quote. A run directory without metrics.jsonl, a
+malformed record, or a record without those metrics, exits 2 naming the file and line.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ RL_METRICS = (
 """What an RL step's record (one with rollout/reward_mean) must carry."""
 SFT_METRICS = ("step", "warmup/sft_loss", "time/step_s")
 """What a warm-up or refresh step's record (one with warmup/sft_loss) must carry."""
+EVAL_METRICS = ("step", "eval/reward_mean", "eval/pass@1")
+"""What an evaluated step's record (one with eval/reward_mean) must carry besides its step's own."""
 
 
 def read_metrics(run: Path) -> tuple[list[dict], list[dict], list[dict]]:
@@ -63,6 +66,31 @@ def read_metrics(run: Path) -> tuple[list[dict], list[dict], list[dict]]:
     sft.sort(key=lambda record: record["step"])
     first = rl[0]["step"]
     return [r for r in sft if r["step"] < first], rl, [r for r in sft if r["step"] > first]
+
+
+def read_evaluations(run: Path) -> list[dict]:
+    """The records of ``run``'s evaluated steps (eval/reward_mean), in step order; a ValueError names the file
+    and line of one without the figures."""
+    path = run / "metrics.jsonl"
+    evaluations = []
+    for number, record in metrics_records(path):
+        if "eval/reward_mean" in record:
+            check_numbers(f"{path}:{number}", record, EVAL_METRICS)
+            evaluations.append(record)
+    return sorted(evaluations, key=lambda record: record["step"])
+
+
+def evaluation_summary(evaluations: list[dict]) -> list[str]:
+    """The held-out evaluation's line: reward and pass@1 at the first and last evaluated steps, the best."""
+    if not evaluations:
+        return []
+    first, last = evaluations[0], evaluations[-1]
+    best = max(evaluations, key=lambda record: record["eval/reward_mean"])
+    return [
+        f"held-out eval ({len(evaluations)} evaluations): reward {first['eval/reward_mean']:.3f} at step "
+        f"{first['step']}, {last['eval/reward_mean']:.3f} at step {last['step']} (pass@1 {first['eval/pass@1']:.3f} "
+        f"-> {last['eval/pass@1']:.3f}); best {best['eval/reward_mean']:.3f} at step {best['step']}"
+    ]
 
 
 def summary(warmup: list[dict], rl: list[dict], refresh: list[dict], window: int) -> list[str]:
@@ -95,6 +123,7 @@ def plot(
     output: Path,
     title: str = "secret tool",
     chance: float = 0.1,
+    evaluations: list[dict] = (),
 ) -> None:
     import matplotlib
 
@@ -111,6 +140,15 @@ def plot(
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward, per step")
     left.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"reward, {window}-step mean")
+    if evaluations:
+        left.plot(
+            [r["step"] for r in evaluations],
+            [r["eval/reward_mean"] for r in evaluations],
+            color="tab:orange",
+            linestyle="--",
+            marker="o",
+            label="held-out eval reward",
+        )
     left.axhline(chance, color="grey", linestyle=":", label="guessing (ignores the observation)")
     left.axhline(0.8, color="tab:green", linestyle="--", label="target 0.8")
     if warmup:
@@ -167,11 +205,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     check_not_input(parser, "--output", args.output, [args.run / "metrics.jsonl"])
     try:
         warmup, rl, refresh = read_metrics(args.run)
+        evaluations = read_evaluations(args.run)
     except ValueError as error:
         print(f"{prog or 'ds-tree plot-multiturn'}: error: {error}", file=sys.stderr)
         return 2
     window = min(args.window, len(rl))
-    plot(warmup, rl, window, args.output, args.title, args.chance)
-    print("\n".join(summary(warmup, rl, refresh, window)))
+    plot(warmup, rl, window, args.output, args.title, args.chance, evaluations)
+    print("\n".join(summary(warmup, rl, refresh, window) + evaluation_summary(evaluations)))
     print(f"wrote {args.output}")
     return 0

@@ -51,6 +51,7 @@ from ds_tree.engine.plan_ahead import Planning, planning_group
 from ds_tree.engine.self_check import SelfCheck
 from ds_tree.engine.updates import Updates
 from ds_tree.errors import DataError, HubError
+from ds_tree.evaluation.evaluator import EvalContext, Evaluator
 from ds_tree.models.hybrid_settings import check_hybrid_settings
 from ds_tree.models.loading import check_hub_weights, check_model_settings
 from ds_tree.models.loading import load_config as load_model_config
@@ -117,6 +118,8 @@ class Trainer:
         self.metrics: MetricsLogger | None = None
         self.preemption: PreemptionHandler | None = None
         """The preemption signal handler while :meth:`train` runs (:mod:`ds_tree.run.preemption`)."""
+        self.evaluator = Evaluator(config)
+        """The ``eval`` section: held-out loss and task success after steps (:mod:`ds_tree.evaluation`)."""
         # ------------------------------------------------------------------ training state
         self.start_step = 0
         self.resume_from: str | None = None
@@ -151,6 +154,7 @@ class Trainer:
             self.prepare_online()
         else:
             self.prepare_dataset()
+        self.evaluator.prepare(self.model_config, self.online)
         text = self.model_config.get_text_config()
         self.ds_config = resolve_deepspeed_config(config, self.world_size, getattr(text, "hidden_size", None))
         self.layout = StepLayout(config, self.ds_config, text.pad_token_id or 0, self.world_size)
@@ -279,6 +283,7 @@ class Trainer:
         self.objective.build(Components(self.engine, self.ds_config, self.policy.hf_deepspeed_config))
         client_state = self.resume()
         self.connect(int(client_state.get("skipped_steps", 0)), int(client_state.get("untrained_steps", 0)))
+        self.evaluator.connect(EvalContext.of(self.context), self.checkpoint_dir, self.start_step)
         self.open_metrics()
 
     def resume(self) -> dict:
@@ -397,8 +402,10 @@ class Trainer:
             scalars = self.train_step(step)
             done = step + 1
             self.objective.end_step(done, self.context)  # the KL reference's copy (a collective)
+            evaluated = self.evaluator.after_step(done)  # every rank (a collective), when due
+            scalars.update(evaluated)
             if self.rank == 0:
-                if done % config.logging.every == 0 or done == config.max_steps:
+                if done % config.logging.every == 0 or done == config.max_steps or evaluated:
                     self.metrics.log(done, scalars)
                     logger.info(console_line(done, config.max_steps, scalars))
                 if bar:
@@ -441,7 +448,9 @@ class Trainer:
             self.config.checkpoint.keep_last,
             exclude_frozen=self.config.model.lora.enabled,
             extra=lambda path: self.objective.save_state(path, step),
+            keep=self.evaluator.kept_checkpoints(),
         )
+        self.evaluator.checkpoint_saved(step)  # the best checkpoint (checkpoint.keep_best)
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""

@@ -198,7 +198,7 @@ def prepare_rl_rows(
     Two passes over the rows: every row's old-policy forwards, then every row's reference forwards.
     A walked row makes one forward per chunk, so ranks make different numbers of forwards; with
     ``dfs.lockstep`` (ZeRO-3) each pass is first padded to the busiest rank's count on its own model
-    (:func:`_even_out_forwards`) when that model's forwards gather parameters collectively
+    (:func:`even_out_forwards`) when that model's forwards gather parameters collectively
     (:func:`gathers_collectively`: the policy engine, a partitioned reference engine, the policy with
     its adapters off), so every rank's gathers of one model meet those of the same model in order.
     """
@@ -206,7 +206,7 @@ def prepare_rl_rows(
     lockstep = dfs is not None and dfs.lockstep and in_process_group()
     recompute = settings.old_logprobs != "data" and old_logprobs is None
     if lockstep and recompute:
-        _even_out_forwards(model, rows, run)
+        even_out_forwards(model, rows, run)
     prepared = []
     for row in rows:
         copies = trajectory_copies(row)
@@ -225,7 +225,7 @@ def prepare_rl_rows(
         prepared.append(RLRow(row, targets, sums.take(targets), logp_old, None))
     if reference is not None:
         if lockstep and gathers_collectively(reference):
-            _even_out_forwards(reference, rows, run)
+            even_out_forwards(reference, rows, run)
         for item in prepared:
             item.logp_ref = runner_of(item.row).logprobs(reference, item.row, item.targets, run)
     return prepared
@@ -239,7 +239,7 @@ def gathers_collectively(model) -> bool:
     return stage is not None and stage() == 3
 
 
-def _even_out_forwards(model, rows: Sequence[PackedRow], run: RunContext) -> None:
+def even_out_forwards(model, rows: Sequence[PackedRow], run: RunContext) -> None:
     """No-grad dummy forwards of ``model`` (:func:`~ds_tree.engine.dfs.dummy_call`) until this rank has made
     as many as the busiest will for ``rows`` (one per packed row, one per chunk of a walked tree)."""
     count = torch.tensor([sum(runner_of(row).forwards(row, run) for row in rows)])

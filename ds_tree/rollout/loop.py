@@ -170,6 +170,8 @@ class StepRollouts:
         """This step's weight sync time (``rollout/sync_s``; 0 on a step without a sync)."""
         self.wait_s = 0.0
         """This step's wait for the background sampler before its sync."""
+        self.synced_at: int | None = None
+        """The step whose start weights an evaluation synced into the engine (:meth:`sync_for_eval`)."""
 
     def build_model(self) -> None:
         """The sampling engine (:meth:`~ds_tree.sampling.interface.SamplingEngine.for_run`), built before the
@@ -237,7 +239,7 @@ class StepRollouts:
         if self.start is None:
             self.start = step
         self.sync_s, self.wait_s = 0.0, 0.0  # no sync: 0
-        if self.sync_needed(step):
+        if self.sync_needed(step) and self.synced_at != step:  # an evaluation after the last step synced them
             synced = time.perf_counter()
             if self.ahead is not None:  # every step that samples with the old weights is sampled first
                 failure = self.ahead.before_sync(step)
@@ -255,6 +257,15 @@ class StepRollouts:
             )  # fmt: skip
         if self.ahead is not None:
             self.ahead.begin(step)
+
+    def sync_for_eval(self, step: int, policy: torch.nn.Module) -> None:
+        """The policy's weights after ``step`` steps into the engine for an evaluation (a collective; docs/EVAL.md):
+        the weights step ``step`` starts with, so it skips its own sync. Only with ``rollout.sync_every: 1`` and
+        ``max_staleness: 0`` (the config's check), where every step that samples syncs first: the training run
+        samples exactly what it would without the evaluation."""
+        if self.synced_at != step:
+            self.engine.sync_weights(policy)
+            self.synced_at = step
 
     def join_timeout_s(self) -> float:
         """How long closing waits for the background sampler's step to stop (an engine request's bound)."""

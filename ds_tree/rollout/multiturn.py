@@ -31,7 +31,7 @@ from ds_tree.rollout.images import observation_images, rendering_stand_ins, with
 from ds_tree.rollout.loop import SlotSummary, StepRollouts, kept_groups, rank_slots, run_tokenizer, slot_generator
 from ds_tree.rollout.render import Renderer
 from ds_tree.sampling.prompts import stop_token_ids
-from ds_tree.sampling.settings import path_limit
+from ds_tree.sampling.settings import SamplerSettings, path_limit
 from ds_tree.trees.images import placeholder_index
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.turn_formats import resolve_format, turn_stop_tokens
@@ -87,18 +87,23 @@ class MultiTurnRollouts(StepRollouts):
         """The runner every episode of the run samples with: one turn sampler of the engine (``hf``'s keeps
         keys/values from a leaf's turn to its next), one pool of environment-call threads."""
         if self.runner is None:
-            env = self.config.rollout.env
-            self.runner = EpisodeRunner(
-                self.env_class,
-                self.renderer,
-                self.engine.turn_sampler(self.settings, self.stop_ids),
-                self.settings,
-                env,
-                env.max_context_tokens or path_limit(self.config)[0],
-                EnvironmentCalls(env.workers),
-                stopping=self.stopping,
-            )
+            self.runner = self.new_runner(self.settings)
         return self.runner
+
+    def new_runner(self, settings: SamplerSettings) -> EpisodeRunner:
+        """An episode runner sampling with ``settings`` (the run's, or an evaluation's) on its own turn sampler
+        of the engine, with its own pool of environment-call threads."""
+        env = self.config.rollout.env
+        return EpisodeRunner(
+            self.env_class,
+            self.renderer,
+            self.engine.turn_sampler(settings, self.stop_ids),
+            settings,
+            env,
+            env.max_context_tokens or path_limit(self.config)[0],
+            EnvironmentCalls(env.workers),
+            stopping=self.stopping,
+        )
 
     def sample_episode(self, step: int, slot: int, task_index: int, version: int | None = None) -> EpisodeTree:
         """One task's episode tree, every turn sampled by policy ``version`` (default ``step``)."""

@@ -29,7 +29,7 @@ from ds_tree.registries import REWARDS
 from ds_tree.rollout.loop import SlotSummary, StepRollouts, kept_groups, rank_slots, run_tokenizer, slot_generator
 from ds_tree.rollout.rewards import RewardRequest, score
 from ds_tree.sampling.hf import SampledTree
-from ds_tree.sampling.prompts import read_prompts, stop_token_ids
+from ds_tree.sampling.prompts import Prompt, read_prompts, stop_token_ids
 from ds_tree.sampling.settings import path_limit
 from ds_tree.trees.trajectory import Trajectory
 
@@ -164,16 +164,10 @@ class OnlineRollouts(StepRollouts):
         prompt = self.prompts[prompt_index]
         # one numbering: the console's, metrics' and saved files' 1-based step (``step`` counts from 0)
         trajectories = tree.trajectories(f"{prompt.label}/step{step + 1}/slot{slot}")
-        requests = []
         for leaf, trajectory in enumerate(trajectories):
             trajectory.source = f"{prompt.source} (step {step + 1}, slot {slot}, leaf {leaf})"
             trajectory.policy_version = step if version is None else version
-            completion = trajectory.input_ids[prompt.ids.size :]
-            text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
-            requests.append(RewardRequest(prompt=prompt.text, completion=text, metadata=prompt.metadata))
-        rewards, failures = score(self.reward, requests)
-        for trajectory, reward in zip(trajectories, rewards, strict=True):
-            trajectory.reward = reward
+        failures = self.score_leaves(prompt, trajectories)
         return SlotResult(
             slot=slot,
             trajectories=trajectories,
@@ -182,8 +176,20 @@ class OnlineRollouts(StepRollouts):
             depth=tree.depth,
             sampled_tokens=tree.sampled_tokens,
             forward_tokens=tree.forward_tokens,
-            failures=list(failures),
+            failures=failures,
         )
+
+    def completion_text(self, prompt: Prompt, trajectory: Trajectory) -> str:
+        """What the reward function reads of a leaf: its completion decoded, special tokens dropped."""
+        return self.tokenizer.decode(trajectory.input_ids[prompt.ids.size :].tolist(), skip_special_tokens=True)
+
+    def score_leaves(self, prompt: Prompt, trajectories: list[Trajectory]) -> list[str]:
+        """Set each leaf's reward by ``rollout.reward`` (None where it failed); the failures' messages."""
+        requests = [RewardRequest(prompt.text, self.completion_text(prompt, t), prompt.metadata) for t in trajectories]
+        rewards, failures = score(self.reward, requests)
+        for trajectory, reward in zip(trajectories, rewards, strict=True):
+            trajectory.reward = reward
+        return list(failures)
 
     def sample_share(self, step: int, version: int) -> list[SlotResult]:
         """This rank's slots of ``step`` (no collective: the background sampler runs it too)."""

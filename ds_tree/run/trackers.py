@@ -307,11 +307,17 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, float(value), now, step) for key, value in scalars.items()]
+        metrics = [Metric(mlflow_key(key), float(value), now, step) for key, value in scalars.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def mlflow_key(key: str) -> str:
+    """``key`` as MLflow takes a metric name (alphanumerics, ``_ - . : /`` and spaces): ``eval/pass@4`` is
+    ``eval/pass_at_4``."""
+    return re.sub(r"[^\w\-.: /]", "_", key.replace("@", "_at_"))
 
 
 class TrackioTracker(Tracker):
