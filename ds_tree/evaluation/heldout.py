@@ -22,9 +22,7 @@ import torch.distributed as dist
 from ds_tree.config import Config, ConfigError
 from ds_tree.data import load_trajectories
 from ds_tree.data.convert import load_tokenizer
-from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tree_dataset import read_meta
-from ds_tree.engine import dfs
 from ds_tree.engine.calls import in_process_group
 from ds_tree.engine.runners import RunContext, runner_of
 from ds_tree.errors import DataError
@@ -36,6 +34,7 @@ from ds_tree.objectives.sft import global_normalisers
 from ds_tree.packing.plan import RankPlan
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.vocab.tokenizer import tokenizer_identity
 
 
 @dataclass
@@ -134,7 +133,7 @@ def check_fits(trajectories: list[Trajectory], config: Config) -> None:
     size = config.parallel.sequence_parallel_size
     budget = config.packing.budget * size
     longest = max(trajectories, key=len)
-    if len(longest) > budget and not dfs.uses_dfs(config.packing):
+    if len(longest) > budget and not config.packing.uses_dfs:
         raise ConfigError(
             f"eval.data: {longest.where} has {len(longest)} tokens, more than packing.budget"
             f"{' x parallel.sequence_parallel_size' if size > 1 else ''} ({budget}): every root-to-leaf path must "

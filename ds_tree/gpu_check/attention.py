@@ -38,10 +38,10 @@ from ds_tree.attention.engines import registered
 from ds_tree.attention.flex import length_bucket
 from ds_tree.attention.registry import attention_engine, has_backward, tree_attention, tree_engines
 from ds_tree.data.synthetic import SyntheticConfig, generate
+from ds_tree.kernel.tile_lists import SCHEDULE_VARIABLE
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.random_trees import TreeShape, random_forest
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.kernel.tile_lists import SCHEDULE_VARIABLE
 
 
 @contextmanager
