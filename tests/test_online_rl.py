@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.envs import digit_parity, game24
 from ds_tree.errors import DataError
 from ds_tree.registries import REWARDS
-from ds_tree.rollout.envs import digit_parity, game24
 from ds_tree.rollout.loop import rank_slots, slot_generator
 from ds_tree.rollout.online import SlotFigures, SlotResult, kept_trajectories, rollout_scalars
 from ds_tree.rollout.rewards import RewardRequest, exact_match_reward

@@ -250,8 +250,8 @@ def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(serv
 def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, tokenizer_dir) -> None:
     """rollout.env.path with engine vllm: every assistant turn is one request after the exact ids of the
     conversation so far (token in, token out), its siblings the request's n samples, with vLLM's log-probs."""
+    from ds_tree.envs.secret_tool import SecretToolEnv
     from ds_tree.rollout.env import EnvironmentCalls
-    from ds_tree.rollout.envs.secret_tool import SecretToolEnv
     from ds_tree.rollout.episodes.runner import EpisodeRunner
     from ds_tree.rollout.render import Renderer
     from ds_tree.sampling.interface import EngineTurnSampler

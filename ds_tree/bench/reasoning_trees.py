@@ -9,7 +9,7 @@ flat trainer either trains every turn as its own sample (the whole history again
 re-renders the final conversation as one sequence (training earlier turns without the reasoning
 that produced them: tokens the model never saw in that context).
 
-Measured on the CPU multi-turn example's task (:class:`~ds_tree.rollout.envs.secret_tool.LoudSecretToolEnv`,
+Measured on the CPU multi-turn example's task (:class:`~ds_tree.envs.secret_tool.LoudSecretToolEnv`,
 ``rollout.env.turn_branching: [1, 16]``: one call turn, 16 answers after its observation) with a
 scripted policy that thinks ``reasoning_tokens`` tokens before each turn (no model here writes
 reasoning; the counts depend on the turns' lengths only, which the script fixes). Per episode:
@@ -30,8 +30,8 @@ import sys
 import torch
 from tqdm import tqdm
 
+from ds_tree.envs.secret_tool import LoudSecretToolEnv, tasks
 from ds_tree.rollout.env import EnvironmentCalls
-from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
 from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.episodes.tree import TRAINED_STOPS, EpisodeTree
 from ds_tree.rollout.render import Renderer

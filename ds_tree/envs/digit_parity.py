@@ -5,7 +5,7 @@ characters, spaces left out, that are digits of that parity: 0 for an empty comp
 only of such digits. A randomly initialised model draws tokens about uniformly from the project
 tokenizer's 1024, whose characters are about 5% even and 5% odd digits, so the reward starts near 0.05;
 it reaches 1 only by learning to read the prompt, since half the prompts ask for each parity.
-Use it as ``rollout.reward: ds_tree.rollout.envs.digit_parity:reward``.
+Use it as ``rollout.reward: ds_tree.envs.digit_parity:reward``.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ The tool is named in the system message rather than a schema block (a random-ini
 the call format from demonstrations does not read one; as ``LoudSecretToolEnv``). Its
 :meth:`GuiScreensEnv.demonstration` writes the warm-up's demonstrations: the call, the screenshot,
 and an answer drawn independently of the colour, so none shows the screen being read: that is what
-RL has to learn. Use it as ``rollout.env.path: ds_tree.rollout.envs.gui_screens:GuiScreensEnv``;
-``python -m ds_tree.rollout.envs.gui_screens --tasks OUT`` writes a tasks file.
+RL has to learn. Use it as ``rollout.env.path: ds_tree.envs.gui_screens:GuiScreensEnv``;
+``python -m ds_tree.envs.gui_screens --tasks OUT`` writes a tasks file.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import random
 
 import numpy as np
 
+from ds_tree.envs.tasks_file import write_tasks_main
 from ds_tree.rollout.env import ToolEnvironment, Turn
-from ds_tree.rollout.envs.tasks_file import write_tasks_main
 
 COLOURS = ((230, 25, 25), (25, 200, 40), (30, 60, 230), (235, 220, 30), (245, 245, 245))
 """Red, green, blue, yellow, white: the answer is the index."""

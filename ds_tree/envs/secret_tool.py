@@ -4,9 +4,9 @@ Each task has a secret digit. The policy sees a system prompt with one tool, ``g
 question; the tool's answer (a ``tool`` message) holds the secret; a turn without a tool call ends
 the episode with reward 1 if its text is the secret, else 0. A policy that does not read the
 observation answers one of ten digits: reward about 0.1. Use it as
-``rollout.env.path: ds_tree.rollout.envs.secret_tool:SecretToolEnv``.
+``rollout.env.path: ds_tree.envs.secret_tool:SecretToolEnv``.
 
-``python -m ds_tree.rollout.envs.secret_tool --tasks OUT`` writes a tasks file (``configs/multiturn_tasks.jsonl``
+``python -m ds_tree.envs.secret_tool --tasks OUT`` writes a tasks file (``configs/multiturn_tasks.jsonl``
 is one). :meth:`SecretToolEnv.demonstration` writes the warm-up's demonstrations
 (``rollout.env.warmup_steps``): the call format and the answer format only. A demonstration calls the
 tool and then answers a digit drawn independently of the secret, so no demonstration shows the
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import random
 
+from ds_tree.envs.tasks_file import write_tasks_main
 from ds_tree.rollout.env import ToolEnvironment, Turn
-from ds_tree.rollout.envs.tasks_file import write_tasks_main
 
 SYSTEM = "Call get_secret, then answer with the secret only."
 QUESTION = "What is the secret?"

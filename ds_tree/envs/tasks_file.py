@@ -1,4 +1,4 @@
-"""``python -m ds_tree.rollout.envs.<example> --tasks OUT``: an example environment's tasks file."""
+"""``python -m ds_tree.envs.<example> --tasks OUT``: an example environment's tasks file."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ the turns, so the environment forks by ``replay`` (a fresh instance replays the 
 must answer them the same), as an environment wrapping a real service would.
 
 Tasks (``rollout.prompts`` lines): ``{"id": ..., "user": "u1", "goal": {"cancel": "W1"}}`` or
-``{"goal": {"address": ["W2", "5 Elm St"]}}``. Use ``rollout.env.path: ds_tree.rollout.envs.tau_shop:ShopEnv``.
+``{"goal": {"address": ["W2", "5 Elm St"]}}``. Use ``rollout.env.path: ds_tree.envs.tau_shop:ShopEnv``.
 """
 
 from __future__ import annotations

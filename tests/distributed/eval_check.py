@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ds_tree.config import EvalConfig
-from ds_tree.rollout.envs import digit_parity
+from ds_tree.envs import digit_parity
 from ds_tree.rollout.rewards import RewardRequest
 from ds_tree.run import checkpoint
 from ds_tree.run.best import BEST
