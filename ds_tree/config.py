@@ -242,6 +242,11 @@ class PackingConfig:
         if self.cost_per_token < 0 or self.cost_per_pair < 0:
             raise ConfigError("packing.cost_per_token and packing.cost_per_pair must be >= 0")
 
+    @property
+    def uses_dfs(self) -> bool:
+        """Whether any tree is walked depth-first: ``mode: dfs``, or ``over_budget: dfs`` in tree mode."""
+        return self.mode == "dfs" or (self.mode == "tree" and self.over_budget == "dfs")
+
 
 @dataclass
 class ObjectiveConfig:

@@ -101,7 +101,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("turn formats: a sampled turn's reasoning, text and tool calls", ["ds_tree.turn_formats"]),
     ("sampling: settings, prompts, engines (HF, vLLM)", ["ds_tree.sampling"]),
     ("rollouts: the loop, episodes, environments, rendering, rewards", ["ds_tree.rollout"]),
-    ("example environments and rewards", ["ds_tree.rollout.envs"]),
+    ("example environments and rewards", ["ds_tree.envs"]),
     ("config", ["ds_tree.config"]),
     ("a run's life", ["ds_tree.run"]),
     ("step execution: runners, walks, updates, the self-check", ["ds_tree.engine"]),
@@ -110,6 +110,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("the trainer", ["ds_tree.engine.trainer"]),
     ("checks", ["ds_tree.verify"]),
     ("benchmarks and the GPU check", ["ds_tree.bench", "ds_tree.gpu_check"]),
+    ("reports: runs read back and drawn", ["ds_tree.reports"]),
     ("entry points", ["ds_tree.cli", "ds_tree.train"]),
 ]
 """Bottom to top. A module belongs to the layer of its longest matching prefix and may import only
@@ -153,7 +154,7 @@ def test_the_layer_check_sees_an_arrow_up():
     assert arrows_up({"ds_tree.run.checkpoint": {"ds_tree.engine.dfs"}}), "run must not import the engine"
     assert arrows_up({"ds_tree.engine.runners": {"ds_tree.objectives.sft"}}), "runners never see the objective"
     assert arrows_up({"ds_tree.objectives.sft": {"ds_tree.engine.trainer"}}), "objectives sit below the trainer"
-    assert arrows_up({"ds_tree.sampling.hf": {"ds_tree.rollout.envs.game24"}}), "engines sit below envs"
+    assert arrows_up({"ds_tree.sampling.hf": {"ds_tree.envs.game24"}}), "engines sit below envs"
 
 
 def test_no_import_cycle():

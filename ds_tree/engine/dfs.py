@@ -78,11 +78,6 @@ class DfsSettings:
     """Make every rank's calls in one order of kinds (ZeRO-3, :func:`lockstep`)."""
 
 
-def uses_dfs(packing) -> bool:
-    """Whether ``packing`` (the config section) walks any tree: ``mode: dfs`` or ``over_budget: dfs``."""
-    return packing.mode == "dfs" or (packing.mode == "tree" and packing.over_budget == "dfs")
-
-
 def settings_of(packing, ds_config: dict | None = None) -> DfsSettings:
     """The walk's settings from the config's ``packing`` section; under ZeRO-3 (``ds_config``) in lockstep."""
     stage = (ds_config or {}).get("zero_optimization", {}).get("stage", 0)

@@ -38,12 +38,9 @@ import torch.distributed as dist
 
 from ds_tree.attention.registry import resolve_engine
 from ds_tree.config import Config, ConfigError, config_to_dict
-from ds_tree.data import load_trajectories
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.dataset_reader import LoadedGroups, TreeDatasetReader
 from ds_tree.data.sampler import StepSampler
-from ds_tree.data.tree_dataset import is_tree_dataset_dir
-from ds_tree.engine import dfs
 from ds_tree.engine.build import Policy, build_engine, load_policy
 from ds_tree.engine.layout import StepLayout
 from ds_tree.engine.memory import check_memory
@@ -57,22 +54,20 @@ from ds_tree.models.loading import check_hub_weights, check_model_settings
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.models.ulysses import check_sequence_parallel
-from ds_tree.models.vision import attach_rope_positions, check_vision_settings
+from ds_tree.models.vision import check_vision_settings
 from ds_tree.objectives.base import Components, Objective, Rollouts, StepContext, StepResult
 from ds_tree.packing.exchange import Collectives
 from ds_tree.registries import OBJECTIVES
 from ds_tree.run import checkpoint, process_group, resume, run_dir, run_lock
 from ds_tree.run.console import progress_bar
+from ds_tree.run.dataset import prepare_dataset
 from ds_tree.run.ds_config import resolve_deepspeed_config
 from ds_tree.run.metrics import MetricsLogger, console_line
 from ds_tree.run.preemption import PreemptionHandler
 from ds_tree.run.trackers import TrackerRun, check_installed, open_trackers
-from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
+from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
-
-CHECK_BATCH = 1024
-"""Groups of a converted dataset read at a time by the start-up checks (a batch in memory, not the dataset)."""
 
 
 class Trainer:
@@ -182,77 +177,11 @@ class Trainer:
         return model_config
 
     def prepare_dataset(self) -> None:
-        """:meth:`prepare`'s data: ``data.path``'s groups (a converted dataset without images read lazily, else
-        loaded whole), their checks, the step sampler."""
-        path, reader = Path(self.config.data.path), None
-        try:
-            if is_tree_dataset_dir(path):
-                reader = TreeDatasetReader(path)
-                if "image_keys" in reader.table.column_names:  # images: loaded whole (docs/DATA.md)
-                    reader = None
-            if reader is None:
-                self.trajectories = load_trajectories(path)
-        except DataError as error:
-            raise ConfigError(f"data.path: {error}") from None
-        if reader is not None:
-            self.prepare_converted(reader)
-        else:
-            self.prepare_loaded()
-
-    def prepare_loaded(self) -> None:
-        """Checks and sampler of a dataset loaded whole (:attr:`trajectories`)."""
-        config = self.config
-        check_vocab(self.trajectories, self.model_config.get_text_config().vocab_size)
-        try:  # images: positions by the model's rule, laid out on the trees when they are built
-            attach_rope_positions(self.model_config, self.trajectories)
-        except ValueError as error:
-            raise ConfigError(f"model.source: {error} (data.path {config.data.path})") from None
-        longest = max(self.trajectories, key=len)
-        self.check_longest(len(longest), longest.source or f"group {longest.group_id!r}")
-        self.groups = LoadedGroups(group_trajectories(self.trajectories))
-        self.check_groups_per_step()
-        self.objective.check_data(self.trajectories)
-
-    def prepare_converted(self, reader: TreeDatasetReader) -> None:
-        """Checks and sampler of a converted dataset read lazily: from its mapped columns (largest token id,
-        longest trajectory), and the objective's checks a batch of groups at a time (memory bounded by a batch,
-        not the dataset)."""
-        vocab = self.model_config.get_text_config().vocab_size
-        if reader.max_token_id() >= vocab:  # name the first trajectory over it
-            for groups in reader.batches(CHECK_BATCH):
-                check_vocab([t for group in groups for t in group], vocab)
-        tokens, row = reader.longest_trajectory()
-        longest = max(reader.groups([row])[0], key=len) if tokens else None
-        self.check_longest(tokens, longest.where if longest is not None else "")
-        self.groups = reader
-        self.check_groups_per_step()
-        if type(self.objective).check_data is not Objective.check_data:  # the objective reads the data
-            for groups in reader.batches(CHECK_BATCH):
-                self.objective.check_data([t for group in groups for t in group])
-
-    def check_longest(self, tokens: int, where: str) -> None:
-        """Every root-to-leaf path fits a row (a sequence-parallel group's under SP), unless dfs walks it."""
-        config = self.config
-        size = config.parallel.sequence_parallel_size
-        budget = config.packing.budget * size
-        if tokens > budget and not dfs.uses_dfs(config.packing):  # dfs walks paths of any length
-            limit = f"packing.budget ({budget})"
-            if size > 1:
-                limit = f"packing.budget x parallel.sequence_parallel_size ({config.packing.budget} x {size})"
-            raise ConfigError(
-                f"{limit} is below the longest trajectory ({tokens} tokens, {where}); "
-                "every root-to-leaf path must fit one row"
-            )
-
-    def check_groups_per_step(self) -> None:
-        """A step's groups are distinct (else some are trained twice); then the step sampler."""
-        config, groups = self.config, self.groups.n_groups
-        if config.data.groups_per_step > groups:  # a step would train some groups twice
-            raise ConfigError(
-                f"data.groups_per_step ({config.data.groups_per_step}) is more than the {groups} groups "
-                f"in data.path ({config.data.path}); set it to at most {groups}"
-            )
-        self.sampler = StepSampler(groups, config.data.groups_per_step, config.data.seed)
+        """:meth:`prepare`'s data: ``data.path``'s groups, their checks, the step sampler
+        (:func:`ds_tree.run.dataset.prepare_dataset`)."""
+        reads = type(self.objective).check_data is not Objective.check_data
+        data = prepare_dataset(self.config, self.model_config, self.objective.check_data if reads else None)
+        self.trajectories, self.groups, self.sampler = data.trajectories, data.groups, data.sampler
 
     def prepare_online(self) -> None:
         """:meth:`prepare`'s data for online RL: prompts, tokenizer and reward function instead of a dataset."""
