@@ -102,7 +102,7 @@ def head_of(teacher) -> HeadOf:
     parameters = [p for p in (head.weight, getattr(head, "bias", None)) if p is not None]
     partitioned = [p for p in parameters if hasattr(p, "ds_id")]
     if partitioned:
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         with GatheredParameters(partitioned):
             copies = [p.detach().clone() for p in parameters]
