@@ -171,7 +171,7 @@ class DPO(Objective):
     def prepare_step(self, step: int, context: StepContext) -> DPOStep:
         trajectories = context.trajectories(step)
         pairs = Pairs.of(trajectories, self.config.data.merge, self.loss)
-        plan = context.plan(trajectories)
+        plan = context.plan(pairs.sequences or trajectories)  # a trajectory in no pair has nothing to train
         run = RunContext(context.policy.device, self.config.model.head_chunk, context.layout.dfs_settings())
         policy, reference = sequence_sums(context.policy, self.reference, plan.rows, pairs, run)
         statistics = pair_statistics(policy, reference, pairs.pairs, self.loss)
