@@ -85,7 +85,7 @@ SYNTHETIC_SEED = 0
 SYNTHETIC_MAX_TOKENS = 512
 """SyntheticConfig().max_tokens"""
 
-CONVERT_FORMATS = ("chat", "tokens", "tree")
+CONVERT_FORMATS = ("chat", "tokens", "tree", "preference")
 """ds_tree.data.convert.FORMATS"""
 MERGES = ("group", "global")
 """ds_tree.data.convert.MERGES"""
