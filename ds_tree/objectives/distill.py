@@ -296,7 +296,7 @@ class Distill(Objective):
         scalars = {"distill/divergence": sums["divergence"] / sums["tokens"] if sums["tokens"] else float("nan")}
         rewards = np.array([t.reward for t in prepared.trajectories if t.reward is not None], dtype=np.float64)
         if rewards.size:
-            scalars |= {"rl/reward_mean": float(rewards.mean()), "rl/reward_std": float(rewards.std())}
+            scalars |= {"distill/reward_mean": float(rewards.mean()), "distill/reward_std": float(rewards.std())}
         scalars.update(router_scalars(outputs))
         if context.online is not None:
             scalars.update(context.online.scalars)
