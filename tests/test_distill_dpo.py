@@ -281,3 +281,32 @@ def test_console_lines_carry_each_objectives_figures():
     assert "reward 0.5000" in console_line(3, 9, online)
     assert "reward" not in console_line(3, 9, base | {"distill/divergence": 0.25})
     assert "margin 0.1250 accuracy 0.600" in console_line(3, 9, base | {"dpo/margin": 0.125, "dpo/accuracy": 0.6})
+
+
+def test_history_pairs_make_one_tree_per_conversation(tmp_path, tokenizer_dir):
+    """Preference pairs at later assistant turns of a conversation (``ds_tree.bench.preference_pairs``): each
+    record's prompt is the history before its turn, chosen the turn itself, rejected another turn's text; all
+    of a conversation's records merge into one tree, whose history is shared."""
+    from ds_tree.bench.preference_pairs import history_pairs, write_history_pairs
+    from ds_tree.data import load_trajectories
+
+    conversation = [{"role": "system", "content": "You answer questions about digits."}]
+    for turn in range(4):
+        conversation += [{"role": "user", "content": f"question {turn}?"},
+                         {"role": "assistant", "content": f"answer number {turn}"}]  # fmt: skip
+    found = history_pairs(conversation, 2)
+    assert [len(history) for history, _, _ in found] == [4, 8]  # turns 1 and 3 of 0..3
+    for history, chosen, rejected in found:
+        assert chosen == conversation[len(history)] and rejected["content"] != chosen["content"]
+    other = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    trials = write_jsonl(tmp_path / "trials.jsonl", [{"group_id": "a", "messages": conversation},
+                                                     {"group_id": "a", "messages": other},
+                                                     {"group_id": "b", "messages": other}])  # fmt: skip
+    assert write_history_pairs(trials, tmp_path / "pairs.jsonl", pairs=2) == {"groups": 2, "records": 2}
+    summary = convert([tmp_path / "pairs.jsonl"], tmp_path / "data", tokenizer_dir, ConvertOptions(format="preference"))
+    assert summary["counts"]["groups"] == 1 and summary["counts"]["trajectories"] == 4  # b: one turn, no pair
+    assert summary["counts"]["tree_tokens"] < summary["counts"]["flat_tokens"]
+    trajectories = load_trajectories(tmp_path / "data")
+    assert preference_pairs(trajectories) == [(0, 1), (2, 3)]
+    (tree,) = build_trees(trajectories)
+    assert sorted(sibling_pairs(tree)) == [(0, 1), (2, 3)]
