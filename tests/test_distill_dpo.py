@@ -243,7 +243,7 @@ def teacher_directory(path: Path, tokenizer) -> str:
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tokenizer_dir):
-    from ds_tree.data.tokenizer import build_tokenizer
+    from ds_tree.vocab.tokenizer import build_tokenizer
 
     other = teacher_directory(tmp_path / "teacher", build_tokenizer(512))  # same model vocabulary (1024)
     overrides = ["objective.kind=distill", f"objective.teacher={other}", f"model.tokenizer={tokenizer_dir}"]

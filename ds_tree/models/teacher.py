@@ -6,7 +6,7 @@ refuses a teacher whose vocabulary differs (a full-vocabulary divergence compare
 entry by entry; the sampled reverse KL only indexes the teacher's with the student's ids, which must exist
 there) and, where both have tokenizer files (``model.tokenizer``, or ``model.source``'s directory, and the
 teacher's directory or hub snapshot), one whose tokenizer serialises differently (vocabulary, merges, added
-tokens: :func:`~ds_tree.data.tokenizer.tokenizer_identity`). A teacher given as a config JSON has no
+tokens: :func:`~ds_tree.vocab.tokenizer.tokenizer_identity`). A teacher given as a config JSON has no
 tokenizer: its vocabulary size is all there is to compare.
 """
 
@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from ds_tree.data.convert import load_tokenizer
-from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.errors import ConfigError, DataError, HubError
 from ds_tree.hub import TOKENIZER_FILES, is_hub_id, local_path
 from ds_tree.models.loading import check_hub_weights, load_config
 from ds_tree.models.logprobs import SOFTCAP, HeadOf, check_head_chunking
 from ds_tree.models.token_mixing import check_layer_types
 from ds_tree.models.ulysses import check_heads
+from ds_tree.vocab.tokenizer import tokenizer_identity
 
 FULL_VOCABULARY = ("kl", "jsd", "reverse_kl")
 """ds_tree.losses.distill.FULL_VOCABULARY: the losses comparing whole distributions."""
