@@ -42,7 +42,7 @@ from ds_tree.objectives.reference import frozen_model
 from ds_tree.objectives.rl_rows import (
     RLRow,
     StepNormalisers,
-    _even_out_forwards,
+    even_out_forwards,
     gathers_collectively,
     prepare_rl_rows,
     rl_terms,
@@ -129,7 +129,7 @@ def prepare_distill_rows(
         return _sampled_rows(model, teacher, rows, settings, normalisers, run)
     lockstep = run.dfs is not None and run.dfs.lockstep and in_process_group()
     if lockstep and gathers_collectively(teacher):
-        _even_out_forwards(teacher, rows, run)
+        even_out_forwards(teacher, rows, run)
     prepared = []
     for row in rows:
         sums = coefficient_sums(row, settings.rl, normalisers)

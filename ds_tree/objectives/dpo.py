@@ -32,7 +32,7 @@ from ds_tree.losses.dpo import DPOLoss, PairStatistics, pair_statistics, sequenc
 from ds_tree.losses.terms import RowTerms, sft_terms
 from ds_tree.objectives.base import Components, Objective, Prepared, StepContext, Update, router_scalars
 from ds_tree.objectives.reference import frozen_model
-from ds_tree.objectives.rl_rows import _even_out_forwards, gathers_collectively, trajectory_copies
+from ds_tree.objectives.rl_rows import even_out_forwards, gathers_collectively, trajectory_copies
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.pairs import preference_pairs
 from ds_tree.trees.trajectory import Trajectory
@@ -108,7 +108,7 @@ def sequence_sums(
     lockstep = run.dfs is not None and run.dfs.lockstep and in_process_group()
     for side, scorer in enumerate((model, reference)):
         if lockstep and gathers_collectively(scorer):
-            _even_out_forwards(scorer, rows, run)
+            even_out_forwards(scorer, rows, run)
         for row, where in zip(rows, located, strict=True):
             targets = where.targets()
             by_token = np.zeros(row.n_tokens)
