@@ -64,6 +64,9 @@ Tracker = Annotated[str, TRACKERS.choices()]
 SamplingEngine = Annotated[str, SAMPLING_ENGINES.choices()]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
 BestMode = Literal["auto", "max", "min"]
+DistillLoss = Literal["reverse_kl_sampled", "kl", "jsd", "reverse_kl"]  # ds_tree.losses.distill.LOSSES
+DPOLoss = Literal["sigmoid", "ipo"]  # ds_tree.losses.dpo.LOSSES
+DPOPairs = Literal["siblings"]  # ds_tree.trees.pairs.PAIRINGS
 
 
 TEMPO_COEF_MAX = 1e6
@@ -92,14 +95,46 @@ RL_ONLY_FIELDS = (
 """``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
 SFT_ONLY_FIELDS = ("normalisation", "policy")
 """``objective`` fields that only the SFT objective uses."""
+KIND_FIELDS = {
+    "distill": (
+        "teacher",
+        "distill",
+        "aggregation",
+        "aggregation_constant",
+        "eps_low",
+        "eps_high",
+        "dual_clip",
+        "ppo_epochs",
+        "mini_batches",
+    ),
+    "dpo": ("dpo", "reference", "reference_offload"),
+}
+"""The ``objective`` fields that the distillation and DPO objectives read (``self_check`` aside: every kind
+reads it); the other kinds read :data:`SFT_ONLY_FIELDS` (``sft``) or :data:`RL_ONLY_FIELDS` (``grpo``, ``ppo``
+and objectives a project registers), none of the fields only these two read."""
+KIND_ONLY_FIELDS = ("teacher", "distill", "dpo")
+"""``objective`` fields that only the kinds of :data:`KIND_FIELDS` read."""
 
 
 def objective_strays(kind: str, given: typing.Iterable[str]) -> list[str]:
     """The names among ``given`` (objective fields set by the user) that an objective of ``kind``
     does not use: the one rule of the config (fields off their defaults) and of the ``--objective``
     options of ``verify`` and ``bench`` (options given). Such a field is an error, never ignored."""
-    unused = RL_ONLY_FIELDS if kind == "sft" else SFT_ONLY_FIELDS
+    if kind in KIND_FIELDS:
+        unused = tuple(n for n in (*RL_ONLY_FIELDS, *SFT_ONLY_FIELDS, *KIND_ONLY_FIELDS) if n not in KIND_FIELDS[kind])
+    else:
+        unused = (*(RL_ONLY_FIELDS if kind == "sft" else SFT_ONLY_FIELDS), *KIND_ONLY_FIELDS)
     return [name for name in given if name in unused]
+
+
+def kinds_reading(name: str) -> str:
+    """Which ``objective.kind`` s read objective field ``name`` (for the error of a stray one)."""
+    kinds = [kind for kind, fields in KIND_FIELDS.items() if name in fields]
+    if name in SFT_ONLY_FIELDS:
+        kinds.insert(0, "sft")
+    elif name in RL_ONLY_FIELDS:
+        kinds[:0] = ["grpo", "ppo"]
+    return " or ".join(kinds)
 
 
 @dataclass
@@ -249,11 +284,56 @@ class PackingConfig:
 
 
 @dataclass
+class DistillSettings:
+    """``objective.distill``: the divergence ``objective.kind: distill`` minimises (docs/RL.md, "On-policy
+    distillation"), from the student ``q`` to the teacher ``p`` at each trained token's context."""
+
+    loss: DistillLoss = "reverse_kl_sampled"
+    """``reverse_kl_sampled``: the clipped objective with the per-token advantage ``log p - log q_old`` of
+    the sampled token (the reverse KL's sampled gradient); ``kl`` ``KL(p || q)``, ``reverse_kl`` ``KL(q || p)``
+    and ``jsd`` (``beta``) over the whole vocabulary at every trained token's context."""
+    beta: float = 0.5
+    """``jsd``: ``beta KL(p || m) + (1 - beta) KL(q || m)`` with ``m = beta p + (1 - beta) q``, in (0, 1)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.beta < 1:
+            raise ConfigError(f"objective.distill.beta must be in (0, 1), got {self.beta}")
+        if self.beta != 0.5 and self.loss != "jsd":
+            raise ConfigError(f"objective.distill.beta applies to loss jsd only (loss is {self.loss})")
+
+
+@dataclass
+class DPOSettings:
+    """``objective.dpo``: direct preference optimisation (``objective.kind: dpo``; docs/RL.md, "DPO")."""
+
+    beta: float = 0.1
+    """The inverse temperature: a pair's margin is ``beta`` times the difference of its two sequences'
+    log-ratios to the reference (> 0)."""
+    loss: DPOLoss = "sigmoid"
+    """``sigmoid``: ``-log sigmoid(margin)`` (DPO); ``ipo``: ``(log-ratio difference - 1 / (2 beta))^2`` on
+    length-averaged log-probs (IPO)."""
+    label_smoothing: float = 0.0
+    """``sigmoid``: the share of preferences assumed flipped, in [0, 0.5) (conservative DPO)."""
+    pairs: DPOPairs = "siblings"
+    """Where the pairs come from: ``siblings``, every two trajectories of a tree that branch off one node,
+    each ending in its own child of it, with different rewards (the higher one chosen)."""
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"objective.dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"objective.dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ConfigError(f"objective.dpo.label_smoothing applies to loss sigmoid only (loss is {self.loss})")
+
+
+@dataclass
 class ObjectiveConfig:
     kind: ObjectiveKind = "sft"
     """``sft``: weighted next-token loss (``normalisation``, ``policy``). ``grpo`` / ``ppo``: the clipped
     policy-gradient objective (docs/RL.md) with advantages from ``estimator``; they differ only in the
-    default estimator (``grpo``: group-relative ``grpo``; ``ppo``: ``given``, advantages from the data)."""
+    default estimator (``grpo``: group-relative ``grpo``; ``ppo``: ``given``, advantages from the data).
+    ``distill``: the student's divergence from ``teacher`` (``distill``); ``dpo``: preference pairs (``dpo``)."""
     normalisation: Normalisation = "token_mean"
     """SFT: ``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
     policy: WeightPolicy = "exact"
@@ -315,6 +395,13 @@ class ObjectiveConfig:
     step of the run) or ``every:N`` (steps 1, N+1, 2N+1, ...). On a small sample of the step's groups the
     flat per-trajectory loss and gradient are compared with the tree's; errors beyond the dtype's
     tolerance stop the run."""
+    teacher: str = ""
+    """``distill``: the teacher, a model config JSON (random init at ``model.seed``), HF directory or hub id with
+    the student's tokenizer (checked before any model is built: its vocabulary, and its tokenizer files
+    against ``model.tokenizer`` where both have them). Frozen, whole on every rank or with ``model.zero_init``
+    partitioned as the KL reference is, in every layout."""
+    distill: DistillSettings = field(default_factory=DistillSettings)
+    dpo: DPOSettings = field(default_factory=DPOSettings)
 
     def __post_init__(self) -> None:
         from ds_tree.losses.sft import check_objective
@@ -323,19 +410,29 @@ class ObjectiveConfig:
             check_objective(self.normalisation, self.policy)
         except ValueError as error:
             raise ConfigError(f"objective: {error}") from None
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        # config.yaml files of earlier SFT runs record the estimator default resolved as below: grpo
-        defaults["estimator"] = "grpo" if self.kind == "sft" and self.estimator == "grpo" else ""
-        stray = objective_strays(self.kind, [name for name, value in defaults.items() if getattr(self, name) != value])
+        given = off_default(self)
+        if self.kind == "sft" and self.estimator == "grpo":  # config.yaml files of earlier SFT runs record the
+            given.remove("estimator")  # estimator default resolved as below: grpo
+        stray = objective_strays(self.kind, given)
         if stray:
-            kinds = "objective.kind grpo or ppo" if self.kind == "sft" else "objective.kind sft"
-            raise ConfigError(f"objective.{', objective.'.join(stray)}: only with {kinds} (kind is {self.kind})")
+            raise ConfigError(
+                f"objective.{', objective.'.join(stray)}: only with objective.kind {kinds_reading(stray[0])} "
+                f"(kind is {self.kind})"
+            )
+        if self.kind == "distill" and not self.teacher:
+            raise ConfigError("objective.kind distill needs objective.teacher (a model config, directory or hub id)")
+        clipped = [name for name in ("eps_low", "eps_high", "dual_clip") if name in given]
+        if self.kind == "distill" and self.distill.loss != "reverse_kl_sampled" and clipped:
+            raise ConfigError(
+                f"objective.{', objective.'.join(clipped)}: the ratio clip applies to objective.distill.loss "
+                f"reverse_kl_sampled only (loss is {self.distill.loss}: a divergence, no ratio)"
+            )
         if self.aggregation_constant and self.aggregation != "token_sum_norm":
             raise ConfigError(
                 f"objective.aggregation_constant ({self.aggregation_constant}) applies to aggregation "
                 f"token_sum_norm only (aggregation is {self.aggregation})"
             )
-        if not self.estimator:
+        if not self.estimator and self.kind not in KIND_FIELDS:  # distill and dpo have no estimator
             self.estimator = "given" if self.kind == "ppo" else "grpo"
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
             raise ConfigError(
@@ -380,6 +477,11 @@ class ObjectiveConfig:
     @property
     def is_rl(self) -> bool:
         return self.kind != "sft"
+
+    @property
+    def frozen_reference(self) -> bool:
+        """Whether the objective builds a frozen reference policy: DPO's, or the KL term's (``kl_coef > 0``)."""
+        return self.kind == "dpo" or (self.is_rl and bool(self.kl_coef))
 
     @property
     def updates_per_step(self) -> int:
@@ -696,10 +798,16 @@ class RolloutConfig(SamplerSettings):
         if config.data.path:
             raise ConfigError("data.path must be empty with rollout.enabled: each step's data is sampled")
         objective = config.objective
+        if objective.kind == "dpo":
+            raise ConfigError(
+                "rollout.enabled: objective.kind dpo trains on preference pairs of data.path (ds-tree convert --format "
+                "preference, or trees with rewards); set rollout.enabled: false, or objective.kind grpo or distill"
+            )
         if not objective.is_rl or objective.estimator == "given":
             raise ConfigError(
                 "rollout.enabled needs objective.kind grpo or ppo with a reward-based objective.estimator "
-                f"(grpo, rloo, treepo, tempo); got kind {objective.kind!r}, estimator {objective.estimator!r}"
+                f"(grpo, rloo, treepo, tempo), or distill; got kind {objective.kind!r}, estimator "
+                f"{objective.estimator!r}"
             )
         if objective.mini_batches > self.prompts_per_step:
             raise ConfigError(
@@ -876,13 +984,11 @@ class Config:
                 self.max_steps / self.optimizer.warmup_steps,
             )
         self._refuse_settings_that_cannot_apply()
-        partitioned = (
-            self.objective.is_rl and self.objective.kl_coef and self.model.zero_init and not self.model.lora.enabled
-        )
+        partitioned = self.objective.frozen_reference and self.model.zero_init and not self.model.lora.enabled
         if self.objective.reference_offload and not partitioned:
             raise ConfigError(
                 "objective.reference_offload offloads the partitioned reference model: it needs objective.kl_coef > 0 "
-                "and model.zero_init: true"
+                "(or objective.kind dpo) and model.zero_init: true"
             )
         if self.checkpoint.merge and not self.model.lora.enabled:
             raise ConfigError("checkpoint.merge merges LoRA adapters: set model.lora.rank > 0, or merge: false")
@@ -1137,6 +1243,7 @@ INPUT_PATHS = (
     "data.path",
     "deepspeed",
     "objective.reference",
+    "objective.teacher",
     "rollout.prompts",
     "eval.data",
     "eval.prompts",

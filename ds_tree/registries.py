@@ -74,6 +74,8 @@ OBJECTIVES: Registry = _builtins(
         "sft": "ds_tree.objectives.sft:SFT",
         "grpo": "ds_tree.objectives.policy_gradient:GRPO",
         "ppo": "ds_tree.objectives.policy_gradient:PPO",
+        "distill": "ds_tree.objectives.distill:Distill",
+        "dpo": "ds_tree.objectives.dpo:DPO",
     },
 )
 

@@ -55,6 +55,12 @@ POLICIES = get_args(config.WeightPolicy)
 """ds_tree.losses.sft.POLICIES"""
 KL_ESTIMATORS = get_args(config.KLEstimator)
 """ds_tree.losses.rl.KL_ESTIMATORS"""
+DISTILL_LOSSES = get_args(config.DistillLoss)
+"""ds_tree.losses.distill.LOSSES"""
+DPO_LOSSES = get_args(config.DPOLoss)
+"""ds_tree.losses.dpo.LOSSES"""
+DPO_PAIRINGS = get_args(config.DPOPairs)
+"""ds_tree.trees.pairs.PAIRINGS"""
 
 MODEL_DTYPES = ("float64", "float32", "bfloat16", "float16")
 """ds_tree.models.loading.DTYPES"""
@@ -79,7 +85,7 @@ SYNTHETIC_SEED = 0
 SYNTHETIC_MAX_TOKENS = 512
 """SyntheticConfig().max_tokens"""
 
-CONVERT_FORMATS = ("chat", "tokens", "tree")
+CONVERT_FORMATS = ("chat", "tokens", "tree", "preference")
 """ds_tree.data.convert.FORMATS"""
 MERGES = ("group", "global")
 """ds_tree.data.convert.MERGES"""

@@ -16,7 +16,9 @@ objective: a new kind is one runner and its registration (``RUNNERS.register(kin
   sequence-parallel group, each rank forwarding one shard of every chunk.
 
 Every runner also gives no-grad log-probs of chosen targets (the RL objective's old and reference
-policies), and with :attr:`RunContext.collect_logprobs` the log-probs its forwards computed.
+policies) and no-grad hidden states predicting them (on-policy distillation's teacher, whose head is
+applied beside the student's), and with :attr:`RunContext.collect_logprobs` the log-probs its forwards
+computed.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from ds_tree.engine.dfs import (
     run_calls,
     walk,
     walk_events,
+    walk_hidden_states,
     walk_logprobs,
 )
 from ds_tree.losses.sft import weighted_nll
 from ds_tree.losses.terms import RowTerms
-from ds_tree.models.logprobs import logprobs_and_entropy_at, logprobs_at
+from ds_tree.models.logprobs import hidden_states_at, logprobs_and_entropy_at, logprobs_at
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
 from ds_tree.packing.rows import PackedRow
 from ds_tree.registries import RUNNERS
@@ -98,8 +101,12 @@ class Runner(Protocol):
     def logprobs(self, model, row: PackedRow, targets: np.ndarray, run: RunContext) -> np.ndarray:
         """``log p`` of ``targets`` (row indices) without gradients."""
 
+    def hidden_states(self, model, row: PackedRow, targets: np.ndarray, run: RunContext) -> torch.Tensor:
+        """``[len(targets), hidden]``: the final hidden states predicting ``targets`` (row indices), without
+        gradients, in as many forwards as :meth:`logprobs` (a teacher's, whose head is applied later)."""
+
     def forwards(self, row: PackedRow, run: RunContext) -> int:
-        """The model forwards :meth:`logprobs` makes."""
+        """The model forwards :meth:`logprobs` (or :meth:`hidden_states`) makes."""
 
 
 def record_logprobs(output: StepOutput, row: PackedRow, by_token: np.ndarray) -> None:
@@ -139,7 +146,7 @@ class PackedRunner:
                         row.pred_pos[targets],
                         row.input_ids[targets],
                         run.device,
-                        entropy=terms.entropy,
+                        entropy=terms.head_statistic(np.arange(targets.size)),
                         head_chunk=run.head_chunk,
                     )
                     loss, metrics = terms.loss(logp, entropy, np.arange(targets.size))
@@ -172,6 +179,13 @@ class PackedRunner:
         )
         return logprobs.double().cpu().numpy()
 
+    @torch.no_grad()
+    def hidden_states(self, model, row, targets, run) -> torch.Tensor:
+        if targets.size == 0:
+            _zero_loss(model, row, row, 0, run.device, run.head_chunk)  # the forward every rank makes
+            return torch.zeros(0, device=run.device)
+        return hidden_states_at(model, row, row.pred_pos[targets], run.device)
+
     def forwards(self, row, run) -> int:
         return 1
 
@@ -201,7 +215,7 @@ class WalkedRunner:
                 chunks.local(row.pred_pos[targets]),
                 row.input_ids[targets],
                 run.device,
-                entropy=terms.entropy,
+                entropy=terms.head_statistic(mine),
                 head_chunk=run.head_chunk,
             )
             loss, metrics = terms.loss(logp, entropy, mine)
@@ -226,6 +240,10 @@ class WalkedRunner:
     def logprobs(self, model, row, targets, run) -> np.ndarray:
         chunks = self.chunks(row, run)
         return run_to_end(walk_logprobs(model, row, chunks, targets, device=run.device, head_chunk=run.head_chunk))
+
+    def hidden_states(self, model, row, targets, run) -> torch.Tensor:
+        chunks = self.chunks(row, run)
+        return run_to_end(walk_hidden_states(model, row, chunks, targets, device=run.device))
 
     def forwards(self, row, run) -> int:
         return len(self.chunks(row, run))
