@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ds_tree.engine.dfs import row_chunks, settings_of, walk_events
 from ds_tree.engine.reference import build_reference
 from ds_tree.engine.runners import RunContext, runner_of
+from ds_tree.losses.advantages import estimate
 from ds_tree.models.loading import load_model
 from ds_tree.objectives.policy_gradient import global_metrics
 from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
@@ -107,8 +108,11 @@ def rl_case(trainer, step: int) -> dict:
         result["kl_ref"] = global_metrics(output.metrics)["kl_ref"]
     if dist.get_rank() == 0:
         model = flat_model(config, parameters)
-        trajectories = rollouts.trajectories
-        advantages = {id(t): a for t, a in zip(trajectories, rollouts.advantages, strict=True)}
+        trajectories = trainer.context.trajectories(0)  # the whole step prepared above (one mini-batch), in order
+        objective = config.objective
+        advantages = estimate(  # the whole step's, in one process
+            trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
+        ).by_trajectory()
         settings = config.objective.rl_settings()
         flat_rows = pack_trajectories(trajectories, "flat", max(len(t) for t in trajectories))
         flat_reference = flat_model(config, reference).requires_grad_(False) if reference is not None else None
