@@ -87,6 +87,10 @@ RL_ONLY_FIELDS = (
     "importance_truncation",
     "ppo_epochs",
     "mini_batches",
+    "gamma",
+    "lam",
+    "critic",
+    "cppo",
 )
 """``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
 SFT_ONLY_FIELDS = ("normalisation", "policy")
@@ -243,6 +247,76 @@ class PackingConfig:
 
 
 @dataclass
+class CriticSettings:
+    """The learned value model of ``objective.estimator: gae`` (docs/RL.md, "PPO with a learned critic"): its own
+    DeepSpeed engine (the policy's ZeRO settings and dtype) and AdamW (the policy's betas, epsilon and weight decay,
+    its own learning rate on the policy's schedule), checkpointed with every checkpoint."""
+
+    source: str = ""
+    """The critic: a model config JSON (random init from ``model.seed``), a model directory or hub id (its weights
+    loaded, a fresh value head added), or ``policy``: a value head on the policy's trunk, sharing its parameters
+    (the head alone trains on the value loss; the trunk is the policy's, trained by the policy loss only)."""
+    lr: float = 1.0e-5
+    """Peak learning rate of the critic's AdamW (> 0), on the policy's warm-up and decay schedule."""
+    value_clip: float = 0.2
+    """``eps_v``: the clipped value loss's range around the values before the step's updates (0: unclipped)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.value_clip < 0:
+            raise ConfigError(f"objective.critic: lr must be > 0 and value_clip >= 0, got {self.lr}, {self.value_clip}")
+
+    @property
+    def on_policy_trunk(self) -> bool:
+        """A value head on the policy's trunk (``source: policy``), not a model of its own."""
+        return self.source == POLICY_TRUNK
+
+
+POLICY_TRUNK = "policy"
+"""``objective.critic.source`` naming the policy's own trunk."""
+
+
+@dataclass
+class CPPOSettings:
+    """CPPO's trust-region mask on the clipped objective (Mao et al. 2026, arXiv 2606.10968; docs/RL.md, "CPPO"):
+    token ``t`` of a trajectory is left out when ``Z_t = w_t |pi(y_t) - mu(y_t)|`` exceeds
+    ``min(delta, delta + budget W_{t-1} - S_{t-1})`` and its update moves ``pi`` further from ``mu``, with
+    ``S_{t-1}``, ``W_{t-1}`` the sums of ``Z`` and ``w`` over the trained tokens before ``t`` (one value per tree
+    token: they depend on the prefix only)."""
+
+    enabled: bool = False
+    delta: float = 0.2
+    """``delta``: the token-level threshold on the position-weighted Binary-TV deviation ``Z_t`` (> 0)."""
+    budget: float = 0.02
+    """``delta_b``: the prefix's budget per unit of position weight (>= 0): ``S_{t-1} <= delta + budget W_{t-1}``."""
+    weights: tuple[float, float] = (1.0, 0.8)
+    """Position weights at the first trained token and at ``horizon``, linear between, the second after it:
+    ``1 >= first >= second > 0`` (the paper's ``1`` and ``w_min``)."""
+    horizon: int = 0
+    """The response length the position weights decay over (>= 2; e.g. the generation budget). The paper decays
+    over each response's own length, which a token shared by responses of several lengths does not have."""
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            stray = off_default(self)
+            if stray:
+                raise ConfigError(
+                    f"objective.cppo.{', objective.cppo.'.join(stray)}: only with objective.cppo.enabled: true"
+                )
+            return
+        first, last = self.weights
+        if not self.delta > 0 or self.budget < 0 or not 1 >= first >= last > 0:
+            raise ConfigError(
+                "objective.cppo: delta must be > 0, budget >= 0 and weights [first, last] with 1 >= first >= last > 0, "
+                f"got {self.delta}, {self.budget}, {list(self.weights)}"
+            )
+        if self.horizon < 2:
+            raise ConfigError(
+                f"objective.cppo.horizon must be >= 2 (the response length the position weights decay over, e.g. "
+                f"rollout.max_new_tokens), got {self.horizon}"
+            )
+
+
+@dataclass
 class ObjectiveConfig:
     kind: ObjectiveKind = "sft"
     """``sft``: weighted next-token loss (``normalisation``, ``policy``). ``grpo`` / ``ppo``: the clipped
@@ -309,6 +383,14 @@ class ObjectiveConfig:
     step of the run) or ``every:N`` (steps 1, N+1, 2N+1, ...). On a small sample of the step's groups the
     flat per-trajectory loss and gradient are compared with the tree's; errors beyond the dtype's
     tolerance stop the run."""
+    gamma: float = 1.0
+    """``gae``: the discount per trained token, in (0, 1]."""
+    lam: float = 0.95
+    """``gae``: GAE's ``lambda``, in [0, 1] (1: the discounted return minus the value; 0: one-step TD)."""
+    critic: CriticSettings = field(default_factory=CriticSettings)
+    """``gae``'s learned value model (``objective.critic.source`` is required with ``estimator: gae``)."""
+    cppo: CPPOSettings = field(default_factory=CPPOSettings)
+    """CPPO's position-weighted, prefix-budgeted trust-region mask (``enabled: true``)."""
 
     def __post_init__(self) -> None:
         from ds_tree.losses.sft import check_objective
@@ -317,7 +399,10 @@ class ObjectiveConfig:
             check_objective(self.normalisation, self.policy)
         except ValueError as error:
             raise ConfigError(f"objective: {error}") from None
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        defaults = {
+            f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(self)
+        }
         # config.yaml files of earlier SFT runs record the estimator default resolved as below: grpo
         defaults["estimator"] = "grpo" if self.kind == "sft" and self.estimator == "grpo" else ""
         stray = objective_strays(self.kind, [name for name, value in defaults.items() if getattr(self, name) != value])
@@ -370,6 +455,42 @@ class ObjectiveConfig:
         self_check_every(self.self_check)  # a ConfigError when malformed
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
+        self._check_critic()
+        self._check_cppo()
+
+    def _check_critic(self) -> None:
+        """``gae`` and its critic go together; ``gamma``, ``lam`` and the critic's fields need both."""
+        if not self.is_rl:
+            return
+        gae = self.estimator == "gae"
+        if gae and not self.critic.source:
+            raise ConfigError(
+                "objective.estimator gae needs a learned critic: set objective.critic.source (a model config JSON, a "
+                "model directory or hub id, or `policy` for a value head on the policy's trunk)"
+            )
+        if not gae:
+            stray = [f"critic.{name}" for name in off_default(self.critic)]
+            stray += [name for name in ("gamma", "lam") if getattr(self, name) != GAE_DEFAULTS[name]]
+            if stray:
+                raise ConfigError(
+                    f"objective.{', objective.'.join(stray)}: only with objective.estimator gae (estimator is "
+                    f"{self.estimator}): the critic's values are GAE's baseline"
+                )
+        if not (0 < self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ConfigError(f"objective: gamma must be in (0, 1] and lam in [0, 1], got {self.gamma}, {self.lam}")
+        if gae and self.normalise_advantages:
+            raise ConfigError("objective.normalise_advantages does not apply to the gae estimator")
+
+    def _check_cppo(self) -> None:
+        """CPPO's mask needs a trained policy that can have moved off the sampler's: ``old_logprobs: data`` or more
+        than one update per step (with ``recompute`` and one update, ``pi`` is ``mu`` and nothing is masked)."""
+        if not self.cppo.enabled or self.old_logprobs == "data" or self.updates_per_step > 1:
+            return
+        raise ConfigError(
+            "objective.cppo masks tokens where the trained policy moved off the one that sampled them; with "
+            "old_logprobs recompute and one update per step (ppo_epochs x mini_batches = 1) it never has: set "
+            "ppo_epochs or mini_batches > 1, or old_logprobs: data"
+        )
 
     @property
     def is_rl(self) -> bool:
@@ -396,6 +517,10 @@ class ObjectiveConfig:
             old_logprobs=self.old_logprobs,
             importance_truncation=self.importance_truncation or None,
         )
+
+
+GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95}
+"""``objective.gamma`` and ``objective.lam``'s defaults (set off them only with ``estimator: gae``)."""
 
 
 def self_check_every(value: str) -> int:
@@ -998,7 +1123,15 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 REPOSITORY = Path(__file__).resolve().parents[1]
-INPUT_PATHS = ("model.source", "model.tokenizer", "data.path", "deepspeed", "objective.reference", "rollout.prompts")
+INPUT_PATHS = (
+    "model.source",
+    "model.tokenizer",
+    "data.path",
+    "deepspeed",
+    "objective.reference",
+    "objective.critic.source",
+    "rollout.prompts",
+)
 """Config fields naming files the run reads (``output_dir`` is written, and stays as given)."""
 
 
@@ -1009,9 +1142,11 @@ def _resolve_inputs(config: Config, path: Path) -> None:
     existing candidate wins, and a path found nowhere is left as given (its check names it)."""
     for dotted in INPUT_PATHS:
         section, _, name = dotted.rpartition(".")
-        owner = getattr(config, section) if section else config
+        owner = config
+        for part in section.split(".") if section else ():
+            owner = getattr(owner, part)
         value = getattr(owner, name)
-        if not value or Path(value).is_absolute() or Path(value).exists():
+        if not value or value == POLICY_TRUNK or Path(value).is_absolute() or Path(value).exists():
             continue
         for base in (path.resolve().parent, REPOSITORY):
             if (base / value).exists():

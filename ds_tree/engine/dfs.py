@@ -382,11 +382,12 @@ def walk(
 
 @torch.no_grad()
 def walk_logprobs(
-    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu", head_chunk: int = 0
+    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu", head_chunk: int = 0, head=None
 ) -> Generator[None, None, np.ndarray]:
     """``log p`` of the row's ``targets`` (row indices), one no-grad forward per chunk and step of the
     generator (the old and reference policies' log-probs of a walked row); the path's keys and
-    values are the only memory kept. Call inside :func:`chunk_attention`."""
+    values are the only memory kept. ``head``: what a forward gives per target instead of the log-probs
+    (:attr:`~ds_tree.engine.runners.RunContext.head`: a value model's values). Call inside :func:`chunk_attention`."""
     cache = WalkCache.of(row, chunks)
     out = np.zeros(targets.size)
     target_chunk = chunks.of_tokens(row.pred_pos[targets])
@@ -400,7 +401,10 @@ def walk_logprobs(
         predictors = chunks.local(row.pred_pos[targets[mine]]) if mine.size else np.zeros(1, np.int64)
         labels = row.input_ids[targets[mine]] if mine.size else inputs.input_ids[:1]
         with chunk_attention(model):
-            logprobs = logprobs_at(model, inputs, predictors, labels, device, head_chunk=head_chunk)
+            if head is None:
+                logprobs = logprobs_at(model, inputs, predictors, labels, device, head_chunk=head_chunk)
+            else:
+                logprobs, _ = head(model, inputs, predictors, labels, device, entropy=None, head_chunk=head_chunk)
         if mine.size:
             out[mine] = logprobs.double().cpu().numpy()
         cache.ancestors.append(cache.take_recorded())

@@ -18,12 +18,13 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.config import ConfigError
-from ds_tree.engine.runners import RunContext, StepOutput, add_metrics, runner_of
+from ds_tree.engine.runners import RunContext, StepOutput, add_metrics
 from ds_tree.engine.self_check import CheckSettings, merge_over_group, sample_groups, tree_items
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import check_finite_statistics, estimate, non_finite_statistics
 from ds_tree.losses.rl import SUMMED_METRICS, RLSettings
 from ds_tree.objectives.base import Components, Objective, Prepared, StepContext, Update, router_scalars
+from ds_tree.objectives.critic import Critic, CriticUpdate, returns_of, value_statistics
 from ds_tree.objectives.reference import KLReference
 from ds_tree.objectives.rl_rows import (
     RLRow,
@@ -33,11 +34,10 @@ from ds_tree.objectives.rl_rows import (
     rl_scalars,
     rl_terms,
     run_rl_rows,
-    trajectory_copies,
+    trajectory_scores,
 )
 from ds_tree.objectives.sampler_mismatch import mismatch_scalars
 from ds_tree.objectives.sft import Demonstrations
-from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.trees.trie import build_forest
 
@@ -54,6 +54,8 @@ class PolicyGradientStep(Prepared):
     """Mini-batches: whole groups each."""
     rows: list[list[RLRow]] = field(default_factory=list)
     """This rank's rows of each mini-batch with targets, per-token sums, old and reference log-probs."""
+    critic: dict[str, float] = field(default_factory=dict)
+    """``estimator: gae``: the critic's value statistics of the step (``critic/value_mean``, ...)."""
 
 
 class PolicyGradient(Objective):
@@ -62,6 +64,7 @@ class PolicyGradient(Objective):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.reference = KLReference(config)
+        self.critic = Critic(config)
         self.warmup = Demonstrations(config)
 
     def check_data(self, trajectories: list[Trajectory]) -> None:
@@ -72,8 +75,13 @@ class PolicyGradient(Objective):
                 f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
             )
         try:
+            zero_values = {id(t): np.zeros(len(t)) for t in trajectories}  # gae: its rewards checked, no critic yet
             computed = estimate(
-                trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
+                trajectories,
+                objective.estimator,
+                objective.normalise_advantages,
+                tempo_coef=objective.tempo_coef,
+                values=zero_values if self.critic.enabled else None,
             )
             check_finite_statistics(trajectories, computed.values)
             if objective.old_logprobs == "data" or objective.importance_truncation:
@@ -91,9 +99,11 @@ class PolicyGradient(Objective):
 
     def check_resume(self, path, step: int) -> None:
         self.reference.check_resumable(path, step)
+        self.critic.check_resumable(path, step)
 
     def build(self, components: Components) -> None:
         self.reference.build(components.policy, components.ds_config, components.hf_deepspeed_config)
+        self.critic.build(components)
 
     def objective_of(self, step: int, context: StepContext) -> Objective:
         """A multi-turn run's warm-up and refresh steps sample nothing: SFT on demonstrations trains them."""
@@ -107,16 +117,25 @@ class PolicyGradient(Objective):
         objective = self.config.objective
         settings = objective.rl_settings()
         trajectories = context.trajectories(step)
-        computed = estimate(
-            trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
-        )
-        advantages = computed.by_trajectory()
         groups = group_trajectories(trajectories)
         batches = [
             [t for g in chunk for t in groups[g]]
             for chunk in np.array_split(np.arange(len(groups)), objective.mini_batches)
         ]
         plans = [context.plan(batch) for batch in batches]
+        values = None
+        if self.critic.enabled:  # the critic's values before the step's updates: GAE's baseline
+            values = self.critic.values(trajectories, plans, self.critic.run_context(context))
+        computed = estimate(
+            trajectories,
+            objective.estimator,
+            objective.normalise_advantages,
+            tempo_coef=objective.tempo_coef,
+            values=values,
+            gamma=objective.gamma,
+            lam=objective.lam,
+        )
+        advantages = computed.by_trajectory()
         rows = [
             prepare_rl_rows(
                 context.policy,
@@ -131,12 +150,20 @@ class PolicyGradient(Objective):
             )
             for plan, batch in zip(plans, batches, strict=True)
         ]
+        updates = [
+            Update(plan, [rl_terms(item, settings) for item in items]) for plan, items in zip(plans, rows, strict=True)
+        ]
+        critic = {}
+        if values is not None:  # each update also trains the critic on the same items
+            returns = returns_of(trajectories, advantages, values)
+            updates = [
+                CriticUpdate(u.plan, u.terms, self.critic.terms(u.plan, batch, returns, values, settings), step + 1)
+                for u, batch in zip(updates, batches, strict=True)
+            ]
+            critic = value_statistics(trajectories, values, returns)
         return PolicyGradientStep(
             trajectories,
-            [
-                Update(plan, [rl_terms(item, settings) for item in items])
-                for plan, items in zip(plans, rows, strict=True)
-            ],
+            updates,
             epochs=objective.ppo_epochs,
             problem=non_finite_statistics(trajectories, computed.values),  # every rank alike
             untrained=StepNormalisers.of(trajectories).total_tokens == 0,
@@ -144,6 +171,7 @@ class PolicyGradient(Objective):
             singletons=computed.singletons,
             batches=batches,
             rows=rows,
+            critic=critic,
         )
 
     def check_inputs(self, prepared: PolicyGradientStep, context: StepContext) -> PolicyGradientCheck:
@@ -157,6 +185,14 @@ class PolicyGradient(Objective):
             reference=self.reference.model,
         )
 
+    def run_update(self, update: Update, context: StepContext) -> StepOutput:
+        """The policy's forward and backward of ``update``'s items; with a critic, then the critic's, and its
+        optimizer update (:meth:`~ds_tree.objectives.critic.Critic.run_update`)."""
+        output = super().run_update(update, context)
+        if isinstance(update, CriticUpdate):
+            self.critic.run_update(update, context)
+        return output
+
     def step_metrics(
         self, prepared: PolicyGradientStep, outputs: list[StepOutput], losses: list[float], context: StepContext
     ) -> dict[str, float]:
@@ -168,6 +204,8 @@ class PolicyGradient(Objective):
         scalars = rl_scalars(prepared.trajectories, prepared.advantages, global_metrics(metrics))
         scalars.update(router_scalars(outputs))
         scalars["rl/singleton_trajectories"] = float(prepared.singletons)
+        if self.critic.enabled:
+            scalars.update(self.critic.step_metrics(prepared.critic))
         online = context.online
         if online is not None:
             scalars.update(online.scalars)
@@ -181,10 +219,12 @@ class PolicyGradient(Objective):
 
     def save_state(self, path, step: int) -> None:
         self.reference.save(path, step)
+        self.critic.save(path, step)
 
     def load_state(self, path, step: int) -> None:
         if self.reference.copied(step):
             self.reference.load(path, step)
+        self.critic.load(path, step)
 
 
 class GRPO(PolicyGradient):
@@ -238,7 +278,7 @@ class PolicyGradientCheck:
         old = None
         if settings.old_logprobs != "data" and sample:
             items, _ = tree_items(sample, check.plan, check.sequence_parallel)
-            values = _tree_logprobs(model, sample, items, RunContext(check.device, check.head_chunk, check.dfs))
+            values = trajectory_scores(model, sample, items, RunContext(check.device, check.head_chunk, check.dfs))
             if check.sequence_parallel is not None:
                 values = merge_over_group(values, check.sequence_parallel.group)
             old = {id(t): v for t, v in zip(sample, values, strict=True)}
@@ -268,20 +308,3 @@ class PolicyGradientCheck:
             collect_logprobs=run.collect_logprobs,
             router_aux=run.router_aux,
         )
-
-
-@torch.no_grad()
-def _tree_logprobs(model, sample: list[Trajectory], items: list[PackedRow], run: RunContext) -> list[np.ndarray]:
-    """Per trajectory of the sample, ``log p`` of its tokens (index 0 unused, NaN) where this rank's items
-    predict them: each item's runner scores the tokens the item owns (a shard: those predicted from it)."""
-    index = {id(t): i for i, t in enumerate(sample)}
-    values = [np.full(len(t), np.nan) for t in sample]
-    for row in items:
-        targets = np.flatnonzero(row.owned & (row.pred_pos >= 0))
-        by_token = np.full(row.n_tokens + 1, np.nan)  # the last entry: tokens absent from the row
-        by_token[targets] = runner_of(row).logprobs(model, row, targets, run)
-        for trajectory, path in trajectory_copies(row):
-            found = by_token[path]  # -1 (absent) reads the NaN entry
-            known = ~np.isnan(found)
-            values[index[id(trajectory)]][known] = found[known]
-    return values

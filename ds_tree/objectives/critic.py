@@ -1,0 +1,269 @@
+"""PPO's learned critic through a run (``objective.estimator: gae``, ``objective.critic``; docs/RL.md, "PPO with a
+learned critic").
+
+Built once the policy's engine exists (:meth:`Critic.build`): a value model (:mod:`ds_tree.models.values`) in its
+own DeepSpeed engine (the policy's DeepSpeed config: ZeRO stage, dtype, partitioned under ``model.zero_init``) with
+its own AdamW at ``objective.critic.lr`` and its own :class:`~ds_tree.engine.updates.Updates`. A step:
+
+1. :meth:`Critic.values`: before the step's updates, a no-grad forward of the critic over this rank's items of every
+   mini-batch, each item's runner scoring the trained tokens it owns (a value per tree token), merged over the ranks
+   into per-trajectory values (one all-reduce of ``N_flat`` floats): GAE (:func:`ds_tree.losses.values.gae`) needs
+   a path's later values, which another part, rank or shard may hold;
+2. :meth:`Critic.terms`: per item, the value loss's (path, token) pairs with their returns ``G = A + V_old`` and
+   coefficients, the old values per target (:class:`~ds_tree.losses.values.ValuePairs`);
+3. :meth:`Critic.run_update`, after each policy update: the critic's forward and backward of the same items, each by
+   its kind's runner with the value head (:func:`~ds_tree.models.values.values_at`), then its optimizer update.
+
+Every checkpoint carries the critic's engine under :data:`CRITIC_TAG` (module, optimizer and schedule), which a
+resumed run loads back, so it continues with the same values.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ds_tree.config import Config
+from ds_tree.engine.build import build_engine, model_dtype
+from ds_tree.engine.runners import RunContext, StepOutput, add_metrics, run_items
+from ds_tree.engine.updates import Updates
+from ds_tree.losses.rl import RLSettings, trajectory_coefficients
+from ds_tree.losses.terms import RowTerms
+from ds_tree.losses.values import VALUE_METRICS, ValuePairs, value_loss
+from ds_tree.models.ulysses import enable_sequence_parallel
+from ds_tree.models.values import TrunkValueHead, load_value_model, policy_trunk, values_at
+from ds_tree.objectives.base import Components, StepContext, Update
+from ds_tree.objectives.rl_rows import (
+    StepNormalisers,
+    merged_over_ranks,
+    row_token_values,
+    trajectory_copies,
+    trajectory_scores,
+)
+from ds_tree.packing.plan import RankPlan
+from ds_tree.run import checkpoint
+from ds_tree.trees.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+CRITIC_TAG = "critic"
+"""The critic's DeepSpeed checkpoint inside each checkpoint directory (``<checkpoint>/critic/``)."""
+
+
+@dataclass
+class CriticUpdate(Update):
+    """A policy update with the critic's share of the same items."""
+
+    critic_terms: list[RowTerms] = field(default_factory=list)
+    """The value loss of each item, in ``plan.rows`` order."""
+    step: int = 0
+    """The 1-based step the update belongs to (the critic's update's error messages)."""
+
+
+def critic_terms(pairs: ValuePairs, old_values: np.ndarray, value_clip: float) -> RowTerms:
+    """The value loss's share of one item (:func:`~ds_tree.losses.values.value_loss`): a sum over its targets'
+    pairs, so any runner may score its targets in pieces."""
+
+    def loss(values: torch.Tensor, entropy, select: np.ndarray):
+        return value_loss(values, old_values, pairs, select, value_clip)
+
+    return RowTerms(pairs.targets, loss)
+
+
+def item_pairs(row, returns: dict[int, np.ndarray], settings: RLSettings, normalisers: StepNormalisers) -> ValuePairs:
+    """The (path, trained token) pairs of ``row``'s owned tokens, each with its return and the policy loss's
+    coefficient (:func:`~ds_tree.losses.rl.trajectory_coefficients` of the update's normalisers)."""
+    copies = trajectory_copies(row)
+    coefficients = [
+        trajectory_coefficients(
+            t.loss_mask,
+            settings.aggregation,
+            total_tokens=normalisers.total_tokens,
+            sequences=normalisers.sequences,
+            constant=settings.aggregation_constant,
+        )
+        for t, _ in copies
+    ]
+    return ValuePairs.of_row(
+        row.owned,
+        [path for _, path in copies],
+        coefficients,
+        [returns[id(t)] for t, _ in copies],
+        [t.loss_mask for t, _ in copies],
+    )
+
+
+def returns_of(
+    trajectories: list[Trajectory], advantages: dict[int, np.ndarray], values: dict[int, np.ndarray]
+) -> dict[int, np.ndarray]:
+    """``G = A + V_old`` at each trajectory's trained tokens (0 elsewhere): the value loss's targets."""
+    return {id(t): np.where(_trained(t), advantages[id(t)] + np.nan_to_num(values[id(t)]), 0.0) for t in trajectories}
+
+
+def value_statistics(
+    trajectories: list[Trajectory], values: dict[int, np.ndarray], returns: dict[int, np.ndarray]
+) -> dict[str, float]:
+    """``critic/value_mean`` and ``critic/explained_variance`` over the step's (trajectory, trained token) pairs,
+    as the flat batch counts them: the mean value, and ``1 - Var(G - V) / Var(G)`` (NaN when the returns are
+    constant)."""
+    trained = [_trained(t) for t in trajectories]
+    v = np.concatenate([np.zeros(0)] + [values[id(t)][m] for t, m in zip(trajectories, trained, strict=True)])
+    g = np.concatenate([np.zeros(0)] + [returns[id(t)][m] for t, m in zip(trajectories, trained, strict=True)])
+    if v.size == 0:
+        return {"critic/value_mean": float("nan"), "critic/explained_variance": float("nan")}
+    spread = g.var()
+    explained = 1.0 - (g - v).var() / spread if spread > 0 else float("nan")
+    return {"critic/value_mean": float(v.mean()), "critic/explained_variance": float(explained)}
+
+
+def _trained(trajectory: Trajectory) -> np.ndarray:
+    trained = np.asarray(trajectory.loss_mask) != 0
+    trained[:1] = False
+    return trained
+
+
+class Critic:
+    """The critic of one run (module docstring)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine = None
+        """The critic's DeepSpeed engine; None without ``estimator: gae``, or a plain module (tests, ``verify``)."""
+        self.updates: Updates | None = None
+        """The critic's optimizer updates (its own, the policy's non-finite policy)."""
+        self.outputs: list[StepOutput] = []
+        """This step's critic updates' outputs (their global losses in :attr:`losses`)."""
+        self.losses: list[float] = []
+        self.grad_norm: float | None = None
+        """The last critic update's gradient norm."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.objective.is_rl and self.config.objective.estimator == "gae"
+
+    # ------------------------------------------------------------------ building and checkpoints
+    def build(self, components: Components) -> None:
+        """The critic's model and engine, on every rank (``components.policy``: the policy's engine)."""
+        if not self.enabled:
+            return
+        model = self.model(components)
+        self.engine = build_engine(model, self.config, components.ds_config, lr=self.config.objective.critic.lr)
+        directory = Path(self.config.output_dir) / "checkpoints"
+        self.updates = Updates(self.engine, self.config.optimizer.non_finite, directory)
+
+    def model(self, components: Components) -> torch.nn.Module:
+        """The value model (:mod:`ds_tree.models.values`): a head on the policy's trunk, or a model of its own,
+        built partitioned under ``model.zero_init`` (the policy's ``HfDeepSpeedConfig`` made current again)."""
+        config = self.config
+        settings = config.objective.critic
+        dtype = model_dtype(config)
+        if settings.on_policy_trunk:
+            text = components.policy.module.config.get_text_config()
+            return TrunkValueHead(policy_trunk(components.policy), text.hidden_size, dtype, config.model.seed)
+        holder = None
+        if config.model.zero_init:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            holder = HfDeepSpeedConfig(components.ds_config)
+        try:
+            model = load_value_model(
+                settings.source,
+                attention=config.model.attention,
+                dtype=dtype,
+                seed=config.model.seed,
+                checkpoint_every=config.model.checkpointed_every,
+                recurrent_kernels=config.model.recurrent_kernels,
+            )
+        finally:
+            if holder is not None and components.hf_deepspeed_config is not None:
+                from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+                set_hf_deepspeed_config(components.hf_deepspeed_config)
+        if config.parallel.sequence_parallel_size > 1:  # it scores the same shards as the policy
+            enable_sequence_parallel(model.scorer, config.parallel.sequence_parallel_size)
+        return model
+
+    def check_resumable(self, path: Path, step: int) -> None:
+        """Checkpoint ``path`` of ``step`` holds the critic (found at the dry run)."""
+        if self.enabled and not (path / CRITIC_TAG).is_dir():
+            raise checkpoint.CheckpointError(
+                f"{path} holds no {CRITIC_TAG}/: objective.estimator gae trains a critic, and this checkpoint of step "
+                f"{step} was saved without one (by a run with another estimator?). Resume from a checkpoint of a gae "
+                "run, or start a new run (checkpoint.resume: never)"
+            )
+
+    def save(self, path: Path, step: int) -> None:
+        """The critic's engine into checkpoint directory ``path`` (every rank)."""
+        if self.engine is not None:
+            self.engine.save_checkpoint(str(path), tag=CRITIC_TAG, client_state={"step": step}, save_latest=False)
+
+    def load(self, path: Path, step: int) -> None:
+        """The critic's engine back from checkpoint ``path`` (every rank), its files verified with the checkpoint's."""
+        if self.engine is None:
+            return
+        self.check_resumable(path, step)
+        with checkpoint.weights_only_loads():
+            self.engine.load_checkpoint(str(path), tag=CRITIC_TAG)
+
+    # ------------------------------------------------------------------ a step
+    def run_context(self, context: StepContext) -> RunContext:
+        """How the critic's items run: the policy's layout (its dfs walks), the value head."""
+        device = getattr(self.engine, "device", context.policy.device)
+        return RunContext(device, 0, context.layout.dfs_settings(), head=values_at)
+
+    def values(self, trajectories: list[Trajectory], plans: list[RankPlan], run: RunContext) -> dict[int, np.ndarray]:
+        """``id(trajectory) -> the critic's value at each trained token`` (NaN elsewhere), from a no-grad forward of
+        this rank's items of every plan, merged over the ranks (module docstring)."""
+        self.outputs, self.losses, self.grad_norm = [], [], None
+        rows = [row for plan in plans for row in plan.rows]
+        scores = merged_over_ranks(trajectory_scores(self.engine, trajectories, rows, run, trained_only=True))
+        return {id(t): v for t, v in zip(trajectories, scores, strict=True)}
+
+    def terms(
+        self,
+        plan: RankPlan,
+        batch: list[Trajectory],
+        returns: dict[int, np.ndarray],
+        values: dict[int, np.ndarray],
+        settings: RLSettings,
+    ) -> list[RowTerms]:
+        """The value loss of each of ``plan``'s items (``batch``: the update's trajectories, its normalisers)."""
+        normalisers = StepNormalisers.of(batch)
+        clip = self.config.objective.critic.value_clip
+        terms = []
+        for row in plan.rows:
+            pairs = item_pairs(row, returns, settings, normalisers)
+            old = row_token_values(row.n_tokens, trajectory_copies(row), values)[pairs.targets]
+            terms.append(critic_terms(pairs, old, clip))
+        return terms
+
+    def run_update(self, update: CriticUpdate, context: StepContext) -> None:
+        """The critic's forward and backward of ``update``'s items, then its optimizer update."""
+        run = self.run_context(context)
+        output = run_items(self.engine, update.plan.rows, update.critic_terms, run, self.updates.backward_for)
+        loss, self.grad_norm = self.updates.apply(update.step, output.loss)
+        self.outputs.append(output)
+        self.losses.append(loss)
+
+    def step_metrics(self, statistics: dict[str, float]) -> dict[str, float]:
+        """``critic/`` scalars of the step (every rank alike: the metric sums are all-reduced)."""
+        metrics = None
+        for output in self.outputs:
+            if output.metrics is not None:
+                metrics = add_metrics(metrics, output.metrics)
+        sums = torch.tensor([(metrics or {}).get(name, 0.0) for name in VALUE_METRICS], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        totals = dict(zip(VALUE_METRICS, sums.tolist(), strict=True))
+        pairs = totals["value_pairs"]
+        return {
+            "critic/loss": float(np.mean(self.losses)) if self.losses else float("nan"),
+            "critic/clip_frac": totals["value_clipped"] / pairs if pairs else 0.0,
+            "critic/grad_norm": self.grad_norm if self.grad_norm is not None else float("nan"),
+            **statistics,
+        }
