@@ -90,7 +90,6 @@ RL_ONLY_FIELDS = (
     "gamma",
     "lam",
     "critic",
-    "cppo",
 )
 """``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
 SFT_ONLY_FIELDS = ("normalisation", "policy")
@@ -276,47 +275,6 @@ POLICY_TRUNK = "policy"
 
 
 @dataclass
-class CPPOSettings:
-    """CPPO's trust-region mask on the clipped objective (Mao et al. 2026, arXiv 2606.10968; docs/RL.md, "CPPO"):
-    token ``t`` of a trajectory is left out when ``Z_t = w_t |pi(y_t) - mu(y_t)|`` exceeds
-    ``min(delta, delta + budget W_{t-1} - S_{t-1})`` and its update moves ``pi`` further from ``mu``, with
-    ``S_{t-1}``, ``W_{t-1}`` the sums of ``Z`` and ``w`` over the trained tokens before ``t`` (one value per tree
-    token: they depend on the prefix only)."""
-
-    enabled: bool = False
-    delta: float = 0.2
-    """``delta``: the token-level threshold on the position-weighted Binary-TV deviation ``Z_t`` (> 0)."""
-    budget: float = 0.02
-    """``delta_b``: the prefix's budget per unit of position weight (>= 0): ``S_{t-1} <= delta + budget W_{t-1}``."""
-    weights: tuple[float, float] = (1.0, 0.8)
-    """Position weights at the first trained token and at ``horizon``, linear between, the second after it:
-    ``1 >= first >= second > 0`` (the paper's ``1`` and ``w_min``)."""
-    horizon: int = 0
-    """The response length the position weights decay over (>= 2; e.g. the generation budget). The paper decays
-    over each response's own length, which a token shared by responses of several lengths does not have."""
-
-    def __post_init__(self) -> None:
-        if not self.enabled:
-            stray = off_default(self)
-            if stray:
-                raise ConfigError(
-                    f"objective.cppo.{', objective.cppo.'.join(stray)}: only with objective.cppo.enabled: true"
-                )
-            return
-        first, last = self.weights
-        if not self.delta > 0 or self.budget < 0 or not 1 >= first >= last > 0:
-            raise ConfigError(
-                "objective.cppo: delta must be > 0, budget >= 0 and weights [first, last] with 1 >= first >= last > 0, "
-                f"got {self.delta}, {self.budget}, {list(self.weights)}"
-            )
-        if self.horizon < 2:
-            raise ConfigError(
-                f"objective.cppo.horizon must be >= 2 (the response length the position weights decay over, e.g. "
-                f"rollout.max_new_tokens), got {self.horizon}"
-            )
-
-
-@dataclass
 class ObjectiveConfig:
     kind: ObjectiveKind = "sft"
     """``sft``: weighted next-token loss (``normalisation``, ``policy``). ``grpo`` / ``ppo``: the clipped
@@ -389,8 +347,6 @@ class ObjectiveConfig:
     """``gae``: GAE's ``lambda``, in [0, 1] (1: the discounted return minus the value; 0: one-step TD)."""
     critic: CriticSettings = field(default_factory=CriticSettings)
     """``gae``'s learned value model (``objective.critic.source`` is required with ``estimator: gae``)."""
-    cppo: CPPOSettings = field(default_factory=CPPOSettings)
-    """CPPO's position-weighted, prefix-budgeted trust-region mask (``enabled: true``)."""
 
     def __post_init__(self) -> None:
         from ds_tree.losses.sft import check_objective
@@ -456,7 +412,6 @@ class ObjectiveConfig:
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
         self._check_critic()
-        self._check_cppo()
 
     def _check_critic(self) -> None:
         """``gae`` and its critic go together; ``gamma``, ``lam`` and the critic's fields need both."""
@@ -480,17 +435,6 @@ class ObjectiveConfig:
             raise ConfigError(f"objective: gamma must be in (0, 1] and lam in [0, 1], got {self.gamma}, {self.lam}")
         if gae and self.normalise_advantages:
             raise ConfigError("objective.normalise_advantages does not apply to the gae estimator")
-
-    def _check_cppo(self) -> None:
-        """CPPO's mask needs a trained policy that can have moved off the sampler's: ``old_logprobs: data`` or more
-        than one update per step (with ``recompute`` and one update, ``pi`` is ``mu`` and nothing is masked)."""
-        if not self.cppo.enabled or self.old_logprobs == "data" or self.updates_per_step > 1:
-            return
-        raise ConfigError(
-            "objective.cppo masks tokens where the trained policy moved off the one that sampled them; with "
-            "old_logprobs recompute and one update per step (ppo_epochs x mini_batches = 1) it never has: set "
-            "ppo_epochs or mini_batches > 1, or old_logprobs: data"
-        )
 
     @property
     def is_rl(self) -> bool:
