@@ -5,7 +5,8 @@ value loss's (path, token) pairs), then each update runs the policy's and the cr
 runners of the items' kinds. Both models are moved off their state at the preparation (ratios and values leave
 their clip ranges), and every update's policy and critic gradients, losses and the step's metrics must equal the
 flat layout's in float64: packed trees split into parts, walked trees (dfs), a critic of its own and a value head on
-the policy's trunk. Under sequence parallelism: tests/test_verify_rl.py (``verify --sequence-parallel 2``).
+the policy's trunk. Through ``verify``: tests/test_verify_rl.py; under sequence parallelism:
+tests/test_sequence_parallel_rl.py (``verify --sequence-parallel 2``).
 """
 
 from __future__ import annotations

@@ -75,6 +75,36 @@ def critic_terms(pairs: ValuePairs, old_values: np.ndarray, value_clip: float) -
     return RowTerms(pairs.targets, loss)
 
 
+def critic_values(
+    model, trajectories: list[Trajectory], rows, run: RunContext, merged: bool = True
+) -> dict[int, np.ndarray]:
+    """``id(trajectory) -> the value of ``model`` (a value model) at each of its trained tokens``, NaN elsewhere:
+    each rank's items score the trained tokens they own, no gradients, merged over the ranks (``merged``; False:
+    ``rows`` hold every trajectory, scored by this process alone)."""
+    scores = trajectory_scores(model, trajectories, rows, run, trained_only=True)
+    scores = merged_over_ranks(scores) if merged else scores
+    return {id(t): v for t, v in zip(trajectories, scores, strict=True)}
+
+
+def value_item_terms(
+    rows,
+    batch: list[Trajectory],
+    returns: dict[int, np.ndarray],
+    values: dict[int, np.ndarray],
+    settings: RLSettings,
+    value_clip: float,
+) -> list[RowTerms]:
+    """The value loss of each of ``rows`` (one update's items; ``batch``: its trajectories, whose normalisers the
+    coefficients take), with the old values ``values`` and the returns ``returns`` per trajectory."""
+    normalisers = StepNormalisers.of(batch)
+    terms = []
+    for row in rows:
+        pairs = item_pairs(row, returns, settings, normalisers)
+        old = row_token_values(row.n_tokens, trajectory_copies(row), values)[pairs.targets]
+        terms.append(critic_terms(pairs, old, value_clip))
+    return terms
+
+
 def item_pairs(row, returns: dict[int, np.ndarray], settings: RLSettings, normalisers: StepNormalisers) -> ValuePairs:
     """The (path, trained token) pairs of ``row``'s owned tokens, each with its return and the policy loss's
     coefficient (:func:`~ds_tree.losses.rl.trajectory_coefficients` of the update's normalisers)."""
@@ -220,9 +250,7 @@ class Critic:
         """``id(trajectory) -> the critic's value at each trained token`` (NaN elsewhere), from a no-grad forward of
         this rank's items of every plan, merged over the ranks (module docstring)."""
         self.outputs, self.losses, self.grad_norm = [], [], None
-        rows = [row for plan in plans for row in plan.rows]
-        scores = merged_over_ranks(trajectory_scores(self.engine, trajectories, rows, run, trained_only=True))
-        return {id(t): v for t, v in zip(trajectories, scores, strict=True)}
+        return critic_values(self.engine, trajectories, [row for plan in plans for row in plan.rows], run)
 
     def terms(
         self,
@@ -233,14 +261,8 @@ class Critic:
         settings: RLSettings,
     ) -> list[RowTerms]:
         """The value loss of each of ``plan``'s items (``batch``: the update's trajectories, its normalisers)."""
-        normalisers = StepNormalisers.of(batch)
         clip = self.config.objective.critic.value_clip
-        terms = []
-        for row in plan.rows:
-            pairs = item_pairs(row, returns, settings, normalisers)
-            old = row_token_values(row.n_tokens, trajectory_copies(row), values)[pairs.targets]
-            terms.append(critic_terms(pairs, old, clip))
-        return terms
+        return value_item_terms(plan.rows, batch, returns, values, settings, clip)
 
     def run_update(self, update: CriticUpdate, context: StepContext) -> None:
         """The critic's forward and backward of ``update``'s items, then its optimizer update."""
