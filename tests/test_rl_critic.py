@@ -20,7 +20,7 @@ from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.layout import StepLayout
-from ds_tree.losses.values import gae
+from ds_tree.losses.values import ValuePairs, gae, value_loss
 from ds_tree.models.loading import load_model
 from ds_tree.models.values import TrunkValueHead, load_value_model, policy_trunk
 from ds_tree.objectives.base import StepContext
@@ -143,6 +143,18 @@ def test_gae_by_hand_skips_untrained_tokens_inside_a_path() -> None:
     for t, value in expected.items():
         assert advantages[t] == pytest.approx(value, abs=1e-15) and returns[t] == pytest.approx(value + values[t])
     assert advantages[0] == advantages[3] == returns[0] == returns[3] == 0.0
+
+
+def test_value_clip_counts_only_values_outside_its_range() -> None:
+    """Inside the range the clipped term equals the unclipped one but for round-off (0.23 + (0.05 - 0.23) is not
+    0.05 in float64): such a pair is not clipped, else the count differs between tree and flat in the last bit."""
+    values = torch.tensor([0.05, 0.1], dtype=torch.float64)
+    pairs = ValuePairs(np.array([1, 2]), np.array([0, 1]), np.ones(2), np.zeros(2), np.ones(2))  # returns G = 0
+    loss, metrics = value_loss(values, np.array([0.23, 0.9]), pairs, np.array([0, 1]), value_clip=0.5)
+    assert 0.23 + (0.05 - 0.23) > 0.05  # the round-off the count must not follow
+    # the second value moved 0.8 towards its return: the clip holds it at 0.4, the larger term
+    assert metrics["value_pairs"] == 2 and metrics["value_clipped"] == 1, metrics
+    np.testing.assert_allclose(loss.item(), 0.5 * (0.05**2 + 0.4**2), rtol=1e-15)
 
 
 def test_gae_lambda_one_is_the_return_minus_the_value() -> None:

@@ -94,20 +94,31 @@ CRITIC_ERRORS = (
 )
 
 
-@pytest.mark.parametrize("critic", ["policy", "model"])
+QWEN3 = str(ROOT / "configs/models/tiny_qwen3.json")
+CRITICS = {
+    "policy": ["--critic", "policy", "--value-clip", "0.05", "--dfs-chunk", "16"],
+    "model": ["--critic", QWEN3, "--value-clip", "0.05", "--dfs-chunk", "16"],
+    # a critic of its own beside a LoRA policy: on these values a pair inside the clip range once counted as
+    # clipped in one layout and not in the other (round-off), failing the metric comparison
+    "model-lora": ["--critic", MODEL, "--lora", "4"],
+}
+
+
+@pytest.mark.parametrize("critic", sorted(CRITICS))
 def test_ppo_with_a_learned_critic_tree_equals_flat_packed_and_walked(data, capsys, critic):
     """``--estimator gae``: each layout's GAE from its own old critic's values; the policy's and the trained critic's
     loss, metrics and every gradient against flat, on split trees and walked (``--dfs-chunk``). ``policy``: a value
     head on the policy's trunk (its weight and bias the critic's parameters); ``model``: a critic of its own."""
-    source = "policy" if critic == "policy" else str(ROOT / "configs/models/tiny_qwen3.json")
-    argv = ["--data", data, "--model", MODEL, *GAE, "--critic", source, "--value-clip", "0.05", "--dfs-chunk", "16"]
-    code, report, _ = run(argv, capsys)
+    code, report, _ = run(["--data", data, "--model", MODEL, *GAE, *CRITICS[critic]], capsys)
     assert code == 0, report
+    source = CRITICS[critic][1]
     assert report["passed"] and report["estimator"] == "gae" and report["critic"] == source and report["rows_tree"] > 3
-    assert (report["gamma"], report["lam"], report["value_clip"]) == (0.97, 0.9, 0.05)
-    for error in ("loss_rel_err", "max_rel_grad_err", "dfs_loss_rel_err", "dfs_max_rel_grad_err"):
-        assert report[error] < 1e-10, (error, report[error])
-    for error in (*CRITIC_ERRORS, *(f"dfs_{name}" for name in CRITIC_ERRORS)):
+    clip = 0.05 if "--value-clip" in CRITICS[critic] else 0.2
+    assert (report["gamma"], report["lam"], report["value_clip"]) == (0.97, 0.9, clip)
+    walked = "--dfs-chunk" in CRITICS[critic]
+    errors = ("loss_rel_err", "max_rel_grad_err", *CRITIC_ERRORS)
+    errors += ("dfs_loss_rel_err", "dfs_max_rel_grad_err", *(f"dfs_{name}" for name in CRITIC_ERRORS)) if walked else ()
+    for error in errors:
         assert report[error] < 1e-10, (error, report[error])
     assert (report["critic_parameters"] == 2) == (critic == "policy"), report["critic_parameters"]
     assert report["critic_loss_flat"] > 0 and report["metrics_flat"]["clip_low"] > 0

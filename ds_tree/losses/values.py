@@ -125,7 +125,8 @@ def value_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``L_V`` (module docstring) of the pairs of targets ``targets[select]`` (``values`` computed at them, with
     gradients; ``old_values`` per target of the item), and its metric sums: ``value_pairs`` (pairs, mask-weighted),
-    ``value_clipped`` (those whose clipped term is the larger: the clip acts), ``value_loss`` (the loss)."""
+    ``value_clipped`` (those whose value moved out of the clip range and whose clipped term is the larger: the
+    clip acts), ``value_loss`` (the loss)."""
     chosen, local = pairs.of_targets(select)
 
     def tensor(array: np.ndarray) -> torch.Tensor:
@@ -134,16 +135,20 @@ def value_loss(
     value = values[torch.as_tensor(local, device=values.device)]
     target = tensor(pairs.returns[chosen])
     unclipped = (value - target).square()
-    clipped = unclipped
+    clipped, acts = unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
     if value_clip:
         old = tensor(np.asarray(old_values)[pairs.target[chosen]])
-        clipped = (old + (value - old).clamp(-value_clip, value_clip) - target).square()
+        moved = value - old
+        clipped = (old + moved.clamp(-value_clip, value_clip) - target).square()
+        # inside the range the two terms are equal but for round-off (old + (value - old) is not value): only a
+        # value outside the range is clipped, else the count would follow the last bit of the values
+        acts = (moved.detach().abs() > value_clip) & (clipped > unclipped)
     loss = 0.5 * (tensor(pairs.coefficient[chosen]) * torch.maximum(unclipped, clipped)).sum()
     with torch.no_grad():
         mask = tensor(pairs.mask[chosen])
         metrics = {
             "value_pairs": float(mask.sum()),
-            "value_clipped": float((mask * (clipped > unclipped)).sum()),
+            "value_clipped": float((mask * acts).sum()),
             "value_loss": float(loss.detach()),
         }
     return loss, metrics
