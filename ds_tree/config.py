@@ -63,6 +63,10 @@ OldLogprobs = Literal["recompute", "data"]
 Tracker = Annotated[str, TRACKERS.choices()]
 SamplingEngine = Annotated[str, SAMPLING_ENGINES.choices()]
 PreemptSignal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]  # ds_tree.run.preemption.SIGNALS
+BestMode = Literal["auto", "max", "min"]
+DistillLoss = Literal["reverse_kl_sampled", "kl", "jsd", "reverse_kl"]  # ds_tree.losses.distill.LOSSES
+DPOLoss = Literal["sigmoid", "ipo"]  # ds_tree.losses.dpo.LOSSES
+DPOPairs = Literal["siblings"]  # ds_tree.trees.pairs.PAIRINGS
 
 
 TEMPO_COEF_MAX = 1e6
@@ -94,14 +98,46 @@ RL_ONLY_FIELDS = (
 """``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
 SFT_ONLY_FIELDS = ("normalisation", "policy")
 """``objective`` fields that only the SFT objective uses."""
+KIND_FIELDS = {
+    "distill": (
+        "teacher",
+        "distill",
+        "aggregation",
+        "aggregation_constant",
+        "eps_low",
+        "eps_high",
+        "dual_clip",
+        "ppo_epochs",
+        "mini_batches",
+    ),
+    "dpo": ("dpo", "reference", "reference_offload"),
+}
+"""The ``objective`` fields that the distillation and DPO objectives read (``self_check`` aside: every kind
+reads it); the other kinds read :data:`SFT_ONLY_FIELDS` (``sft``) or :data:`RL_ONLY_FIELDS` (``grpo``, ``ppo``
+and objectives a project registers), none of the fields only these two read."""
+KIND_ONLY_FIELDS = ("teacher", "distill", "dpo")
+"""``objective`` fields that only the kinds of :data:`KIND_FIELDS` read."""
 
 
 def objective_strays(kind: str, given: typing.Iterable[str]) -> list[str]:
     """The names among ``given`` (objective fields set by the user) that an objective of ``kind``
     does not use: the one rule of the config (fields off their defaults) and of the ``--objective``
     options of ``verify`` and ``bench`` (options given). Such a field is an error, never ignored."""
-    unused = RL_ONLY_FIELDS if kind == "sft" else SFT_ONLY_FIELDS
+    if kind in KIND_FIELDS:
+        unused = tuple(n for n in (*RL_ONLY_FIELDS, *SFT_ONLY_FIELDS, *KIND_ONLY_FIELDS) if n not in KIND_FIELDS[kind])
+    else:
+        unused = (*(RL_ONLY_FIELDS if kind == "sft" else SFT_ONLY_FIELDS), *KIND_ONLY_FIELDS)
     return [name for name in given if name in unused]
+
+
+def kinds_reading(name: str) -> str:
+    """Which ``objective.kind`` s read objective field ``name`` (for the error of a stray one)."""
+    kinds = [kind for kind, fields in KIND_FIELDS.items() if name in fields]
+    if name in SFT_ONLY_FIELDS:
+        kinds.insert(0, "sft")
+    elif name in RL_ONLY_FIELDS:
+        kinds[:0] = ["grpo", "ppo"]
+    return " or ".join(kinds)
 
 
 @dataclass
@@ -244,6 +280,55 @@ class PackingConfig:
         if self.cost_per_token < 0 or self.cost_per_pair < 0:
             raise ConfigError("packing.cost_per_token and packing.cost_per_pair must be >= 0")
 
+    @property
+    def uses_dfs(self) -> bool:
+        """Whether any tree is walked depth-first: ``mode: dfs``, or ``over_budget: dfs`` in tree mode."""
+        return self.mode == "dfs" or (self.mode == "tree" and self.over_budget == "dfs")
+
+
+@dataclass
+class DistillSettings:
+    """``objective.distill``: the divergence ``objective.kind: distill`` minimises (docs/RL.md, "On-policy
+    distillation"), from the student ``q`` to the teacher ``p`` at each trained token's context."""
+
+    loss: DistillLoss = "reverse_kl_sampled"
+    """``reverse_kl_sampled``: the clipped objective with the per-token advantage ``log p - log q_old`` of
+    the sampled token (the reverse KL's sampled gradient); ``kl`` ``KL(p || q)``, ``reverse_kl`` ``KL(q || p)``
+    and ``jsd`` (``beta``) over the whole vocabulary at every trained token's context."""
+    beta: float = 0.5
+    """``jsd``: ``beta KL(p || m) + (1 - beta) KL(q || m)`` with ``m = beta p + (1 - beta) q``, in (0, 1)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.beta < 1:
+            raise ConfigError(f"objective.distill.beta must be in (0, 1), got {self.beta}")
+        if self.beta != 0.5 and self.loss != "jsd":
+            raise ConfigError(f"objective.distill.beta applies to loss jsd only (loss is {self.loss})")
+
+
+@dataclass
+class DPOSettings:
+    """``objective.dpo``: direct preference optimisation (``objective.kind: dpo``; docs/RL.md, "DPO")."""
+
+    beta: float = 0.1
+    """The inverse temperature: a pair's margin is ``beta`` times the difference of its two sequences'
+    log-ratios to the reference (> 0)."""
+    loss: DPOLoss = "sigmoid"
+    """``sigmoid``: ``-log sigmoid(margin)`` (DPO); ``ipo``: ``(log-ratio difference - 1 / (2 beta))^2`` on
+    length-averaged log-probs (IPO)."""
+    label_smoothing: float = 0.0
+    """``sigmoid``: the share of preferences assumed flipped, in [0, 0.5) (conservative DPO)."""
+    pairs: DPOPairs = "siblings"
+    """Where the pairs come from: ``siblings``, every two trajectories of a tree that branch off one node,
+    each ending in its own child of it, with different rewards (the higher one chosen)."""
+
+    def __post_init__(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"objective.dpo.beta must be > 0, got {self.beta}")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"objective.dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ConfigError(f"objective.dpo.label_smoothing applies to loss sigmoid only (loss is {self.loss})")
+
 
 @dataclass
 class CriticSettings:
@@ -279,7 +364,8 @@ class ObjectiveConfig:
     kind: ObjectiveKind = "sft"
     """``sft``: weighted next-token loss (``normalisation``, ``policy``). ``grpo`` / ``ppo``: the clipped
     policy-gradient objective (docs/RL.md) with advantages from ``estimator``; they differ only in the
-    default estimator (``grpo``: group-relative ``grpo``; ``ppo``: ``given``, advantages from the data)."""
+    default estimator (``grpo``: group-relative ``grpo``; ``ppo``: ``given``, advantages from the data).
+    ``distill``: the student's divergence from ``teacher`` (``distill``); ``dpo``: preference pairs (``dpo``)."""
     normalisation: Normalisation = "token_mean"
     """SFT: ``token_mean`` (over the global batch), ``sequence_mean`` or ``sum``."""
     policy: WeightPolicy = "exact"
@@ -347,6 +433,13 @@ class ObjectiveConfig:
     """``gae``: GAE's ``lambda``, in [0, 1] (1: the discounted return minus the value; 0: one-step TD)."""
     critic: CriticSettings = field(default_factory=CriticSettings)
     """``gae``'s learned value model (``objective.critic.source`` is required with ``estimator: gae``)."""
+    teacher: str = ""
+    """``distill``: the teacher, a model config JSON (random init at ``model.seed``), HF directory or hub id with
+    the student's tokenizer (checked before any model is built: its vocabulary, and its tokenizer files
+    against ``model.tokenizer`` where both have them). Frozen, whole on every rank or with ``model.zero_init``
+    partitioned as the KL reference is, in every layout."""
+    distill: DistillSettings = field(default_factory=DistillSettings)
+    dpo: DPOSettings = field(default_factory=DPOSettings)
 
     def __post_init__(self) -> None:
         from ds_tree.losses.sft import check_objective
@@ -355,22 +448,29 @@ class ObjectiveConfig:
             check_objective(self.normalisation, self.policy)
         except ValueError as error:
             raise ConfigError(f"objective: {error}") from None
-        defaults = {
-            f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
-            for f in dataclasses.fields(self)
-        }
-        # config.yaml files of earlier SFT runs record the estimator default resolved as below: grpo
-        defaults["estimator"] = "grpo" if self.kind == "sft" and self.estimator == "grpo" else ""
-        stray = objective_strays(self.kind, [name for name, value in defaults.items() if getattr(self, name) != value])
+        given = off_default(self)
+        if self.kind == "sft" and self.estimator == "grpo":  # config.yaml files of earlier SFT runs record the
+            given.remove("estimator")  # estimator default resolved as below: grpo
+        stray = objective_strays(self.kind, given)
         if stray:
-            kinds = "objective.kind grpo or ppo" if self.kind == "sft" else "objective.kind sft"
-            raise ConfigError(f"objective.{', objective.'.join(stray)}: only with {kinds} (kind is {self.kind})")
+            raise ConfigError(
+                f"objective.{', objective.'.join(stray)}: only with objective.kind {kinds_reading(stray[0])} "
+                f"(kind is {self.kind})"
+            )
+        if self.kind == "distill" and not self.teacher:
+            raise ConfigError("objective.kind distill needs objective.teacher (a model config, directory or hub id)")
+        clipped = [name for name in ("eps_low", "eps_high", "dual_clip") if name in given]
+        if self.kind == "distill" and self.distill.loss != "reverse_kl_sampled" and clipped:
+            raise ConfigError(
+                f"objective.{', objective.'.join(clipped)}: the ratio clip applies to objective.distill.loss "
+                f"reverse_kl_sampled only (loss is {self.distill.loss}: a divergence, no ratio)"
+            )
         if self.aggregation_constant and self.aggregation != "token_sum_norm":
             raise ConfigError(
                 f"objective.aggregation_constant ({self.aggregation_constant}) applies to aggregation "
                 f"token_sum_norm only (aggregation is {self.aggregation})"
             )
-        if not self.estimator:
+        if not self.estimator and self.kind not in KIND_FIELDS:  # distill and dpo have no estimator
             self.estimator = "given" if self.kind == "ppo" else "grpo"
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
             raise ConfigError(
@@ -439,6 +539,11 @@ class ObjectiveConfig:
     @property
     def is_rl(self) -> bool:
         return self.kind != "sft"
+
+    @property
+    def frozen_reference(self) -> bool:
+        """Whether the objective builds a frozen reference policy: DPO's, or the KL term's (``kl_coef > 0``)."""
+        return self.kind == "dpo" or (self.is_rl and bool(self.kl_coef))
 
     @property
     def updates_per_step(self) -> int:
@@ -582,12 +687,29 @@ class CheckpointConfig:
     """Seconds from the first preemption signal to the forced exit; keep it below what the scheduler
     allows before its SIGKILL (SLURM: the ``GRACE`` of ``--signal=B:USR1@GRACE``, ``KillWait`` or
     ``GraceTime`` of a preemption)."""
+    keep_best: str = ""
+    """An ``eval/`` metric the ``eval`` section produces (``eval/loss``, ``eval/reward_mean``, ``eval/pass@1``,
+    ``eval/pass@K``, ``eval/TAG/...``): the checkpoint that scored best on it is kept beside the newest ones,
+    named in ``<output_dir>/checkpoints/best.json``, never deleted by ``keep_last``'s rotation, and kept
+    across a resume (docs/EVAL.md). Only checkpoints of evaluated steps are scored: ``every`` must be a
+    multiple of ``eval.every_steps``. Empty: off."""
+    best_mode: BestMode = "auto"
+    """Whether ``keep_best``'s metric is better ``max`` or ``min``; ``auto``: ``min`` for a loss, ``max``
+    otherwise."""
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
             raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
         if self.preempt_grace_s <= 0:
             raise ConfigError(f"checkpoint.preempt_grace_s must be > 0, got {self.preempt_grace_s}")
+        if self.best_mode != "auto" and not self.keep_best:
+            raise ConfigError(f"checkpoint.best_mode ({self.best_mode}) is keep_best's: set checkpoint.keep_best")
+
+    def best_direction(self) -> str:
+        """``max`` or ``min``: how ``keep_best``'s metric improves (``auto``: ``min`` for a loss)."""
+        if self.best_mode != "auto":
+            return self.best_mode
+        return "min" if self.keep_best.rsplit("/", 1)[-1] == "loss" else "max"
 
 
 @dataclass
@@ -742,10 +864,16 @@ class RolloutConfig(SamplerSettings):
         if config.data.path:
             raise ConfigError("data.path must be empty with rollout.enabled: each step's data is sampled")
         objective = config.objective
+        if objective.kind == "dpo":
+            raise ConfigError(
+                "rollout.enabled: objective.kind dpo trains on preference pairs of data.path (ds-tree convert --format "
+                "preference, or trees with rewards); set rollout.enabled: false, or objective.kind grpo or distill"
+            )
         if not objective.is_rl or objective.estimator == "given":
             raise ConfigError(
                 "rollout.enabled needs objective.kind grpo or ppo with a reward-based objective.estimator "
-                f"(grpo, rloo, treepo, tempo); got kind {objective.kind!r}, estimator {objective.estimator!r}"
+                f"(grpo, rloo, treepo, tempo), or distill; got kind {objective.kind!r}, estimator "
+                f"{objective.estimator!r}"
             )
         if objective.mini_batches > self.prompts_per_step:
             raise ConfigError(
@@ -759,6 +887,113 @@ class RolloutConfig(SamplerSettings):
 
         check_staleness_config(config)
         check_engine_config(config)
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on held-out data and tasks (docs/EVAL.md): every ``every_steps`` steps and at the run's
+    end, and with ``ds-tree eval`` on any checkpoint or model. Off while ``data`` and ``prompts`` are empty.
+    Its metrics (``eval/...``) go to ``metrics.jsonl`` and every tracker; it never changes the training
+    run's random streams (a run with it trains exactly as one without)."""
+
+    every_steps: int = 0
+    """Evaluate after every N-th step (0: only after the last); the run's last step is always evaluated."""
+    data: str = ""
+    """Held-out tokens JSONL or converted dataset (``tools/convert.py``): ``eval/loss``, its exact tree-packed
+    loss with the training objective's normalisation (no gradient), with ``eval/tree_tokens`` and
+    ``eval/flat_tokens``. A converted dataset must be of ``model.tokenizer`` (or ``data.path``'s)."""
+    prompts: str = ""
+    """Held-out prompts JSONL (``rollout.prompts``' format, scored by ``rollout.reward``) or, with
+    ``rollout.env.path``, held-out tasks of the environment; an optional ``"tag"`` per line gives the
+    ``eval/TAG/`` breakdown. Sampled on ``rollout.engine`` with the policy's current weights: needs online
+    RL (``rollout.enabled``)."""
+    samples: int = 4
+    """Completions (episodes) sampled per prompt (task), independently: ``n`` of pass@k."""
+    pass_k: int = 0
+    """The k of ``eval/pass@K`` (1 <= k <= samples; 0: ``samples``), by the unbiased estimator
+    ``1 - C(n - c, k) / C(n, k)`` over ``n`` samples with ``c`` successes."""
+    success_threshold: float = 1.0
+    """A sample succeeds (pass@k) when its reward is at least this."""
+    temperature: float = 1.0
+    """Sampling temperature; 0 = greedy (then every sample of a prompt is the same: use ``samples: 1``)."""
+    max_new_tokens: int = 0
+    """Longest completion (multi-turn: turn), in tokens; 0: ``rollout.max_new_tokens``."""
+    seed: int = 0
+    """With the step and the prompt's index, the seed of each prompt's own sampling generator (never the
+    training run's generators)."""
+    save_samples: bool = True
+    """Write every evaluation's samples to ``<output_dir>/eval/step_<N>.jsonl`` (rank 0)."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 0 or self.max_new_tokens < 0:
+            raise ConfigError(
+                f"eval.every_steps and eval.max_new_tokens must be >= 0, got {self.every_steps}, {self.max_new_tokens}"
+            )
+        if self.samples < 1:
+            raise ConfigError(f"eval.samples must be >= 1 (completions per prompt), got {self.samples}")
+        if not 0 <= self.pass_k <= self.samples:
+            raise ConfigError(
+                f"eval.pass_k must be in [1, eval.samples] (0: samples), got {self.pass_k} with samples {self.samples}"
+            )
+        if self.temperature < 0:
+            raise ConfigError(f"eval.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        stray = [name for name in off_default(self) if name not in ("data", "prompts")]
+        if not self.enabled and stray:
+            raise ConfigError(
+                f"eval.{', eval.'.join(stray)}: only with eval.data or eval.prompts; set one or leave them out"
+            )
+        sampling = ("samples", "pass_k", "success_threshold", "temperature", "max_new_tokens", "seed")
+        stray = [name for name in stray if name in sampling]
+        if self.data and not self.prompts and stray:
+            raise ConfigError(f"eval.{', eval.'.join(stray)}: only with eval.prompts (sampled tasks); leave them out")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.data or self.prompts)
+
+    @property
+    def k(self) -> int:
+        """The k of ``eval/pass@K``."""
+        return self.pass_k or self.samples
+
+    def metrics(self) -> list[str]:
+        """The scores it produces (without the per-tag ones): what ``checkpoint.keep_best`` may name."""
+        names = ["eval/loss"] if self.data else []
+        if self.prompts:
+            names += ["eval/reward_mean", "eval/pass@1", f"eval/pass@{self.k}"]
+        return list(dict.fromkeys(names))
+
+    def check_with(self, config: Config) -> None:
+        """What the section needs from the rest of the config: sampled tasks an online run's reward or
+        environment and engine, holding the current weights; a ``checkpoint.keep_best`` it scores."""
+        rollout = config.rollout
+        if self.prompts and not rollout.enabled:
+            raise ConfigError(
+                "eval.prompts needs rollout.enabled: the reward (rollout.reward) or environment (rollout.env.path) "
+                "and the sampling engine (rollout.engine) are the rollout section's"
+            )
+        if self.prompts and (rollout.max_staleness or rollout.sync_every != 1):
+            raise ConfigError(
+                f"eval.prompts samples on rollout.engine with the current weights, which rollout.max_staleness "
+                f"({rollout.max_staleness}) and rollout.sync_every ({rollout.sync_every}) keep older for training: "
+                "set them to 0 and 1, or evaluate checkpoints with ds-tree eval"
+            )
+        best = config.checkpoint.keep_best
+        if not best:
+            return
+        if not self.enabled:
+            raise ConfigError(f"checkpoint.keep_best ({best}) needs an eval section (eval.data or eval.prompts)")
+        if not best.startswith("eval/") or not (best in self.metrics() or self.prompts and best.count("/") == 2):
+            raise ConfigError(
+                f"checkpoint.keep_best: no evaluation produces {best!r}; the eval section gives "
+                f"{', '.join(self.metrics())}" + (" and eval/TAG/... per tag of eval.prompts" if self.prompts else "")
+            )
+        every = config.checkpoint.every
+        if every and (not self.every_steps or every % self.every_steps):
+            raise ConfigError(
+                f"checkpoint.keep_best scores the checkpoints of evaluated steps: checkpoint.every ({every}) must be a "
+                f"multiple of eval.every_steps ({self.every_steps}; 0: only the last step is evaluated)"
+            )
 
 
 @dataclass
@@ -800,6 +1035,8 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out loss and task success (docs/EVAL.md); off unless ``eval.data`` or ``eval.prompts`` is set."""
 
     def __post_init__(self) -> None:
         if self.max_steps < 1:
@@ -813,13 +1050,11 @@ class Config:
                 self.max_steps / self.optimizer.warmup_steps,
             )
         self._refuse_settings_that_cannot_apply()
-        partitioned = (
-            self.objective.is_rl and self.objective.kl_coef and self.model.zero_init and not self.model.lora.enabled
-        )
+        partitioned = self.objective.frozen_reference and self.model.zero_init and not self.model.lora.enabled
         if self.objective.reference_offload and not partitioned:
             raise ConfigError(
                 "objective.reference_offload offloads the partitioned reference model: it needs objective.kl_coef > 0 "
-                "and model.zero_init: true"
+                "(or objective.kind dpo) and model.zero_init: true"
             )
         if self.checkpoint.merge and not self.model.lora.enabled:
             raise ConfigError("checkpoint.merge merges LoRA adapters: set model.lora.rank > 0, or merge: false")
@@ -849,6 +1084,7 @@ class Config:
             raise ConfigError("data.path is required")
         if not self.output_dir:
             raise ConfigError("output_dir is required")
+        self.eval.check_with(self)
 
     def _refuse_settings_that_cannot_apply(self) -> None:
         """The one rule (as for the objective's fields): a field set off its default where nothing would
@@ -1074,7 +1310,10 @@ INPUT_PATHS = (
     "deepspeed",
     "objective.reference",
     "objective.critic.source",
+    "objective.teacher",
     "rollout.prompts",
+    "eval.data",
+    "eval.prompts",
 )
 """Config fields naming files the run reads (``output_dir`` is written, and stays as given)."""
 

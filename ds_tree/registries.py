@@ -74,6 +74,8 @@ OBJECTIVES: Registry = _builtins(
         "sft": "ds_tree.objectives.sft:SFT",
         "grpo": "ds_tree.objectives.policy_gradient:GRPO",
         "ppo": "ds_tree.objectives.policy_gradient:PPO",
+        "distill": "ds_tree.objectives.distill:Distill",
+        "dpo": "ds_tree.objectives.dpo:DPO",
     },
 )
 
@@ -118,7 +120,7 @@ TRACKERS: Registry = _builtins(
 REWARDS: Registry = _builtins(
     Registry("reward", field="rollout.reward", paths=True, check=_callable("a function of a RewardRequest")),
     {
-        "game24": "ds_tree.rollout.envs.game24:reward",
+        "game24": "ds_tree.envs.game24:reward",
         "exact_match": "ds_tree.rollout.rewards:exact_match_reward",
     },
 )
@@ -126,9 +128,9 @@ REWARDS: Registry = _builtins(
 ENVIRONMENTS: Registry = _builtins(
     Registry("environment", field="rollout.env.path", paths=True, check=_callable("an environment class or factory")),
     {
-        "secret_tool": "ds_tree.rollout.envs.secret_tool:SecretToolEnv",
-        "tau_shop": "ds_tree.rollout.envs.tau_shop:ShopEnv",
-        "gui_screens": "ds_tree.rollout.envs.gui_screens:GuiScreensEnv",
+        "secret_tool": "ds_tree.envs.secret_tool:SecretToolEnv",
+        "tau_shop": "ds_tree.envs.tau_shop:ShopEnv",
+        "gui_screens": "ds_tree.envs.gui_screens:GuiScreensEnv",
     },
 )
 

@@ -23,6 +23,9 @@ import sys
 import time
 import warnings
 
+if not __package__:  # run as a file (torchrun ds_tree/train.py): its own folder must not shadow top-level packages
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from ds_tree.config import ConfigError, load_config
 from ds_tree.data.jsonl import json_text
 from ds_tree.engine.self_check import SelfCheckError

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi-turn agentic RL example (docs/ENVIRONMENTS.md) on 2 CPU ranks with ZeRO-3: the project
 # tokenizer (made once), then ONE run of configs/multiturn_cpu.yaml (an SFT warm-up on format-only
-# demonstrations, then GRPO against ds_tree.rollout.envs.secret_tool:LoudSecretToolEnv), then its curve.
+# demonstrations, then GRPO against ds_tree.envs.secret_tool:LoudSecretToolEnv), then its curve.
 # Extra arguments are overrides of the config (key=value).
 # Environment: RUN [runs/multiturn], NGPU [2], PLOT [unset: no plot; e.g. docs/bench/multiturn_rl.png].
 set -euo pipefail

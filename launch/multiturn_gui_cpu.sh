@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multimodal multi-turn agentic RL example (docs/ENVIRONMENTS.md, "Image observations") on 2 CPU ranks
 # with ZeRO-3: a Qwen2.5-VL processor folder (made once), then ONE run of configs/multiturn_gui_cpu.yaml (an
-# SFT warm-up on format-only demonstrations, then GRPO against ds_tree.rollout.envs.gui_screens:GuiScreensEnv,
+# SFT warm-up on format-only demonstrations, then GRPO against ds_tree.envs.gui_screens:GuiScreensEnv,
 # whose screenshot tool answers with images), then its curve.
 # Extra arguments are overrides of the config (key=value).
 # Environment: RUN [runs/multiturn_gui], NGPU [2], PLOT [unset: no plot; e.g. docs/bench/multiturn_gui_rl.png].

@@ -67,7 +67,7 @@ def _no_leftover_processes():
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    from ds_tree.data.tokenizer import save_tokenizer
+    from ds_tree.vocab.tokenizer import save_tokenizer
 
     return save_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 

@@ -162,3 +162,46 @@ def test_bench_kernel_lays_out_one_forest_twice(tmp_path):
     assert (report["tree"]["tokens"], report["flat"]["tokens"]) == (counts.tree_tokens, counts.flat_tokens)
     assert report["tree"]["block_stats"]["useful_elements"] < report["flat"]["block_stats"]["useful_elements"]
     assert report["flat_over_tree_time"] == pytest.approx(report["flat"]["ms"] / report["tree"]["ms"])
+
+
+@pytest.mark.parametrize(
+    "objective",
+    [["--objective", "distill", "--teacher", "configs/models/tiny_qwen2.json", "--distill-loss", "kl"],
+     ["--objective", "dpo", "--dpo-beta", "0.2"]],
+    ids=["distill", "dpo"],
+)  # fmt: skip
+def test_bench_times_objectives_with_a_frozen_model(synthetic, tmp_path, objective):
+    """Distillation's teacher and DPO's reference: the no-grad pass is old_forward; DPO packs its paired
+    sequences only (the synthetic groups' rewards make sibling pairs), and the token counts are theirs."""
+    from ds_tree.losses.dpo import DPOLoss
+    from ds_tree.objectives.dpo import Pairs
+
+    path, trajectories = synthetic
+    out = tmp_path / "bench.json"
+    argv = ["--data", str(path), "--model", "configs/models/tiny_llama.json", "--steps", "1", "--warmup", "0"]
+    assert bench_main([*argv, *objective, "--budget", "512", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    kind = objective[1]
+    trained = trajectories if kind == "distill" else Pairs.of(trajectories, "group", DPOLoss(0.2)).sequences
+    assert 0 < len(trained) <= len(trajectories)
+    flat, tree = packed_tokens(trained, "flat", 512), packed_tokens(trained, "tree", 512)
+    modes = report["modes"]
+    assert (modes["flat"]["packed_tokens_per_step"], modes["tree"]["packed_tokens_per_step"]) == (flat, tree)
+    assert report["flat_tokens_per_step"] == sum(len(t) for t in trained)
+    assert report["ideal_speedup"] == pytest.approx(flat / tree) and report["objective"] == kind
+    settings = report["objective_settings"]
+    assert settings["distill"]["loss"] == "kl" if kind == "distill" else settings["dpo"]["beta"] == 0.2
+    for mode in ("flat", "tree"):
+        assert modes[mode]["targets_per_step"] > 0
+        timed = modes[mode]["old_forward_time_s"] + modes[mode]["updates_time_s"] + modes[mode]["pack_time_s"]
+        assert timed == pytest.approx(modes[mode]["step_time_s"])
+    assert modes["flat"]["targets_per_step"] > modes["tree"]["targets_per_step"]
+
+
+def test_bench_dpo_needs_pairs(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "plain.jsonl", [{"group_id": "g", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}])
+    argv = ["--data", str(path), "--model", "configs/models/tiny_llama.json", "--objective", "dpo"]
+    assert bench_main(argv) == 2
+    assert "--objective dpo: no preference pairs in 1 trajectories (0 with a reward)" in capsys.readouterr().err
+    assert bench_main([*argv, "--peak-memory"]) == 2
+    assert "--objective dpo has no activation meters" in capsys.readouterr().err

@@ -11,17 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ds_tree.data.chat_templates import TEMPLATES
-from ds_tree.data.tokenizer import build_tokenizer
+from ds_tree.envs.secret_tool import LoudSecretToolEnv
 from ds_tree.registries import TURN_FORMATS
 from ds_tree.rollout.env import EnvironmentCalls, ToolEnvironment
-from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
 from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.render import NotAppendOnly, Renderer
 from ds_tree.sampling.interface import SampledTurn, TurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 from ds_tree.turn_formats import detect_format, get_format, resolve_format, turn_stop_tokens
 from ds_tree.turn_formats.base import TurnFormat
+from ds_tree.vocab.chat_templates import TEMPLATES
+from ds_tree.vocab.tokenizer import build_tokenizer
 
 MODEL = "configs/models/tiny_llama.json"
 _TOKENIZERS: dict[str, object] = {}
@@ -260,7 +260,7 @@ def test_auto_detection_and_the_registry() -> None:
 
 def test_the_format_field_is_checked_and_auto_names_it_when_it_cannot_tell(tmp_path) -> None:
     from ds_tree.config import ConfigError, load_config
-    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.envs.secret_tool import tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
@@ -292,7 +292,7 @@ def test_a_format_the_template_does_not_write_is_refused_at_the_dry_run(tmp_path
     """Issue 55 #5: harmony or mistral named for a ChatML template passed the dry run, and every tool call of
     every episode was then a parse error (hermes on a llama3 template was refused: one direction only)."""
     from ds_tree.config import ConfigError, load_config
-    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.envs.secret_tool import tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
@@ -344,7 +344,7 @@ def test_reasoning_stripped_from_history_makes_each_turn_its_exact_context_and_t
     prompt it was sampled from, each answer after the template's rendering of the history (the call
     without its reasoning, the observation); the episode tree trains them exactly (float64)."""
     from ds_tree.bench.reasoning_trees import independent_tokens, reasoning_episode
-    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.envs.secret_tool import tasks
     from ds_tree.trees.stats import token_counts
     from ds_tree.verify.tree_vs_flat import compare
 

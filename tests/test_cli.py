@@ -109,15 +109,15 @@ def test_the_help_choices_are_the_library_values():
     from ds_tree.cli.sample import SAMPLER_OPTIONS
     from ds_tree.data import convert
     from ds_tree.data.synthetic import SyntheticConfig
-    from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE
+    from ds_tree.kernel.function import DTYPES as KERNEL_DTYPES
     from ds_tree.losses.rl import KL_ESTIMATORS
     from ds_tree.losses.sft import NORMALISATIONS, POLICIES
     from ds_tree.models.loading import DTYPES
     from ds_tree.packing.modes import MODES
     from ds_tree.registries import AGGREGATIONS, ATTENTION_ENGINES
     from ds_tree.sampling.hf import SamplerSettings
-    from ds_tree.triton.function import DTYPES as KERNEL_DTYPES
     from ds_tree.verify.tree_vs_flat import VERIFY_DTYPES
+    from ds_tree.vocab.tokenizer import DEFAULT_VOCAB_SIZE
 
     assert choices.engines() == ("auto", *ATTENTION_ENGINES.names()) and choices.MODES == tuple(MODES)
     assert (choices.NORMALISATIONS, choices.POLICIES) == (tuple(NORMALISATIONS), tuple(POLICIES))

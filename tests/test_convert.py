@@ -16,10 +16,10 @@ from ds_tree.cli.convert import main as convert_main
 from ds_tree.data import load_trajectories
 from ds_tree.data.chat import render_chat
 from ds_tree.data.synthetic import SyntheticConfig, generate
-from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tree_dataset import META_FILE, load_tree_dataset, save_tree_dataset
 from ds_tree.errors import DataError
 from ds_tree.trees import Trajectory
+from ds_tree.vocab.tokenizer import tokenizer_identity
 
 ROOT = Path(__file__).resolve().parents[1]
 

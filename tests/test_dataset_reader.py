@@ -180,3 +180,40 @@ def test_the_sampler_draws_what_the_per_group_definition_draws():
         sampler = StepSampler(n_groups, per_step, seed=3)
         for step in range(6):
             assert sampler.groups_for_step(step) == reference(sampler, step)
+
+
+def test_the_trainer_reads_a_converted_dataset_lazily_and_checks_it_from_its_columns(dataset, tmp_path):
+    """``prepare`` holds the reader, not the trajectories; its checks read the mapped columns (the largest id, the
+    longest trajectory) and name the trajectory at fault as the eager loader's checks do; in-memory groups (tokens
+    JSONL) read through the same interface."""
+    from ds_tree.config import ConfigError
+    from ds_tree.data.dataset_reader import LoadedGroups
+    from tests.helpers.configs import write_config
+    from tests.helpers.runs import prepare
+
+    reader = TreeDatasetReader(dataset)
+    eager = group_trajectories(load_trajectories(dataset))
+    assert reader.max_token_id() == max(int(t.input_ids.max()) for group in eager for t in group)
+    longest = max((t for group in eager for t in group), key=len)
+    tokens, row = reader.longest_trajectory()
+    assert tokens == len(longest) and any(t is longest for t in eager[row])
+    config = write_config(tmp_path, dataset, packing={"budget": 64})  # 4 groups a step
+    trainer = prepare(config)
+    assert isinstance(trainer.groups, TreeDatasetReader) and trainer.trajectories == []
+    assert trainer.sampler.n_groups == 23
+    too_long = rf"packing.budget \(30\) is below the longest trajectory \({tokens} tokens, {dataset}:row {row}:"
+    with pytest.raises(ConfigError, match=too_long):
+        prepare(config, "packing.budget=30")
+    with pytest.raises(DataError, match=r":row \d+:trajectory \d+: token id \d+ is >= the model's vocab size 512"):
+        prepare(config, "packing.budget=64", f"model.source={tiny_vocab(tmp_path)}")
+    loaded = LoadedGroups(eager)
+    assert loaded.flat_tokens([4, 1]).tolist() == reader.flat_tokens([4, 1]).tolist()
+    assert_same([t for g in loaded.groups([5, 5]) for t in g], [t for g in reader.groups([5, 5]) for t in g])
+
+
+def tiny_vocab(tmp_path: Path) -> Path:
+    """The tiny Llama with a vocabulary of 512 (the dataset's ids go up to 999)."""
+    config = json.loads((ROOT / "configs/models/tiny_llama.json").read_text())
+    path = tmp_path / "small_vocab.json"
+    path.write_text(json.dumps({**config, "vocab_size": 512}))
+    return path

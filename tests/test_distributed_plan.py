@@ -272,6 +272,8 @@ HOST_KEYS = {
     "dataset_bytes_per_rank",
     "global_dataset_bytes_per_rank",
     "bytes_per_rank_max",
+    "rollout_bytes_per_rank_max",
+    "rollout_all_gather_bytes_per_rank",
 }
 
 
@@ -302,6 +304,7 @@ def test_the_scale_simulator_prints_the_host_figures(tmp_path, capsys, source):
     assert host["balance"] == pytest.approx(host["global_balance"], rel=1e-12) and host["balance"] >= 1
     assert host["bytes_per_rank_max"] == host["exchange_bytes"] + host["dataset_bytes_per_rank"]
     assert 0 < host["dataset_bytes_per_rank"] < host["global_dataset_bytes_per_rank"]
+    assert host["exchange_bytes"] < host["rollout_bytes_per_rank_max"] < host["rollout_all_gather_bytes_per_rank"]
     assert 0 < host["per_rank_seconds_max"] and 0 < host["global_seconds"]
     assert plan_main([*argv, "--host", "0"]) == 0
     assert "host work of step 0 over 4 simulated ranks" in capsys.readouterr().out

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ds_tree.attention import registry
-from ds_tree.bench.gpu import attention
-from ds_tree.bench.gpu.report import acceptance, markdown
 from ds_tree.cli.gpu_check import main
+from ds_tree.gpu_check import attention
+from ds_tree.gpu_check.report import acceptance, markdown
 
 
 @pytest.mark.slow
@@ -114,8 +114,8 @@ def test_autotune_is_imported_by_the_gpu_kernel_table_only() -> None:
     (there, only when the device is CUDA: the smoke run above reports it skipped)."""
     from tests.test_layering import import_graph
 
-    importers = {name for name, targets in import_graph().items() if "ds_tree.triton.autotune" in targets}
-    assert importers == {"ds_tree.bench.gpu.attention"}
+    importers = {name for name, targets in import_graph().items() if "ds_tree.kernel.autotune" in targets}
+    assert importers == {"ds_tree.gpu_check.attention"}
 
 
 def test_hybrid_section_is_skipped_on_the_cpu_and_its_table_renders(tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""gpu-check's section "the real trainer" (ds_tree/bench/gpu/trainer.py) in its smoke mode: 2 gloo
+"""gpu-check's section "the real trainer" (ds_tree/gpu_check/trainer.py) in its smoke mode: 2 gloo
 ranks on the CPU through launch/train.sh, SFT preempted by SIGTERM and resumed to the uninterrupted
 run's losses, GRPO, the export in plain transformers; and a failing launch reported, not raised."""
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ds_tree.bench.gpu import trainer
+from ds_tree.gpu_check import trainer
 
 
 @pytest.mark.distributed

@@ -90,24 +90,27 @@ LAYERS: list[tuple[str, list[str]]] = [
     ),
     ("the registries of every extension point (names only: lazy entries)", ["ds_tree.registries"]),
     ("trees", ["ds_tree.trees"]),
+    ("the project's tokenizer, chat templates and processor folders", ["ds_tree.vocab"]),
     ("data and packing", ["ds_tree.data", "ds_tree.packing"]),
     (
         "kernels and objectives: attention engines, the Triton kernel, recurrent scans, losses",
-        ["ds_tree.attention", "ds_tree.triton", "ds_tree.scans", "ds_tree.losses"],
+        ["ds_tree.attention", "ds_tree.kernel", "ds_tree.scans", "ds_tree.losses"],
     ),
     ("models and their families' specs", ["ds_tree.models"]),
     ("memory, predicted (a hybrid's mixers read through its family spec) and measured", ["ds_tree.memory"]),
     ("turn formats: a sampled turn's reasoning, text and tool calls", ["ds_tree.turn_formats"]),
     ("sampling: settings, prompts, engines (HF, vLLM)", ["ds_tree.sampling"]),
     ("rollouts: the loop, episodes, environments, rendering, rewards", ["ds_tree.rollout"]),
-    ("example environments and rewards", ["ds_tree.rollout.envs"]),
+    ("example environments and rewards", ["ds_tree.envs"]),
     ("config", ["ds_tree.config"]),
     ("a run's life", ["ds_tree.run"]),
     ("step execution: runners, walks, updates, the self-check", ["ds_tree.engine"]),
     ("objectives: what a step computes", ["ds_tree.objectives"]),
+    ("evaluation: held-out loss and task success", ["ds_tree.evaluation"]),
     ("the trainer", ["ds_tree.engine.trainer"]),
     ("checks", ["ds_tree.verify"]),
-    ("benchmarks", ["ds_tree.bench"]),
+    ("benchmarks and the GPU check", ["ds_tree.bench", "ds_tree.gpu_check"]),
+    ("reports: runs read back and drawn", ["ds_tree.reports"]),
     ("entry points", ["ds_tree.cli", "ds_tree.train"]),
 ]
 """Bottom to top. A module belongs to the layer of its longest matching prefix and may import only
@@ -151,7 +154,7 @@ def test_the_layer_check_sees_an_arrow_up():
     assert arrows_up({"ds_tree.run.checkpoint": {"ds_tree.engine.dfs"}}), "run must not import the engine"
     assert arrows_up({"ds_tree.engine.runners": {"ds_tree.objectives.sft"}}), "runners never see the objective"
     assert arrows_up({"ds_tree.objectives.sft": {"ds_tree.engine.trainer"}}), "objectives sit below the trainer"
-    assert arrows_up({"ds_tree.sampling.hf": {"ds_tree.rollout.envs.game24"}}), "engines sit below envs"
+    assert arrows_up({"ds_tree.sampling.hf": {"ds_tree.envs.game24"}}), "engines sit below envs"
 
 
 def test_no_import_cycle():

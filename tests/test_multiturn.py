@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from ds_tree.envs.secret_tool import SecretToolEnv
 from ds_tree.rollout.env import (
     EnvFailure,
     EnvironmentCalls,
@@ -26,7 +27,6 @@ from ds_tree.rollout.env import (
     step_result,
     tool_schema,
 )
-from ds_tree.rollout.envs.secret_tool import SecretToolEnv
 from ds_tree.rollout.episodes.records import save_rollouts
 from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.render import NotAppendOnly, Renderer, parse_tool_calls
@@ -182,8 +182,8 @@ def test_environment_defaults_are_called_not_probed(tokenizer) -> None:
     (none) and close; it writes no demonstrations, which the config's check reads off the class."""
     import random
 
+    from ds_tree.envs.secret_tool import LoudSecretToolEnv
     from ds_tree.rollout.env import Environment, writes_demonstrations
-    from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
 
     class Minimal(Environment):
         def reset(self, task):
@@ -449,7 +449,7 @@ def test_env_config_errors_name_the_key(override: str, message: str) -> None:
 
 
 def test_tau_style_shop_with_a_scripted_user_and_replay_forks(tokenizer) -> None:
-    from ds_tree.rollout.envs.tau_shop import ShopEnv
+    from ds_tree.envs.tau_shop import ShopEnv
 
     calls = [
         '<tool_call>\n{"name": "find_orders", "arguments": {"user_id": "u1"}}\n</tool_call>',
@@ -486,7 +486,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
 
     from ds_tree.config import ConfigError, load_config
     from ds_tree.engine.build import learning_rate_factor
-    from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
+    from ds_tree.envs.secret_tool import LoudSecretToolEnv, tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(8, 0)))
@@ -495,7 +495,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
         f"rollout.prompts={tmp_path / 'tasks.jsonl'}",
         f"model.tokenizer={tokenizer_dir}",
         "rollout.prompts_per_step=4",
-        "rollout.env.path=ds_tree.rollout.envs.secret_tool:LoudSecretToolEnv",
+        "rollout.env.path=ds_tree.envs.secret_tool:LoudSecretToolEnv",
         "max_steps=10",
         "objective.reference_step=4",  # the shipped 12 is past max_steps
     ]
@@ -513,7 +513,7 @@ def test_warmup_phase_config_schedule_and_demonstrations(tokenizer, tokenizer_di
         load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.warmup_steps=10"])
     with pytest.raises(ConfigError, match=r"turn_branching \[1, 8\] makes 8 leaves a task, not rollout.width \(16\)"):
         load_config("configs/multiturn_cpu.yaml", [*base, "rollout.env.turn_branching=[1,8]"])
-    no_demos = ["rollout.env.warmup_steps=2", "rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv"]
+    no_demos = ["rollout.env.warmup_steps=2", "rollout.env.path=ds_tree.envs.tau_shop:ShopEnv"]
     with pytest.raises(ConfigError, match=r"does not override Environment.demonstration\(task, rng\)"):
         load_config("configs/multiturn_cpu.yaml", [*base, *no_demos])
 
@@ -553,8 +553,8 @@ def test_a_hanging_demonstration_or_constructor_is_an_error_within_step_timeout_
     from types import SimpleNamespace
 
     from ds_tree.config import load_config
+    from ds_tree.envs.secret_tool import LoudSecretToolEnv, tasks
     from ds_tree.errors import DataError
-    from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
 
     class SlowDemonstration(LoudSecretToolEnv):
@@ -571,7 +571,7 @@ def test_a_hanging_demonstration_or_constructor_is_an_error_within_step_timeout_
         f"rollout.prompts={tmp_path / 'tasks.jsonl'}",
         f"model.tokenizer={tokenizer_dir}",
         "rollout.prompts_per_step=4",
-        "rollout.env.path=ds_tree.rollout.envs.secret_tool:LoudSecretToolEnv",
+        "rollout.env.path=ds_tree.envs.secret_tool:LoudSecretToolEnv",
         "rollout.env.step_timeout_s=0.5",
     ]
     online = MultiTurnRollouts(load_config("configs/multiturn_cpu.yaml", overrides), SimpleNamespace(eos_token_id=2))
@@ -894,7 +894,7 @@ def test_env_module_exiting_at_import_and_constructor_failures_are_config_errors
 
     (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
     (tmp_path / "never_builds.py").write_text(
-        "from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv\n"
+        "from ds_tree.envs.secret_tool import LoudSecretToolEnv\n"
         "class Env(LoudSecretToolEnv):\n    def __init__(self):\n        raise OSError('no sandbox')\n"
     )
     duck_typed = "class Env:\n    def reset(self, task): ...\n\n    def step(self, turn): ...\n"  # no Environment
@@ -909,7 +909,7 @@ def test_env_module_exiting_at_import_and_constructor_failures_are_config_errors
     with pytest.raises(ConfigError, match=r"duck_typed:Env made a Env, not an Environment \(derive from"):
         no_warmup = ["rollout.env.warmup_steps=0", "rollout.env.warmup_lr=0", "rollout.env.refresh_every=0"]
         load_config("configs/multiturn_cpu.yaml", [*SHIPPED, *no_warmup, "rollout.env.path=duck_typed:Env"])
-    no_demos = ["rollout.env.path=ds_tree.rollout.envs.tau_shop:ShopEnv", "rollout.env.refresh_every=2"]
+    no_demos = ["rollout.env.path=ds_tree.envs.tau_shop:ShopEnv", "rollout.env.refresh_every=2"]
     with pytest.raises(ConfigError, match=r"rollout.env.refresh_every \(2\) needs demonstrations"):
         # warm-up off, and so its learning rate (a warmup_lr without warm-up steps is refused on its own)
         load_config(
@@ -938,7 +938,7 @@ def test_saved_rollouts_and_group_ids_share_one_step_numbering(tokenizer, tokeni
     from types import SimpleNamespace
 
     from ds_tree.config import load_config
-    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.envs.secret_tool import tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.envs.secret_tool import LoudSecretToolEnv
 from ds_tree.rollout.ahead import AheadSampler, sampling_version, version_used
 from ds_tree.rollout.env import ToolEnvironment
-from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv
 from tests.helpers import ROOT
 from tests.helpers.launch import torchrun
 from tests.test_multiturn import CALL, TASK, ScriptedSampler, runner
@@ -157,13 +157,14 @@ def test_multiturn_staleness_config_needs_the_importance_correction(tokenizer_di
     thread renders demonstrations meanwhile)."""
     from types import SimpleNamespace
 
+    from ds_tree.envs.secret_tool import tasks
     from ds_tree.models.loading import load_model
-    from ds_tree.rollout.envs.secret_tool import tasks
     from ds_tree.rollout.multiturn import MultiTurnRollouts
     from ds_tree.sampling.hf_engine import HFEngine
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
     base = [f"rollout.prompts={tmp_path / 'tasks.jsonl'}", f"model.tokenizer={tokenizer_dir}"]
+    base += ["eval.prompts=", "eval.every_steps=0"]  # held-out tasks sample with the current weights: not ahead
     for overrides in (["objective.importance_truncation=2.0"], ["objective.old_logprobs=data"]):
         config = load_config(MULTITURN_CPU, [*base, "rollout.max_staleness=1", "rollout.sync_every=2", *overrides])
         assert (config.rollout.max_staleness, config.rollout.engine) == (1, "hf")  # hf: environments overlap
@@ -185,7 +186,7 @@ def test_two_ranks_sample_episodes_a_step_ahead_resume_and_verify_in_float64(tok
     episodes are sampled with version 0 while step 1 trains, step 4's with version 2 while step 3 trains.
     A second trainer resumed from the step-2 checkpoint samples step 4 with version 2 as well: the same
     episode trees token for token. The saved trees pass float64 verify (tree == flat)."""
-    from ds_tree.rollout.envs.secret_tool import tasks
+    from ds_tree.envs.secret_tool import tasks
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
     config = yaml_config(tmp_path, tokenizer_dir)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.config import load_config
+from ds_tree.data.dataset_reader import LoadedGroups
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.layout import StepLayout
 from ds_tree.models.loading import load_model
@@ -23,7 +24,26 @@ from ds_tree.verify.tree_vs_flat import perturb_parameters
 from tests.helpers.rollouts import rl_trajectories
 
 MODEL = "configs/models/tiny_llama.json"
+RL_OVERRIDES = ["objective.mini_batches=2", "objective.entropy_coef=0.01", "objective.eps_low=0.05"]
+"""What every objective that reads the clipped objective's fields sets (both clips act)."""
+TEACHER = ["objective.teacher=configs/models/tiny_qwen2.json", "objective.mini_batches=2"]
+KIND_OVERRIDES = {
+    "sft": [],
+    "distill": [*TEACHER, "objective.eps_low=0.05"],
+    "distill_kl": [*TEACHER, "objective.distill.loss=kl", "model.head_chunk=5"],
+    "distill_jsd": [*TEACHER, "objective.distill.loss=jsd", "objective.distill.beta=0.3"],
+    "distill_reverse_kl": [*TEACHER, "objective.distill.loss=reverse_kl", "objective.ppo_epochs=2"],
+    "dpo": ["objective.dpo.beta=0.5"],
+    "dpo_ipo": ["objective.dpo.loss=ipo"],
+    "dpo_smoothed": ["objective.dpo.label_smoothing=0.2"],
+}
+"""Each objective's settings (a registered objective not named here takes :data:`RL_OVERRIDES`), and the
+variants of some, named ``<kind>_<variant>``."""
+VARIANTS = [name for name in KIND_OVERRIDES if name.partition("_")[0] in ("distill", "dpo") and "_" in name]
 TOLERANCE = TOLERANCES[torch.float64]
+BUDGETS = {"dpo": 52}
+"""Budgets other than 64 that split the step's trees into parts: DPO packs its paired sequences only (a
+smaller tree than the step's), the longest of 51 tokens."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,9 +72,9 @@ def run_objective(
     """Objective ``name`` on one step of three groups in layout ``mode`` (``extra``: more config overrides): each
     update's loss and gradient (the policy moved off the old one between the preparation and the updates), then
     the step's metrics."""
-    kind = ["objective.mini_batches=2", "objective.entropy_coef=0.01", "objective.eps_low=0.05"]
-    overrides = [f"objective.kind={name}", *(kind if name != "sft" else []), *extra]
-    packing = ["packing.budget=64", f"packing.mode={mode}", "data.groups_per_step=3"]
+    kind = name.partition("_")[0] if name in VARIANTS else name
+    overrides = [f"objective.kind={kind}", *KIND_OVERRIDES.get(name, RL_OVERRIDES), *extra]
+    packing = [f"packing.budget={BUDGETS.get(kind, 64)}", f"packing.mode={mode}", "data.groups_per_step=3"]
     packing += ["packing.dfs_chunk=16"] if mode == "dfs" else []
     config = load_config("configs/tiny_cpu.yaml", [*overrides, *packing])
     trajectories = rl_trajectories(seed=1, groups=3, per_group=4)
@@ -70,10 +90,10 @@ def run_objective(
         StepLayout(config, {}, pad_id=0, world_size=1),
         None,
         rank=0,
-        groups=groups,
+        groups=LoadedGroups(groups),
         sampler=StepSampler(len(groups), len(groups), seed=0),
     )
-    objective = OBJECTIVES.get(name)(config)
+    objective = OBJECTIVES.get(kind)(config)
     objective.check_data(trajectories)
     objective.build(Components(model, {}))
     prepared = objective.prepare_step(0, context)
@@ -90,7 +110,7 @@ def run_objective(
 
 
 @pytest.mark.parametrize("mode", ["tree", "dfs"])
-@pytest.mark.parametrize("name", OBJECTIVES.names())
+@pytest.mark.parametrize("name", [*OBJECTIVES.names(), *VARIANTS])
 def test_every_objective_on_trees_equals_its_flat_baseline(name: str, mode: str) -> None:
     check_against_flat(name, mode)
 
@@ -118,5 +138,5 @@ def check_against_flat(name: str, mode: str, extra: tuple[str, ...] = ()) -> Non
     assert set(tree_scalars) == set(flat_scalars)
     for key, value in flat_scalars.items():
         assert abs(tree_scalars[key] - value) <= TOLERANCE * max(abs(value), 1.0), (key, tree_scalars[key], value)
-    if name != "sft":  # the RL objectives report the clipped ratios: the perturbation moved them
+    if name not in KIND_OVERRIDES:  # the RL objectives report the clipped ratios: the perturbation moved them
         assert flat_scalars["rl/clip_frac_low"] + flat_scalars["rl/clip_frac_high"] > 0, flat_scalars

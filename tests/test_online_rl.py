@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from ds_tree.config import ConfigError, load_config
+from ds_tree.envs import digit_parity, game24
 from ds_tree.errors import DataError
 from ds_tree.registries import REWARDS
-from ds_tree.rollout.envs import digit_parity, game24
 from ds_tree.rollout.loop import rank_slots, slot_generator
-from ds_tree.rollout.online import SlotResult, kept_trajectories, rollout_scalars
+from ds_tree.rollout.online import SlotFigures, SlotResult, kept_trajectories, rollout_scalars
 from ds_tree.rollout.rewards import RewardRequest, exact_match_reward
 from ds_tree.sampling.prompts import read_prompts
 from ds_tree.trees.trajectory import Trajectory
@@ -198,7 +198,7 @@ def test_rollout_scalars_and_dropped_trajectories(caplog) -> None:
     slot0 = SlotResult(0, [trajectory(3, 4, 1.0, "a0"), trajectory(3, 4, 0.0, "a1")], 3, 2, 1, 6, 9)
     leaves1 = [trajectory(2, 5, 0.5, "b0"), trajectory(2, 5, None, "b1"), trajectory(2, 5, 0.0, "b2")]
     slot1 = SlotResult(1, leaves1, 2, 3, 1, 15, 17, failures=["b1 failed"])
-    scalars = rollout_scalars([slot1, slot0])
+    scalars = rollout_scalars([SlotFigures.of(slot1), SlotFigures.of(slot0)])  # a slot's figures: no tokens
     assert scalars == {
         "rollout/reward_mean": pytest.approx(1.5 / 4),
         "rollout/leaves": 2.5,

@@ -774,7 +774,7 @@ def test_make_tokenizer_into_an_unwritable_folder_is_one_error(capsys):
 # --------------------------------------------- 2, 9, 15, note 3: reading images
 def image_reader(processor: Path, max_pixels: int | None = None):
     from ds_tree.data.chat_images import ImageReader
-    from ds_tree.data.vision_processor import load_vision_processor
+    from ds_tree.vocab.vision_processor import load_vision_processor
 
     vision = load_vision_processor(processor)
     extra = {} if max_pixels is None else {"max_pixels": max_pixels}
@@ -879,8 +879,8 @@ def test_unreadable_images_name_the_part_not_a_python_object(tmp_path, processor
 )
 def test_observation_images_without_pixels_are_environment_errors(processor, image, message):
     """Issue 55 #15: a [0, 0, 3] array ended the leaf with "EnvFailure: division by zero"."""
-    from ds_tree.data.vision_processor import load_vision_processor
     from ds_tree.rollout.images import ImageFailure, ObservationImages, with_pil_images
+    from ds_tree.vocab.vision_processor import load_vision_processor
 
     images = ObservationImages(load_vision_processor(processor))
     with pytest.raises(ImageFailure, match=message):
@@ -892,9 +892,9 @@ def test_observation_images_over_the_limit_are_environment_errors(processor):
     is hashed or processed; its default is convert's."""
     from ds_tree.cli.choices import CONVERT_DEFAULTS
     from ds_tree.data.chat_images import MAX_IMAGE_PIXELS
-    from ds_tree.data.vision_processor import load_vision_processor
     from ds_tree.rollout.images import ImageFailure, ObservationImages, with_pil_images
     from ds_tree.sampling.settings import EnvSettings
+    from ds_tree.vocab.vision_processor import load_vision_processor
 
     assert EnvSettings().max_image_pixels == CONVERT_DEFAULTS["max_image_pixels"] == MAX_IMAGE_PIXELS
     images = ObservationImages(load_vision_processor(processor), max_pixels=3000)

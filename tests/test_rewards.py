@@ -8,8 +8,8 @@ from fractions import Fraction
 
 import pytest
 
+from ds_tree.envs.game24 import ExpressionError, evaluate, extract_expression, puzzle_numbers, solves
 from ds_tree.registries import REWARDS
-from ds_tree.rollout.envs.game24 import ExpressionError, evaluate, extract_expression, puzzle_numbers, solves
 from ds_tree.rollout.rewards import RewardRequest, score
 from tests.helpers.shared_data import SHARED_DATA, absent
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.config import ConfigError, load_config
+from ds_tree.data.dataset_reader import LoadedGroups
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.layout import StepLayout
 from ds_tree.losses.values import ValuePairs, gae, value_loss
@@ -82,7 +83,7 @@ def run_gae(mode: str, critic_source: str) -> tuple[list[tuple], dict[str, float
         StepLayout(config, {}, pad_id=0, world_size=1),
         None,
         rank=0,
-        groups=groups,
+        groups=LoadedGroups(groups),
         sampler=StepSampler(len(groups), len(groups), seed=0),
     )
     objective = OBJECTIVES.get("ppo")(config)

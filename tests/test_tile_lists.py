@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.attention.reference import visibility_mask
+from ds_tree.kernel.block_stats import block_stats
+from ds_tree.kernel.tile_lists import SCHEDULES, backward_tile_lists, classify_tiles, compact, query_tile_lists
 from ds_tree.registries import ATTENTION_ENGINES
-from ds_tree.triton.block_stats import block_stats
-from ds_tree.triton.tile_lists import SCHEDULES, backward_tile_lists, classify_tiles, compact, query_tile_lists
 from tests.helpers.strategies import forests, longest
 from tests.test_attention import _rows_kv_end
 

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
-from ds_tree.data.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from ds_tree.vocab.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -241,3 +241,20 @@ def test_a_damaged_state_file_is_a_warning_and_fresh_tracker_runs(tmp_path, monk
     if damage != "directory":
         run_id = json.loads(state.read_text())["wandb"]["run_id"]
         assert run_id != "../x" and (output / "wandb" / "latest-run").is_symlink()  # a new run, in the run's folder
+
+
+def test_a_closed_wandb_run_gives_the_process_its_own_exit_back(tmp_path, monkeypatch):
+    """wandb.init replaces sys.exit and sys.excepthook with its hooks, whose exit reads a bare ``sys.exit()`` as
+    code 0: after the run is closed the process has its own again (a reward calling ``sys.exit()`` in a later test
+    of the same worker was reported as ``sys.exit(0)``)."""
+    from ds_tree.run.trackers import TrackerRun, close_all, open_trackers
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    before = (sys.exit, sys.excepthook)
+    trackers = open_trackers(["wandb"], TrackerRun(tmp_path, "trees", "run", {}, resume_step=0))
+    close_all(trackers)
+    assert (sys.exit, sys.excepthook) == before
+    with pytest.raises(SystemExit) as exited:
+        sys.exit()
+    assert exited.value.code is None

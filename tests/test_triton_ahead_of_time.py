@@ -1,6 +1,6 @@
 """The ``list`` tile schedule's kernels compile for Hopper (sm_90) with no branch and pipelined loads.
 
-No GPU needed: ``ds_tree.triton.ahead_of_time`` runs Triton's compiler for an explicit target.
+No GPU needed: ``ds_tree.kernel.ahead_of_time`` runs Triton's compiler for an explicit target.
 It runs in a child process because the test runner sets ``TRITON_INTERPRET=1``, under which Triton
 replaces the kernels by the interpreter. What the GPU's Triton (3.6 on the project's machine) makes of
 them may differ from this one's (3.9): the timings are the GPU run's business (docs/KERNEL.md).
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import json
-from ds_tree.triton.ahead_of_time import compile_kernel
+from ds_tree.kernel.ahead_of_time import compile_kernel
 found = [compile_kernel(kernel, "list") for kernel in ("forward", "query", "key_value")]
 found.append(compile_kernel("key_value", "list", window=True, softcap=True) | {"kernel": "key_value+window+cap"})
 found.append(compile_kernel("forward", "loop"))

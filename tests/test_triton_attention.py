@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from ds_tree.attention.reference import tree_attention_reference, visibility_mask
-from ds_tree.triton.block_stats import block_stats
-from ds_tree.triton.tile_lists import SCHEDULE_VARIABLE, SCHEDULES, classify_tiles
+from ds_tree.kernel.block_stats import block_stats
+from ds_tree.kernel.tile_lists import SCHEDULE_VARIABLE, SCHEDULES, classify_tiles
 
 if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from ds_tree.triton import kernels  # noqa: E402
-from ds_tree.triton.function import triton_tree_attention  # noqa: E402
+from ds_tree.kernel import kernels  # noqa: E402
+from ds_tree.kernel.function import triton_tree_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and not kernels.INTERPRET else "cpu"
 
@@ -205,7 +205,7 @@ def test_schedule_comes_from_the_argument_or_the_environment(monkeypatch):
 def test_an_installed_configuration_is_used_and_exact(tile_schedule):
     """What autotune installs reaches the launch: other tile shapes than the defaults (a backward whose
     key blocks are wider than its query blocks), still exact on both schedules."""
-    from ds_tree.triton import autotune
+    from ds_tree.kernel import autotune
 
     rng = random.Random(1)
     kv_end = _kv_end("forest", 1, rng)
@@ -226,7 +226,7 @@ def test_an_installed_configuration_is_used_and_exact(tile_schedule):
 
 
 def test_autotune_refuses_the_interpreter_and_the_cpu():
-    from ds_tree.triton import autotune
+    from ds_tree.kernel import autotune
 
     with pytest.raises(RuntimeError, match="CUDA GPU only"):
         autotune.tune(torch.full((1, 8), 8), 2, 1, 16, torch.float32, "list")

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from ds_tree.comparison import gradient_errors
+from ds_tree.kernel.tile_lists import SCHEDULE_VARIABLE, SCHEDULES
 from ds_tree.losses.sft import Normalisers
 from ds_tree.models.loading import load_model
 from ds_tree.objectives.sft import run_rows
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.triton.tile_lists import SCHEDULE_VARIABLE, SCHEDULES
 
 if not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)

@@ -13,8 +13,6 @@ import torch
 
 from ds_tree.cli.make_tokenizer import VISION_FAMILIES
 from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
-from ds_tree.data import vision_processor
-from ds_tree.data.vision_processor import VISION_TOKENS, build_image_processor, load_vision_processor
 from ds_tree.errors import ConfigError, DataError
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.loading import load_model
@@ -28,6 +26,8 @@ from ds_tree.trees.stats import tree_stats
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest, build_trees
 from ds_tree.verify.tree_vs_flat import compare, compare_rl, run_mode
+from ds_tree.vocab import vision_processor
+from ds_tree.vocab.vision_processor import VISION_TOKENS, build_image_processor, load_vision_processor
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"qwen2_5_vl": "configs/models/tiny_qwen2_5_vl.json", "qwen3_vl": "configs/models/tiny_qwen3_vl.json"}
@@ -442,7 +442,7 @@ def test_bad_processed_images_are_one_error_naming_file_and_line(processor_folde
 def test_image_parts_and_processed_images_need_a_processor_folder():
     from ds_tree.data.chat import render_chat
     from ds_tree.data.convert import Converter, ConvertOptions
-    from ds_tree.data.tokenizer import build_tokenizer
+    from ds_tree.vocab.tokenizer import build_tokenizer
 
     messages = [
         {"role": "user", "content": [{"type": "image", "image": "a.png"}]},

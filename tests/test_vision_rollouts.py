@@ -18,11 +18,11 @@ import torch
 
 from ds_tree.cli.make_tokenizer import main as make_tokenizer_main
 from ds_tree.data.convert import load_tokenizer
+from ds_tree.envs.gui_screens import COLOURS, GuiScreensEnv, app_screen, home_screen
 from ds_tree.errors import ConfigError
 from ds_tree.models.loading import keep_norms_in_float64, load_model
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.rollout.env import EnvironmentCalls, StepResult, ToolEnvironment, check_messages, step_result
-from ds_tree.rollout.envs.gui_screens import COLOURS, GuiScreensEnv, app_screen, home_screen
 from ds_tree.rollout.episodes.records import save_rollouts
 from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.images import observation_images
@@ -266,7 +266,7 @@ def test_vision_rollouts_refused_on_vllm(processor_dir, tmp_path):
 
 
 def gui_config(processor_dir, tmp_path: Path) -> Path:
-    from ds_tree.rollout.envs.gui_screens import tasks
+    from ds_tree.envs.gui_screens import tasks
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(8, 0)))
     text = (ROOT / "configs/multiturn_gui_cpu.yaml").read_text()

@@ -250,8 +250,8 @@ def test_sample_cli_on_vllm_writes_trees_the_readers_and_the_rl_checks_take(serv
 def test_multi_turn_episodes_sample_their_turns_on_vllm(served, tokenizer, tokenizer_dir) -> None:
     """rollout.env.path with engine vllm: every assistant turn is one request after the exact ids of the
     conversation so far (token in, token out), its siblings the request's n samples, with vLLM's log-probs."""
+    from ds_tree.envs.secret_tool import SecretToolEnv
     from ds_tree.rollout.env import EnvironmentCalls
-    from ds_tree.rollout.envs.secret_tool import SecretToolEnv
     from ds_tree.rollout.episodes.runner import EpisodeRunner
     from ds_tree.rollout.render import Renderer
     from ds_tree.sampling.interface import EngineTurnSampler
@@ -484,7 +484,7 @@ def test_a_runs_vllm_engine_is_built_before_the_policy_and_starts_at_its_first_s
 # ------------------------------------------------------------------- asynchronous steps
 @pytest.mark.parametrize("start, staleness, every", [(0, 1, 1), (0, 2, 1), (0, 1, 2), (3, 1, 2), (0, 0, 3)])
 def test_ahead_sampler_samples_each_step_with_the_scheduled_version_while_training(start, staleness, every) -> None:
-    """The trainer's loop of OnlineRollouts.step_trajectories against a background sampler (no server): each
+    """The trainer's loop of OnlineRollouts.step_units against a background sampler (no server): each
     step is sampled once, with the version the schedule names, before training reaches it by k steps at most."""
     events, engine = [], {"version": start}
     started = {step: threading.Event() for step in range(start, start + 20)}

@@ -135,6 +135,20 @@ def test_every_tree_goes_to_one_server_and_trees_are_balanced_over_the_servers(t
     engine.close()
 
 
+def test_a_server_killed_while_answering_is_a_failed_server(tmp_path, servers) -> None:
+    """An answer cut short (the server died after its headers: http.client's IncompleteRead, no OSError) is a
+    failed server like a refused connection: the tree moves, nothing escapes to the step (found by the suite)."""
+    healthy = engine_on(tmp_path, servers("reference"))
+    expected = [tokens_of(t) for t in sample_all(healthy, PROMPTS[:2], workers=1)]
+    a, b = servers("a"), servers("b", "--cut-after", "1")
+    engine = engine_on(tmp_path, a, b)
+    trees = sample_all(engine, PROMPTS[:2], workers=1)
+    assert b.process.wait(timeout=10) == 1
+    assert [tokens_of(t) for t in trees] == expected
+    assert engine.step_scalars()["rollout/resubmitted_trees"] == 1.0
+    engine.close()
+
+
 def test_a_server_killed_mid_step_loses_no_tree_and_its_trees_are_resubmitted(tmp_path, servers) -> None:
     """The acceptance of issue 52: with two servers, killing one mid-step loses no tree; the trees it held are
     sampled again from their start on the other, equal to what it would have produced (a tree is a function

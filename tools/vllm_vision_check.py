@@ -36,8 +36,8 @@ def build_model_dir(family: str, output: Path) -> Path:
     """The tiny model with head dim 32 and the family's processor folder, saved in ``output / "model"``."""
     from transformers import AutoModelForImageTextToText
 
-    from ds_tree.data.vision_processor import save_vision_processor
     from ds_tree.models.loading import load_config
+    from ds_tree.vocab.vision_processor import save_vision_processor
 
     source = json.loads((ROOT / f"configs/models/tiny_{family}.json").read_text())
     source["text_config"].update(HEAD_DIM_32[family])
@@ -73,7 +73,7 @@ def compare(family: str, model_dir: Path, pixels: np.ndarray, answer: dict) -> d
     """vLLM's prompt and sampled log-probs against transformers' forward on the same ids and image."""
     from transformers import AutoModelForImageTextToText
 
-    from ds_tree.data.vision_processor import FAMILIES, build_image_processor
+    from ds_tree.vocab.vision_processor import FAMILIES, build_image_processor
 
     choice = answer["choices"][0]
     prompt, generated = answer.get("prompt_token_ids") or choice["prompt_token_ids"], choice["token_ids"]

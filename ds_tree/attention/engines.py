@@ -76,12 +76,12 @@ REFERENCE = AttentionEngine("ds_tree.attention.reference:tree_attention_referenc
 TORCH = AttentionEngine("ds_tree.attention.blocksparse:blocksparse_tree_attention", auto_on=("cpu",), block_plan=True)
 """Block-sparse on torch ops, autograd backward: the CPU engine (``blocksparse.py``)."""
 TRITON = AttentionEngine(
-    "ds_tree.triton.function:triton_tree_attention",
+    "ds_tree.kernel.function:triton_tree_attention",
     interpreted_off_cuda=True,
-    tile_schedules=("loop", "list"),  # ds_tree.triton.tile_lists.SCHEDULES (tests/test_tile_lists.py)
+    tile_schedules=("loop", "list"),  # ds_tree.kernel.tile_lists.SCHEDULES (tests/test_tile_lists.py)
     cpu_limit="Triton compiles its kernels for GPUs; TRITON_INTERPRET=1 runs them in its CPU interpreter",
 )
-"""FlashAttention-2 style kernels, forward and backward (:mod:`ds_tree.triton`)."""
+"""FlashAttention-2 style kernels, forward and backward (:mod:`ds_tree.kernel`)."""
 FLEX = AttentionEngine(
     "ds_tree.attention.flex:flex_tree_attention",
     backward=("cuda",),

@@ -3,7 +3,7 @@
 The engines are :data:`ds_tree.registries.ATTENTION_ENGINES`' entries, each an
 :class:`~ds_tree.attention.engines.AttentionEngine` (its function and capabilities): ``reference`` (dense
 mask, any dtype: the oracle), ``torch`` (block-sparse, the CPU default), ``triton`` (the GPU kernel,
-:mod:`ds_tree.triton`; on a machine without a GPU only under ``TRITON_INTERPRET=1``), ``flex`` (PyTorch's
+:mod:`ds_tree.kernel`; on a machine without a GPU only under ``TRITON_INTERPRET=1``), ``flex`` (PyTorch's
 FlexAttention on the same mask; forward only on the CPU, ``flex.py``) and ``varlen`` (the flat baseline on
 flash kernels: flat rows only, CUDA only, ``varlen.py``). ``auto`` (:func:`resolve_engine`) is the engine
 whose ``auto_on`` names the device type: ``flex`` on CUDA, ``torch`` on the CPU.

@@ -21,6 +21,14 @@ The figures (:func:`simulate_host`):
   items' groups; Arrow bytes of a converted dataset, numpy bytes of trajectories in memory);
   ``global_dataset_bytes_per_rank``: the whole step's, what every rank holds today;
 - ``bytes_per_rank_max``: the most that one rank receives per step, its exchange plus its data.
+
+And were the step's groups online rollouts, each held by the rank that sampled it (group ``g`` on rank
+``g mod W``, as slots are dealt, :func:`~ds_tree.rollout.loop.rank_slots`):
+
+- ``rollout_bytes_per_rank_max``: the most that one rank receives, its exchange plus the pickled groups its
+  items need from the ranks that hold them (:mod:`ds_tree.packing.step_units`);
+- ``rollout_all_gather_bytes_per_rank``: what each rank received before, the whole step's trajectories pickled
+  (an ``all_gather_object`` of every rank's share).
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ def simulate_host(units: StepUnits, settings: PlanSettings, world_size: int, rep
     count = len(trajectories)
     del trajectories  # a rank never holds the whole step
     needed = _units_needed(units, settings, world_size)
+    pickled = [len(pickle.dumps(group, protocol=5)) for group in units.read(every)]  # a group as it travels
     runs = [_ranks_once(units, settings, world_size, needed) for _ in range(repeat)]
     seconds = np.min([run["seconds"] for run in runs], axis=0)  # per rank, its fastest run
     first = runs[0]
@@ -95,7 +104,16 @@ def simulate_host(units: StepUnits, settings: PlanSettings, world_size: int, rep
         "dataset_bytes_per_rank": int(max(dataset_bytes)),
         "global_dataset_bytes_per_rank": units.nbytes(every),
         "bytes_per_rank_max": int(first["exchange_bytes"] + max(dataset_bytes)),
+        "rollout_bytes_per_rank_max": int(first["exchange_bytes"] + max(_sent_groups(pickled, needed))),
+        "rollout_all_gather_bytes_per_rank": int(sum(pickled)),
     }
+
+
+def _sent_groups(pickled: list[int], needed: list[set[int]]) -> list[int]:
+    """Per rank, the pickled bytes of the groups its items need that another rank holds (group ``g`` on rank
+    ``g mod W``)."""
+    world = len(needed)
+    return [sum(pickled[unit] for unit in units if unit % world != rank) for rank, units in enumerate(needed)]
 
 
 def _units_needed(units: StepUnits, settings: PlanSettings, world_size: int) -> list[set[int]]:

@@ -19,11 +19,11 @@ import time
 
 import torch
 
+from ds_tree.kernel import kernels
+from ds_tree.kernel.block_stats import block_stats
+from ds_tree.kernel.function import triton_tree_attention
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.trees.trajectory import Trajectory
-from ds_tree.triton import kernels
-from ds_tree.triton.block_stats import block_stats
-from ds_tree.triton.function import triton_tree_attention
 
 BACKWARD_FLOPS_FACTOR = 2.5  # FlashAttention-2 convention: backward = 2.5x the forward matmuls
 QUANTILES = (0.5, 0.2, 0.8)

@@ -9,7 +9,7 @@ flat trainer either trains every turn as its own sample (the whole history again
 re-renders the final conversation as one sequence (training earlier turns without the reasoning
 that produced them: tokens the model never saw in that context).
 
-Measured on the CPU multi-turn example's task (:class:`~ds_tree.rollout.envs.secret_tool.LoudSecretToolEnv`,
+Measured on the CPU multi-turn example's task (:class:`~ds_tree.envs.secret_tool.LoudSecretToolEnv`,
 ``rollout.env.turn_branching: [1, 16]``: one call turn, 16 answers after its observation) with a
 scripted policy that thinks ``reasoning_tokens`` tokens before each turn (no model here writes
 reasoning; the counts depend on the turns' lengths only, which the script fixes). Per episode:
@@ -30,10 +30,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-from ds_tree.data.chat_templates import chat_template
-from ds_tree.data.tokenizer import build_tokenizer
+from ds_tree.envs.secret_tool import LoudSecretToolEnv, tasks
 from ds_tree.rollout.env import EnvironmentCalls
-from ds_tree.rollout.envs.secret_tool import LoudSecretToolEnv, tasks
 from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.episodes.tree import TRAINED_STOPS, EpisodeTree
 from ds_tree.rollout.render import Renderer
@@ -41,6 +39,8 @@ from ds_tree.sampling.interface import SampledTurn, TurnSampler
 from ds_tree.sampling.settings import EnvSettings, SamplerSettings
 from ds_tree.trees.stats import token_counts
 from ds_tree.turn_formats import resolve_format, turn_stop_tokens
+from ds_tree.vocab.chat_templates import chat_template
+from ds_tree.vocab.tokenizer import build_tokenizer
 
 COLUMNS = ("template", "episodes", "leaves", "rewritten", "tree", "turn_samples", "independent", "re_rendered")
 WORDS = "first the tool then read its answer so the secret is the digit it states and I answer that".split()

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ds_tree.bench.frozen_model_steps import FROZEN_MODEL_KINDS, FrozenModel
 from ds_tree.bench.vision import TowerCounter, distinct_images, patch_weight, row_images, tower_seconds_per_patch
 from ds_tree.config import ObjectiveConfig
 from ds_tree.data.sampler import StepSampler
@@ -49,7 +50,7 @@ from ds_tree.losses.advantages import estimate
 from ds_tree.losses.sft import Normalisers
 from ds_tree.memory.meters import PeakSavedMeter, SavedTensorMeter
 from ds_tree.memory.predict import profiled_peak_bytes
-from ds_tree.models.loading import load_model
+from ds_tree.models.loading import load_model, parse_dtype
 from ds_tree.models.vision import attach_rope_positions
 from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
 from ds_tree.objectives.sft import run_rows
@@ -383,10 +384,19 @@ def run_benchmark(
     ``dfs_chunk`` tokens (0: ``budget``), forwarding each twice with ``dfs_recompute``.
     """
     rl = objective is not None and objective.is_rl
+    frozen = None  # distillation's teacher or DPO's reference: built once, shared by the modes
+    if objective is not None and objective.kind in FROZEN_MODEL_KINDS:
+        if peak_memory:
+            raise ValueError(
+                f"--objective {objective.kind} has no activation meters (--peak-memory, --activation-checkpointing)"
+            )
+        frozen = FrozenModel(objective, model_source, attention, parse_dtype(dtype), seed, device)
     if device != "cpu" and (set(modes) - {"flat", "tree"} or peak_memory or profile_path):
         raise ValueError(f"--device {device} times modes flat and tree only (no memory meters or profile)")
     if one_mode_at_a_time and (peak_memory or profile_path):
         raise ValueError("one mode at a time measures the GPU's peak memory only (no memory meters or profile)")
+    if frozen is not None:
+        trajectories = frozen.trained(trajectories)
     groups = group_trajectories(trajectories)
     per_step = groups_per_step or len(groups)
     sampler = StepSampler(len(groups), per_step, seed)
@@ -403,7 +413,9 @@ def run_benchmark(
             tower = towers[mode]
             if tower is not None:
                 tower.take()  # from zero: nothing of another step or of the memory and profile passes
-            if rl:
+            if frozen is not None:
+                result = frozen.step(model, optimizer, batch, mode, budget, block, dfs_settings, device)
+            elif rl:
                 reference = bench.references[mode]
                 result = rl_step_once(
                     model, optimizer, reference, batch, mode, budget, block, objective, measure, dfs_settings, device
@@ -477,13 +489,23 @@ def run_benchmark(
     }
     if len(gpu_peaks) == 2:
         report["gpu_peak_memory_tree_over_flat"] = gpu_peaks["tree"] / gpu_peaks["flat"]
-    if rl:
+    if frozen is not None:
+        report["objective"] = objective.kind
+        report["objective_settings"] = config_to_dict_objective(objective)
+    elif rl:
         report["objective"] = objective.kind
         report["estimator"] = objective.estimator
         report["ppo_epochs"] = objective.ppo_epochs
         report["rl_settings"] = asdict(objective.rl_settings())
     ratios = mode_ratios(report_modes, times, peak_bytes, rl)
     return report | ratios | vision_ratios(report_modes, patch_cost, patch_price)
+
+
+def config_to_dict_objective(objective: ObjectiveConfig) -> dict:
+    """The objective's own settings for the report (distillation: the teacher and its section; DPO its section)."""
+    if objective.kind == "distill":
+        return {"teacher": objective.teacher, "distill": asdict(objective.distill), "ppo_epochs": objective.ppo_epochs}
+    return {"dpo": asdict(objective.dpo)}
 
 
 def timed_steps(modes, groups, sampler, warmup: int, steps: int, step_of, progress=None):

@@ -30,6 +30,7 @@ COMMANDS = {
     "plot-multiturn": "learning curve and tree reuse of a multi-turn RL run (metrics.jsonl) into a PNG",
     "sample": "sample prompts' groups as trees with a HF model, score them, write rollouts JSONL",
     "plan": "predicted peak memory per rank of a training config, and the largest row that fits",
+    "eval": "a config's eval section (held-out loss, pass@k on held-out tasks) on a checkpoint or model",
     "gpu-check": "prove the GPU path on one CUDA GPU: engines exact, kernels and steps timed, the trainer run",
 }
 USAGE = "usage: ds-tree COMMAND [options]   (ds-tree COMMAND --help for a command's options)\n\ncommands:\n" + "".join(

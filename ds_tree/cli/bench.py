@@ -38,6 +38,12 @@ updates. modes.<mode> then also has old_forward_time_s, updates_time_s, old_forw
 targets_per_step (tokens the LM head scores), and the report old_forward_speedup,
 updates_speedup and target_ratio (flat / tree).
 
+--objective distill --teacher MODEL (a config teacher initialised at seed 1, the student at 0;
+--distill-loss, --ppo-epochs) and --objective dpo (--dpo-beta, --dpo-loss; the data's sibling pairs, only
+the paired sequences packed and counted) time their trainer steps the same way
+(ds_tree/bench/frozen_model_steps.py): the no-grad pass (the teacher's forward over the items; DPO's summed
+log-probs under the policy and the reference) is reported as old_forward, the update(s) as updates.
+
 --sequence-parallel S spawns S ranks (one Ulysses group; docs/BENCHMARKS.md). SFT: the tree step at
 S = 1 and S, with each rank's activation memory. RL (--objective grpo / ppo): tree against flat,
 both planned as the trainer plans them under sequence parallelism (a path over --budget sharded over
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():  # after the options' own rules
         parser.error(f"--device {args.device}: torch {torch.__version__} sees no CUDA GPU; use --device cpu")
     objective = objective_config(parser, args)
+    if args.sequence_parallel > 1 and objective is not None and objective.kind in ("distill", "dpo"):
+        parser.error(f"--sequence-parallel: --objective {objective.kind} is timed in one process (no S ranks)")
     if args.sequence_parallel > 1:
         measure = sequence_parallel_measure(args, objective)
     else:

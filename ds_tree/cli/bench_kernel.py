@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from ds_tree.triton.tile_lists import resolve_schedule
+    from ds_tree.kernel.tile_lists import resolve_schedule
 
     try:  # $DS_TREE_TRITON_TILES, checked before the forest is built
         resolve_schedule()

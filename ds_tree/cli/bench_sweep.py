@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ds_tree.data.convert import ConvertOptions, convert
     from ds_tree.data.jsonl import slice_groups
     from ds_tree.data.synthetic import SyntheticConfig, write_synthetic
-    from ds_tree.data.tokenizer import save_tokenizer
+    from ds_tree.vocab.tokenizer import save_tokenizer
 
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work

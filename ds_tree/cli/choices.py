@@ -55,6 +55,12 @@ POLICIES = get_args(config.WeightPolicy)
 """ds_tree.losses.sft.POLICIES"""
 KL_ESTIMATORS = get_args(config.KLEstimator)
 """ds_tree.losses.rl.KL_ESTIMATORS"""
+DISTILL_LOSSES = get_args(config.DistillLoss)
+"""ds_tree.losses.distill.LOSSES"""
+DPO_LOSSES = get_args(config.DPOLoss)
+"""ds_tree.losses.dpo.LOSSES"""
+DPO_PAIRINGS = get_args(config.DPOPairs)
+"""ds_tree.trees.pairs.PAIRINGS"""
 
 MODEL_DTYPES = ("float64", "float32", "bfloat16", "float16")
 """ds_tree.models.loading.DTYPES"""
@@ -63,7 +69,7 @@ VERIFY_DTYPES = ("float64", "float32")
 BENCH_DTYPES = ("float32", "bfloat16")
 """ds_tree.bench.steps.BENCH_DTYPES"""
 KERNEL_DTYPES = ("float32", "float16", "bfloat16")
-"""ds_tree.triton.function.DTYPES"""
+"""ds_tree.kernel.function.DTYPES"""
 
 BLOCK = 128
 """ds_tree.attention.blocksparse.DEFAULT_BLOCK"""
@@ -73,13 +79,13 @@ HUB_MIN_QUERIES = 128
 """ds_tree.attention.blocksparse.HUB_MIN_QUERIES"""
 
 TOKENIZER_VOCAB_SIZE = 1024
-"""ds_tree.data.tokenizer.DEFAULT_VOCAB_SIZE"""
+"""ds_tree.vocab.tokenizer.DEFAULT_VOCAB_SIZE"""
 SYNTHETIC_SEED = 0
 """SyntheticConfig().seed (ds_tree.data.synthetic)"""
 SYNTHETIC_MAX_TOKENS = 512
 """SyntheticConfig().max_tokens"""
 
-CONVERT_FORMATS = ("chat", "tokens", "tree")
+CONVERT_FORMATS = ("chat", "tokens", "tree", "preference")
 """ds_tree.data.convert.FORMATS"""
 MERGES = ("group", "global")
 """ds_tree.data.convert.MERGES"""

@@ -5,14 +5,11 @@ its inputs: :func:`check_not_input`)."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-
-from ds_tree.atomic import remove
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
@@ -177,72 +174,3 @@ def check_output_path(parser: argparse.ArgumentParser, path: Path | None, option
     problem = path is not None and output_plot_problem(path)
     if problem:
         parser.error(f"{option} {problem}")
-
-
-def save_figure(figure, path: Path, dpi: int) -> Path:
-    """Save a matplotlib figure at exactly ``path``, creating its folder, and return ``path``.
-
-    matplotlib appends ``.png`` to a name without an extension it knows (``plot`` becomes
-    ``plot.png``), so the format is given: the suffix's when matplotlib has it (pdf, svg, ...),
-    PNG otherwise. The figure is laid out here (``tight_layout``). Every title, label and legend is drawn as
-    written: text the user gave with two ``$`` is not mathtext, which fails to parse ``$\\frac{$`` (the
-    layout renders it, so this comes first). The figure is written to a new temporary sibling and renamed
-    over ``path``: a symbolic link there is replaced, never followed to overwrite its target."""
-    for text in _written_texts(figure):
-        text.set_parse_math(False)
-    figure.tight_layout()  # lays out the texts: after they are plain
-    suffix = path.suffix.removeprefix(".").lower()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    remove(temporary)  # a leftover, or a link planted under its name
-    try:
-        with open(temporary, "xb") as handle:
-            figure.savefig(
-                handle, dpi=dpi, format=suffix if suffix in figure.canvas.get_supported_filetypes() else "png"
-            )
-        os.replace(temporary, path)
-    finally:
-        remove(temporary)
-    return path
-
-
-def _written_texts(figure) -> list:
-    """The figure's titles, axis labels, texts and legend entries: what a command writes from its input or
-    options (tick labels are matplotlib's own)."""
-    texts = list(figure.texts)
-    for axes in figure.axes:
-        texts += [axes.title, axes.xaxis.label, axes.yaxis.label, *axes.texts]
-        if axes.get_legend() is not None:
-            texts += axes.get_legend().get_texts()
-    return texts
-
-
-def metrics_records(path: Path) -> Iterator[tuple[int, dict]]:
-    """``(line number, record)`` of each non-blank line of a run's metrics.jsonl; a ValueError names the
-    file (missing) or the file and line (not UTF-8, malformed JSON, not a JSON object)."""
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ValueError(f"{path}:{number}: not UTF-8 text") from None
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}; a truncated line?)") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: a record must be a JSON object")
-        yield number, record
-
-
-def check_numbers(where: str, record: dict, names) -> None:
-    """A ValueError at ``where`` (``file:line``) unless each of ``names`` is a number in ``record``."""
-    for name in names:
-        if name not in record:
-            raise ValueError(f"{where}: the record has no {name!r}")
-        value = record[name]
-        if value is None:  # metrics.jsonl writes null for a value that was not finite
-            raise ValueError(f"{where}: {name} is null: the run logged a value that was not finite (NaN or inf)")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{where}: {name} must be a number, got {value!r}")

@@ -7,6 +7,10 @@ Formats:
   tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?,
            "images"?, "image_index"?}   (processed images, with a processor folder: docs/DATA.md "Images")
   tree    {"group_id"?, "tools"?, "nodes": [{"id", "parent", "input_ids" | "messages", ...}]}
+  preference  {"prompt"?, "chosen", "rejected", "tools"?, "group_id"?}
+          (TRL's preference format, text or conversational: each record a tree of its prompt and two
+          answers, chosen reward 1, rejected 0, trained on the answers; records sharing --group-key merge;
+          the pairs objective.kind dpo trains, docs/RL.md "DPO")
 The RL rollout fields logprobs and advantages (one entry per token) pass through the tokens and
 tree formats; a chat record cannot carry them, since its tokens are known only after rendering.
 --prefix-policy says what happens to a conversation whose chat template is not prefix-stable:

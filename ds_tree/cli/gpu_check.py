@@ -94,22 +94,22 @@ def environment(device: str) -> dict:
 
 def run_section(name: str, device: str, smoke: bool, output: Path, progress) -> dict:
     if name == "correctness":
-        from ds_tree.bench.gpu.attention import correctness
+        from ds_tree.gpu_check.attention import correctness
 
         return correctness(device, smoke, progress)
     if name == "kernels":
-        from ds_tree.bench.gpu.attention import kernel_table
+        from ds_tree.gpu_check.attention import kernel_table
 
         return kernel_table(device, smoke, progress)
     if name == "steps":
-        from ds_tree.bench.gpu.steps import end_to_end
+        from ds_tree.gpu_check.steps import end_to_end
 
         return end_to_end(device, smoke, progress)
     if name == "hybrid":
-        from ds_tree.bench.gpu.hybrid import hybrid_check
+        from ds_tree.gpu_check.hybrid import hybrid_check
 
         return hybrid_check(device, smoke, progress)
-    from ds_tree.bench.gpu.trainer import trainer_check
+    from ds_tree.gpu_check.trainer import trainer_check
 
     return trainer_check(output / "trainer", smoke=smoke, progress=progress)
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error("gpu-check needs a CUDA GPU (none found: no nvidia-smi); --smoke runs it on the CPU")
     import torch
 
-    from ds_tree.bench.gpu.report import write_report
+    from ds_tree.gpu_check.report import write_report
 
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

@@ -2,7 +2,7 @@
 
 The result loads offline with transformers' AutoTokenizer.from_pretrained(DIR) and is identical
 every run. With --vision FAMILY the folder is a processor folder: the tokenizer plus the family's
-image tokens and chat template, and its image processor config (ds_tree/data/vision_processor.py).
+image tokens and chat template, and its image processor config (ds_tree/vocab/vision_processor.py).
 
 An existing --output is replaced only with --overwrite, and only when make-tokenizer wrote it (it holds
 the ds_tree_tokenizer.json this command writes and nothing but a tokenizer or processor folder's files):
@@ -21,7 +21,7 @@ from pathlib import Path
 from ds_tree.atomic import remove, replace_directory
 from ds_tree.cli.choices import TOKENIZER_VOCAB_SIZE
 from ds_tree.cli.common import command_parser, output_folder_problem
-from ds_tree.data.chat_templates import TEMPLATES
+from ds_tree.vocab.chat_templates import TEMPLATES
 
 VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 """The vision-language model families (their specs' ``vision``, ds_tree/models/families), copied so that
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 def write_folder(args: argparse.Namespace) -> None:
     """The tokenizer (or processor) folder built in a temporary sibling of ``--output``, then moved into place
     (:func:`~ds_tree.atomic.replace_directory`): a failure leaves the previous folder as it was."""
-    from ds_tree.data.tokenizer import save_tokenizer
-    from ds_tree.data.vision_processor import save_vision_processor
+    from ds_tree.vocab.tokenizer import save_tokenizer
+    from ds_tree.vocab.vision_processor import save_vision_processor
 
     target = args.output.resolve()
     target.parent.mkdir(parents=True, exist_ok=True)

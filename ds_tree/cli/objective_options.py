@@ -1,16 +1,26 @@
-"""The ``--objective`` options ``verify`` and ``bench`` share: SFT, or the RL objective (docs/RL.md).
+"""The ``--objective`` options ``verify`` and ``bench`` share: SFT, the RL objective, distillation or DPO
+(docs/RL.md).
 
 The RL options map one to one onto :class:`ds_tree.config.ObjectiveConfig` fields, so the command
 line gets the config's defaults and checks (``--dual-clip 0`` is off, as ``dual_clip: 0`` is in a
-config). An RL option given with ``--objective sft``, or an SFT option with an RL objective, is a
-usage error rather than silently ignored.
+config); ``--teacher`` sets ``objective.teacher``, ``--distill-X`` and ``--dpo-X`` the fields ``X`` of the
+``objective.distill`` and ``objective.dpo`` sections. An RL option given with ``--objective sft``, an SFT
+option with an RL objective, or an option of another objective is a usage error rather than silently ignored.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ds_tree.cli.choices import KL_ESTIMATORS, aggregations, estimators, objectives  # registries: --help stays fast
+from ds_tree.cli.choices import (  # registries: --help stays fast
+    DISTILL_LOSSES,
+    DPO_LOSSES,
+    DPO_PAIRINGS,
+    KL_ESTIMATORS,
+    aggregations,
+    estimators,
+    objectives,
+)
 from ds_tree.cli.common import POSITIVE_INT, finite_float
 from ds_tree.config import ConfigError, CriticSettings, ObjectiveConfig, objective_strays
 
@@ -54,7 +64,24 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
         group.add_argument(
             "--ppo-epochs", type=POSITIVE_INT, help="update passes over each step's rollouts (default 1)"
         )
+    add_distill_dpo_arguments(parser)
     return group
+
+
+def add_distill_dpo_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``--objective distill`` and ``dpo`` (``objective.teacher``, ``objective.distill.*``,
+    ``objective.dpo.*``; all ``None`` unless given)."""
+    distill = parser.add_argument_group("distillation (only with --objective distill; docs/RL.md)")
+    distill.add_argument("--teacher", metavar="MODEL", help="the teacher: a model config JSON or HF directory")
+    distill.add_argument("--distill-loss", choices=DISTILL_LOSSES, help="default reverse_kl_sampled")
+    distill.add_argument("--distill-beta", type=finite_float, help="jsd's mixture weight in (0, 1) (default 0.5)")
+    dpo = parser.add_argument_group("DPO (only with --objective dpo; docs/RL.md)")
+    dpo.add_argument("--dpo-beta", type=finite_float, help="inverse temperature of the margin (default 0.1)")
+    dpo.add_argument("--dpo-loss", choices=DPO_LOSSES, help="sigmoid (DPO) or ipo (default sigmoid)")
+    dpo.add_argument("--dpo-label-smoothing", type=finite_float, help="sigmoid: share of flipped labels (default 0)")
+    dpo.add_argument(
+        "--dpo-pairs", choices=DPO_PAIRINGS, help="where pairs come from: siblings, a tree's forks (the default)"
+    )
 
 
 RL_FIELDS = (
@@ -79,8 +106,25 @@ CRITIC_OPTIONS = {"critic": "source", "value_clip": "value_clip"}
 """The options that set ``objective.critic``'s fields (:class:`ds_tree.config.CriticSettings`)."""
 
 
+SECTION_OPTIONS = {"distill": ("loss", "beta"), "dpo": ("beta", "loss", "label_smoothing", "pairs")}
+"""The nested sections' fields the options set (argument ``--distill-loss`` sets ``distill.loss``)."""
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _sections(options: dict) -> dict:
+    """``teacher`` and the ``distill`` / ``dpo`` sections the options give (only those given)."""
+    from ds_tree.config import DistillSettings, DPOSettings
+
+    chosen = {"teacher": options["teacher"]} if options.get("teacher") is not None else {}
+    for section, kind in (("distill", DistillSettings), ("dpo", DPOSettings)):
+        values = {name: options.get(f"{section}_{name}") for name in SECTION_OPTIONS[section]}
+        values = {name: value for name, value in values.items() if value is not None}
+        if values:
+            chosen[section] = kind(**values)
+    return chosen
 
 
 def objective_config(
@@ -95,16 +139,21 @@ def objective_config(
     options = vars(args)
     chosen = {name: options[name] for name in RL_FIELDS if options.get(name) is not None}
     critic = {field: options[name] for name, field in CRITIC_OPTIONS.items() if options.get(name) is not None}
-    if critic:
-        try:
+    try:
+        chosen |= _sections(options)
+        if critic:
             chosen["critic"] = CriticSettings(**critic)
-        except ConfigError as error:
-            parser.error(str(error))
+    except ConfigError as error:
+        parser.error(str(error))
     if args.objective == "sft":  # the config's rule (objective_strays) on the options given, plus the command's own
-        stray = [_flag(name) for name in (*objective_strays("sft", chosen), *rl_only) if options.get(name) is not None]
+        given = [name for name in rl_only if options.get(name) is not None]
+        stray = [
+            _flag(name) + ("-*" if name in SECTION_OPTIONS else "")
+            for name in (*objective_strays("sft", chosen), *given)
+        ]
         stray += [_flag(name) for name in CRITIC_OPTIONS if options.get(name) is not None and _flag(name) not in stray]
         if stray:
-            parser.error(f"{', '.join(stray)}: only with --objective grpo or ppo")
+            parser.error(f"{', '.join(stray)}: only with --objective grpo or ppo (or distill, dpo)")
         return None
     stray = [_flag(name) for name in sft_only if options.get(name) is not None]
     if stray:

@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 def format_host(host: dict) -> str:
     """The ``host`` figures as a few lines of text."""
     names = ("bytes_per_rank_max", "exchange_bytes", "global_dataset_bytes_per_rank")
+    names += ("rollout_bytes_per_rank_max", "rollout_all_gather_bytes_per_rank")
     mib = {name: host[name] / 2**20 for name in names}
     return (
         f"host work of step {host['step']} over {host['world_size']} simulated ranks ({host['groups']} groups, "
@@ -186,7 +187,9 @@ def format_host(host: dict) -> str:
         f"  balance (max / mean predicted cost) {host['balance']:.4f}, whole-step plan {host['global_balance']:.4f}\n"
         f"  received per rank: {mib['bytes_per_rank_max']:.2f} MiB at most ({mib['exchange_bytes']:.2f} MiB of "
         f"summaries, {host['dataset_bytes_per_rank'] / 2**20:.2f} MiB of data; the whole step's data: "
-        f"{mib['global_dataset_bytes_per_rank']:.2f} MiB)"
+        f"{mib['global_dataset_bytes_per_rank']:.2f} MiB)\n"
+        f"  online rollouts (each group on the rank that sampled it): {mib['rollout_bytes_per_rank_max']:.2f} MiB "
+        f"at most per rank, against {mib['rollout_all_gather_bytes_per_rank']:.2f} MiB by an all-gather of the step"
     )
 
 

@@ -6,9 +6,10 @@ steps after the first RL step are refresh steps, rollout.env.refresh_every) and 
 steps, the guessing rate (0.1) and the 0.8 target. Right, per RL step: the tokens the episode trees
 sampled (rollout/sampled_tokens) against what independent episodes with the same leaves would
 sample (plus rollout/tokens_saved: every leaf's assistant tokens), and the tree tokens trained
-against their flat count (tree/por). Writes the figure to --output and prints the figures the docs
-quote. A run directory without metrics.jsonl, a malformed record, or a record without those
-metrics, exits 2 naming the file and line.
+against their flat count (tree/por). A run that evaluates held-out tasks (the eval section,
+docs/EVAL.md) gets its eval/reward_mean drawn on the left panel too, and a line of its figures. Writes
+the figure to --output and prints the figures the docs quote. A run directory without metrics.jsonl, a
+malformed record, or a record without those metrics, exits 2 naming the file and line.
 """
 
 from __future__ import annotations
@@ -17,122 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from ds_tree.cli.common import (
-    check_not_input,
-    check_numbers,
-    check_output_path,
-    command_parser,
-    metrics_records,
-    save_figure,
-)
-
-RL_METRICS = (
-    "step",
-    "rollout/reward_mean",
-    "rollout/sampled_tokens",
-    "rollout/tokens_saved",
-    "tree/por",
-    "rollout/parse_errors",
-    "rollout/env_errors",
-    "time/step_s",
-)
-"""What an RL step's record (one with rollout/reward_mean) must carry."""
-SFT_METRICS = ("step", "warmup/sft_loss", "time/step_s")
-"""What a warm-up or refresh step's record (one with warmup/sft_loss) must carry."""
-
-
-def read_metrics(run: Path) -> tuple[list[dict], list[dict], list[dict]]:
-    """The warm-up, RL and refresh records of ``run``'s metrics.jsonl, each in step order; a
-    ValueError names the file and line (or the file, when it has no RL step)."""
-    path = run / "metrics.jsonl"
-    rl, sft = [], []
-    for number, record in metrics_records(path):
-        if "rollout/reward_mean" in record:
-            names, kept = RL_METRICS, rl
-        elif "warmup/sft_loss" in record:
-            names, kept = SFT_METRICS, sft
-        else:  # a step that logged neither (a discarded step): only its step is checked
-            names, kept = ("step",), []
-        check_numbers(f"{path}:{number}", record, names)
-        kept.append(record)
-    if not rl:
-        raise ValueError(f"{path}: no RL step (rollout/reward_mean) yet")
-    rl.sort(key=lambda record: record["step"])
-    sft.sort(key=lambda record: record["step"])
-    first = rl[0]["step"]
-    return [r for r in sft if r["step"] < first], rl, [r for r in sft if r["step"] > first]
-
-
-def summary(warmup: list[dict], rl: list[dict], refresh: list[dict], window: int) -> list[str]:
-    """The lines the docs quote: step counts, reward gain, sampled tokens, errors and wall time."""
-    steps = np.array([r["step"] for r in rl])
-    reward = np.array([r["rollout/reward_mean"] for r in rl])
-    sampled = np.array([r["rollout/sampled_tokens"] for r in rl])
-    independent = sampled + np.array([r["rollout/tokens_saved"] for r in rl])
-    por = np.array([r["tree/por"] for r in rl])
-    first, last = reward[:window].mean(), reward[-window:].mean()
-    ratio = f"{independent.sum() / sampled.sum():.2f}x" if sampled.sum() else "n/a"
-    return [
-        f"warm-up steps: {len(warmup)}; RL steps: {len(rl)} (steps {steps[0]}-{steps[-1]}); "
-        f"refresh steps: {len(refresh)}",
-        f"reward: first {window} RL steps {first:.3f}, last {window} {last:.3f} (gain {last - first:+.3f}), "
-        f"best step {reward.max():.3f}",
-        f"sampled tokens per RL step: trees {sampled.mean():.0f}, independent {independent.mean():.0f} "
-        f"({ratio}); trained tree/por {por.mean():.3f}",
-        f"parse errors {sum(r['rollout/parse_errors'] for r in rl):.0f}, env errors "
-        f"{sum(r['rollout/env_errors'] for r in rl):.0f}; wall: warm-up {sum(r['time/step_s'] for r in warmup):.0f} s, "
-        f"RL {sum(r['time/step_s'] for r in rl):.0f} s, "
-        f"refresh {sum(r['time/step_s'] for r in refresh):.0f} s (step times)",
-    ]
-
-
-def plot(
-    warmup: list[dict],
-    rl: list[dict],
-    window: int,
-    output: Path,
-    title: str = "secret tool",
-    chance: float = 0.1,
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    steps = np.array([r["step"] for r in rl])
-    reward = np.array([r["rollout/reward_mean"] for r in rl])
-    smooth = np.convolve(reward, np.ones(window) / window, mode="valid")
-    sampled = np.array([r["rollout/sampled_tokens"] for r in rl])
-    independent = sampled + np.array([r["rollout/tokens_saved"] for r in rl])
-    por = np.array([r["tree/por"] for r in rl])
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(steps, reward, color="tab:blue", alpha=0.35, label="reward, per step")
-    left.plot(steps[window - 1 :], smooth, color="tab:blue", label=f"reward, {window}-step mean")
-    left.axhline(chance, color="grey", linestyle=":", label="guessing (ignores the observation)")
-    left.axhline(0.8, color="tab:green", linestyle="--", label="target 0.8")
-    if warmup:
-        left.axvspan(0.5, len(warmup) + 0.5, color="grey", alpha=0.15, label=f"SFT warm-up ({len(warmup)} steps)")
-    left.set(xlabel="training step", ylabel="rollout/reward_mean", ylim=(-0.02, 1.02), title=f"{title}: learning curve")
-    left.legend(fontsize=8, loc="lower right")
-    right.plot(steps, independent, color="tab:red", label="sampled: independent episodes")
-    right.plot(steps, sampled, color="tab:blue", label="sampled: episode trees")
-    twin = right.twinx()
-    twin.plot(steps, por, color="tab:purple", linestyle="--", label="trained tree/por (right axis)")
-    twin.set(ylabel="tree/por (1 - tree tokens / flat tokens)", ylim=(0, 1))
-    right.set(
-        xlabel="training step",
-        ylabel="assistant tokens sampled per step",
-        ylim=(0, None),
-        title="tree reuse per RL step",
-    )
-    lines = right.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    labels = right.get_legend_handles_labels()[1] + twin.get_legend_handles_labels()[1]
-    right.legend(lines, labels, fontsize=8, loc="lower right")
-    save_figure(figure, output, dpi=110)
-    plt.close(figure)
+from ds_tree.cli.common import check_not_input, check_output_path, command_parser
+from ds_tree.reports.multiturn import evaluation_summary, plot, read_evaluations, read_metrics, summary
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -167,11 +54,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     check_not_input(parser, "--output", args.output, [args.run / "metrics.jsonl"])
     try:
         warmup, rl, refresh = read_metrics(args.run)
+        evaluations = read_evaluations(args.run)
     except ValueError as error:
         print(f"{prog or 'ds-tree plot-multiturn'}: error: {error}", file=sys.stderr)
         return 2
     window = min(args.window, len(rl))
-    plot(warmup, rl, window, args.output, args.title, args.chance)
-    print("\n".join(summary(warmup, rl, refresh, window)))
+    plot(warmup, rl, window, args.output, args.title, args.chance, evaluations)
+    print("\n".join(summary(warmup, rl, refresh, window) + evaluation_summary(evaluations)))
     print(f"wrote {args.output}")
     return 0

@@ -6,8 +6,10 @@ the tokens the sampler ran through the model so far (right, rollout/forward_toke
 step (thin) and as a running mean over --window steps (thick), into the --output file, and prints
 a Markdown table: runs, steps, mean reward of the first and of the last --window steps, and the
 tokens the sampler drew and ran through the model in one run (rollout/sampled_tokens,
-rollout/forward_tokens). A run directory without metrics.jsonl, or a record without the step or
-those rollout/ metrics, exits 2 naming the file and line.
+rollout/forward_tokens). A run that evaluates held-out prompts (the eval section, docs/EVAL.md) also gets
+its eval/reward_mean drawn beside the training reward (dashed, with markers) and its last value in the
+table. A run directory without metrics.jsonl, or a record without the step or those rollout/ metrics,
+exits 2 naming the file and line.
 """
 
 from __future__ import annotations
@@ -16,91 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from ds_tree.cli.common import (
-    check_not_input,
-    check_numbers,
-    check_output_path,
-    command_parser,
-    metrics_records,
-    save_figure,
-)
-
-METRICS = ("step", "rollout/reward_mean", "rollout/sampled_tokens", "rollout/forward_tokens")
-"""What each record of a run's metrics.jsonl must carry."""
-
-
-def read_run(directory: Path) -> dict[str, np.ndarray]:
-    """Per-step rollout metrics of one run, in step order; a ValueError names the file, line and field."""
-    path = directory / "metrics.jsonl"
-    records = []
-    for number, record in metrics_records(path):
-        if "warmup/sft_loss" in record:  # a step of rollout.env.warmup_steps: SFT, nothing sampled
-            continue
-        if not records and "rollout/reward_mean" not in record:
-            raise ValueError(f"{path}: no rollout/ metrics (not an online RL run)")
-        check_numbers(f"{path}:{number}", record, METRICS)
-        records.append(record)
-    if not records:
-        raise ValueError(f"{path}: no rollout/ metrics (not an online RL run)")
-    records.sort(key=lambda record: record["step"])
-    return {name: np.array([record[name] for record in records], dtype=np.float64) for name in METRICS}
-
-
-def average_runs(runs: list[dict[str, np.ndarray]], label: str) -> dict[str, np.ndarray]:
-    """Step-by-step mean of runs with the same steps."""
-    if any(not np.array_equal(run["step"], runs[0]["step"]) for run in runs):
-        raise ValueError(f"{label}: the runs do not have the same steps")
-    return {name: np.mean([run[name] for run in runs], axis=0) for name in runs[0]} | {"runs": np.array(len(runs))}
-
-
-def running_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Mean over the last ``window`` values at each step (fewer at the start)."""
-    sums = np.cumsum(np.r_[0.0, values])
-    ends = np.arange(1, values.size + 1)
-    starts = np.maximum(0, ends - window)
-    return (sums[ends] - sums[starts]) / (ends - starts)
-
-
-def table(runs: dict[str, dict[str, np.ndarray]], window: int) -> str:
-    columns = ["sampler", "runs", "steps", f"reward, first {window} steps", f"reward, last {window} steps"]
-    columns += ["sampled tokens", "forward tokens"]
-    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
-    for label, run in runs.items():
-        reward = run["rollout/reward_mean"]
-        lines.append(
-            f"| {label} | {run['runs']} | {reward.size} | {reward[:window].mean():.3f} | "
-            f"{reward[-window:].mean():.3f} | "
-            f"{run['rollout/sampled_tokens'].sum():.0f} | {run['rollout/forward_tokens'].sum():.0f} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(runs: dict[str, dict[str, np.ndarray]], window: int, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    figure, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for index, (label, run) in enumerate(runs.items()):
-        color = f"C{index}"
-        reward, smooth = run["rollout/reward_mean"], running_mean(run["rollout/reward_mean"], window)
-        tokens = np.cumsum(run["rollout/forward_tokens"])
-        name = f"{label} ({run['runs']} run{'s' if run['runs'] > 1 else ''})"
-        for axis, x in ((by_step, run["step"]), (by_tokens, tokens)):
-            axis.plot(x, reward, color=color, alpha=0.3, linewidth=1)
-            axis.plot(x, smooth, color=color, linewidth=2.5, label=name)
-    by_step.set_xlabel("training step")
-    by_tokens.set_xlabel("tokens the sampler ran through the model (cumulative)")
-    by_step.set_ylabel(f"mean reward (thin: per step; thick: mean of {window} steps)")
-    for axis in (by_step, by_tokens):
-        axis.set_ylim(bottom=0)
-        axis.grid(alpha=0.3)
-        axis.legend(loc="upper left")
-    save_figure(figure, output, dpi=110)
-    plt.close(figure)
+from ds_tree.cli.common import check_not_input, check_output_path, command_parser
+from ds_tree.reports.online import average_runs, plot, read_run, table
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ds_tree.cli.common import check_not_input, check_output_path, command_parser, save_figure
+from ds_tree.cli.common import check_not_input, check_output_path, command_parser
 from ds_tree.data import load_trajectories
 from ds_tree.data.jsonl import json_text
 from ds_tree.errors import DataError
+from ds_tree.reports.figures import save_figure
 from ds_tree.trees import TokenTree, build_forest
 from ds_tree.trees.stats import tree_arrays, tree_stats
 

@@ -30,6 +30,15 @@ gradients and are refused with it.
 router load-balancing loss in the compared objective, SFT or RL (docs/MODELS.md, docs/RL.md), in every
 layout above; the report compares its value too (router_aux_*).
 
+--objective distill --teacher MODEL compares on-policy distillation (docs/RL.md, "On-policy
+distillation"; --distill-loss reverse_kl_sampled, kl, jsd with --distill-beta, or reverse_kl) and
+--objective dpo compares DPO pair by pair (docs/RL.md, "DPO"; --dpo-beta, --dpo-loss sigmoid or ipo,
+--dpo-label-smoothing; the pairs: --dpo-pairs siblings, every fork's sibling branches with different
+rewards, a converted preference record's pair), each against a flat oracle that writes its loss out on
+every trajectory's whole logits (ds_tree/verify/distill.py, dpo.py): loss, every gradient, and the
+teacher's log-prob of every trained token (distill) or every pair's margin (dpo), in every layout above
+(--dfs-chunk, --sequence-parallel S, --lora R). The teacher is initialised at --seed + 1.
+
 --lora R puts LoRA adapters of rank R on every linear layer of the decoder (PEFT, as
 model.lora; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
 trained policy's adapters perturbed, the KL reference the model with its adapters disabled).
@@ -159,6 +168,36 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     return code
 
 
+FROZEN_MODEL_KINDS = ("distill", "dpo")
+"""The objectives with a frozen second model, checked against their flat oracles (ds_tree.verify.distill, dpo)."""
+
+
+def frozen_model_report(args, objective: ObjectiveConfig, trajectories, dfs, lora, common: dict) -> dict:
+    """``--objective distill`` or ``dpo``: one process (tree, and walked with ``dfs``), or ``--sequence-parallel
+    S`` spawned ranks, against the flat oracle."""
+    from ds_tree.verify.distill import compare_distill, distill_sequence_parallel_report
+    from ds_tree.verify.dpo import compare_dpo, dpo_sequence_parallel_report
+
+    options = dict(common, perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation)
+    size = args.sequence_parallel
+    if objective.kind == "distill":
+        from ds_tree.objectives.distill import DistillSettings
+
+        options["settings"] = DistillSettings.of(objective)
+        if size > 1:
+            return distill_sequence_parallel_report(
+                trajectories, args.model, objective.teacher, size=size, dfs=dfs, **options
+            )
+        return compare_distill(trajectories, args.model, objective.teacher, dfs=dfs, lora=lora, **options)
+    from ds_tree.losses.dpo import DPOLoss
+
+    settings = objective.dpo
+    options["loss"] = DPOLoss(settings.beta, settings.loss, settings.label_smoothing)
+    if size > 1:
+        return dpo_sequence_parallel_report(trajectories, args.model, size=size, dfs=dfs, **options)
+    return compare_dpo(trajectories, args.model, dfs=dfs, lora=lora, **options)
+
+
 def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[int, dict | None]:
     """The exit code and the report (``None`` after bad input, reported on stderr)."""
     from ds_tree.data import load_trajectories
@@ -214,6 +253,8 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 lora=lora,
                 **common,
             )
+        elif objective.kind in FROZEN_MODEL_KINDS:
+            report = frozen_model_report(args, objective, trajectories, dfs, lora, common)
         else:
             rl = dict(
                 estimator=objective.estimator,

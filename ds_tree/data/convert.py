@@ -7,6 +7,7 @@ Formats:
   tokens  {"group_id", "input_ids", "loss_mask" | "labels", "reward"?, "trial"?, "logprobs"?, "advantages"?,
            "images"?, "image_index"?}   (images already processed: ds_tree.data.token_images)
   tree    {"group_id"?, "tools"?, "nodes": [{"id", "parent", "input_ids" | "messages", ...}]}
+  preference  {"prompt"?, "chosen", "rejected", "tools"?, "group_id"?}   (TRL's; ds_tree.data.preference)
 The RL rollout fields ``logprobs`` and ``advantages`` (one entry per token) pass through the tokens
 and tree formats; a chat record cannot carry them, since its tokens are known only after rendering.
 A bad line stops the run with its file:line and reason; ``skip_bad`` skips it and counts it by
@@ -33,19 +34,20 @@ from ds_tree.data.chat import TRAIN_ON, check_text, render_chat
 from ds_tree.data.chat_images import MAX_IMAGE_PIXELS, ImageReader, check_parts, image_parts
 from ds_tree.data.explicit import trajectories_from_explicit_tree
 from ds_tree.data.jsonl import read_jsonl
+from ds_tree.data.preference import preference_trajectories
 from ds_tree.data.records import MISSING, PER_TOKEN_FIELDS, group_id
 from ds_tree.data.token_images import ProcessedImageReader, given_image_index, placeholder_index
-from ds_tree.data.tokenizer import tokenizer_identity
 from ds_tree.data.tokens import trajectory_from_record
 from ds_tree.data.tree_dataset import check_output_dir, save_tree_dataset
-from ds_tree.data.vision_processor import VisionProcessor, load_vision_processor
 from ds_tree.errors import DataError, RecordError
 from ds_tree.hub import TOKENIZER_FILES, local_path
 from ds_tree.trees.images import TrajectoryImage
 from ds_tree.trees.stats import TokenCounts
 from ds_tree.trees.trajectory import Trajectory, check_vocab
+from ds_tree.vocab.tokenizer import tokenizer_identity
+from ds_tree.vocab.vision_processor import VisionProcessor, load_vision_processor
 
-FORMATS = ("chat", "tokens", "tree")
+FORMATS = ("chat", "tokens", "tree", "preference")
 MERGES = ("group", "global")
 PREFIX_POLICIES = ("full", "drop", "error")
 GLOBAL_GROUP = "all"
@@ -200,6 +202,8 @@ class Converter:
             for trajectory in trajectories:
                 trajectory.group_id = group
             return trajectories
+        if form == "preference":  # a record is a tree by itself unless its group key says otherwise
+            return preference_trajectories(where, record, self.tokenizer, self.group_id(where, record, default=where))
         group = self.group_id(where, record)
         if form == "chat":
             carried = [name for name in PER_TOKEN_FIELDS if record.get(name) is not None]

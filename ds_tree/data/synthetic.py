@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from ds_tree.data.jsonl import write_jsonl
-from ds_tree.data.tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 from ds_tree.trees.stats import token_counts
 from ds_tree.trees.trajectory import Trajectory
+from ds_tree.vocab.tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 
 IM_START, IM_END = SPECIAL_TOKENS.index("<|im_start|>"), SPECIAL_TOKENS.index("<|im_end|>")
 # Structural ids right after the special tokens stand for role names, newline and tool-call tags.

@@ -60,7 +60,7 @@ from ds_tree.engine.calls import (
     run_to_end,
 )
 from ds_tree.losses.sft import weighted_nll
-from ds_tree.models.logprobs import logprobs_at, predicted_tokens
+from ds_tree.models.logprobs import hidden_states_at, logprobs_at, predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits, layout_paths
 from ds_tree.models.vision import ImageFeatures, WalkedImages
 from ds_tree.packing.dfs_chunks import Chunks, row_chunks
@@ -76,11 +76,6 @@ class DfsSettings:
     """Forward each chunk twice (without, then with grad) to keep one chunk's activations, not a path's."""
     lockstep: bool = False
     """Make every rank's calls in one order of kinds (ZeRO-3, :func:`lockstep`)."""
-
-
-def uses_dfs(packing) -> bool:
-    """Whether ``packing`` (the config section) walks any tree: ``mode: dfs`` or ``over_budget: dfs``."""
-    return packing.mode == "dfs" or (packing.mode == "tree" and packing.over_budget == "dfs")
 
 
 def settings_of(packing, ds_config: dict | None = None) -> DfsSettings:
@@ -381,15 +376,16 @@ def walk(
 
 
 @torch.no_grad()
-def walk_logprobs(
-    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu", head_chunk: int = 0, head=None
-) -> Generator[None, None, np.ndarray]:
-    """``log p`` of the row's ``targets`` (row indices), one no-grad forward per chunk and step of the
-    generator (the old and reference policies' log-probs of a walked row); the path's keys and
-    values are the only memory kept. ``head``: what a forward gives per target instead of the log-probs
-    (:attr:`~ds_tree.engine.runners.RunContext.head`: a value model's values). Call inside :func:`chunk_attention`."""
+def walk_scores(
+    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, score: Callable
+) -> Generator[None, None, list[tuple[np.ndarray, torch.Tensor]]]:
+    """``score(model, inputs, predictors, labels)`` of the row's ``targets`` (row indices) of every chunk,
+    one no-grad forward per chunk and step of the generator: ``[(positions in targets, values)]`` per chunk
+    that predicts some (the old and reference policies' log-probs of a walked row, a teacher's hidden states);
+    the path's keys and values are the only memory kept. A chunk predicting none is forwarded on one dummy
+    target, for its keys and values."""
     cache = WalkCache.of(row, chunks)
-    out = np.zeros(targets.size)
+    found = []
     target_chunk = chunks.of_tokens(row.pred_pos[targets])
     for index, entering in _dfs_order(chunks):
         if not entering:
@@ -400,18 +396,51 @@ def walk_logprobs(
         mine = np.flatnonzero(target_chunk == index)
         predictors = chunks.local(row.pred_pos[targets[mine]]) if mine.size else np.zeros(1, np.int64)
         labels = row.input_ids[targets[mine]] if mine.size else inputs.input_ids[:1]
-        with chunk_attention(model):
-            if head is None:
-                logprobs = logprobs_at(model, inputs, predictors, labels, device, head_chunk=head_chunk)
-            else:
-                logprobs, _ = head(model, inputs, predictors, labels, device, entropy=None, head_chunk=head_chunk)
+        with torch.no_grad(), chunk_attention(model):
+            values = score(model, inputs, predictors, labels)
         if mine.size:
-            out[mine] = logprobs.double().cpu().numpy()
+            found.append((mine, values))
         cache.ancestors.append(cache.take_recorded())
         if inputs.encoded_images() is not None:
             cache.features[index] = inputs.encoded_images()
         yield
+    return found
+
+
+def walk_logprobs(
+    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu", head_chunk: int = 0, head=None
+) -> Generator[None, None, np.ndarray]:
+    """``log p`` of the row's ``targets`` (row indices) by :func:`walk_scores` (the old and reference
+    policies' log-probs of a walked row). ``head``: what a forward gives per target instead of the log-probs
+    (:attr:`~ds_tree.engine.runners.RunContext.head`: a value model's values). Call inside :func:`chunk_attention`."""
+
+    def score(model, inputs, predictors, labels) -> torch.Tensor:
+        if head is not None:
+            return head(model, inputs, predictors, labels, device, entropy=None, head_chunk=head_chunk)[0]
+        return logprobs_at(model, inputs, predictors, labels, device, head_chunk=head_chunk)
+
+    out = np.zeros(targets.size)
+    for mine, values in (yield from walk_scores(model, row, chunks, targets, score)):
+        out[mine] = values.double().cpu().numpy()
     return out
+
+
+def walk_hidden_states(
+    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu"
+) -> Generator[None, None, torch.Tensor]:
+    """``[len(targets), hidden]``: the final hidden states predicting the row's ``targets`` by
+    :func:`walk_scores` (on-policy distillation's teacher, :func:`~ds_tree.models.logprobs.hidden_states_at`);
+    an empty tensor without targets."""
+
+    def score(model, inputs, predictors, labels) -> torch.Tensor:
+        return hidden_states_at(model, inputs, predictors, device)
+
+    found = yield from walk_scores(model, row, chunks, targets, score)
+    if not found:
+        return torch.zeros(0, device=device)
+    order = np.concatenate([mine for mine, _ in found])
+    values = torch.cat([value for _, value in found])
+    return values[torch.as_tensor(np.argsort(order), device=values.device)]
 
 
 def trajectory_logprobs(

@@ -28,9 +28,10 @@ class StepLayout:
     def dfs_settings(self) -> dfs.DfsSettings | None:
         """How walked items are walked (None: no tree is walked)."""
         packing = self.config.packing
-        return dfs.settings_of(packing, self.ds_config) if dfs.uses_dfs(packing) else None
+        return dfs.settings_of(packing, self.ds_config) if packing.uses_dfs else None
 
     def plan(self, trajectories: list[Trajectory], rank: int) -> RankPlan:
-        """Rank ``rank``'s items for ``trajectories`` (:func:`~ds_tree.packing.plan.plan_step`; every rank
-        computes the whole plan, the same on each)."""
+        """Rank ``rank``'s items for ``trajectories`` by the whole-step plan (:func:`~ds_tree.packing.plan.plan_step`,
+        no process group: checks and tests; the trainer plans with the per-rank planner,
+        :meth:`~ds_tree.objectives.base.StepContext.host_step`)."""
         return plan_step(trajectories, self.plan_settings(), self.world_size).for_rank(rank)

@@ -46,8 +46,6 @@ def zero_settings(path: str) -> tuple[int, bool, bool]:
 def plan_of(config, config_path: str, model_config, world_size: int, memory_gib: float, path_tokens: int = 0) -> dict:
     """The plan of a loaded config (``ds-tree plan``'s, :func:`ds_tree.cli.plan.make_plan`; the trainer's dry run
     asks for it too, :func:`check_memory`)."""
-    from ds_tree.engine.dfs import uses_dfs
-
     stage, offload_optimizer, offload_param = zero_settings(config.deepspeed)
     shape = ModelShape.of(model_config)
     trained = None
@@ -91,7 +89,7 @@ def plan_of(config, config_path: str, model_config, world_size: int, memory_gib:
     chosen = "with_checkpointing" if every else "without_checkpointing"
     peak = resident + activations[chosen]["peak"]
     dfs = None
-    if uses_dfs(config.packing):
+    if config.packing.uses_dfs:
         dfs = dfs_plan(config, shape, free, path_tokens or 4 * budget, entropy)
         walked = dfs["with_recompute" if dfs["recompute"] else "without_recompute"]["peak"]
         # mode dfs walks every tree; over_budget dfs packs the others as configured

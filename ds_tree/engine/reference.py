@@ -54,13 +54,14 @@ def reference_ds_config(ds_config: dict, offload: bool = False) -> dict:
     }
 
 
-def build_reference(config, ds_config: dict, dtype: torch.dtype, device, policy_hf_config=None):
+def build_reference(config, ds_config: dict, dtype: torch.dtype, device, policy_hf_config=None, *, source: str = ""):
     """The reference policy (module docstring): a model, or a DeepSpeed engine under ``model.zero_init``.
 
     ``policy_hf_config``: the policy's ``HfDeepSpeedConfig`` (``model.zero_init``), made current again
-    once the reference is built (transformers keeps one process-wide).
+    once the reference is built (transformers keeps one process-wide). ``source``: another frozen model
+    built the same way (on-policy distillation's teacher; "": ``objective.reference`` or ``model.source``).
     """
-    source = config.objective.reference or config.model.source
+    source = source or config.objective.reference or config.model.source
     size = config.parallel.sequence_parallel_size
     if not config.model.zero_init:
         reference = load_model(

@@ -16,9 +16,10 @@ objective: a new kind is one runner and its registration (``RUNNERS.register(kin
   sequence-parallel group, each rank forwarding one shard of every chunk.
 
 Every runner also gives no-grad log-probs of chosen targets (the RL objective's old and reference
-policies), and with :attr:`RunContext.collect_logprobs` the log-probs its forwards computed. What a forward
-gives per target is :attr:`RunContext.head`'s: a causal LM's log-probs (and entropies), or a value model's
-values (:func:`~ds_tree.models.values.values_at`, PPO's critic), whatever the kind.
+policies) and no-grad hidden states predicting them (on-policy distillation's teacher, whose head is
+applied beside the student's), and with :attr:`RunContext.collect_logprobs` the log-probs its forwards
+computed. What a forward gives per target is :attr:`RunContext.head`'s: a causal LM's log-probs (and
+entropies), or a value model's values (:func:`~ds_tree.models.values.values_at`, PPO's critic), whatever the kind.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ from ds_tree.engine.dfs import (
     run_calls,
     walk,
     walk_events,
+    walk_hidden_states,
     walk_logprobs,
 )
 from ds_tree.losses.sft import weighted_nll
 from ds_tree.losses.terms import RowTerms
-from ds_tree.models.logprobs import logprobs_and_entropy_at
+from ds_tree.models.logprobs import hidden_states_at, logprobs_and_entropy_at
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
 from ds_tree.packing.rows import PackedRow
 from ds_tree.registries import RUNNERS
@@ -104,8 +106,12 @@ class Runner(Protocol):
     def logprobs(self, model, row: PackedRow, targets: np.ndarray, run: RunContext) -> np.ndarray:
         """``log p`` of ``targets`` (row indices) without gradients."""
 
+    def hidden_states(self, model, row: PackedRow, targets: np.ndarray, run: RunContext) -> torch.Tensor:
+        """``[len(targets), hidden]``: the final hidden states predicting ``targets`` (row indices), without
+        gradients, in as many forwards as :meth:`logprobs` (a teacher's, whose head is applied later)."""
+
     def forwards(self, row: PackedRow, run: RunContext) -> int:
-        """The model forwards :meth:`logprobs` makes."""
+        """The model forwards :meth:`logprobs` (or :meth:`hidden_states`) makes."""
 
 
 def record_logprobs(output: StepOutput, row: PackedRow, by_token: np.ndarray) -> None:
@@ -146,7 +152,7 @@ class PackedRunner:
                         row.pred_pos[targets],
                         row.input_ids[targets],
                         run.device,
-                        entropy=terms.entropy,
+                        entropy=terms.head_statistic(np.arange(targets.size)),
                         head_chunk=run.head_chunk,
                     )
                     loss, metrics = terms.loss(logp, entropy, np.arange(targets.size))
@@ -178,6 +184,13 @@ class PackedRunner:
         logprobs, _ = run.head(model, row, predictors, labels, run.device, entropy=None, head_chunk=run.head_chunk)
         return logprobs.double().cpu().numpy()
 
+    @torch.no_grad()
+    def hidden_states(self, model, row, targets, run) -> torch.Tensor:
+        if targets.size == 0:
+            _zero_loss(model, row, run)  # the forward every rank makes
+            return torch.zeros(0, device=run.device)
+        return hidden_states_at(model, row, row.pred_pos[targets], run.device)
+
     def forwards(self, row, run) -> int:
         return 1
 
@@ -207,7 +220,7 @@ class WalkedRunner:
                 chunks.local(row.pred_pos[targets]),
                 row.input_ids[targets],
                 run.device,
-                entropy=terms.entropy,
+                entropy=terms.head_statistic(mine),
                 head_chunk=run.head_chunk,
             )
             loss, metrics = terms.loss(logp, entropy, mine)
@@ -233,6 +246,10 @@ class WalkedRunner:
         chunks = self.chunks(row, run)
         walked = walk_logprobs(model, row, chunks, targets, device=run.device, head_chunk=run.head_chunk, head=run.head)
         return run_to_end(walked)
+
+    def hidden_states(self, model, row, targets, run) -> torch.Tensor:
+        chunks = self.chunks(row, run)
+        return run_to_end(walk_hidden_states(model, row, chunks, targets, device=run.device))
 
     def forwards(self, row, run) -> int:
         return len(self.chunks(row, run))

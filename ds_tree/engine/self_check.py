@@ -179,6 +179,20 @@ def sample_groups(trajectories: Sequence[Trajectory], cap: int = SAMPLE_TOKENS) 
     return sample
 
 
+def sample_units(sizes: Sequence[int], cap: int = SAMPLE_TOKENS) -> list[int]:
+    """The units (groups, by flat tokens ``sizes`` in step order) :func:`sample_groups` takes from: the whole
+    groups it picks, or when none fits the smallest group (whose first trajectories it takes). So
+    ``sample_groups`` of these units' trajectories is the step's sample, from their sizes alone."""
+    picked, tokens = [], 0
+    for unit, size in enumerate(sizes):
+        if tokens + size <= cap:
+            picked.append(unit)
+            tokens += size
+    if not picked and len(sizes):
+        picked = [int(np.argmin(sizes))]  # the first smallest, as min() picks it
+    return picked
+
+
 def _name(trajectory: Trajectory) -> str:
     return trajectory.source or f"group {trajectory.group_id!r}"
 

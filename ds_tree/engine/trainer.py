@@ -1,9 +1,11 @@
 """The DeepSpeed training engine for tree data (docs/DESIGN.md sections 3 and 5).
 
 One optimizer step:
-1. every rank computes the same plan from ``(seed, step)``: the step's groups, their trees split
-   into parts under the row budget, parts balanced over ranks and packed into rows (each rank
-   pads its list with empty rows to the common count, because ZeRO-3 forwards are collective);
+1. the step's groups come from ``(seed, step)``; each rank builds the trees of its share of them, the ranks
+   exchange per-part summaries and every rank runs the same balance on them, then each builds its own items:
+   trees split into parts under the row budget, packed into rows (each rank pads its list with empty rows to
+   the common count, because ZeRO-3 forwards are collective) (:mod:`ds_tree.packing.step_units`). For offline
+   data this host work runs one step ahead, while the step before computes (:mod:`ds_tree.engine.plan_ahead`);
 2. the normalisers of the objective (trained tokens, sequences) are summed over ranks with one
    all-reduce, before the first forward, so every micro-batch's loss is a term of the global
    objective;
@@ -36,31 +38,34 @@ import torch.distributed as dist
 
 from ds_tree.attention.registry import resolve_engine
 from ds_tree.config import Config, ConfigError, config_to_dict
-from ds_tree.data import load_trajectories
 from ds_tree.data.convert import load_tokenizer
+from ds_tree.data.dataset_reader import LoadedGroups, TreeDatasetReader
 from ds_tree.data.sampler import StepSampler
-from ds_tree.engine import dfs
 from ds_tree.engine.build import Policy, build_engine, load_policy
 from ds_tree.engine.layout import StepLayout
 from ds_tree.engine.memory import check_memory
+from ds_tree.engine.plan_ahead import Planning, planning_group
 from ds_tree.engine.self_check import SelfCheck
 from ds_tree.engine.updates import Updates
 from ds_tree.errors import DataError, HubError
+from ds_tree.evaluation.evaluator import EvalContext, Evaluator
 from ds_tree.models.hybrid_settings import check_hybrid_settings
 from ds_tree.models.loading import check_hub_weights, check_model_settings
 from ds_tree.models.loading import load_config as load_model_config
 from ds_tree.models.token_mixing import check_branch_isolation, check_layer_types
 from ds_tree.models.ulysses import check_sequence_parallel
-from ds_tree.models.vision import attach_rope_positions, check_vision_settings
+from ds_tree.models.vision import check_vision_settings
 from ds_tree.objectives.base import Components, Objective, Rollouts, StepContext, StepResult
+from ds_tree.packing.exchange import Collectives
 from ds_tree.registries import OBJECTIVES
 from ds_tree.run import checkpoint, process_group, resume, run_dir, run_lock
 from ds_tree.run.console import progress_bar
+from ds_tree.run.dataset import prepare_dataset
 from ds_tree.run.ds_config import resolve_deepspeed_config
 from ds_tree.run.metrics import MetricsLogger, console_line
 from ds_tree.run.preemption import PreemptionHandler
 from ds_tree.run.trackers import TrackerRun, check_installed, open_trackers
-from ds_tree.trees.trajectory import Trajectory, check_vocab, group_trajectories
+from ds_tree.trees.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +92,10 @@ class Trainer:
         """The resolved DeepSpeed config."""
         self.layout: StepLayout | None = None
         self.trajectories: list[Trajectory] = []
-        """``data.path``'s trajectories (offline data)."""
-        self.groups: list[list[Trajectory]] = []
+        """``data.path``'s trajectories when they are loaded whole (tokens JSONL; empty for a converted dataset)."""
+        self.groups: LoadedGroups | TreeDatasetReader = LoadedGroups([])
+        """``data.path``'s groups by index: a converted dataset read lazily (each step reads only the groups a
+        rank needs), or tokens JSONL held in memory."""
         self.sampler: StepSampler | None = None
         """Which groups (online: prompts) each step takes."""
         self.online: Rollouts | None = None
@@ -98,11 +105,16 @@ class Trainer:
         self.engine = None
         """The policy's DeepSpeed engine."""
         self.updates: Updates | None = None
+        self.planning: Planning | None = None
+        """Where each step's host work runs: offline data one step ahead on a thread
+        (:mod:`ds_tree.engine.plan_ahead`)."""
         self.self_check: SelfCheck | None = None
         self.context: StepContext | None = None
         self.metrics: MetricsLogger | None = None
         self.preemption: PreemptionHandler | None = None
         """The preemption signal handler while :meth:`train` runs (:mod:`ds_tree.run.preemption`)."""
+        self.evaluator = Evaluator(config)
+        """The ``eval`` section: held-out loss and task success after steps (:mod:`ds_tree.evaluation`)."""
         # ------------------------------------------------------------------ training state
         self.start_step = 0
         self.resume_from: str | None = None
@@ -137,6 +149,7 @@ class Trainer:
             self.prepare_online()
         else:
             self.prepare_dataset()
+        self.evaluator.prepare(self.model_config, self.online)
         text = self.model_config.get_text_config()
         self.ds_config = resolve_deepspeed_config(config, self.world_size, getattr(text, "hidden_size", None))
         self.layout = StepLayout(config, self.ds_config, text.pad_token_id or 0, self.world_size)
@@ -164,37 +177,11 @@ class Trainer:
         return model_config
 
     def prepare_dataset(self) -> None:
-        """:meth:`prepare`'s data: the trajectories of ``data.path``, their checks, the step sampler."""
-        config = self.config
-        try:
-            self.trajectories = load_trajectories(config.data.path)
-        except DataError as error:
-            raise ConfigError(f"data.path: {error}") from None
-        check_vocab(self.trajectories, self.model_config.get_text_config().vocab_size)
-        try:  # images: positions by the model's rule, laid out on the trees when they are built
-            attach_rope_positions(self.model_config, self.trajectories)
-        except ValueError as error:
-            raise ConfigError(f"model.source: {error} (data.path {config.data.path})") from None
-        size = config.parallel.sequence_parallel_size
-        budget = config.packing.budget * size
-        longest = max(self.trajectories, key=len)
-        if len(longest) > budget and not dfs.uses_dfs(config.packing):  # dfs walks paths of any length
-            where = longest.source or f"group {longest.group_id!r}"
-            limit = f"packing.budget ({budget})"
-            if size > 1:
-                limit = f"packing.budget x parallel.sequence_parallel_size ({config.packing.budget} x {size})"
-            raise ConfigError(
-                f"{limit} is below the longest trajectory ({len(longest)} tokens, {where}); "
-                "every root-to-leaf path must fit one row"
-            )
-        self.groups = group_trajectories(self.trajectories)
-        if config.data.groups_per_step > len(self.groups):  # a step would train some groups twice
-            raise ConfigError(
-                f"data.groups_per_step ({config.data.groups_per_step}) is more than the {len(self.groups)} groups "
-                f"in data.path ({config.data.path}); set it to at most {len(self.groups)}"
-            )
-        self.sampler = StepSampler(len(self.groups), config.data.groups_per_step, config.data.seed)
-        self.objective.check_data(self.trajectories)
+        """:meth:`prepare`'s data: ``data.path``'s groups, their checks, the step sampler
+        (:func:`ds_tree.run.dataset.prepare_dataset`)."""
+        reads = type(self.objective).check_data is not Objective.check_data
+        data = prepare_dataset(self.config, self.model_config, self.objective.check_data if reads else None)
+        self.trajectories, self.groups, self.sampler = data.trajectories, data.groups, data.sampler
 
     def prepare_online(self) -> None:
         """:meth:`prepare`'s data for online RL: prompts, tokenizer and reward function instead of a dataset."""
@@ -213,6 +200,8 @@ class Trainer:
         """Process group, policy, its DeepSpeed engine, the objective's models, resume. Call :meth:`prepare` first."""
         config = self.config
         self.rank = process_group.start(self.ds_config, config.distributed.timeout_s, self.world_size)
+        if self.online is None:  # offline data: each step's host work one step ahead, on its own group
+            self.planning = Planning(Collectives(planning_group(config.distributed.timeout_s)))
         if self.online is not None:  # before any zero.Init: the generation copy is never partitioned
             self.online.build_model()
         self.policy = load_policy(config, self.ds_config, self.attention_engine)
@@ -223,6 +212,7 @@ class Trainer:
         self.objective.build(Components(self.engine, self.ds_config, self.policy.hf_deepspeed_config))
         client_state = self.resume()
         self.connect(int(client_state.get("skipped_steps", 0)), int(client_state.get("untrained_steps", 0)))
+        self.evaluator.connect(EvalContext.of(self.context), self.checkpoint_dir, self.start_step)
         self.open_metrics()
 
     def resume(self) -> dict:
@@ -273,6 +263,7 @@ class Trainer:
             self.groups,
             self.sampler,
             self.online,
+            self.planning,
         )
 
     def open_metrics(self) -> None:
@@ -340,8 +331,10 @@ class Trainer:
             scalars = self.train_step(step)
             done = step + 1
             self.objective.end_step(done, self.context)  # the KL reference's copy (a collective)
+            evaluated = self.evaluator.after_step(done)  # every rank (a collective), when due
+            scalars.update(evaluated)
             if self.rank == 0:
-                if done % config.logging.every == 0 or done == config.max_steps:
+                if done % config.logging.every == 0 or done == config.max_steps or evaluated:
                     self.metrics.log(done, scalars)
                     logger.info(console_line(done, config.max_steps, scalars))
                 if bar:
@@ -384,7 +377,9 @@ class Trainer:
             self.config.checkpoint.keep_last,
             exclude_frozen=self.config.model.lora.enabled,
             extra=lambda path: self.objective.save_state(path, step),
+            keep=self.evaluator.kept_checkpoints(),
         )
+        self.evaluator.checkpoint_saved(step)  # the best checkpoint (checkpoint.keep_best)
 
     def export_hf(self, directory: Path) -> None:
         """Final weights as a Hugging Face directory that ``from_pretrained`` loads without ds_tree."""
@@ -401,6 +396,8 @@ class Trainer:
         """
         if self.metrics is not None:
             self.metrics.close()
+        if self.planning is not None:  # its step ahead finishes on every rank before the group goes
+            self.planning.close()
         if self.online is not None:  # a managed vLLM server stops with the run
             self.online.close()
         run_lock.release(self.output_dir)

@@ -92,6 +92,9 @@ class Advantages:
     """Trajectories that were alone in their group and got advantage 0."""
     trajectories: Sequence[Trajectory] = ()
     """The trajectories ``values`` belong to (set by :func:`estimate`)."""
+    with_peers: np.ndarray | None = None
+    """Per trajectory: not alone in its group (or the estimator needs no peers); what a batch normalisation
+    spans (:meth:`Estimator.per_group`)."""
 
     def by_trajectory(self) -> dict[int, np.ndarray]:
         """``id(trajectory) -> its per-token advantages``, as the RL rows look them up."""
@@ -226,6 +229,14 @@ class Estimator:
 
     def __call__(self, trajectories: Sequence[Trajectory], *, normalise: bool = False, **settings) -> Advantages:
         """Advantages of a batch of trajectories (several groups, any order)."""
+        computed = self.per_group(trajectories, normalise=normalise, **settings)
+        if normalise and self.normalise == "batch":
+            computed.values = _batch_normalised(computed.values, computed.with_peers)
+        return computed
+
+    def per_group(self, trajectories: Sequence[Trajectory], *, normalise: bool = False, **settings) -> Advantages:
+        """:meth:`__call__` but a ``batch`` normalisation, which spans every group of the batch (a run takes the
+        spread of every rank's groups: :mod:`ds_tree.objectives.rl_statistics`)."""
         if normalise and self.normalise is None:
             raise ValueError(f"the {self.name!r} advantage estimator has no normalisation; use normalise=False")
         chosen = EstimatorSettings(normalise=normalise, **settings)
@@ -240,9 +251,8 @@ class Estimator:
             with_peers[members] = True
             for position, computed in zip(members, self.group_advantages(group, chosen), strict=True):
                 values[position] = computed
-        if normalise and self.normalise == "batch":
-            values = _batch_normalised(values, with_peers)
-        return Advantages(values, int((~with_peers).sum()) if self.needs_peers else 0)
+        singletons = int((~with_peers).sum()) if self.needs_peers else 0
+        return Advantages(values, singletons, with_peers=with_peers)
 
 
 def estimator(
@@ -261,15 +271,24 @@ def estimator(
     return build
 
 
-def _batch_normalised(values: list[np.ndarray], with_peers: np.ndarray) -> list[np.ndarray]:
-    """Divide by the sample std of the per-trajectory advantages over trajectories with peers (constant
-    per trajectory: the estimators normalised this way give one value per trajectory)."""
-    scalars = np.array([v[0] if v.size else 0.0 for v in values])
+def trajectory_scalars(values: Sequence[np.ndarray]) -> np.ndarray:
+    """Each trajectory's advantage (the estimators a batch normalises give one value per trajectory)."""
+    return np.array([v[0] if v.size else 0.0 for v in values])
+
+
+def batch_std(scalars: np.ndarray, with_peers: np.ndarray) -> float | None:
+    """The sample std of the per-trajectory advantages over the trajectories with peers; None when they are all
+    equal (nothing to divide by)."""
     spread = scalars[with_peers]
     if not np.any(spread != spread[:1]):
-        return values
-    std = spread.std(ddof=1)
-    return [v / std for v in values]
+        return None
+    return float(spread.std(ddof=1))
+
+
+def _batch_normalised(values: list[np.ndarray], with_peers: np.ndarray) -> list[np.ndarray]:
+    """Divide by :func:`batch_std` of the batch (nothing when it is None)."""
+    std = batch_std(trajectory_scalars(values), with_peers)
+    return values if std is None else [v / std for v in values]
 
 
 def _per_token(group: GroupTrie, scalars: np.ndarray) -> list[np.ndarray]:

@@ -20,7 +20,7 @@ from ds_tree.losses.sft import weighted_nll
 
 TermsLoss = Callable[[torch.Tensor, "torch.Tensor | None", np.ndarray], tuple[torch.Tensor, "dict[str, float] | None"]]
 """``loss(logp, entropy, select)``: the loss of the targets ``targets[select]`` (``logp`` and
-``entropy`` computed at them) and its metric sums (or None)."""
+``entropy``, or :attr:`RowTerms.statistic`'s values, computed at them) and its metric sums (or None)."""
 
 
 @dataclass
@@ -33,6 +33,16 @@ class RowTerms:
     entropy: str | None = None
     """``"loss"``: the loss differentiates the entropy of each predicted distribution; ``"metric"``: it
     is only reported (computed without a graph); None: not needed."""
+    statistic: Callable[[np.ndarray], Callable] | None = None
+    """Instead of the entropy, another statistic of each predicted distribution, differentiated by the loss:
+    ``statistic(select)`` is the head's :data:`~ds_tree.models.logprobs.Statistic` for the targets
+    ``targets[select]`` of one forward (on-policy distillation's divergence to the teacher); its values
+    reach ``loss`` in the entropy's place."""
+
+    def head_statistic(self, select: np.ndarray) -> str | Callable | None:
+        """What the LM head computes beside the log-probs of the targets ``targets[select]`` of one forward:
+        the :attr:`statistic` for them, else :attr:`entropy`."""
+        return self.entropy if self.statistic is None else self.statistic(select)
 
 
 def sft_terms(weights: np.ndarray, targets: np.ndarray | None = None) -> RowTerms:

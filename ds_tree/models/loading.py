@@ -34,13 +34,13 @@ from ds_tree.attention.registry import (
 )
 from ds_tree.errors import ConfigError, HubError
 from ds_tree.hub import CONFIG_FILES, MODEL_FILES, is_hub_id, local_path
+from ds_tree.kernel.tile_lists import resolve_schedule
 from ds_tree.models.float64 import keep_logits_in_float64, keep_norms_in_float64
 from ds_tree.models.hybrid import install_tree_mixers
 from ds_tree.models.moe import check_router_noise, use_float64_routing
 from ds_tree.models.token_mixing import check_layer_types
 from ds_tree.models.vision import attention_implementations, check_vision_model_type, install_vision, is_vision_language
 from ds_tree.scans.fla_scan import resolve_recurrent_kernels
-from ds_tree.triton.tile_lists import resolve_schedule
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -35,8 +35,10 @@ from ds_tree.models.vision import attention_implementations, is_vision_language
 
 SUFFIX = "_sequence_parallel"
 """Added to the tree attention's name for its sequence-parallel dispatcher."""
-_ENABLED: dict[str, tuple[int, int, int]] = {}
-"""Attention name -> (S, attention heads, key/value heads) it is registered for in this process."""
+_ENABLED: dict[tuple[str, tuple[int, int, int]], str] = {}
+"""(attention name, (S, attention heads, key/value heads)) -> the dispatcher's name registered for them in this
+process: ``name + SUFFIX`` for the first heads, a name with the heads for a second model's (a distillation
+teacher with other heads than the student's)."""
 
 
 @dataclass(frozen=True)
@@ -102,32 +104,69 @@ def enable_sequence_parallel(model, size: int) -> SequenceParallelGroup:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = model.config._attn_implementation
-    if not name.startswith("tree_") or name.endswith(SUFFIX):
+    if not name.startswith("tree_") or SUFFIX in name:
         # Under "flex_attention" Ulysses would rebuild a causal block mask and drop the tree.
         raise ValueError(f"sequence parallelism needs a plain tree attention implementation, the model has {name!r}")
     text = model.config.get_text_config()
     key = (size, text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-    if name in _ENABLED:
-        if _ENABLED[name] != key:
-            raise RuntimeError(f"{name} is already sequence-parallel for (S, heads, kv heads) = {_ENABLED[name]}")
-    else:
+    dispatcher = _ENABLED.get((name, key))
+    if dispatcher is None:
         core = ALL_ATTENTION_FUNCTIONS[name]
-        UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model,
-            core_attn_implementation=name,
-            sequence_parallel_size=size,
-            micro_batch_size=1,
-            seq_length_is_variable=True,
-        )
-        ulysses = ALL_ATTENTION_FUNCTIONS[name]  # Ulysses took the name over, process-wide: give it back
-        ALL_ATTENTION_FUNCTIONS[name] = core
-        AttentionInterface.register(name + SUFFIX, _dispatcher(core, ulysses, size))
-        _ENABLED[name] = key
+        first = not any(registered == name for registered, _ in _ENABLED)
+        if first and not _groups_built(parallel_state_sp):  # it builds the groups
+            UlyssesSPAttentionHF.register_with_transformers(
+                model_name_or_path=model,
+                core_attn_implementation=name,
+                sequence_parallel_size=size,
+                micro_batch_size=1,
+                seq_length_is_variable=True,
+            )
+            ulysses = ALL_ATTENTION_FUNCTIONS[name]  # Ulysses took the name over, process-wide: give it back
+            ALL_ATTENTION_FUNCTIONS[name] = core
+        else:  # the groups exist: another head count's exchange on them
+            ulysses = _ulysses_on_group(core, text)
+        dispatcher = name + SUFFIX if first else f"{name}{SUFFIX}_{key[1]}_{key[2]}"
+        AttentionInterface.register(dispatcher, _dispatcher(core, ulysses, size))
+        _ENABLED[(name, key)] = dispatcher
     # a vision-language model's tower keeps its own attention (per image): only the language model's changes
     vision = is_vision_language(model.config)
-    model.set_attn_implementation(attention_implementations(name + SUFFIX) if vision else name + SUFFIX)
+    model.set_attn_implementation(attention_implementations(dispatcher) if vision else dispatcher)
     position = parallel_state_sp.get_sequence_parallel_rank()
     return SequenceParallelGroup(size=size, index=dist.get_rank() // size, position=position)
+
+
+def _groups_built(parallel_state_sp) -> bool:
+    """Whether DeepSpeed's sequence-parallel groups exist in this process."""
+    try:
+        return parallel_state_sp.get_sequence_parallel_group() is not None
+    except AssertionError:
+        return False
+
+
+def _ulysses_on_group(core, text):
+    """DeepSpeed's Ulysses exchange around ``core`` for a model of ``text``'s heads on the sequence-parallel
+    group already built (what ``register_with_transformers`` makes, which builds the groups once only), called
+    as its wrapper calls it: the attention mask dropped (the tree's is ``kv_end``)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    exchange = UlyssesSPAttentionHF(
+        attn=core,
+        batch_size=1,
+        attn_head_count=text.num_attention_heads,
+        attn_head_size=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        kv_head_count=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        num_hidden_layers=text.num_hidden_layers,
+        process_group=parallel_state_sp.get_sequence_parallel_group(),
+        seq_length_is_variable=True,
+        local_seq_length=None,
+        global_seq_length=None,
+    )
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        return exchange(module, query, key, value, None, *args, **kwargs)
+
+    return attention
 
 
 def _dispatcher(core, ulysses, size: int):

@@ -34,24 +34,37 @@ A new objective is one module: a subclass and its registration. The shapes the n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ds_tree.config import Config
+from ds_tree.config import Config, config_to_dict
+from ds_tree.data.dataset_reader import DatasetGroups, LoadedGroups, TreeDatasetReader
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.layout import StepLayout
+from ds_tree.engine.plan_ahead import Planning, Timed
 from ds_tree.engine.runners import RunContext, StepOutput, run_items
-from ds_tree.engine.self_check import CheckedObjective, SelfCheck
+from ds_tree.engine.self_check import CheckedObjective, SelfCheck, sample_groups, sample_units
 from ds_tree.engine.updates import Updates
 from ds_tree.losses.terms import RowTerms
 from ds_tree.models.moe import RouterAuxLoss
+from ds_tree.packing.distributed import GroupUnits
+from ds_tree.packing.exchange import Collectives
 from ds_tree.packing.plan import RankPlan
+from ds_tree.packing.step_units import StepData, gather_units, plan_units
 from ds_tree.trees.trajectory import Trajectory
+
+T = TypeVar("T")
+
+HostWork = Callable[[StepData, Collectives], T]
+"""A step's host work on its data (the plan, and what the objective computes from the data alone): runs on the
+plan-ahead thread for offline data (:mod:`ds_tree.engine.plan_ahead`), so it reads nothing that changes
+during a step (its settings are taken when it is made) and makes collectives only through ``Collectives``."""
 
 
 class Rollouts(Protocol):
@@ -78,8 +91,8 @@ class Rollouts(Protocol):
     def samples(self, step: int) -> bool:
         """Whether ``step`` samples; a multi-turn run's warm-up and refresh steps do not (SFT steps)."""
 
-    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
-        """``step``'s sampled, scored trajectories, the same list on every rank (a collective)."""
+    def step_units(self, step: int, policy: torch.nn.Module) -> StepData:
+        """``step``'s sampled, scored groups: each rank holds its own slots' (a collective of their summaries)."""
 
     def demonstrations(self, step: int, update: int) -> list[Trajectory]:
         """On a step that does not sample: the environment's demonstrations of one of its updates."""
@@ -103,6 +116,8 @@ class Prepared:
     """What a step needs before its first update (:meth:`Objective.prepare_step`; every rank alike)."""
 
     trajectories: list[Trajectory]
+    """The trajectories of the step this rank holds (those of its items' groups, and of the groups it
+    summarised; with one rank every trajectory of the step)."""
     updates: list[Update]
     epochs: int = 1
     """Passes over :attr:`updates` (PPO epochs)."""
@@ -110,6 +125,10 @@ class Prepared:
     """Why the step cannot train (non-finite statistics): it is discarded as a non-finite loss is."""
     untrained: bool = False
     """No token of the step is trained (every loss weight 0): counted, warned about once."""
+    check_sample: list[Trajectory] = field(default_factory=list)
+    """The self-check's sample of the step (every rank alike) when the check wants the step."""
+    planning: dict[str, float] = field(default_factory=dict)
+    """``time/plan_s`` and ``time/plan_wait_s`` of the step's host work."""
 
 
 @dataclass
@@ -148,22 +167,63 @@ class StepContext:
     layout: StepLayout
     self_check: SelfCheck
     rank: int
-    groups: list[list[Trajectory]]
-    """The offline data's groups (``data.path``; empty in online RL)."""
+    groups: LoadedGroups | TreeDatasetReader
+    """The offline data's groups, by group index (``data.path``: a converted dataset read lazily, or tokens
+    JSONL held in memory; no group in online RL)."""
     sampler: StepSampler
     """Which groups (prompts) each step takes."""
     online: Rollouts | None = None
+    planning: Planning | None = None
+    """Where each step's host work runs (offline data: one step ahead on a thread); None: on this thread."""
+
+    def units(self, step: int) -> StepData:
+        """``step``'s groups as this rank reaches them: sampled now from the current policy in online RL (a
+        collective; each rank holds its own slots'), else the data's groups in the sampler's order."""
+        if self.online is not None:
+            return self.online.step_units(step, self.policy.module)
+        return StepData(DatasetGroups(self.groups, self.sampler.groups_for_step(step)))
 
     def trajectories(self, step: int) -> list[Trajectory]:
-        """The trajectories of ``step``'s groups, the same list on every rank: sampled from the current policy
-        in online RL (a collective), else the data's groups in the sampler's order."""
+        """Offline data: every trajectory of ``step``'s groups, in unit order, on every rank (checks that
+        compare a step with its flat baseline; the trainer plans from :meth:`units`)."""
         if self.online is not None:
-            return self.online.step_trajectories(step, self.policy.module)
-        return self.sampler.trajectories_for_step(self.groups, step)
+            raise RuntimeError("online RL: each rank holds only its own slots' trajectories (use units)")
+        data = self.units(step)
+        return [t for group in data.units.read(range(len(data))) for t in group]
 
     def plan(self, trajectories: list[Trajectory]) -> RankPlan:
-        """This rank's items for ``trajectories``."""
-        return self.layout.plan(trajectories, self.rank)
+        """This rank's items for ``trajectories`` (every rank passes the same; a collective): the per-rank
+        planner on their groups."""
+        return plan_units(StepData(GroupUnits.of_step(trajectories)), self.layout.plan_settings(), Collectives())[0]
+
+    def host_step(self, step: int, work_for: Callable[[int], HostWork]) -> Timed:
+        """The host work ``work_for(step)`` makes for ``step``'s data: offline, the one begun ahead during the
+        last step (or done now), and the next step's begun; online, done now on this rank's rollouts."""
+        planning = self.planning or Planning()
+        if self.online is not None:
+            data = self.units(step)  # sampling: not the host work's time
+            work = work_for(step)
+            return planning.run(None, lambda comm: work(data, comm))
+        outcome = planning.run(self.step_key(step), self.bound_work(step, work_for))
+        if step + 1 < self.config.max_steps:
+            planning.ahead(self.step_key(step + 1), self.bound_work(step + 1, work_for))
+        return outcome
+
+    def host_now(self, work: Callable[[Collectives], T]) -> Timed:
+        """``work`` on this thread, on the default group (data the step makes itself: demonstrations)."""
+        return Planning().run(None, work)
+
+    def bound_work(self, step: int, work_for: Callable[[int], HostWork]) -> Callable[[Collectives], object]:
+        data, work = self.units(step), work_for(step)
+        return lambda comm: work(data, comm)
+
+    def step_key(self, step: int) -> tuple:
+        """What a step's host work depends on: the step, the config (a check may edit it between steps) and
+        whether the self-check wants the step (a deferred check moves to it after the work began)."""
+        return step, config_to_dict(self.config), self.wants_check(step)
+
+    def wants_check(self, step: int) -> bool:
+        return self.self_check is not None and self.self_check.wanted(step)
 
     def run(self, router_aux: RouterAuxLoss | None = None) -> RunContext:
         """How this rank runs its items now (device, LM-head chunk, dfs walks)."""
@@ -172,6 +232,14 @@ class StepContext:
     def router_aux(self, plan: RankPlan) -> RouterAuxLoss | None:
         """An MoE policy's router load-balancing loss over the trajectories of ``plan`` (all ranks), else None."""
         return RouterAuxLoss.of_model(self.policy, self.config.model.router_aux_loss_coef, plan.flat_tokens)
+
+
+def check_sample(data: StepData, comm: Collectives) -> tuple[list[Trajectory], list[list[Trajectory]]]:
+    """The self-check's sample of the step of ``data`` (:func:`~ds_tree.engine.self_check.sample_groups` of its
+    trajectories) on every rank alike, and the whole groups that hold it (rollouts: sent by their holders; a
+    collective)."""
+    groups = gather_units(data, sample_units(data.units.sizes()), comm)
+    return sample_groups([t for group in groups for t in group]), groups
 
 
 def router_scalars(outputs: list[StepOutput]) -> dict[str, float]:
@@ -218,7 +286,7 @@ class Objective:
         plans = [update.plan for update in prepared.updates]
         if prepared.problem is not None:  # as a non-finite loss: stop, or discard the step (no update)
             context.updates.discard(step + 1, prepared.problem)
-            return StepResult(plans, float("nan"), None)
+            return StepResult(plans, float("nan"), None, dict(prepared.planning))
         if prepared.untrained:
             context.updates.count_untrained(step + 1)
         outputs, losses, grad_norm = [], [], None
@@ -228,7 +296,7 @@ class Objective:
                 loss, grad_norm = context.updates.apply(step + 1, output.loss)
                 outputs.append(output)
                 losses.append(loss)
-        metrics = objective.step_metrics(prepared, outputs, losses, context)
+        metrics = {**objective.step_metrics(prepared, outputs, losses, context), **prepared.planning}
         return StepResult(plans, float(np.mean(losses)), grad_norm, metrics)
 
     def objective_of(self, step: int, context: StepContext) -> Objective:

@@ -5,10 +5,12 @@ Built once the policy's engine exists (:meth:`Critic.build`): a value model (:mo
 own DeepSpeed engine (the policy's DeepSpeed config: ZeRO stage, dtype, partitioned under ``model.zero_init``) with
 its own AdamW at ``objective.critic.lr`` and its own :class:`~ds_tree.engine.updates.Updates`. A step:
 
-1. :meth:`Critic.values`: before the step's updates, a no-grad forward of the critic over this rank's items of every
-   mini-batch, each item's runner scoring the trained tokens it owns (a value per tree token), merged over the ranks
-   into per-trajectory values (one all-reduce of ``N_flat`` floats): GAE (:func:`ds_tree.losses.values.gae`) needs
-   a path's later values, which another part, rank or shard may hold;
+1. :meth:`Critic.estimate`: before the step's updates (the host work, done ahead, plans the step without
+   advantages), a no-grad forward of the critic over this rank's items of every mini-batch, each item's runner
+   scoring the trained tokens it owns (a value per tree token), merged per trajectory over the ranks holding its
+   group (:func:`merged_over_holders`): GAE (:func:`ds_tree.losses.values.gae`) needs a path's later values, which
+   another part, rank or shard may hold; then the advantages of the groups this rank holds and the step's
+   statistics (:func:`gae_advantages`);
 2. :meth:`Critic.terms`: per item, the value loss's (path, token) pairs with their returns ``G = A + V_old`` and
    coefficients, the old values per target (:class:`~ds_tree.losses.values.ValuePairs`);
 3. :meth:`Critic.run_update`, after each policy update: the critic's forward and backward of the same items, each by
@@ -21,7 +23,7 @@ resumed run loads back, so it continues with the same values.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +47,17 @@ from ds_tree.objectives.rl_rows import (
     trajectory_copies,
     trajectory_scores,
 )
+from ds_tree.objectives.rl_statistics import (
+    AdvantageRule,
+    HeldAdvantages,
+    HeldGroup,
+    Key,
+    StepStatistics,
+    held_advantages,
+    in_step_order,
+    step_sums,
+)
+from ds_tree.packing.exchange import Collectives
 from ds_tree.packing.plan import RankPlan
 from ds_tree.run import checkpoint
 from ds_tree.trees.trajectory import Trajectory
@@ -88,15 +101,14 @@ def critic_values(
 
 def value_item_terms(
     rows,
-    batch: list[Trajectory],
+    normalisers: StepNormalisers,
     returns: dict[int, np.ndarray],
     values: dict[int, np.ndarray],
     settings: RLSettings,
     value_clip: float,
 ) -> list[RowTerms]:
-    """The value loss of each of ``rows`` (one update's items; ``batch``: its trajectories, whose normalisers the
+    """The value loss of each of ``rows`` (one update's items; ``normalisers``: its mini-batch's, which the
     coefficients take), with the old values ``values`` and the returns ``returns`` per trajectory."""
-    normalisers = StepNormalisers.of(batch)
     terms = []
     for row in rows:
         pairs = item_pairs(row, returns, settings, normalisers)
@@ -149,6 +161,104 @@ def value_statistics(
     spread = g.var()
     explained = 1.0 - (g - v).var() / spread if spread > 0 else float("nan")
     return {"critic/value_mean": float(v.mean()), "critic/explained_variance": float(explained)}
+
+
+def step_value_statistics(
+    counted: list[tuple[Key, list[Trajectory], list[np.ndarray]]],
+    values: dict[int, np.ndarray],
+    returns: dict[int, np.ndarray],
+    comm: Collectives | None = None,
+) -> dict[str, float]:
+    """:func:`value_statistics` of the whole step from the groups each rank counts
+    (:attr:`~ds_tree.objectives.rl_statistics.HeldAdvantages.counted`): per trajectory its trained tokens' count
+    and sums of ``V``, ``G`` and ``G - V`` gathered in step order, then its squared deviations from the step's
+    means (two gathers of a few numbers a trajectory, as :func:`~ds_tree.objectives.rl_statistics.step_sums`)."""
+    comm = comm or Collectives()
+    pairs = {
+        key: [(values[id(t)][m], returns[id(t)][m]) for t in group for m in [_trained(t)]] for key, group, _ in counted
+    }
+    sums = {key: [(v.size, v.sum(), g.sum(), (g - v).sum()) for v, g in paths] for key, paths in pairs.items()}
+    terms = np.array([x for _, group in in_step_order(comm, sums) for x in group] or np.zeros((0, 4)))
+    count = terms[:, 0].sum()
+    if count == 0:
+        return {"critic/value_mean": float("nan"), "critic/explained_variance": float("nan")}
+    mean_v, mean_g, mean_d = (terms[:, 1:].sum(axis=0) / count).tolist()
+    squares = {
+        key: [(((g - mean_g) ** 2).sum(), ((g - v - mean_d) ** 2).sum()) for v, g in paths]
+        for key, paths in pairs.items()
+    }
+    spread_g, spread_d = np.array([x for _, group in in_step_order(comm, squares) for x in group]).sum(axis=0)
+    explained = 1.0 - spread_d / spread_g if spread_g > 0 else float("nan")
+    return {"critic/value_mean": float(mean_v), "critic/explained_variance": float(explained)}
+
+
+def place_in_step(trajectories: list[Trajectory]) -> list[tuple[str | int, int]]:
+    """Each trajectory's place in the step, the same on every rank for its copies: its group id and its index
+    among the group's trajectories (a group's trajectories come in step order wherever they are held)."""
+    seen: dict[str | int, int] = {}
+    places = []
+    for trajectory in trajectories:
+        index = seen.get(trajectory.group_id, 0)
+        places.append((trajectory.group_id, index))
+        seen[trajectory.group_id] = index + 1
+    return places
+
+
+def merged_over_holders(
+    groups: list[HeldGroup], scores: dict[int, np.ndarray], comm: Collectives
+) -> dict[tuple[str | int, int], np.ndarray]:
+    """Every held trajectory's values by its :func:`place_in_step`, each token's from the one rank whose item
+    scored it (NaN on the others): a group's parts may lie on several ranks (its shards on a sequence-parallel
+    group), so each rank sends its groups' values and keeps each known entry."""
+    mine = {}
+    for group in groups:
+        for place, trajectory in zip(place_in_step(group.trajectories), group.trajectories, strict=True):
+            mine[place] = scores[id(trajectory)]
+    merged: dict[tuple[str | int, int], np.ndarray] = {}
+    for sent in comm.all_gather(mine):
+        for place, array in sent.items():
+            if place not in merged:
+                merged[place] = array.copy()
+                continue
+            known = ~np.isnan(array)
+            merged[place][known] = array[known]
+    return merged
+
+
+@dataclass
+class Estimated:
+    """``gae``'s advantages of a step (:meth:`Critic.estimate`)."""
+
+    values: dict[int, np.ndarray]
+    """``id(trajectory) -> the critic's value at each trained token`` of the held and the sample's trajectories."""
+    held: HeldAdvantages
+    statistics: StepStatistics
+    sample_advantages: dict[int, np.ndarray]
+
+
+def gae_advantages(
+    groups: list[HeldGroup],
+    scores: dict[int, np.ndarray],
+    sample: list[list[Trajectory]],
+    rule: AdvantageRule,
+    mini_batches: int,
+    comm: Collectives,
+) -> Estimated:
+    """``gae``'s advantages of the groups this rank holds and of the self-check's ``sample`` groups, and the step's
+    statistics (:func:`~ds_tree.objectives.rl_statistics.step_sums`), from ``scores``: ``id(trajectory) -> the
+    critic's values`` where this rank's items scored them (NaN elsewhere), merged over the ranks per group
+    (:func:`merged_over_holders`) before GAE runs along each path."""
+    merged = merged_over_holders(groups, scores, comm)
+    values = {}
+    for group in [*(g.trajectories for g in groups), *sample]:
+        values.update((id(t), merged[place]) for t, place in zip(group, place_in_step(group), strict=True))
+    rule = replace(rule, values=values)
+    held = held_advantages(groups, rule, comm)
+    _, statistics = step_sums(held, mini_batches, comm)
+    sample_advantages = {}
+    for group in sample:
+        sample_advantages.update(zip(map(id, group), rule.of(group), strict=True))
+    return Estimated(values, held, statistics, sample_advantages)
 
 
 def _trained(trajectory: Trajectory) -> np.ndarray:
@@ -246,23 +356,34 @@ class Critic:
         device = getattr(self.engine, "device", context.policy.device)
         return RunContext(device, 0, context.layout.dfs_settings(), head=values_at)
 
-    def values(self, trajectories: list[Trajectory], plans: list[RankPlan], run: RunContext) -> dict[int, np.ndarray]:
-        """``id(trajectory) -> the critic's value at each trained token`` (NaN elsewhere), from a no-grad forward of
-        this rank's items of every plan, merged over the ranks (module docstring)."""
+    def estimate(
+        self,
+        groups: list[HeldGroup],
+        plans: list[RankPlan],
+        sample: list[list[Trajectory]],
+        rule: AdvantageRule,
+        context: StepContext,
+    ) -> Estimated:
+        """The step's GAE advantages (module docstring): the critic's values at the trained tokens of this rank's
+        items of every plan, no grad, then :func:`gae_advantages` (collectives)."""
         self.outputs, self.losses, self.grad_norm = [], [], None
-        return critic_values(self.engine, trajectories, [row for plan in plans for row in plan.rows], run)
+        held = [t for group in groups for t in group.trajectories]
+        rows = [row for plan in plans for row in plan.rows]
+        scores = trajectory_scores(self.engine, held, rows, self.run_context(context), trained_only=True)
+        scored = dict(zip(map(id, held), scores, strict=True))
+        return gae_advantages(groups, scored, sample, rule, self.config.objective.mini_batches, Collectives())
 
     def terms(
         self,
         plan: RankPlan,
-        batch: list[Trajectory],
+        normalisers: StepNormalisers,
         returns: dict[int, np.ndarray],
         values: dict[int, np.ndarray],
         settings: RLSettings,
     ) -> list[RowTerms]:
-        """The value loss of each of ``plan``'s items (``batch``: the update's trajectories, its normalisers)."""
+        """The value loss of each of ``plan``'s items (``normalisers``: its mini-batch's, over the ranks)."""
         clip = self.config.objective.critic.value_clip
-        return value_item_terms(plan.rows, batch, returns, values, settings, clip)
+        return value_item_terms(plan.rows, normalisers, returns, values, settings, clip)
 
     def run_update(self, update: CriticUpdate, context: StepContext) -> None:
         """The critic's forward and backward of ``update``'s items, then its optimizer update."""

@@ -1,17 +1,22 @@
 """The clipped policy-gradient objective (``objective.kind: grpo`` or ``ppo``; docs/RL.md).
 
-A step: the step's trajectories (online RL: sampled now; a multi-turn run's warm-up and refresh steps train
-the environment's demonstrations instead, :class:`~ds_tree.objectives.sft.Demonstrations`), their advantages
-(:func:`~ds_tree.losses.advantages.estimate`), mini-batches of whole groups in the sampler's order, each
-planned and prepared (:func:`~ds_tree.objectives.rl_rows.prepare_rl_rows`: per-token sums, old and reference
-log-probs, the model before the step's updates being the old policy), then ``ppo_epochs`` passes of one
-optimizer update per mini-batch. ``grpo`` and ``ppo`` are this one objective; they differ only in the
+A step: the step's groups (online RL: sampled now, each rank holding its own slots'; a multi-turn run's
+warm-up and refresh steps train the environment's demonstrations instead,
+:class:`~ds_tree.objectives.sft.Demonstrations`); its host work (:func:`rl_host_work`, for offline data done
+one step ahead, :mod:`ds_tree.engine.plan_ahead`): mini-batches of whole groups in the sampler's order, each
+planned by the per-rank planner, the advantages of the groups this rank holds and the statistics over every
+rank's (:mod:`ds_tree.objectives.rl_statistics`); then each mini-batch's rows prepared
+(:func:`~ds_tree.objectives.rl_rows.prepare_rl_rows`: per-token sums, old and reference log-probs, the model
+before the step's updates being the old policy), and ``ppo_epochs`` passes of one optimizer update per
+mini-batch. ``estimator: gae`` needs the critic's values as the step starts: its host work plans without
+advantages, and the step estimates them (:meth:`~ds_tree.objectives.critic.Critic.estimate`), each update then
+training the critic too. ``grpo`` and ``ppo`` are this one objective; they differ only in the
 default advantage estimator, which the config resolves (``grpo``: group-relative; ``ppo``: ``given``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,10 +26,19 @@ from ds_tree.config import ConfigError
 from ds_tree.engine.runners import RunContext, StepOutput, add_metrics
 from ds_tree.engine.self_check import CheckSettings, merge_over_group, sample_groups, tree_items
 from ds_tree.errors import DataError
-from ds_tree.losses.advantages import check_finite_statistics, estimate, non_finite_statistics
+from ds_tree.losses.advantages import check_finite_statistics, estimate
 from ds_tree.losses.rl import SUMMED_METRICS, RLSettings
-from ds_tree.objectives.base import Components, Objective, Prepared, StepContext, Update, router_scalars
-from ds_tree.objectives.critic import Critic, CriticUpdate, returns_of, value_statistics
+from ds_tree.objectives.base import (
+    Components,
+    HostWork,
+    Objective,
+    Prepared,
+    StepContext,
+    Update,
+    check_sample,
+    router_scalars,
+)
+from ds_tree.objectives.critic import Critic, CriticUpdate, returns_of, step_value_statistics
 from ds_tree.objectives.reference import KLReference
 from ds_tree.objectives.rl_rows import (
     RLRow,
@@ -36,9 +50,20 @@ from ds_tree.objectives.rl_rows import (
     run_rl_rows,
     trajectory_scores,
 )
+from ds_tree.objectives.rl_statistics import (
+    AdvantageRule,
+    HeldGroup,
+    StepStatistics,
+    held_advantages,
+    step_sums,
+    unestimated,
+)
 from ds_tree.objectives.sampler_mismatch import mismatch_scalars
 from ds_tree.objectives.sft import Demonstrations
-from ds_tree.trees.trajectory import Trajectory, group_trajectories
+from ds_tree.packing.exchange import Collectives
+from ds_tree.packing.plan import PlanSettings, RankPlan
+from ds_tree.packing.step_units import StepData, plan_units
+from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 
 
@@ -46,16 +71,62 @@ from ds_tree.trees.trie import build_forest
 class PolicyGradientStep(Prepared):
     """One RL step's rollouts, ready for its updates."""
 
-    advantages: list[np.ndarray] = field(default_factory=list)
-    """Per trajectory (``trajectories`` order), per token."""
-    singletons: int = 0
-    """Trajectories alone in their group (advantage 0)."""
-    batches: list[list[Trajectory]] = field(default_factory=list)
-    """Mini-batches: whole groups each."""
+    statistics: StepStatistics | None = None
+    """The step's reward and advantage statistics, every rank's groups (:mod:`ds_tree.objectives.rl_statistics`)."""
+    sample_advantages: dict[int, np.ndarray] = field(default_factory=dict)
+    """``id(trajectory) -> per-token advantages`` of the self-check's sample."""
     rows: list[list[RLRow]] = field(default_factory=list)
     """This rank's rows of each mini-batch with targets, per-token sums, old and reference log-probs."""
     critic: dict[str, float] = field(default_factory=dict)
     """``estimator: gae``: the critic's value statistics of the step (``critic/value_mean``, ...)."""
+
+
+@dataclass
+class RLHost:
+    """An RL step's host work (:func:`rl_host_work`): everything the step needs from its data alone."""
+
+    plans: list[RankPlan]
+    """This rank's plan of each mini-batch."""
+    normalisers: list[StepNormalisers]
+    """Each mini-batch's, summed over the ranks."""
+    advantages: dict[int, np.ndarray]
+    """``id(trajectory) -> per-token advantages`` of every trajectory this rank holds."""
+    statistics: StepStatistics
+    trajectories: list[Trajectory]
+    sample: list[Trajectory]
+    sample_advantages: dict[int, np.ndarray]
+    groups: list[HeldGroup] = field(default_factory=list)
+    """The groups this rank holds (``estimator: gae`` estimates them at the step, from the critic's values)."""
+    sample_groups: list[list[Trajectory]] = field(default_factory=list)
+    """The whole groups holding the self-check's sample."""
+
+
+def rl_host_work(settings: PlanSettings, rule: AdvantageRule, mini_batches: int, sample: bool) -> HostWork:
+    """The host work of an RL step: mini-batches of whole groups in step order, each planned by the per-rank
+    planner; the advantages of the groups this rank holds; the mini-batches' normalisers and the step's
+    statistics summed over the ranks; with ``sample`` the self-check's sample and its advantages."""
+
+    def work(data: StepData, comm: Collectives) -> RLHost:
+        plans, groups = [], []
+        for batch, chunk in enumerate(np.array_split(np.arange(len(data)), mini_batches)):
+            plan, planner = plan_units(data.subset(chunk), settings, comm)
+            plans.append(plan)
+            share = set(planner.share())  # each group counted by the rank that summarised it
+            for unit, trees in planner.built.items():
+                groups.append(HeldGroup((batch, unit), trees.trajectories, unit in share))
+        held = unestimated(groups, rule) if rule.needs_values else held_advantages(groups, rule, comm)
+        normalisers, statistics = step_sums(held, mini_batches, comm)
+        chosen, chosen_advantages, whole = [], {}, []
+        if sample:
+            chosen, whole = check_sample(data, comm)
+            for group in whole if not rule.needs_values else ():
+                chosen_advantages.update(zip(map(id, group), held.rule.of(group), strict=True))
+        trajectories = [t for group in groups for t in group.trajectories]
+        return RLHost(
+            plans, normalisers, held.by_trajectory, statistics, trajectories, chosen, chosen_advantages, groups, whole
+        )
+
+    return work
 
 
 class PolicyGradient(Objective):
@@ -110,76 +181,85 @@ class PolicyGradient(Objective):
         online = context.online
         return self.warmup if online is not None and not online.samples(step) else self
 
-    def prepare_step(self, step: int, context: StepContext) -> PolicyGradientStep:
-        """``step``'s trajectories, advantages and mini-batches, with old (and reference) log-probs. Every rank
-        computes the same advantages and mini-batches (whole groups, in the sampler's order) and plans its
-        rows of each."""
+    def host_work(self, step: int, context: StepContext) -> HostWork:
+        """``step``'s host work (:func:`rl_host_work`) with the settings of now."""
         objective = self.config.objective
-        settings = objective.rl_settings()
-        trajectories = context.trajectories(step)
-        groups = group_trajectories(trajectories)
-        batches = [
-            [t for g in chunk for t in groups[g]]
-            for chunk in np.array_split(np.arange(len(groups)), objective.mini_batches)
-        ]
-        plans = [context.plan(batch) for batch in batches]
-        values = None
-        if self.critic.enabled:  # the critic's values before the step's updates: GAE's baseline
-            values = self.critic.values(trajectories, plans, self.critic.run_context(context))
-        computed = estimate(
-            trajectories,
+        sample = context.wants_check(step)
+        return rl_host_work(context.layout.plan_settings(), self.rule(), objective.mini_batches, sample)
+
+    def rule(self) -> AdvantageRule:
+        """How the step's advantages are computed (``gae``: with the critic's values, :meth:`Critic.estimate`)."""
+        objective = self.config.objective
+        return AdvantageRule(
             objective.estimator,
             objective.normalise_advantages,
-            tempo_coef=objective.tempo_coef,
-            values=values,
+            objective.tempo_coef,
             gamma=objective.gamma,
             lam=objective.lam,
         )
-        advantages = computed.by_trajectory()
+
+    def prepare_step(self, step: int, context: StepContext) -> PolicyGradientStep:
+        """``step``'s host work (its data's plans, advantages and statistics; offline data planned one step
+        ahead), then this rank's rows of each mini-batch with old (and reference) log-probs from the policy as
+        the step starts."""
+        settings = self.config.objective.rl_settings()
+        host = context.host_step(step, lambda at: self.host_work(at, context))
+        done = host.result
+        values = None
+        if self.critic.enabled:  # GAE's baseline: the critic's values before the step's updates, computed now
+            estimated = self.critic.estimate(done.groups, done.plans, done.sample_groups, self.rule(), context)
+            values, statistics = estimated.values, estimated.statistics
+            done = replace(
+                done,
+                advantages=estimated.held.by_trajectory,
+                statistics=statistics,
+                sample_advantages=estimated.sample_advantages,
+            )
         rows = [
             prepare_rl_rows(
                 context.policy,
                 plan.rows,
-                advantages,
+                done.advantages,
                 settings,
-                StepNormalisers.of(batch),
+                normalisers,
                 reference=self.reference.model,
                 device=context.policy.device,
                 head_chunk=self.config.model.head_chunk,
                 dfs=context.layout.dfs_settings(),
             )
-            for plan, batch in zip(plans, batches, strict=True)
+            for plan, normalisers in zip(done.plans, done.normalisers, strict=True)
         ]
         updates = [
-            Update(plan, [rl_terms(item, settings) for item in items]) for plan, items in zip(plans, rows, strict=True)
+            Update(plan, [rl_terms(item, settings) for item in items])
+            for plan, items in zip(done.plans, rows, strict=True)
         ]
         critic = {}
         if values is not None:  # each update also trains the critic on the same items
-            returns = returns_of(trajectories, advantages, values)
+            returns = returns_of(done.trajectories, done.advantages, values)
             updates = [
-                CriticUpdate(u.plan, u.terms, self.critic.terms(u.plan, batch, returns, values, settings), step + 1)
-                for u, batch in zip(updates, batches, strict=True)
+                CriticUpdate(u.plan, u.terms, self.critic.terms(u.plan, n, returns, values, settings), step + 1)
+                for u, n in zip(updates, done.normalisers, strict=True)
             ]
-            critic = value_statistics(trajectories, values, returns)
+            critic = step_value_statistics(estimated.held.counted, values, returns)
         return PolicyGradientStep(
-            trajectories,
+            done.trajectories,
             updates,
-            epochs=objective.ppo_epochs,
-            problem=non_finite_statistics(trajectories, computed.values),  # every rank alike
-            untrained=StepNormalisers.of(trajectories).total_tokens == 0,
-            advantages=computed.values,
-            singletons=computed.singletons,
-            batches=batches,
+            epochs=self.config.objective.ppo_epochs,
+            problem=done.statistics.problem,  # every rank alike
+            untrained=sum(n.total_tokens for n in done.normalisers) == 0,
+            check_sample=done.sample,
+            planning=host.scalars(),
+            statistics=done.statistics,
+            sample_advantages=done.sample_advantages,
             rows=rows,
             critic=critic,
         )
 
     def check_inputs(self, prepared: PolicyGradientStep, context: StepContext) -> PolicyGradientCheck:
-        by_id = {id(t): a for t, a in zip(prepared.trajectories, prepared.advantages, strict=True)}
         return PolicyGradientCheck.of(
             context.policy.module,
-            prepared.trajectories,
-            by_id,
+            prepared.check_sample,
+            prepared.sample_advantages,
             self.config.objective.rl_settings(),
             context.self_check.settings(),
             reference=self.reference.model,
@@ -201,9 +281,9 @@ class PolicyGradient(Objective):
         for output in outputs:
             if output.metrics is not None:
                 metrics = add_metrics(metrics, output.metrics)
-        scalars = rl_scalars(prepared.trajectories, prepared.advantages, global_metrics(metrics))
+        scalars = rl_scalars(prepared.statistics.scalars(), global_metrics(metrics))
         scalars.update(router_scalars(outputs))
-        scalars["rl/singleton_trajectories"] = float(prepared.singletons)
+        scalars["rl/singleton_trajectories"] = float(prepared.statistics.singletons)
         if self.critic.enabled:
             scalars.update(self.critic.step_metrics(prepared.critic))
         online = context.online

@@ -30,6 +30,26 @@ from ds_tree.run import checkpoint
 logger = logging.getLogger(__name__)
 
 
+def frozen_model(config: Config, policy, ds_config: dict, hf_deepspeed_config=None, *, source: str = ""):
+    """A frozen model beside the policy (``policy``: its DeepSpeed engine), on every rank: without ``source``
+    the reference policy, under ``model.lora`` the policy with its adapters off (no second model), else
+    ``objective.reference`` (default ``model.source`` at ``model.seed``); with ``source`` that model (a
+    distillation teacher). In the policy's dtype; whole, or partitioned under ``model.zero_init``
+    (:func:`~ds_tree.engine.reference.build_reference`)."""
+    if config.model.lora.enabled and not source:
+        return AdaptersDisabled(policy)
+    return build_reference(
+        config, ds_config, dtype_of(policy, config), policy.device, hf_deepspeed_config, source=source
+    )
+
+
+def dtype_of(policy, config: Config) -> torch.dtype:
+    """The policy's parameter dtype (``model.dtype``'s in a run; a check's own, float64, in the tests), which
+    its frozen models take."""
+    parameter = next(iter(getattr(policy, "module", policy).parameters()), None)
+    return parameter.dtype if parameter is not None else model_dtype(config)
+
+
 class KLReference:
     """The reference of one run (module docstring)."""
 
@@ -41,14 +61,8 @@ class KLReference:
 
     def build(self, policy, ds_config: dict, hf_deepspeed_config=None) -> None:
         """The reference of a run with a KL term, on every rank (``policy``: the policy's DeepSpeed engine)."""
-        config = self.config
-        if not config.objective.kl_coef:
-            return
-        if config.model.lora.enabled:  # the policy with its adapters off: no second model
-            self.model = AdaptersDisabled(policy)
-        else:  # whole, or partitioned under zero_init
-            dtype = model_dtype(config)
-            self.model = build_reference(config, ds_config, dtype, policy.device, hf_deepspeed_config)
+        if self.config.objective.kl_coef:
+            self.model = frozen_model(self.config, policy, ds_config, hf_deepspeed_config)
 
     def copied(self, step: int) -> bool:
         """Whether the reference is the policy's copy after ``step`` steps (``objective.reference_step``)."""

@@ -199,7 +199,7 @@ def prepare_rl_rows(
     Two passes over the rows: every row's old-policy forwards, then every row's reference forwards.
     A walked row makes one forward per chunk, so ranks make different numbers of forwards; with
     ``dfs.lockstep`` (ZeRO-3) each pass is first padded to the busiest rank's count on its own model
-    (:func:`_even_out_forwards`) when that model's forwards gather parameters collectively
+    (:func:`even_out_forwards`) when that model's forwards gather parameters collectively
     (:func:`gathers_collectively`: the policy engine, a partitioned reference engine, the policy with
     its adapters off), so every rank's gathers of one model meet those of the same model in order.
     """
@@ -207,7 +207,7 @@ def prepare_rl_rows(
     lockstep = dfs is not None and dfs.lockstep and in_process_group()
     recompute = settings.old_logprobs != "data" and old_logprobs is None
     if lockstep and recompute:
-        _even_out_forwards(model, rows, run)
+        even_out_forwards(model, rows, run)
     prepared = []
     for row in rows:
         copies = trajectory_copies(row)
@@ -226,7 +226,7 @@ def prepare_rl_rows(
         prepared.append(RLRow(row, targets, sums.take(targets), logp_old, None))
     if reference is not None:
         if lockstep and gathers_collectively(reference):
-            _even_out_forwards(reference, rows, run)
+            even_out_forwards(reference, rows, run)
         for item in prepared:
             item.logp_ref = runner_of(item.row).logprobs(reference, item.row, item.targets, run)
     return prepared
@@ -240,7 +240,7 @@ def gathers_collectively(model) -> bool:
     return stage is not None and stage() == 3
 
 
-def _even_out_forwards(model, rows: Sequence[PackedRow], run: RunContext) -> None:
+def even_out_forwards(model, rows: Sequence[PackedRow], run: RunContext) -> None:
     """No-grad dummy forwards of ``model`` (:func:`~ds_tree.engine.dfs.dummy_call`) until this rank has made
     as many as the busiest will for ``rows`` (one per packed row, one per chunk of a walked tree)."""
     count = torch.tensor([sum(runner_of(row).forwards(row, run) for row in rows)])
@@ -276,10 +276,10 @@ def trajectory_scores(
     """Per trajectory, what ``run.head`` gives (log-probs, a critic's values) at each of its tokens (index 0 unused,
     NaN) where this rank's items predict them: each item's runner scores the tokens the item owns (a shard: those
     predicted from it), ``trained_only``: those a trajectory trains. No gradients; with ``run.dfs.lockstep`` the
-    forwards of a model that gathers collectively are evened out over the ranks first (:func:`_even_out_forwards`).
+    forwards of a model that gathers collectively are evened out over the ranks first (:func:`even_out_forwards`).
     :func:`merged_over_ranks` completes them with the other ranks' tokens."""
     if run.dfs is not None and run.dfs.lockstep and in_process_group() and gathers_collectively(model):
-        _even_out_forwards(model, rows, run)
+        even_out_forwards(model, rows, run)
     index = {id(t): i for i, t in enumerate(trajectories)}
     values = [np.full(len(t), np.nan) for t in trajectories]
     for row in rows:
@@ -369,30 +369,17 @@ def run_rl_rows(
     return run_items(model, rows, [rl_terms(item, settings) for item in prepared], run, backward_for)
 
 
-def rl_scalars(
-    trajectories: list[Trajectory], advantages: list[np.ndarray], metrics: dict[str, float]
-) -> dict[str, float]:
-    """``rl/`` scalars as the flat batch computes them: rewards per trajectory, advantages per
-    trained (trajectory, token), the loss metrics per trained token summed over the step's updates."""
-    rewards = np.array([t.reward for t in trajectories if t.reward is not None], dtype=np.float64)
-    masks = [t.loss_mask[1:] for t in trajectories]
-    weight = float(sum(m.sum() for m in masks))
-    mean = float(sum((m * a[1:]).sum() for m, a in zip(masks, advantages, strict=True))) / weight if weight else 0.0
-    variance = (
-        float(sum((m * (a[1:] - mean) ** 2).sum() for m, a in zip(masks, advantages, strict=True))) / weight
-        if weight
-        else 0.0
-    )
+def rl_scalars(statistics: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
+    """``rl/`` scalars as the flat batch computes them: ``statistics``, the reward and advantage ones
+    (:meth:`~ds_tree.objectives.rl_statistics.StepStatistics.scalars`: rewards per trajectory, advantages per
+    trained (trajectory, token)), and the loss metrics per trained token summed over the step's updates."""
     tokens = metrics["tokens"]
 
     def per_token(name: str) -> float:
         return metrics[name] / tokens if tokens else 0.0
 
     return {
-        "rl/reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "rl/reward_std": float(rewards.std()) if rewards.size else float("nan"),
-        "rl/advantage_mean": mean,
-        "rl/advantage_std": variance**0.5,
+        **statistics,
         "rl/clip_frac_low": per_token("clip_low"),
         "rl/clip_frac_high": per_token("clip_high"),
         "rl/clip_frac_dual": per_token("clip_dual"),

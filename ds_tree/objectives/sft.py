@@ -19,24 +19,58 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from ds_tree.engine.dfs import DfsSettings, WalkStats
+from ds_tree.engine.plan_ahead import Timed
 from ds_tree.engine.runners import RunContext, StepOutput, run_items
-from ds_tree.engine.self_check import sample_groups
 from ds_tree.losses.sft import Normalisers, restoration_weights
 from ds_tree.losses.terms import RowTerms, sft_terms
 from ds_tree.models.logprobs import predicted_tokens
 from ds_tree.models.moe import RouterAuxLoss
-from ds_tree.objectives.base import Objective, Prepared, StepContext, Update
+from ds_tree.objectives.base import HostWork, Objective, Prepared, StepContext, Update, check_sample
+from ds_tree.packing.distributed import GroupUnits
+from ds_tree.packing.exchange import Collectives
+from ds_tree.packing.plan import PlanSettings, RankPlan
 from ds_tree.packing.rows import PackedRow
+from ds_tree.packing.step_units import StepData, plan_units
 from ds_tree.trees.trajectory import Trajectory
 
 
-def global_normalisers(rows: Sequence[PackedRow]) -> Normalisers:
+def global_normalisers(rows: Sequence[PackedRow], comm: Collectives | None = None) -> Normalisers:
     """This rank's :meth:`~ds_tree.losses.sft.Normalisers.from_rows` summed over all ranks (one all-reduce of
-    three float64 scalars, before the step's first forward): every row's loss is then a term of the global
-    objective."""
+    three float64 scalars, before the step's first forward; ``comm`` None: the default group): every row's
+    loss is then a term of the global objective."""
+    if comm is not None:
+        return Normalisers.from_tensor(comm.all_reduce(Normalisers.from_rows(rows).as_tensor().numpy()))
     values = Normalisers.from_rows(rows).as_tensor()
     dist.all_reduce(values)
     return Normalisers.from_tensor(values)
+
+
+@dataclass
+class SFTHost:
+    """An SFT step's host work (:func:`sft_host_work`): per update this rank's plan and the global normalisers."""
+
+    plans: list[RankPlan]
+    normalisers: list[Normalisers]
+    trajectories: list[Trajectory]
+    """What this rank holds of the step (:attr:`~ds_tree.objectives.base.Prepared.trajectories`)."""
+    sample: list[Trajectory]
+
+
+def sft_host_work(settings: PlanSettings, sample: bool) -> Callable[[Sequence[StepData], Collectives], SFTHost]:
+    """Per update's data: this rank's plan (the per-rank planner) and the normalisers summed over the ranks;
+    with ``sample`` the self-check's sample of the first update's data."""
+
+    def work(updates: Sequence[StepData], comm: Collectives) -> SFTHost:
+        plans, normalisers, held = [], [], []
+        for data in updates:
+            plan, planner = plan_units(data, settings, comm)
+            plans.append(plan)
+            normalisers.append(global_normalisers(plan.rows, comm))
+            held.extend(t for trees in planner.built.values() for t in trees.trajectories)
+        chosen = check_sample(updates[0], comm)[0] if sample and updates else []
+        return SFTHost(plans, normalisers, held, chosen)
+
+    return work
 
 
 def row_terms(
@@ -108,22 +142,26 @@ class SFT(Objective):
     """``objective.kind: sft``: one update a step on the step's groups (module docstring)."""
 
     def prepare_step(self, step: int, context: StepContext) -> Prepared:
-        return self.prepared([context.trajectories(step)], context)
+        return self.prepared(context.host_step(step, lambda at: self.host_work(at, context)), context)
 
-    def prepared(self, batches: list[list[Trajectory]], context: StepContext) -> Prepared:
-        """One update per batch of trajectories: this rank's plan, its normalisers summed over the ranks,
-        each row's restoration-weighted NLL."""
-        objective = self.config.objective
-        updates, trained = [], False
-        for trajectories in batches:
-            plan = context.plan(trajectories)
-            normalisers = global_normalisers(plan.rows)
-            trained = trained or normalisers.target_tokens != 0
-            updates.append(Update(plan, row_terms(plan.rows, normalisers, objective.normalisation, objective.policy)))
-        return Prepared([t for batch in batches for t in batch], updates, untrained=not trained)
+    def host_work(self, step: int, context: StepContext) -> HostWork:
+        work = sft_host_work(context.layout.plan_settings(), context.wants_check(step))
+        return lambda data, comm: work([data], comm)
+
+    def prepared(self, host: Timed, context: StepContext) -> Prepared:
+        """One update per planned batch: each row's restoration-weighted NLL with the batch's normalisers."""
+        objective, done = self.config.objective, host.result
+        updates = [
+            Update(plan, row_terms(plan.rows, normalisers, objective.normalisation, objective.policy))
+            for plan, normalisers in zip(done.plans, done.normalisers, strict=True)
+        ]
+        untrained = all(normalisers.target_tokens == 0 for normalisers in done.normalisers)
+        return Prepared(
+            done.trajectories, updates, untrained=untrained, check_sample=done.sample, planning=host.scalars()
+        )
 
     def check_inputs(self, prepared: Prepared, context: StepContext) -> SFTCheck:
-        return SFTCheck(sample_groups(prepared.trajectories), self.config.objective.normalisation)
+        return SFTCheck(prepared.check_sample, self.config.objective.normalisation)
 
 
 class Demonstrations(SFT):
@@ -133,7 +171,10 @@ class Demonstrations(SFT):
 
     def prepare_step(self, step: int, context: StepContext) -> Prepared:
         updates = range(self.config.objective.updates_per_step)
-        return self.prepared([context.online.demonstrations(step, update) for update in updates], context)
+        batches = [context.online.demonstrations(step, update) for update in updates]  # the same on every rank
+        data = [StepData(GroupUnits.of_step(batch)) for batch in batches]
+        work = sft_host_work(context.layout.plan_settings(), sample=False)
+        return self.prepared(context.host_now(lambda comm: work(data, comm)), context)
 
     def check_inputs(self, prepared: Prepared, context: StepContext) -> None:
         return None  # the run's objective is RL's: its next RL step is checked

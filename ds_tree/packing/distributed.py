@@ -132,6 +132,8 @@ class UnitTrees:
     tree_tokens: int
     items: list[tuple[int, list[TreePart]]]
     """Per layout tree (the unit's trees; ``packing.mode: flat``, its trajectories): kind and parts."""
+    trajectories: list[Trajectory] = field(default_factory=list)
+    """The unit's trajectories as read, in step order (the objects its trees hold)."""
 
 
 def unit_trees(trajectories: Sequence[Trajectory], settings: PlanSettings) -> UnitTrees:
@@ -139,7 +141,8 @@ def unit_trees(trajectories: Sequence[Trajectory], settings: PlanSettings) -> Un
     trees = build_forest(trajectories, merge=settings.merge)
     counts = token_counts(trees)
     layout = trees if settings.mode != "flat" else build_forest(trajectories, merge="none")
-    return UnitTrees(counts.flat_tokens, counts.tree_tokens, [tree_items(tree, settings) for tree in layout])
+    items = [tree_items(tree, settings) for tree in layout]
+    return UnitTrees(counts.flat_tokens, counts.tree_tokens, items, list(trajectories))
 
 
 def tree_items(tree: TokenTree, settings: PlanSettings) -> tuple[int, list[TreePart]]:
@@ -354,17 +357,24 @@ class RankPlanner:
     summaries, :meth:`plan` (:meth:`balance` and :meth:`materialise`). The trees it builds for its summaries
     are kept until its items are made."""
 
-    def __init__(self, units: StepUnits, settings: PlanSettings, world_size: int, rank: int) -> None:
+    def __init__(
+        self, units: StepUnits, settings: PlanSettings, world_size: int, rank: int, share: Sequence[int] | None = None
+    ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of {world_size}")
         self.units = WholeStep(units) if settings.merge == "global" else units
         self.settings, self.world_size, self.rank = settings, world_size, rank
+        self.given_share = None if share is None or settings.merge == "global" else sorted(int(u) for u in share)
+        """The units this rank summarises when they are given (those it holds: online rollouts); None: a
+        ``1/W`` share by flat tokens (:func:`summary_shares`)."""
         self.built: dict[int, UnitTrees] = {}
         self.read_units: set[int] = set()
         """Every unit whose trajectories this rank read (what it received of the step's data)."""
 
     def share(self) -> list[int]:
-        """The units this rank summarises."""
+        """The units this rank summarises: those given, else its share by flat tokens."""
+        if self.given_share is not None:
+            return self.given_share
         return summary_shares(self.units.sizes(), self.world_size)[self.rank]
 
     def build(self, units: Sequence[int]) -> None:

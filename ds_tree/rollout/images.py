@@ -118,7 +118,7 @@ class ObservationImages:
     once per content (module docstring)."""
 
     def __init__(self, vision, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
-        """``vision``: the policy's processor folder (:class:`~ds_tree.data.vision_processor.VisionProcessor`);
+        """``vision``: the policy's processor folder (:class:`~ds_tree.vocab.vision_processor.VisionProcessor`);
         ``max_pixels``: ``rollout.env.max_image_pixels``."""
         self.image_token_id = vision.image_token_id
         self.reader = ImageReader(vision.image_processor, vision.family.merge_size, max_pixels, SETTING)
@@ -183,8 +183,8 @@ def observation_images(tokenizer_dir, model_config, max_pixels: int = MAX_IMAGE_
     """The image reader of a vision-language policy whose ``model.tokenizer`` is a processor folder
     (``ds-tree make-tokenizer --vision``); None for a text-only policy (an image observation is then an
     environment error naming the reason); a ValueError for a vision-language model without one."""
-    from ds_tree.data.vision_processor import load_vision_processor
     from ds_tree.models.vision import check_image_inputs, is_vision_language
+    from ds_tree.vocab.vision_processor import load_vision_processor
 
     if not is_vision_language(model_config):
         return None

@@ -12,9 +12,13 @@ episode trees, :mod:`ds_tree.rollout.multiturn`): docs/RL.md, *Online RL*.
   every ``rollout.sync_every``-th step that samples with them (:meth:`StepRollouts.begin_step`, a
   collective); with ``rollout.max_staleness > 0`` a background sampler (:mod:`ds_tree.rollout.ahead`)
   samples the rank's slots ahead of training;
-- every rank's share is gathered in slot order (:meth:`StepRollouts.gathered_shares`); a sampling
-  failure on any rank is raised on every rank, and trajectories older than the staleness bound are
-  dropped and counted (:meth:`StepRollouts.fresh_enough`).
+- each rank keeps the trajectories of its own slots (:meth:`StepRollouts.step_units`: the step's units, one
+  per slot that kept a trajectory, in slot order, each held by the rank that sampled it); the ranks exchange
+  only each slot's summary (:class:`SlotSummary`: the figures of the ``rollout/`` metrics, the kept
+  trajectories' count, tokens and policy versions), so the metrics are the whole step's, and the trainer's
+  per-rank planner sends each group to the rank whose items hold it (:mod:`ds_tree.packing.step_units`). A
+  sampling failure on any rank is raised on every rank, and trajectories older than the staleness bound are
+  dropped and counted.
 
 What an engine can do is its declared capabilities (:mod:`ds_tree.sampling.interface`), checked at
 config time (:func:`check_engine_config`): the loop never asks for an engine by name.
@@ -23,6 +27,7 @@ config time (:func:`check_engine_config`): the loop never asks for an engine by 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,6 +36,7 @@ import torch.distributed as dist
 from ds_tree.data.convert import load_tokenizer
 from ds_tree.data.sampler import StepSampler
 from ds_tree.errors import ConfigError, DataError
+from ds_tree.packing.step_units import HeldUnits, StepData
 from ds_tree.registries import SAMPLING_ENGINES, missing_capability
 from ds_tree.rollout.ahead import (
     AheadSampler,
@@ -42,6 +48,23 @@ from ds_tree.rollout.ahead import (
 )
 from ds_tree.sampling.interface import EngineError, SamplingEngine
 from ds_tree.trees.trajectory import Trajectory
+
+
+@dataclass
+class SlotSummary:
+    """What a rank sends the others of one slot it sampled (module docstring)."""
+
+    slot: int
+    rank: int
+    figures: object
+    """The rollout's figures of the slot for the ``rollout/`` metrics (:meth:`StepRollouts.slot_figures`)."""
+    kept: int
+    """Trajectories kept to train (a reward, fresh enough)."""
+    kept_tokens: int
+    versions: list[int]
+    """The kept trajectories' policy versions."""
+    stale: int
+    """Trajectories dropped as older than the staleness bound."""
 
 
 def slot_generator(seed: int, step: int, slot: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -64,6 +87,21 @@ def raise_any(*failures: str | None, gather: bool = True) -> None:
         found = [f"rank {rank}: {f}" for rank, f in enumerate(every) if f]
     if found:
         raise EngineError(found[0] + (f" (and {len(found) - 1} more rank(s))" if len(found) > 1 else ""))
+
+
+def version_scalars(step: int, summaries: list[SlotSummary]) -> dict[str, float]:
+    """The kept trajectories' policy versions over every rank's slots, and how many were dropped as stale."""
+    versions = [version for summary in summaries for version in summary.versions]
+    return {
+        "rollout/policy_version": float(np.mean(versions)) if versions else float("nan"),
+        "rollout/staleness_max": float(step - min(versions)) if versions else 0.0,
+        "rollout/stale_dropped": float(sum(summary.stale for summary in summaries)),
+    }
+
+
+def kept_groups(summaries: list[SlotSummary]) -> int:
+    """The step's groups that kept a trajectory to train (one per slot)."""
+    return sum(summary.kept > 0 for summary in summaries)
 
 
 def engine_scalars(engine: SamplingEngine) -> dict[str, float]:
@@ -106,7 +144,8 @@ def run_tokenizer(config):
 
 class StepRollouts:
     """What every online rollout does on one rank each step (module docstring); a subclass says what a
-    slot is: :meth:`sample_share` samples the rank's slots, ``step_trajectories`` gathers and keeps them."""
+    slot is: :meth:`sample_share` samples the rank's slots, :meth:`trainable` and :meth:`slot_figures` say what
+    a slot trains on and reports."""
 
     def __init__(self, config, model_config, tokenizer, stop_ids: list[int], groups: int) -> None:
         self.config = config
@@ -131,6 +170,8 @@ class StepRollouts:
         """This step's weight sync time (``rollout/sync_s``; 0 on a step without a sync)."""
         self.wait_s = 0.0
         """This step's wait for the background sampler before its sync."""
+        self.synced_at: int | None = None
+        """The step whose start weights an evaluation synced into the engine (:meth:`sync_for_eval`)."""
 
     def build_model(self) -> None:
         """The sampling engine (:meth:`~ds_tree.sampling.interface.SamplingEngine.for_run`), built before the
@@ -153,9 +194,23 @@ class StepRollouts:
         """The SFT trajectories of one update of a warm-up ``step`` (only a rollout that warms up has them)."""
         raise NotImplementedError(f"{type(self).__name__} does not warm up on demonstrations")
 
-    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
-        """``step``'s sampled trajectories, the same list on every rank (a collective)."""
+    def slot_figures(self, result) -> object:
+        """A sampled slot's figures for the ``rollout/`` metrics (small: no tokens)."""
         raise NotImplementedError
+
+    def figure_scalars(self, summaries: list[SlotSummary]) -> dict[str, float]:
+        """The ``rollout/`` metrics from every rank's slots' summaries (in rank order)."""
+        raise NotImplementedError
+
+    def trainable(self, results: list) -> list[list[Trajectory]]:
+        """Per result of this rank, the trajectories it trains on (before the staleness check)."""
+        raise NotImplementedError
+
+    def check_groups(self, step: int, results: list, summaries: list[SlotSummary]) -> None:
+        """Raise on every rank when too few groups are left to train (``summaries``: every rank's)."""
+
+    def after_sampling(self, step: int, results: list) -> None:
+        """Anything to do with this rank's results of ``step`` besides training on them (every rank)."""
 
     def sample_share(self, step: int, version: int) -> list:
         """This rank's slots of ``step`` sampled with policy ``version`` (no collective: the background
@@ -184,7 +239,7 @@ class StepRollouts:
         if self.start is None:
             self.start = step
         self.sync_s, self.wait_s = 0.0, 0.0  # no sync: 0
-        if self.sync_needed(step):
+        if self.sync_needed(step) and self.synced_at != step:  # an evaluation after the last step synced them
             synced = time.perf_counter()
             if self.ahead is not None:  # every step that samples with the old weights is sampled first
                 failure = self.ahead.before_sync(step)
@@ -203,13 +258,22 @@ class StepRollouts:
         if self.ahead is not None:
             self.ahead.begin(step)
 
+    def sync_for_eval(self, step: int, policy: torch.nn.Module) -> None:
+        """The policy's weights after ``step`` steps into the engine for an evaluation (a collective; docs/EVAL.md):
+        the weights step ``step`` starts with, so it skips its own sync. Only with ``rollout.sync_every: 1`` and
+        ``max_staleness: 0`` (the config's check), where every step that samples syncs first: the training run
+        samples exactly what it would without the evaluation."""
+        if self.synced_at != step:
+            self.engine.sync_weights(policy)
+            self.synced_at = step
+
     def join_timeout_s(self) -> float:
         """How long closing waits for the background sampler's step to stop (an engine request's bound)."""
         return 5.0
 
-    def gathered_shares(self, step: int, policy: torch.nn.Module) -> list:
-        """Every rank's :meth:`sample_share` of ``step``, in rank order (collective). A sampling failure on
-        any rank is raised on every rank. Sets the ``rollout/`` timing scalars."""
+    def own_share(self, step: int, policy: torch.nn.Module) -> tuple[list, float, str | None, float]:
+        """This rank's :meth:`sample_share` of ``step`` (sampled now or ahead), its time, its failure, and the
+        time training waited for the background sampler."""
         rollout = self.config.rollout
         self.begin_step(step, policy)
         version = sampling_version(step, self.start, rollout.max_staleness, rollout.sync_every)
@@ -225,27 +289,42 @@ class StepRollouts:
             except EngineError as error:  # raised on every rank below, not only here (no rank left waiting)
                 mine, failure = [], f"{type(error).__name__}: {error}"
             seconds = time.perf_counter() - started
-        gathered: list[tuple[list, float, str | None] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (mine, seconds, failure))
-        raise_any(*[f"rank {rank}: {failed}" for rank, (_, _, failed) in enumerate(gathered) if failed], gather=False)
+        return mine, seconds, failure, waited
+
+    def step_units(self, step: int, policy: torch.nn.Module) -> StepData:
+        """``step``'s units: each rank's slots sampled and scored, kept where they were sampled, their summaries
+        exchanged (a collective; module docstring). A sampling failure on any rank is raised on every rank.
+        Sets the ``rollout/`` scalars."""
+        rollout, rank = self.config.rollout, dist.get_rank()
+        mine, seconds, failure, waited = self.own_share(step, policy)
+        bound = staleness_bound(rollout.max_staleness, rollout.sync_every)
+        kept_by_slot, summaries = {}, []
+        for result, trainable in zip(mine, self.trainable(mine), strict=True):
+            kept, stale = drop_stale(trainable, step, bound)
+            kept_by_slot[result.slot] = kept
+            versions = [t.policy_version for t in kept]
+            figures = self.slot_figures(result)
+            tokens = sum(len(t) for t in kept)
+            summaries.append(SlotSummary(result.slot, rank, figures, len(kept), tokens, versions, stale))
+        gathered: list[tuple[list[SlotSummary], float, str | None] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (summaries, seconds, failure))
+        raise_any(*[f"rank {r}: {failed}" for r, (_, _, failed) in enumerate(gathered) if failed], gather=False)
+        every = [summary for share, _, _ in gathered for summary in share]  # rank order
         self.scalars = {
             "rollout/time_s": max(seconds for _, seconds, _ in gathered),  # the slowest rank's
             "rollout/sync_s": self.sync_s,
             **engine_scalars(self.engine),
+            **self.figure_scalars(every),
+            **version_scalars(step, every),
         }
         if rollout.max_staleness:
             self.scalars["rollout/wait_s"] = waited  # the time this rank's training waited for sampling
-        return [result for share, _, _ in gathered for result in share]
-
-    def fresh_enough(self, step: int, kept: list[Trajectory]) -> list[Trajectory]:
-        """``kept`` without the trajectories older than the staleness bound; the version scalars."""
-        rollout = self.config.rollout
-        kept, stale = drop_stale(kept, step, staleness_bound(rollout.max_staleness, rollout.sync_every))
-        versions = [t.policy_version for t in kept]
-        self.scalars["rollout/policy_version"] = float(np.mean(versions)) if versions else float("nan")
-        self.scalars["rollout/staleness_max"] = float(step - min(versions)) if versions else 0.0
-        self.scalars["rollout/stale_dropped"] = float(stale)
-        return kept
+        self.check_groups(step, mine, every)
+        self.after_sampling(step, mine)
+        units = sorted((summary for summary in every if summary.kept), key=lambda summary: summary.slot)
+        sizes = np.array([summary.kept_tokens for summary in units], dtype=np.int64)
+        held = {unit: kept_by_slot[summary.slot] for unit, summary in enumerate(units) if summary.rank == rank}
+        return StepData(HeldUnits(sizes, held), np.array([summary.rank for summary in units], dtype=np.int64))
 
     def close(self) -> None:
         """Stop the background sampler and the engine (a managed vLLM server); idempotent."""

@@ -23,20 +23,31 @@ from ds_tree.errors import ConfigError, DataError, RolloutError
 from ds_tree.models.vision import attach_rope_positions
 from ds_tree.registries import ENVIRONMENTS
 from ds_tree.rollout.env import Environment, EnvironmentCalls, awaited
-from ds_tree.rollout.episodes.records import episode_scalars, lost_tasks, save_rollouts
+from ds_tree.rollout.episodes.records import EpisodeFigures, episode_scalars, lost_tasks, save_rollouts
 from ds_tree.rollout.episodes.runner import EpisodeRunner
 from ds_tree.rollout.episodes.tasks import read_tasks
 from ds_tree.rollout.episodes.tree import EpisodeTree
 from ds_tree.rollout.images import observation_images, rendering_stand_ins, with_pil_images
-from ds_tree.rollout.loop import StepRollouts, rank_slots, run_tokenizer, slot_generator
+from ds_tree.rollout.loop import SlotSummary, StepRollouts, kept_groups, rank_slots, run_tokenizer, slot_generator
 from ds_tree.rollout.render import Renderer
 from ds_tree.sampling.prompts import stop_token_ids
-from ds_tree.sampling.settings import path_limit
+from ds_tree.sampling.settings import SamplerSettings, path_limit
 from ds_tree.trees.images import placeholder_index
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.turn_formats import resolve_format, turn_stop_tokens
 
 logger = logging.getLogger(__name__)
+
+
+def gathered_trees(trees: list[EpisodeTree], to_first: bool = False) -> list[EpisodeTree]:
+    """Every rank's episode trees in slot order, on every rank (``to_first``: on rank 0 only; a collective)."""
+    if to_first:
+        every = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(trees, every, dst=0)
+    else:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, trees)
+    return sorted((tree for share in every or [] for tree in share), key=lambda tree: tree.slot)
 
 
 class MultiTurnRollouts(StepRollouts):
@@ -76,18 +87,23 @@ class MultiTurnRollouts(StepRollouts):
         """The runner every episode of the run samples with: one turn sampler of the engine (``hf``'s keeps
         keys/values from a leaf's turn to its next), one pool of environment-call threads."""
         if self.runner is None:
-            env = self.config.rollout.env
-            self.runner = EpisodeRunner(
-                self.env_class,
-                self.renderer,
-                self.engine.turn_sampler(self.settings, self.stop_ids),
-                self.settings,
-                env,
-                env.max_context_tokens or path_limit(self.config)[0],
-                EnvironmentCalls(env.workers),
-                stopping=self.stopping,
-            )
+            self.runner = self.new_runner(self.settings)
         return self.runner
+
+    def new_runner(self, settings: SamplerSettings) -> EpisodeRunner:
+        """An episode runner sampling with ``settings`` (the run's, or an evaluation's) on its own turn sampler
+        of the engine, with its own pool of environment-call threads."""
+        env = self.config.rollout.env
+        return EpisodeRunner(
+            self.env_class,
+            self.renderer,
+            self.engine.turn_sampler(settings, self.stop_ids),
+            settings,
+            env,
+            env.max_context_tokens or path_limit(self.config)[0],
+            EnvironmentCalls(env.workers),
+            stopping=self.stopping,
+        )
 
     def sample_episode(self, step: int, slot: int, task_index: int, version: int | None = None) -> EpisodeTree:
         """One task's episode tree, every turn sampled by policy ``version`` (default ``step``)."""
@@ -178,24 +194,37 @@ class MultiTurnRollouts(StepRollouts):
     def tools_of(self, env: Environment) -> list[dict] | None:
         return env.tool_schemas() or None
 
-    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
-        """``step``'s episode trees (every rank's, gathered; saved by rank 0), their kept leaves as
-        trajectories (collective). With ``rollout.max_staleness > 0`` they were sampled ahead."""
-        trees = sorted(self.gathered_shares(step, policy), key=lambda t: t.slot)
-        self.scalars.update(episode_scalars(trees))
-        if dist.get_rank() == 0 and self.config.rollout.env.save_rollouts:
-            save_rollouts(self.config.output_dir, step + 1, trees)
-        kept = self.fresh_enough(step, [leaf.trajectory for tree in trees for leaf in tree.leaves])
-        attach_rope_positions(self.model_config, kept)  # image observations: the model's own rotary rule
-        groups = len({t.group_id for t in kept})
+    def slot_figures(self, tree: EpisodeTree) -> EpisodeFigures:
+        return EpisodeFigures.of(tree)
+
+    def figure_scalars(self, summaries: list[SlotSummary]) -> dict[str, float]:
+        return episode_scalars([summary.figures for summary in sorted(summaries, key=lambda s: s.slot)])
+
+    def trainable(self, trees: list[EpisodeTree]) -> list[list[Trajectory]]:
+        """Each episode tree's kept leaves, with the model's own rotary positions for image observations."""
+        kept = [[leaf.trajectory for leaf in tree.leaves] for tree in trees]
+        attach_rope_positions(self.model_config, [t for leaves in kept for t in leaves])
+        return kept
+
+    def after_sampling(self, step: int, trees: list[EpisodeTree]) -> None:
+        """``rollout.env.save_rollouts``: rank 0 writes every rank's trees of the step (sent to it alone)."""
+        if self.config.rollout.env.save_rollouts:
+            every = gathered_trees(trees, to_first=True)
+            if dist.get_rank() == 0:
+                save_rollouts(self.config.output_dir, step + 1, every)
+
+    def check_groups(self, step: int, trees: list[EpisodeTree], summaries: list[SlotSummary]) -> None:
+        """A step needs a task with a kept leaf per mini-batch at least; why the others lost theirs (every
+        rank's trees gathered on this failure only)."""
+        groups = kept_groups(summaries)
         if groups < self.config.objective.mini_batches:
             env = self.config.rollout.env
-            why = lost_tasks(trees, env.max_context_tokens or path_limit(self.config)[0], env.episode_timeout_s)
+            every = gathered_trees(trees)
+            why = lost_tasks(every, env.max_context_tokens or path_limit(self.config)[0], env.episode_timeout_s)
             raise RolloutError(
                 f"step {step + 1}: only {groups} task(s) kept a leaf, fewer than objective.mini_batches="
                 f"{self.config.objective.mini_batches}; the others lost every leaf to: {why}"
             )
-        return kept
 
     def close(self) -> None:
         """Stop the episode the background sampler is in (its environments closed), then as online RL."""

@@ -4,10 +4,11 @@ trains on them (docs/RL.md, *Online RL*; the step's machinery is :mod:`ds_tree.r
 Each slot is one prompt of ``rollout.prompts`` sampled as one tree by the sampling engine
 (``rollout.engine``): on ``hf`` in this process (:func:`ds_tree.sampling.hf.sample_tree`), on
 ``vllm`` segment by segment on the server (:func:`ds_tree.sampling.interface.sample_tree_by_segments`),
-seeded from the slot's generator either way. Each rank scores its own completions (``rollout.reward``),
-then every rank gets the same trajectory list in slot order. A trajectory whose reward function failed
-(reward ``None``) is dropped with a warning naming it, and counted in ``rollout/reward_failures``.
-Every trajectory records the ``policy_version`` (training steps taken) that sampled it.
+seeded from the slot's generator either way. Each rank scores its own completions (``rollout.reward``) and
+keeps them; the ranks exchange each slot's :class:`SlotFigures` (:meth:`~ds_tree.rollout.loop.StepRollouts.step_units`).
+A trajectory whose reward function failed (reward ``None``) is dropped with a warning naming it, and counted
+in ``rollout/reward_failures``. Every trajectory records the ``policy_version`` (training steps taken) that
+sampled it.
 
 The trajectories then go through the RL step exactly as offline rollouts do (advantages, old
 log-probs, updates). :func:`rollout_scalars` gives the ``rollout/`` metrics.
@@ -25,10 +26,10 @@ import torch.distributed as dist
 
 from ds_tree.errors import ConfigError, DataError
 from ds_tree.registries import REWARDS
-from ds_tree.rollout.loop import StepRollouts, rank_slots, run_tokenizer, slot_generator
+from ds_tree.rollout.loop import SlotSummary, StepRollouts, kept_groups, rank_slots, run_tokenizer, slot_generator
 from ds_tree.rollout.rewards import RewardRequest, score
 from ds_tree.sampling.hf import SampledTree
-from ds_tree.sampling.prompts import read_prompts, stop_token_ids
+from ds_tree.sampling.prompts import Prompt, read_prompts, stop_token_ids
 from ds_tree.sampling.settings import path_limit
 from ds_tree.trees.trajectory import Trajectory
 
@@ -53,6 +54,35 @@ class SlotResult:
     """The reward function's failure messages."""
 
 
+@dataclass
+class SlotFigures:
+    """What the ``rollout/`` metrics need of a slot (what a rank sends of it: no tokens)."""
+
+    rewards: list[float]
+    """The rewards of its trajectories that have one, in order."""
+    lengths: list[int]
+    """Every trajectory's tokens."""
+    prompt_tokens: int
+    leaves: int
+    depth: int
+    sampled_tokens: int
+    forward_tokens: int
+    failures: list[str]
+
+    @classmethod
+    def of(cls, result: SlotResult) -> SlotFigures:
+        return cls(
+            rewards=[t.reward for t in result.trajectories if t.reward is not None],
+            lengths=[len(t) for t in result.trajectories],
+            prompt_tokens=result.prompt_tokens,
+            leaves=result.leaves,
+            depth=result.depth,
+            sampled_tokens=result.sampled_tokens,
+            forward_tokens=result.forward_tokens,
+            failures=list(result.failures),
+        )
+
+
 def kept_trajectories(results: list[SlotResult]) -> list[Trajectory]:
     """Every slot's trajectories in slot order, those without a reward dropped with one warning naming them."""
     kept, dropped = [], []
@@ -67,28 +97,28 @@ def kept_trajectories(results: list[SlotResult]) -> list[Trajectory]:
     return kept
 
 
-def rollout_scalars(results: list[SlotResult]) -> dict[str, float]:
-    """The ``rollout/`` metrics of one step's slots (all ranks).
+def rollout_scalars(figures: list[SlotFigures]) -> dict[str, float]:
+    """The ``rollout/`` metrics of one step's slots (all ranks' :class:`SlotFigures`).
 
     ``reward_mean`` over the trajectories with a reward; ``leaves`` and ``depth`` are means per tree;
     ``por`` is 1 - tree tokens / flat tokens of the sampled trees (prompt once per tree against the
     prompt once per trajectory); ``tokens_saved`` the completion tokens that sampling every leaf on its
     own would draw minus those the sampler drew (0 for independent sampling).
     """
-    rewards = [t.reward for r in results for t in r.trajectories if t.reward is not None]
-    flat = sum(len(t) for r in results for t in r.trajectories)
-    tree = sum(r.prompt_tokens + r.sampled_tokens for r in results)
-    independent = sum(len(t) - r.prompt_tokens for r in results for t in r.trajectories)
-    sampled = sum(r.sampled_tokens for r in results)
+    rewards = [reward for f in figures for reward in f.rewards]
+    flat = sum(length for f in figures for length in f.lengths)
+    tree = sum(f.prompt_tokens + f.sampled_tokens for f in figures)
+    independent = sum(length - f.prompt_tokens for f in figures for length in f.lengths)
+    sampled = sum(f.sampled_tokens for f in figures)
     return {
         "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
-        "rollout/leaves": float(np.mean([r.leaves for r in results])),
-        "rollout/depth": float(np.mean([r.depth for r in results])),
+        "rollout/leaves": float(np.mean([f.leaves for f in figures])),
+        "rollout/depth": float(np.mean([f.depth for f in figures])),
         "rollout/por": 1.0 - tree / flat if flat else 0.0,
         "rollout/sampled_tokens": float(sampled),
-        "rollout/forward_tokens": float(sum(r.forward_tokens for r in results)),
+        "rollout/forward_tokens": float(sum(f.forward_tokens for f in figures)),
         "rollout/tokens_saved": float(independent - sampled),
-        "rollout/reward_failures": float(sum(len(r.failures) for r in results)),
+        "rollout/reward_failures": float(sum(len(f.failures) for f in figures)),
     }
 
 
@@ -134,16 +164,10 @@ class OnlineRollouts(StepRollouts):
         prompt = self.prompts[prompt_index]
         # one numbering: the console's, metrics' and saved files' 1-based step (``step`` counts from 0)
         trajectories = tree.trajectories(f"{prompt.label}/step{step + 1}/slot{slot}")
-        requests = []
         for leaf, trajectory in enumerate(trajectories):
             trajectory.source = f"{prompt.source} (step {step + 1}, slot {slot}, leaf {leaf})"
             trajectory.policy_version = step if version is None else version
-            completion = trajectory.input_ids[prompt.ids.size :]
-            text = self.tokenizer.decode(completion.tolist(), skip_special_tokens=True)
-            requests.append(RewardRequest(prompt=prompt.text, completion=text, metadata=prompt.metadata))
-        rewards, failures = score(self.reward, requests)
-        for trajectory, reward in zip(trajectories, rewards, strict=True):
-            trajectory.reward = reward
+        failures = self.score_leaves(prompt, trajectories)
         return SlotResult(
             slot=slot,
             trajectories=trajectories,
@@ -152,8 +176,20 @@ class OnlineRollouts(StepRollouts):
             depth=tree.depth,
             sampled_tokens=tree.sampled_tokens,
             forward_tokens=tree.forward_tokens,
-            failures=list(failures),
+            failures=failures,
         )
+
+    def completion_text(self, prompt: Prompt, trajectory: Trajectory) -> str:
+        """What the reward function reads of a leaf: its completion decoded, special tokens dropped."""
+        return self.tokenizer.decode(trajectory.input_ids[prompt.ids.size :].tolist(), skip_special_tokens=True)
+
+    def score_leaves(self, prompt: Prompt, trajectories: list[Trajectory]) -> list[str]:
+        """Set each leaf's reward by ``rollout.reward`` (None where it failed); the failures' messages."""
+        requests = [RewardRequest(prompt.text, self.completion_text(prompt, t), prompt.metadata) for t in trajectories]
+        rewards, failures = score(self.reward, requests)
+        for trajectory, reward in zip(trajectories, rewards, strict=True):
+            trajectory.reward = reward
+        return list(failures)
 
     def sample_share(self, step: int, version: int) -> list[SlotResult]:
         """This rank's slots of ``step`` (no collective: the background sampler runs it too)."""
@@ -171,20 +207,23 @@ class OnlineRollouts(StepRollouts):
             for slot, tree in zip(slots, trees, strict=True)
         ]
 
-    def step_trajectories(self, step: int, policy: torch.nn.Module) -> list[Trajectory]:
-        """``step``'s sampled and scored trajectories, the same list on every rank (collective).
+    def slot_figures(self, result: SlotResult) -> SlotFigures:
+        return SlotFigures.of(result)
 
-        The engine gets the weights at the run's first step and every ``rollout.sync_every`` steps after;
-        with ``rollout.max_staleness > 0`` each rank's slots are sampled ahead by its background sampler
-        (:mod:`ds_tree.rollout.ahead`). A sampling failure on any rank is raised on every rank."""
-        results = self.gathered_shares(step, policy)
-        self.scalars.update(rollout_scalars(results))
-        kept = self.fresh_enough(step, kept_trajectories(results))
-        groups = len({t.group_id for t in kept})
+    def figure_scalars(self, summaries: list[SlotSummary]) -> dict[str, float]:
+        return rollout_scalars([summary.figures for summary in summaries])  # rank order, as they were gathered
+
+    def trainable(self, results: list[SlotResult]) -> list[list[Trajectory]]:
+        """Each slot's trajectories with a reward (those without dropped with one warning naming them)."""
+        kept = {id(t) for t in kept_trajectories(results)}
+        return [[t for t in result.trajectories if id(t) in kept] for result in results]
+
+    def check_groups(self, step: int, results: list[SlotResult], summaries: list[SlotSummary]) -> None:
+        """A step needs a group per mini-batch at least (every rank raises alike)."""
+        groups = kept_groups(summaries)
         if groups < self.config.objective.mini_batches:
-            failures = [message for result in results for message in result.failures]
+            failures = [message for summary in summaries for message in summary.figures.failures]
             raise RuntimeError(
                 f"step {step + 1}: the reward function failed on every leaf of some prompts; {groups} group(s) are "
                 f"left for objective.mini_batches={self.config.objective.mini_batches}. First failure: {failures[0]}"
             )
-        return kept

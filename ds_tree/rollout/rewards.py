@@ -3,7 +3,7 @@
 A reward function takes a :class:`RewardRequest` and returns a finite float. ``rollout.reward`` names
 one in :data:`ds_tree.registries.REWARDS` (``REWARDS.get(name)`` resolves a registered name and a user's
 ``package.module:function`` alike): ``game24`` (1.0 when the completion's answer solves the prompt's 24
-game, the example in :mod:`ds_tree.rollout.envs.game24`) and ``exact_match`` (1.0 when the stripped
+game, the example in :mod:`ds_tree.envs.game24`) and ``exact_match`` (1.0 when the stripped
 completion equals the stripped ``metadata["answer"]``). :func:`score` never lets one bad trajectory stop the loop: an
 exception (``SystemExit`` included: a reward calling ``sys.exit`` does not end the rank) or a
 non-finite value gives ``None`` for that request and a message naming it.

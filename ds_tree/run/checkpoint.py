@@ -38,7 +38,7 @@ import logging
 import pickle
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
@@ -230,11 +230,13 @@ def save(
     keep_last: int,
     exclude_frozen: bool = False,
     extra: Callable[[Path], None] | None = None,
+    keep: Collection[str] = (),
 ) -> str:
     """Save ``step`` from every rank; it becomes complete and ``latest`` once every rank is done.
     ``exclude_frozen``: the frozen parameters are left out (LoRA: adapters and their optimizer state only).
     ``extra(path)``: called on every rank after DeepSpeed's files are written, to add files of its own
-    under ``path`` (listed in the record and verified on resume like DeepSpeed's)."""
+    under ``path`` (listed in the record and verified on resume like DeepSpeed's). ``keep``: tags the
+    rotation leaves alone (the best checkpoint, :mod:`ds_tree.run.best`)."""
     tag = tag_for(step)
     partial = directory / f"{PARTIAL}{tag}"
     rank = dist.get_rank()
@@ -269,7 +271,7 @@ def save(
         except OSError as error:
             raise CheckpointError(write_failure(directory, tag, error)) from error
         harden_recovery_scripts(directory)
-        prune(directory, keep_last, step)
+        prune(directory, keep_last, step, keep)
     dist.barrier()
     return tag
 
@@ -420,12 +422,13 @@ def _size(path: Path) -> int:
     return sum(item.stat().st_size for item in path.rglob("*") if item.is_file())
 
 
-def prune(directory: Path, keep_last: int, newest_step: int) -> None:
-    """Delete complete checkpoints at or below ``newest_step`` beyond the newest ``keep_last``.
+def prune(directory: Path, keep_last: int, newest_step: int, keep: Collection[str] = ()) -> None:
+    """Delete complete checkpoints at or below ``newest_step`` beyond the newest ``keep_last``, but those
+    named in ``keep``.
 
     Checkpoints above ``newest_step`` (written by an earlier run that got further than the one
     this run resumed from) and anything that is not a complete checkpoint are left alone.
     """
     candidates = [tag for tag in complete_tags(directory) if step_of(tag) <= newest_step]
-    for tag in candidates[:-keep_last]:
+    for tag in (tag for tag in candidates[:-keep_last] if tag not in keep):
         shutil.rmtree(directory / tag, ignore_errors=True)

@@ -97,16 +97,27 @@ class MetricsLogger:
 
 
 def console_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
-    """One grep-able line per step (RL runs add reward, clip fractions and KL)."""
+    """One grep-able line per step (RL runs add reward, clip fractions and KL; distillation its divergence and
+    the reward, where there is one; DPO the margin and the accuracy)."""
     rl = ""
     if "rl/reward_mean" in scalars:
         rl = (
             f" reward {scalars['rl/reward_mean']:.4f} clip {scalars['rl/clip_frac_low']:.3f}/"
             f"{scalars['rl/clip_frac_high']:.3f} kl {scalars['rl/approx_kl']:.2e} entropy {scalars['rl/entropy']:.3f}"
         )
+    if "distill/divergence" in scalars:
+        reward = scalars.get("rollout/reward_mean", scalars.get("distill/reward_mean"))
+        rl = f" divergence {scalars['distill/divergence']:.4f}" + (
+            f" reward {reward:.4f}" if reward is not None else ""
+        )
+    if "dpo/margin" in scalars:
+        rl = f" margin {scalars['dpo/margin']:.4f} accuracy {scalars['dpo/accuracy']:.3f}"
+    plan = ""
+    if "time/plan_s" in scalars:  # the host work of the step, and what the step waited for it
+        plan = f" plan {scalars['time/plan_s']:.3f}s (waited {scalars['time/plan_wait_s']:.3f}s)"
     return (
         f"step {step}/{max_steps} loss {scalars['loss/train']:.6f} lr {scalars['optim/lr']:.3e} "
         f"grad_norm {scalars['optim/grad_norm']:.4f} tokens/s {scalars['throughput/flat_tokens_per_s']:.0f} "
         f"(unique {scalars['throughput/unique_tokens_per_s']:.0f}) POR {scalars['tree/por']:.3f} "
-        f"ERR {scalars['tree/err']:.3f} step_time {scalars['time/step_s']:.3f}s{rl}"
+        f"ERR {scalars['tree/err']:.3f} step_time {scalars['time/step_s']:.3f}s{plan}{rl}"
     )

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import logging
 import re
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -225,6 +226,9 @@ class WandbTracker(Tracker):
         import wandb
 
         run_id = (previous or {}).get("run_id")
+        self.hooks = (sys.exit, sys.excepthook)
+        """What wandb.init replaces with its exit hooks (an exit without a code then reads as ``sys.exit(0)``): put
+        back by :meth:`close`, so the process after the run (a test, an in-process caller) gets its own."""
         self.run = wandb.init(
             project=run.project,
             name=run.name,
@@ -246,6 +250,7 @@ class WandbTracker(Tracker):
 
     def close(self) -> None:
         self.run.finish()
+        sys.exit, sys.excepthook = self.hooks
 
 
 MLFLOW_BATCH = 100
@@ -302,11 +307,17 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(key, float(value), now, step) for key, value in scalars.items()]
+        metrics = [Metric(mlflow_key(key), float(value), now, step) for key, value in scalars.items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def mlflow_key(key: str) -> str:
+    """``key`` as MLflow takes a metric name (alphanumerics, ``_ - . : /`` and spaces): ``eval/pass@4`` is
+    ``eval/pass_at_4``."""
+    return re.sub(r"[^\w\-.: /]", "_", key.replace("@", "_at_"))
 
 
 class TrackioTracker(Tracker):

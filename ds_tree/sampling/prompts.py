@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,22 +29,25 @@ class Prompt:
     """``file:line``."""
     label: str
     """The line's ``group_id``, else ``prompt-<index>``: the start of its groups' ids."""
+    tag: str = ""
+    """The line's ``tag`` (an evaluation's per-tag breakdown, docs/EVAL.md); empty: none."""
 
 
 def read_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
     """The prompts JSONL, in ``ds-tree sample``'s format (:func:`prompt_ids`): one of
     ``"prompt"`` (text), ``"messages"`` (a chat, rendered with the generation prompt) or ``"prompt_ids"``,
-    an optional ``"metadata"`` object for the reward and an optional ``"group_id"`` label.
+    an optional ``"metadata"`` object for the reward, an optional ``"group_id"`` label and an optional
+    ``"tag"`` (:func:`check_tag`).
 
     Errors name ``file:line``: unknown keys, not exactly one prompt, ids outside ``[0, vocab_size)``,
     metadata that is not an object, a file without prompts.
     """
     prompts = []
     for where, record in read_jsonl(path):
-        unknown = sorted(set(record) - {"prompt", "messages", "prompt_ids", "metadata", "group_id"})
+        unknown = sorted(set(record) - {"prompt", "messages", "prompt_ids", "metadata", "group_id", "tag"})
         if unknown:
             raise DataError(
-                f"{where}: unknown key {unknown[0]!r} (known: group_id, messages, metadata, prompt, prompt_ids)"
+                f"{where}: unknown key {unknown[0]!r} (known: group_id, messages, metadata, prompt, prompt_ids, tag)"
             )
         metadata = record.get("metadata", {})
         if not isinstance(metadata, dict):
@@ -53,10 +57,21 @@ def read_prompts(path: str | Path, tokenizer, vocab_size: int) -> list[Prompt]:
             raise DataError(f"{where}: prompt token id {max(ids)} is >= the model's vocab size {vocab_size}")
         text = record["prompt"] if "prompt" in record else tokenizer.decode(ids)
         label = str(record.get("group_id", f"prompt-{len(prompts)}"))
-        prompts.append(Prompt(np.asarray(ids, dtype=np.int64), text, metadata, where, label))
+        tag = check_tag(where, record.get("tag", ""))
+        prompts.append(Prompt(np.asarray(ids, dtype=np.int64), text, metadata, where, label, tag))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
+
+
+TAG = re.compile(r"[A-Za-z0-9_.-]*")
+
+
+def check_tag(where: str, tag: object) -> str:
+    """A line's ``"tag"``: letters, digits, ``_``, ``.``, ``-`` (it names metrics, ``eval/TAG/reward_mean``)."""
+    if not isinstance(tag, str) or not TAG.fullmatch(tag):
+        raise DataError(f"{where}: 'tag' must be a string of letters, digits, '_', '.' or '-', got {tag!r}")
+    return tag
 
 
 def prompt_ids(where: str, record: dict, tokenizer) -> list[int]:

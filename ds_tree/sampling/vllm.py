@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import http.client
 import json
 import logging
 import os
@@ -248,7 +249,8 @@ class VLLMClient:
                 detail = error.read()[:500].decode(errors="replace")
                 failure = ServerFailure if error.code >= 500 else EngineError  # 5xx: the server failed (a dead engine)
                 raise failure(f"{self.url}{path} answered HTTP {error.code}: {detail}") from None
-            except (urllib.error.URLError, OSError) as error:  # refused, reset, timed out
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+                # refused, reset, timed out; or the answer cut short (IncompleteRead: the server died mid-answer)
                 last = getattr(error, "reason", error)
                 if self.server is not None and not self.server.alive():
                     break

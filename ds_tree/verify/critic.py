@@ -24,6 +24,7 @@ from ds_tree.losses.advantages import check_finite_statistics, estimate
 from ds_tree.losses.rl import RLSettings
 from ds_tree.models.values import TrunkValueHead, load_value_model, policy_trunk, values_at
 from ds_tree.objectives.critic import critic_values, returns_of, value_item_terms
+from ds_tree.objectives.rl_rows import StepNormalisers
 from ds_tree.trees.trajectory import Trajectory
 
 
@@ -103,7 +104,7 @@ class CriticCheck:
     ) -> StepOutput:
         """The trained critic's value loss of ``rows`` (one update's items, all of ``trajectories``), backwarded."""
         returns = returns_of(trajectories, advantages, values)
-        terms = value_item_terms(rows, trajectories, returns, values, settings, self.value_clip)
+        terms = value_item_terms(rows, StepNormalisers.of(trajectories), returns, values, settings, self.value_clip)
         self.trained.zero_grad(set_to_none=True)
         run = RunContext("cpu", 0, dfs, head=values_at)
         return run_items(self.trained, rows, terms, run, lambda _: backward)

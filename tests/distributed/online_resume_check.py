@@ -33,18 +33,22 @@ def whole(module) -> dict[str, torch.Tensor]:
 def recorded_run(config, samples: dict[int, list]) -> dict:
     """Train ``config``; every sampled step's (token ids, reward) pairs go to ``samples``; its records back."""
     trainer = started_trainer(config)
-    sample = trainer.online.step_trajectories
+    sample = trainer.online.step_units
     reference_gaps = {}
 
     def recording(step, policy):
         if trainer.objective.reference.model is not None:  # a collective: every rank
             weights, reference = whole(policy), whole(reference_module(trainer.objective.reference.model))
             reference_gaps[step + 1] = max((reference[n] - weights[n]).abs().max().item() for n in weights)
-        trajectories = sample(step, policy)
-        samples[step + 1] = [[t.input_ids.tolist(), t.reward] for t in trajectories]
-        return trajectories
+        data = sample(step, policy)
+        mine = {unit: [[t.input_ids.tolist(), t.reward] for t in group] for unit, group in data.units.held.items()}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)  # each rank holds its own slots' groups
+        held = {unit: group for groups in every for unit, group in groups.items()}
+        samples[step + 1] = [pair for unit in sorted(held) for pair in held[unit]]
+        return data
 
-    trainer.online.step_trajectories = recording
+    trainer.online.step_units = recording
     trainer.train()
     trainer.metrics.close()
     lines = (trainer.output_dir / "metrics.jsonl").read_text().splitlines() if trainer.rank == 0 else []

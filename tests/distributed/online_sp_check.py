@@ -28,10 +28,15 @@ def main() -> None:
         prepared = prepare(step, context)
         shards = torch.tensor([sum(isinstance(item.row, RowShard) for rows in prepared.rows for item in rows)])
         dist.all_reduce(shards)
+        held = prepared.trajectories  # what this rank holds of the step: every rank's together are the step's
+        longest = torch.tensor([max((len(t) for t in held), default=0)])
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        with_logprobs = torch.tensor([int(all(getattr(t, "logprobs", None) is not None for t in held))])
+        dist.all_reduce(with_logprobs, op=dist.ReduceOp.MIN)
         steps[step + 1] = {
-            "longest": max(len(t) for t in prepared.trajectories),
+            "longest": int(longest.item()),
             "shards": int(shards.item()),
-            "with_logprobs": all(getattr(t, "logprobs", None) is not None for t in prepared.trajectories),
+            "with_logprobs": bool(with_logprobs.item()),
         }
         return prepared
 

@@ -27,12 +27,14 @@ import json
 from pathlib import Path
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from ds_tree.engine.reference import reference_module
 from ds_tree.engine.runners import RunContext, runner_of
+from ds_tree.losses.advantages import estimate
 from ds_tree.models.loading import load_model
 from ds_tree.objectives.policy_gradient import global_metrics
 from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows
@@ -40,6 +42,7 @@ from ds_tree.packing.dfs_shards import DfsRowShard
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.sequence_parallel import RowShard
 from ds_tree.train import exit_now
+from ds_tree.trees.trajectory import group_trajectories
 from ds_tree.verify.tree_vs_flat import metric_errors, perturb_parameters
 from tests.distributed.common import check_arguments, started_trainer
 from tests.distributed.grad_check import gather_full_gradients, relative
@@ -119,8 +122,13 @@ def rl_case(trainer) -> tuple[dict | None, float]:
     old, new = flat_policy(config, initial), flat_policy(config, initial)
     perturb_parameters(new, PERTURBATION, SEED)
     old.requires_grad_(False)
-    batch = rollouts.batches[0]
-    advantages = {id(t): a for t, a in zip(rollouts.trajectories, rollouts.advantages, strict=True)}
+    trajectories = trainer.context.trajectories(0)  # the whole step, in the order the planner takes its groups
+    groups = group_trajectories(trajectories)
+    batch = [t for g in np.array_split(np.arange(len(groups)), config.objective.mini_batches)[0] for t in groups[g]]
+    objective = config.objective
+    advantages = estimate(  # the whole step's, in one process
+        trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
+    ).by_trajectory()
     budget = max(config.packing.budget * config.parallel.sequence_parallel_size, max(len(t) for t in batch))
     rows = pack_trajectories(batch, "flat", budget)  # (a walked tree's paths may be over S x budget)
     flat_reference = None

@@ -10,7 +10,7 @@ import yaml
 from tests.helpers import ROOT
 from tests.helpers.data import write_prompts
 
-PARITY = "ds_tree.rollout.envs.digit_parity:reward"
+PARITY = "ds_tree.envs.digit_parity:reward"
 """The online tests' reward: digits of the prompt's parity."""
 
 

@@ -10,6 +10,8 @@ killing it is a real kill. ``python tests/helpers/fake_vllm.py PORT LOG [--die-a
 - every completion request's prompt is appended to ``LOG`` (one JSON line), so a test sees where each went.
 - ``--die-after K``: the process exits on its K-th completion request, before answering it (a server killed
   mid-step: the request in flight gets its connection closed, later ones are refused).
+- ``--cut-after K``: on its K-th completion request the process sends the answer's headers and half its body,
+  then exits (a server killed while answering: the client reads an answer cut short).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def choice(prompt: list[int], seed: int, max_tokens: int, stops: set[int]) -> di
 class Handler(http.server.BaseHTTPRequestHandler):
     log_path = ""
     die_after = 0
+    cut_after = 0
     fail_reload = False
     count = 0
     lock = threading.Lock()
@@ -68,12 +71,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
             Handler.count += 1
             if Handler.count == self.die_after:
                 os._exit(1)  # killed mid-request: the connection closes without an answer
-            with open(self.log_path, "a") as log:
-                log.write(json.dumps({"prompt": body["prompt"], "n": body["n"]}) + "\n")
+            cut = Handler.count == self.cut_after
+            if not cut:
+                with open(self.log_path, "a") as log:
+                    log.write(json.dumps({"prompt": body["prompt"], "n": body["n"]}) + "\n")
         stops = set(body.get("stop_token_ids") or [])
         choices = [
             dict(choice(body["prompt"], body["seed"] + k, body["max_tokens"], stops), index=k) for k in range(body["n"])
         ]
+        if cut:  # killed while answering: headers and half the body sent, then the connection is gone
+            raw = json.dumps({"choices": choices}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw[: len(raw) // 2])
+            self.wfile.flush()
+            os._exit(1)
         self.answer(200, {"choices": choices})
 
     def log_message(self, *args):
@@ -85,9 +99,11 @@ def main() -> None:
     parser.add_argument("port", type=int)
     parser.add_argument("log")
     parser.add_argument("--die-after", type=int, default=0)
+    parser.add_argument("--cut-after", type=int, default=0)
     parser.add_argument("--fail-reload", action="store_true")
     args = parser.parse_args()
     Handler.log_path, Handler.die_after, Handler.fail_reload = args.log, args.die_after, args.fail_reload
+    Handler.cut_after = args.cut_after
     server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     print("listening", flush=True)
     server.serve_forever()

@@ -50,9 +50,10 @@ def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> Non
 
 
 def launch_training(
-    config: Path, *overrides: str, port: int | None = None, env: dict[str, str] | None = None
+    config: Path, *overrides: str, port: int | None = None, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> subprocess.Popen:
-    """``ds_tree.train`` under the deepspeed launcher on 2 ranks, started (stdout and stderr in one text pipe)."""
+    """``ds_tree.train`` under the deepspeed launcher on 2 ranks, started (stdout and stderr in one text pipe);
+    ``cwd``: the checkout whose ``ds_tree`` runs (``-m`` puts it first on the path)."""
     command = [
         str(BIN / "deepspeed"),
         "--num_gpus",
@@ -66,7 +67,7 @@ def launch_training(
         *overrides,
     ]
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    return start_group(command, env=environment() | (env or {}), cwd=ROOT, **output)
+    return start_group(command, env=environment() | (env or {}), cwd=cwd, **output)
 
 
 def find_shellcheck() -> str | None:

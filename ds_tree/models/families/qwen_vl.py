@@ -7,8 +7,8 @@ small pixel limits: ``ds-tree make-tokenizer --vision FAMILY``) are their specs'
 
 from __future__ import annotations
 
-from ds_tree.data.vision_processor import VisionFamily
 from ds_tree.models.families.spec import FamilySpec
+from ds_tree.vocab.vision_processor import VisionFamily
 
 QWEN2_5_VL = FamilySpec("qwen2_5_vl", vision=VisionFamily("qwen2_5_vl", patch_size=14))
 QWEN3_VL = FamilySpec(

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from ds_tree.data.vision_processor import VisionFamily
 from ds_tree.registries import MODEL_FAMILIES
+from ds_tree.vocab.vision_processor import VisionFamily
 
 LOGIT_TRANSFORMS = {"logit_scale": (None, 1.0), "logits_scaling": (None, 1.0)}
 """Config fields that transform the logits after ``lm_head`` (Cohere's and Granite's scaling), with the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,27 +40,61 @@ def lost_tasks(trees: list[EpisodeTree], max_context: int, episode_timeout_s: fl
     return "; ".join(f"{count} task(s): {cause}" for cause, count in causes.items()) or "none lost"
 
 
-def episode_scalars(trees: list[EpisodeTree]) -> dict[str, float]:
-    """The ``rollout/`` metrics of one step's episode trees (all ranks)."""
-    leaves = [leaf for tree in trees for leaf in tree.leaves]
-    rewards = [leaf.trajectory.reward for leaf in leaves]
-    flat = sum(len(leaf.trajectory) for leaf in leaves)
-    tree_tokens = sum(len(node.token_ids) for tree in trees for node in tree.nodes)
-    independent = sum(int(leaf.trajectory.loss_mask.sum()) for leaf in leaves)
-    sampled = sum(tree.sampled_tokens for tree in trees)
+@dataclass
+class EpisodeFigures:
+    """What the ``rollout/`` metrics need of an episode tree (what a rank sends of it: no tokens)."""
+
+    leaves: int
+    rewards: list[float]
+    lengths: list[int]
+    trained: list[int]
+    """Per kept leaf, its trained tokens (the tokens sampling it alone would draw)."""
+    turns: list[int]
+    stops: list[str]
+    tree_tokens: int
+    sampled_tokens: int
+    forward_tokens: int
+    counts: dict[str, int]
+
+    @classmethod
+    def of(cls, tree: EpisodeTree) -> EpisodeFigures:
+        leaves = tree.leaves
+        return cls(
+            leaves=len(leaves),
+            rewards=[leaf.trajectory.reward for leaf in leaves],
+            lengths=[len(leaf.trajectory) for leaf in leaves],
+            trained=[int(leaf.trajectory.loss_mask.sum()) for leaf in leaves],
+            turns=[leaf.turns for leaf in leaves],
+            stops=[leaf.stop_reason for leaf in leaves],
+            tree_tokens=sum(len(node.token_ids) for node in tree.nodes),
+            sampled_tokens=tree.sampled_tokens,
+            forward_tokens=tree.forward_tokens,
+            counts=dict(tree.counts),
+        )
+
+
+def episode_scalars(figures: list[EpisodeFigures]) -> dict[str, float]:
+    """The ``rollout/`` metrics of one step's episode trees (all ranks' :class:`EpisodeFigures`, in slot order)."""
+    rewards = [reward for f in figures for reward in f.rewards]
+    turns = [count for f in figures for count in f.turns]
+    stops = [stop for f in figures for stop in f.stops]
+    flat = sum(length for f in figures for length in f.lengths)
+    tree_tokens = sum(f.tree_tokens for f in figures)
+    independent = sum(count for f in figures for count in f.trained)
+    sampled = sum(f.sampled_tokens for f in figures)
     scalars = {
         "rollout/reward_mean": float(np.mean(rewards)) if rewards else float("nan"),
-        "rollout/leaves": float(np.mean([len(tree.leaves) for tree in trees])),
-        "rollout/turns": float(np.mean([leaf.turns for leaf in leaves])) if leaves else 0.0,
+        "rollout/leaves": float(np.mean([f.leaves for f in figures])),
+        "rollout/turns": float(np.mean(turns)) if turns else 0.0,
         "rollout/por": 1.0 - tree_tokens / flat if flat else 0.0,
         "rollout/sampled_tokens": float(sampled),
-        "rollout/forward_tokens": float(sum(tree.forward_tokens for tree in trees)),
+        "rollout/forward_tokens": float(sum(f.forward_tokens for f in figures)),
         "rollout/tokens_saved": float(independent - sampled),
     }
     for name in ("parse_errors", "step_timeouts", "env_errors", "rewritten", "observations_cut"):
-        scalars[f"rollout/{name}"] = float(sum(tree.counts.get(name, 0) for tree in trees))
+        scalars[f"rollout/{name}"] = float(sum(f.counts.get(name, 0) for f in figures))
     for reason in TRAINED_STOPS:
-        scalars[f"rollout/stop_{reason}"] = float(sum(leaf.stop_reason == reason for leaf in leaves))
+        scalars[f"rollout/stop_{reason}"] = float(sum(stop == reason for stop in stops))
     return scalars
 
 
