@@ -97,6 +97,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         ["ds_tree.attention", "ds_tree.kernel", "ds_tree.scans", "ds_tree.losses"],
     ),
     ("models and their families' specs", ["ds_tree.models"]),
+    ("the models an objective runs beside the policy: a teacher, a value model", ["ds_tree.model_roles"]),
     ("memory, predicted (a hybrid's mixers read through its family spec) and measured", ["ds_tree.memory"]),
     ("turn formats: a sampled turn's reasoning, text and tool calls", ["ds_tree.turn_formats"]),
     ("sampling: settings, prompts, engines (HF, vLLM)", ["ds_tree.sampling"]),

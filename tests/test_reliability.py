@@ -536,11 +536,12 @@ def test_turn_branching_replaces_the_quota_rule_width_check() -> None:
 
 def test_verify_options_share_the_config_rule() -> None:
     from ds_tree.cli.objective_options import RL_FIELDS
-    from ds_tree.config import RL_ONLY_FIELDS, SFT_ONLY_FIELDS, ObjectiveConfig
+    from ds_tree.config import KIND_ONLY_FIELDS, RL_ONLY_FIELDS, SFT_ONLY_FIELDS, ObjectiveConfig
 
     assert set(RL_FIELDS) <= set(RL_ONLY_FIELDS)
     fields = {f.name for f in dataclasses.fields(ObjectiveConfig)}
-    assert set(RL_ONLY_FIELDS) | set(SFT_ONLY_FIELDS) == fields - {"kind", "self_check"}  # those two: every kind
+    every_kind = {"kind", "self_check"}
+    assert set(RL_ONLY_FIELDS) | set(SFT_ONLY_FIELDS) | set(KIND_ONLY_FIELDS) == fields - every_kind
 
 
 def test_warmup_longer_than_the_run_warns(monkeypatch, capsys, forest_config) -> None:

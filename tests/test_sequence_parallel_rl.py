@@ -135,7 +135,10 @@ def test_rl_under_sequence_parallelism_passes_the_dry_run_with_dfs_too(tmp_path:
     Trainer(load_config(config_path, ["packing.over_budget=dfs"])).prepare()  # long trees walked by the group
     # every tree walked by the group, its chunks sharded (ds-tree verify --dfs-chunk C --sequence-parallel 2)
     Trainer(load_config(config_path, ["packing.mode=dfs", "objective.kl_coef=0.1"])).prepare()
-    with pytest.raises(ConfigError, match="reference_offload .* needs objective.kl_coef > 0 and model.zero_init"):
+    with pytest.raises(
+        ConfigError,
+        match=r"reference_offload .* needs objective.kl_coef > 0 \(or objective.kind dpo\) and model.zero_init",
+    ):
         load_config(config_path, ["objective.kl_coef=0.1", "objective.reference_offload=true"])
     # a partitioned reference walks in lockstep like the policy (tests/distributed/dfs_rl_check.py)
     partitioned = ["objective.kl_coef=0.1", "model.zero_init=true"]

@@ -21,8 +21,8 @@ import torch
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.runners import RunContext, run_items
 from ds_tree.losses.dpo import DPOLoss, pair_statistics
+from ds_tree.model_roles.teacher import head_of
 from ds_tree.models.loading import load_model
-from ds_tree.models.teacher import head_of
 from ds_tree.objectives.distill import DistillSettings, prepare_distill_rows, run_distill_rows
 from ds_tree.objectives.dpo import Pairs, linear_terms, sequence_sums
 from ds_tree.objectives.rl_rows import StepNormalisers

@@ -14,7 +14,7 @@ coefficient ``c``, the aggregation's):
   trajectory through the token; the update is the clipped objective with it
   (:func:`~ds_tree.objectives.rl_rows.rl_terms`);
 - ``kl``, ``jsd``, ``reverse_kl``: the teacher's final hidden states at the targets' predicting positions are
-  kept; the student's chunked head applies the teacher's head (:func:`~ds_tree.models.teacher.head_of`) to
+  kept; the student's chunked head applies the teacher's head (:func:`~ds_tree.model_roles.teacher.head_of`) to
   the same chunk of them and adds each target's divergence, weighed by its restoration weight ``sum_i c_i``
   (a fork position predicts several targets: each with its own weight).
 """
@@ -35,8 +35,8 @@ from ds_tree.engine.self_check import sample_groups
 from ds_tree.losses.distill import FULL_VOCABULARY, divergence
 from ds_tree.losses.rl import RLSettings, TokenSums
 from ds_tree.losses.terms import RowTerms
+from ds_tree.model_roles.teacher import check_teacher, head_of
 from ds_tree.models.logprobs import HeadOf
-from ds_tree.models.teacher import check_teacher, head_of
 from ds_tree.objectives.base import Components, Objective, Prepared, StepContext, Update, router_scalars
 from ds_tree.objectives.reference import frozen_model
 from ds_tree.objectives.rl_rows import (
@@ -228,7 +228,7 @@ class DistillStep(Prepared):
 
 class Distill(Objective):
     """``objective.kind: distill`` (module docstring). The teacher is checked when the objective is made,
-    before any model is built (:func:`~ds_tree.models.teacher.check_teacher`)."""
+    before any model is built (:func:`~ds_tree.model_roles.teacher.check_teacher`)."""
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -27,7 +27,7 @@ from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.runners import RunContext
 from ds_tree.losses.distill import divergence
 from ds_tree.losses.rl import trajectory_coefficients
-from ds_tree.models.teacher import head_of
+from ds_tree.model_roles.teacher import head_of
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.objectives.distill import DistillRow, DistillSettings, prepare_distill_rows, run_distill_rows
 from ds_tree.objectives.rl_rows import StepNormalisers, trajectory_copies
