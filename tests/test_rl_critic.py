@@ -22,8 +22,8 @@ from ds_tree.data.dataset_reader import LoadedGroups
 from ds_tree.data.sampler import StepSampler
 from ds_tree.engine.layout import StepLayout
 from ds_tree.losses.values import ValuePairs, gae, value_loss
+from ds_tree.model_roles.values import TrunkValueHead, load_value_model, policy_trunk
 from ds_tree.models.loading import load_model
-from ds_tree.models.values import TrunkValueHead, load_value_model, policy_trunk
 from ds_tree.objectives.base import StepContext
 from ds_tree.registries import OBJECTIVES
 from ds_tree.trees.trajectory import Trajectory, group_trajectories

@@ -19,7 +19,7 @@ Every runner also gives no-grad log-probs of chosen targets (the RL objective's 
 policies) and no-grad hidden states predicting them (on-policy distillation's teacher, whose head is
 applied beside the student's), and with :attr:`RunContext.collect_logprobs` the log-probs its forwards
 computed. What a forward gives per target is :attr:`RunContext.head`'s: a causal LM's log-probs (and
-entropies), or a value model's values (:func:`~ds_tree.models.values.values_at`, PPO's critic), whatever the kind.
+entropies), or a value model's values (:func:`~ds_tree.model_roles.values.values_at`, PPO's critic), whatever the kind.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class RunContext:
     head: Callable = logprobs_and_entropy_at
     """What a forward gives per target: ``head(model, inputs, predictors, labels, device, entropy=, head_chunk=)
     -> (per-target values, entropies or None)``; the LM's log-probs, or a value model's values
-    (:func:`~ds_tree.models.values.values_at`)."""
+    (:func:`~ds_tree.model_roles.values.values_at`)."""
 
 
 class Runner(Protocol):

@@ -213,7 +213,7 @@ def load_model(
 ) -> PreTrainedModel:
     """A causal LM with ``attn_implementation = tree_<attention>``, in training mode; with ``value_head`` the
     same trunk with a one-output token-classification head instead of the LM head, without dropout (a critic,
-    :mod:`ds_tree.models.values`; its weights new, the trunk's loaded where ``source`` has them).
+    :mod:`ds_tree.model_roles.values`; its weights new, the trunk's loaded where ``source`` has them).
 
     ``attention: auto`` resolves (:func:`~ds_tree.attention.registry.resolve_engine`) for the device
     the model will *run* on, ``device``: the model is always built on the CPU here and moved by the

@@ -1,7 +1,7 @@
 """PPO's learned critic through a run (``objective.estimator: gae``, ``objective.critic``; docs/RL.md, "PPO with a
 learned critic").
 
-Built once the policy's engine exists (:meth:`Critic.build`): a value model (:mod:`ds_tree.models.values`) in its
+Built once the policy's engine exists (:meth:`Critic.build`): a value model (:mod:`ds_tree.model_roles.values`) in its
 own DeepSpeed engine (the policy's DeepSpeed config: ZeRO stage, dtype, partitioned under ``model.zero_init``) with
 its own AdamW at ``objective.critic.lr`` and its own :class:`~ds_tree.engine.updates.Updates`. A step:
 
@@ -14,7 +14,7 @@ its own AdamW at ``objective.critic.lr`` and its own :class:`~ds_tree.engine.upd
 2. :meth:`Critic.terms`: per item, the value loss's (path, token) pairs with their returns ``G = A + V_old`` and
    coefficients, the old values per target (:class:`~ds_tree.losses.values.ValuePairs`);
 3. :meth:`Critic.run_update`, after each policy update: the critic's forward and backward of the same items, each by
-   its kind's runner with the value head (:func:`~ds_tree.models.values.values_at`), then its optimizer update.
+   its kind's runner with the value head (:func:`~ds_tree.model_roles.values.values_at`), then its optimizer update.
 
 Every checkpoint carries the critic's engine under :data:`CRITIC_TAG` (module, optimizer and schedule), which a
 resumed run loads back, so it continues with the same values.
@@ -37,8 +37,8 @@ from ds_tree.engine.updates import Updates
 from ds_tree.losses.rl import RLSettings, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
 from ds_tree.losses.values import VALUE_METRICS, ValuePairs, value_loss
+from ds_tree.model_roles.values import TrunkValueHead, load_value_model, policy_trunk, values_at
 from ds_tree.models.ulysses import enable_sequence_parallel
-from ds_tree.models.values import TrunkValueHead, load_value_model, policy_trunk, values_at
 from ds_tree.objectives.base import Components, StepContext, Update
 from ds_tree.objectives.rl_rows import (
     StepNormalisers,
@@ -297,7 +297,7 @@ class Critic:
         self.updates = Updates(self.engine, self.config.optimizer.non_finite, directory)
 
     def model(self, components: Components) -> torch.nn.Module:
-        """The value model (:mod:`ds_tree.models.values`): a head on the policy's trunk, or a model of its own,
+        """The value model (:mod:`ds_tree.model_roles.values`): a head on the policy's trunk, or a model of its own,
         built partitioned under ``model.zero_init`` (the policy's ``HfDeepSpeedConfig`` made current again)."""
         config = self.config
         settings = config.objective.critic

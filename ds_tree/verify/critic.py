@@ -22,7 +22,7 @@ from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.runners import RunContext, StepOutput, run_items
 from ds_tree.losses.advantages import check_finite_statistics, estimate
 from ds_tree.losses.rl import RLSettings
-from ds_tree.models.values import TrunkValueHead, load_value_model, policy_trunk, values_at
+from ds_tree.model_roles.values import TrunkValueHead, load_value_model, policy_trunk, values_at
 from ds_tree.objectives.critic import critic_values, returns_of, value_item_terms
 from ds_tree.objectives.rl_rows import StepNormalisers
 from ds_tree.trees.trajectory import Trajectory
