@@ -41,3 +41,10 @@ def gradient_errors(reference: dict[str, torch.Tensor], other: dict[str, torch.T
         floor = max(g_ref.double().norm().item(), GRADIENT_FLOOR * total)
         errors[name] = diff / floor if floor > 0 else diff
     return errors
+
+
+def metric_errors(flat: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """Relative error of each metric sum (absolute where the flat value is 0)."""
+    return {
+        name: relative_error(other.get(name, 0.0), value) if value else abs(other[name]) for name, value in flat.items()
+    }

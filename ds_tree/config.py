@@ -91,6 +91,9 @@ RL_ONLY_FIELDS = (
     "importance_truncation",
     "ppo_epochs",
     "mini_batches",
+    "gamma",
+    "lam",
+    "critic",
 )
 """``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
 SFT_ONLY_FIELDS = ("normalisation", "policy")
@@ -328,6 +331,35 @@ class DPOSettings:
 
 
 @dataclass
+class CriticSettings:
+    """The learned value model of ``objective.estimator: gae`` (docs/RL.md, "PPO with a learned critic"): its own
+    DeepSpeed engine (the policy's ZeRO settings and dtype) and AdamW (the policy's betas, epsilon and weight decay,
+    its own learning rate on the policy's schedule), checkpointed with every checkpoint."""
+
+    source: str = ""
+    """The critic: a model config JSON (random init from ``model.seed``), a model directory or hub id (its weights
+    loaded, a fresh value head added), or ``policy``: a value head on the policy's trunk, sharing its parameters
+    (the head alone trains on the value loss; the trunk is the policy's, trained by the policy loss only)."""
+    lr: float = 1.0e-5
+    """Peak learning rate of the critic's AdamW (> 0), on the policy's warm-up and decay schedule."""
+    value_clip: float = 0.2
+    """``eps_v``: the clipped value loss's range around the values before the step's updates (0: unclipped)."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.value_clip < 0:
+            raise ConfigError(f"objective.critic: lr must be > 0 and value_clip >= 0, got {self.lr}, {self.value_clip}")
+
+    @property
+    def on_policy_trunk(self) -> bool:
+        """A value head on the policy's trunk (``source: policy``), not a model of its own."""
+        return self.source == POLICY_TRUNK
+
+
+POLICY_TRUNK = "policy"
+"""``objective.critic.source`` naming the policy's own trunk."""
+
+
+@dataclass
 class ObjectiveConfig:
     kind: ObjectiveKind = "sft"
     """``sft``: weighted next-token loss (``normalisation``, ``policy``). ``grpo`` / ``ppo``: the clipped
@@ -395,6 +427,12 @@ class ObjectiveConfig:
     step of the run) or ``every:N`` (steps 1, N+1, 2N+1, ...). On a small sample of the step's groups the
     flat per-trajectory loss and gradient are compared with the tree's; errors beyond the dtype's
     tolerance stop the run."""
+    gamma: float = 1.0
+    """``gae``: the discount per trained token, in (0, 1]."""
+    lam: float = 0.95
+    """``gae``: GAE's ``lambda``, in [0, 1] (1: the discounted return minus the value; 0: one-step TD)."""
+    critic: CriticSettings = field(default_factory=CriticSettings)
+    """``gae``'s learned value model (``objective.critic.source`` is required with ``estimator: gae``)."""
     teacher: str = ""
     """``distill``: the teacher, a model config JSON (random init at ``model.seed``), HF directory or hub id with
     the student's tokenizer (checked before any model is built: its vocabulary, and its tokenizer files
@@ -473,6 +511,30 @@ class ObjectiveConfig:
         self_check_every(self.self_check)  # a ConfigError when malformed
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
+        self._check_critic()
+
+    def _check_critic(self) -> None:
+        """``gae`` and its critic go together; ``gamma``, ``lam`` and the critic's fields need both."""
+        if not self.is_rl:
+            return
+        gae = self.estimator == "gae"
+        if gae and not self.critic.source:
+            raise ConfigError(
+                "objective.estimator gae needs a learned critic: set objective.critic.source (a model config JSON, a "
+                "model directory or hub id, or `policy` for a value head on the policy's trunk)"
+            )
+        if not gae:
+            stray = [f"critic.{name}" for name in off_default(self.critic)]
+            stray += [name for name in ("gamma", "lam") if getattr(self, name) != GAE_DEFAULTS[name]]
+            if stray:
+                raise ConfigError(
+                    f"objective.{', objective.'.join(stray)}: only with objective.estimator gae (estimator is "
+                    f"{self.estimator}): the critic's values are GAE's baseline"
+                )
+        if not (0 < self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ConfigError(f"objective: gamma must be in (0, 1] and lam in [0, 1], got {self.gamma}, {self.lam}")
+        if gae and self.normalise_advantages:
+            raise ConfigError("objective.normalise_advantages does not apply to the gae estimator")
 
     @property
     def is_rl(self) -> bool:
@@ -504,6 +566,10 @@ class ObjectiveConfig:
             old_logprobs=self.old_logprobs,
             importance_truncation=self.importance_truncation or None,
         )
+
+
+GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95}
+"""``objective.gamma`` and ``objective.lam``'s defaults (set off them only with ``estimator: gae``)."""
 
 
 def self_check_every(value: str) -> int:
@@ -1243,6 +1309,7 @@ INPUT_PATHS = (
     "data.path",
     "deepspeed",
     "objective.reference",
+    "objective.critic.source",
     "objective.teacher",
     "rollout.prompts",
     "eval.data",
@@ -1258,9 +1325,11 @@ def _resolve_inputs(config: Config, path: Path) -> None:
     existing candidate wins, and a path found nowhere is left as given (its check names it)."""
     for dotted in INPUT_PATHS:
         section, _, name = dotted.rpartition(".")
-        owner = getattr(config, section) if section else config
+        owner = config
+        for part in section.split(".") if section else ():
+            owner = getattr(owner, part)
         value = getattr(owner, name)
-        if not value or Path(value).is_absolute() or Path(value).exists():
+        if not value or value == POLICY_TRUNK or Path(value).is_absolute() or Path(value).exists():
             continue
         for base in (path.resolve().parent, REPOSITORY):
             if (base / value).exists():

@@ -81,7 +81,10 @@ OBJECTIVES: Registry = _builtins(
 
 ESTIMATORS: Registry = _builtins(
     Registry("advantage estimator", field="objective.estimator"),
-    {name: f"ds_tree.losses.advantages:{name}" for name in ("grpo", "rloo", "treepo", "tempo", "given")},
+    {
+        name: f"ds_tree.losses.advantages:{name}"
+        for name in ("grpo", "rloo", "treepo", "tempo", "sibling", "gae", "given")
+    },
 )
 
 AGGREGATIONS: Registry = _builtins(

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.errors import DataError
-from ds_tree.losses.advantages import Estimator, estimate, estimator, grpo, rloo, tempo, treepo
+from ds_tree.losses.advantages import Estimator, estimate, estimator, grpo, rloo, sibling, tempo, treepo
 from ds_tree.registries import ESTIMATORS
 from ds_tree.trees.trajectory import Trajectory
 from tests.helpers.strategies import forests
@@ -27,7 +27,7 @@ def scalars(advantages) -> list[float]:
 
 
 def test_registry():
-    assert set(ESTIMATORS) == {"grpo", "rloo", "treepo", "tempo", "given"}
+    assert set(ESTIMATORS) == {"grpo", "rloo", "treepo", "tempo", "sibling", "gae", "given"}
     for name, found in ESTIMATORS.items():  # the lazy entries name the module's Estimator objects
         assert isinstance(found, Estimator) and found.name == name, name
 
@@ -126,7 +126,8 @@ def test_treepo_equals_brute_force_subgroups(trajectories, data):
 
 
 @pytest.mark.parametrize(
-    ("name", "normalise"), [("grpo", False), ("grpo", True), ("rloo", False), ("treepo", True), ("tempo", True)]
+    ("name", "normalise"),
+    [("grpo", False), ("grpo", True), ("rloo", False), ("treepo", True), ("tempo", True)],
 )
 def test_one_trajectory_group_gets_zero_and_is_counted(name, normalise):
     batch = [trajectory([5, 6], 1.0, "alone"), trajectory([5, 7], 1.0, "pair"), trajectory([5, 8], 0.0, "pair")]
@@ -137,7 +138,16 @@ def test_one_trajectory_group_gets_zero_and_is_counted(name, normalise):
 
 @pytest.mark.parametrize(
     ("name", "normalise"),
-    [("grpo", False), ("grpo", True), ("rloo", False), ("treepo", False), ("treepo", True), ("tempo", True)],
+    [
+        ("grpo", False),
+        ("grpo", True),
+        ("rloo", False),
+        ("treepo", False),
+        ("treepo", True),
+        ("tempo", True),
+        ("sibling", False),
+        ("sibling", True),
+    ],
 )
 def test_equal_rewards_give_exactly_zero(name, normalise):
     """0.1 * 3 / 3 != 0.1 in floating point: a naive mean gives 1e-17 and, normalised, +-1 garbage."""
@@ -145,7 +155,7 @@ def test_equal_rewards_give_exactly_zero(name, normalise):
     assert scalars(ESTIMATORS.get(name)(batch, normalise=normalise)) == [0.0] * 5
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "treepo", "tempo"])
+@pytest.mark.parametrize("name", ["grpo", "rloo", "treepo", "tempo", "sibling", "gae"])
 def test_missing_reward_names_the_trajectory(name):
     batch = [trajectory([5, 6], 1.0), trajectory([5, 7], None, source="rollouts.jsonl:17")]
     with pytest.raises(DataError, match=r"rollouts\.jsonl:17: .*needs a finite reward"):
@@ -268,3 +278,85 @@ def test_tempo_coefficient_zero_is_grpo_and_estimate_passes_it():
     for got, want in zip(estimate([x, y, z], "tempo", tempo_coef=0.0).values, grpo([x, y, z]).values, strict=True):
         np.testing.assert_array_equal(got, want)
     assert not np.array_equal(estimate([x, y, z], "tempo").values[0], grpo([x, y, z]).values[0])
+
+
+# --------------------------------------------------------------------------------------- Sibling-GRPO
+
+
+def test_sibling_by_hand():
+    """Prompt [1]; branches [2] (leaves [3]: 1, [4]: 0) and [5] (leaves [6]: 1, [7, 8]: 1).
+
+    At the root: R([2]) = 1/2, R([5]) = 1, their mean 3/4: -1/4 and +1/4 along each branch until it forks.
+    Below [2]: 1 and 0 against their mean 1/2: +-1/2. Below [5]: equal rewards, exactly 0. The prompt: 0.
+    """
+    batch = [trajectory([1, 2, 3], 1.0), trajectory([1, 2, 4], 0.0), trajectory([1, 5, 6], 1.0)]
+    batch.append(trajectory([1, 5, 7, 8], 1.0))
+    values = sibling(batch).values
+    expected = [[0, -0.25, 0.5], [0, -0.25, -0.5], [0, 0.25, 0], [0, 0.25, 0, 0]]
+    for got, want in zip(values, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    alone = sibling([*batch, trajectory([1, 9], 5.0, "alone")])
+    assert alone.singletons == 1 and alone.values[-1].tolist() == [0.0, 0.0]  # no siblings to compare with
+    normalised = sibling(batch, normalise=True).values  # each sibling set in units of its own values' std
+    np.testing.assert_allclose(normalised[0], [0, -0.25 / np.std([0.5, 1], ddof=1), 0.5 / np.std([1, 0], ddof=1)])
+
+
+@pytest.mark.parametrize("normalise", [False, True])
+def test_sibling_is_grpo_where_only_the_root_branches(normalise):
+    """GRPO samples of one prompt that differ from their first completion token on: one sibling set, the group."""
+    rng = np.random.default_rng(5)
+    batch = [
+        trajectory([5, 6, int(k), *rng.integers(10, 99, rng.integers(0, 5))], float(r))
+        for k, r in zip(rng.permutation(np.arange(20, 26)), rng.normal(size=6), strict=True)
+    ]
+    for got, want in zip(
+        sibling(batch, normalise=normalise).values, grpo(batch, normalise=normalise).values, strict=True
+    ):
+        np.testing.assert_allclose(got[2:], want[2:], rtol=1e-14, atol=1e-15)
+        assert got[0] == got[1] == 0.0  # the prompt: above every branch point
+
+
+def brute_sibling(group: list[Trajectory], normalise: bool) -> list[np.ndarray]:
+    """Sibling-GRPO from its definition on token prefixes, with no trie: a prefix Q (of any length, the empty one
+    included) is a branch point when the trajectories starting with it continue with two or more distinct tokens;
+    token t of u lies on the branch u[k] taken at the deepest branch point u[:k] with k <= t, and gets the mean
+    reward of the trajectories starting with u[:k + 1] minus the mean over the distinct continuations x of Q of the
+    mean reward of those starting with Q + [x] (over their sample std when normalising); 0 below no branch point."""
+    ids = [t.input_ids.tolist() for t in group]
+    rewards = np.array([t.reward for t in group])
+
+    def mean_through(prefix):
+        return rewards[[j for j, v in enumerate(ids) if v[: len(prefix)] == prefix and len(v) >= len(prefix)]].mean()
+
+    out = []
+    for u in ids:
+        values = np.zeros(len(u))
+        for t in range(len(u)):
+            for k in range(t, -1, -1):
+                nexts = sorted({v[k] for v in ids if v[:k] == u[:k] and len(v) > k})
+                if len(nexts) >= 2:
+                    siblings = np.array([mean_through(u[:k] + [x]) for x in nexts])
+                    if np.any(siblings != siblings[0]):
+                        centred = mean_through(u[: k + 1]) - siblings.mean()
+                        values[t] = centred / siblings.std(ddof=1) if normalise else centred
+                    break
+        out.append(values)
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(trajectories=forests(max_groups=3, max_trajectories=8), data=st.data())
+def test_sibling_equals_its_definition_on_prefixes(trajectories, data):
+    rewards = data.draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, 3.0]), min_size=len(trajectories)))
+    normalise = data.draw(st.booleans())
+    for t, r in zip(trajectories, rewards, strict=False):
+        t.reward = r
+    result = sibling(trajectories, normalise=normalise)
+    by_group: dict[str, list[int]] = {}
+    for position, t in enumerate(trajectories):
+        by_group.setdefault(t.group_id, []).append(position)
+    for positions in by_group.values():
+        group = [trajectories[i] for i in positions]
+        expected = brute_sibling(group, normalise) if len(group) > 1 else [np.zeros(len(group[0]))]
+        for i, want in zip(positions, expected, strict=True):
+            np.testing.assert_allclose(result.values[i], want, rtol=1e-12, atol=1e-14)

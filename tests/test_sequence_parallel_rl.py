@@ -22,6 +22,7 @@ from tests.helpers.configs import write_config
 from tests.helpers.launch import environment, torchrun
 from tests.helpers.processes import run_group
 from tests.test_sequence_parallel import BLOCK, BUDGET, SIZE, one_kv_head_model, random_trees, write_cases
+from tests.test_verify_rl import CRITIC_ERRORS
 
 
 def write_rl_cases(path: Path) -> Path:
@@ -96,6 +97,31 @@ def test_verify_rl_under_sequence_parallelism_equals_flat_in_float64(tmp_path: P
     metrics = report["metrics_flat"]
     assert metrics["clip_low"] > 0 and metrics["clip_high"] > 0, metrics
     assert metrics["kl_ref"] > 0 and metrics["clip_dual"] > 0 and metrics["entropy"] > 0, metrics
+
+
+GAE = ["--objective", "ppo", "--estimator", "gae", "--gamma", "0.97", "--lam", "0.9", "--value-clip", "0.05"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("critic", ["policy", "model"])
+def test_verify_ppo_with_a_learned_critic_under_sequence_parallelism_equals_flat(tmp_path: Path, critic: str) -> None:
+    """``--estimator gae`` at S = 2 (2 spawned ranks each): the old critic's values scored on the shards and merged
+    over the group for GAE, the trained critic's value loss, metrics and gradients summed over the group, against
+    one process's flat run. ``policy``: a head on the sequence-parallel trunk, sharded rows; ``model``: a critic of
+    its own under Ulysses, every tree walked by the group (``--dfs-chunk``)."""
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    model = one_kv_head_model(tmp_path / "model.json")
+    source = "policy" if critic == "policy" else str(model)
+    walked = [] if critic == "policy" else ["--dfs-chunk", str(BUDGET)]
+    report = verify(data, model, *GAE, "--critic", source, *walked)
+    assert report["passed"] and report["estimator"] == "gae" and report["critic"] == source
+    assert report["longest_trajectory"] > BUDGET, report
+    assert report["sharded_rows"] >= 2 if critic == "policy" else report["walked_trees"] >= 2, report
+    for error in ("loss_rel_err", "max_rel_grad_err", "max_abs_old_logprob_err", *CRITIC_ERRORS):
+        assert report[error] <= 1e-10, (error, report[error])
+    assert report["critic_loss_sequence_parallel"] > 0 and report["critic_parameters"] > 0
+    value_metrics = report["critic_metrics_flat"]
+    assert 0 < value_metrics["value_clipped"] < value_metrics["value_pairs"], value_metrics
 
 
 def test_rl_under_sequence_parallelism_passes_the_dry_run_with_dfs_too(tmp_path: Path, monkeypatch) -> None:

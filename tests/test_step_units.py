@@ -2,7 +2,9 @@
 ds_tree/objectives/rl_statistics.py): with the groups held where they were sampled (online rollouts), every rank's
 items are the whole-step plan's for it, each group sent only to the ranks that need it (fewer bytes than the
 all-gather of the step); the RL host work's advantages, mini-batch normalisers and statistics equal the whole
-step's to the bit, for every registered estimator; the self-check's sample is the whole step's on every rank."""
+step's to the bit, for every registered estimator (``gae``: from values each rank scores at the tokens its items
+own, merged over the ranks at the step, in every layout); the self-check's sample is the whole step's on every
+rank."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import torch
 from ds_tree.engine.self_check import sample_groups
 from ds_tree.losses.advantages import estimate
 from ds_tree.objectives.base import check_sample
+from ds_tree.objectives.critic import gae_advantages
 from ds_tree.objectives.policy_gradient import rl_host_work
-from ds_tree.objectives.rl_rows import StepNormalisers
+from ds_tree.objectives.rl_rows import StepNormalisers, trajectory_copies
 from ds_tree.objectives.rl_statistics import AdvantageRule
 from ds_tree.packing.exchange import Collectives
 from ds_tree.packing.plan import PlanSettings, plan_step
@@ -31,6 +34,8 @@ from ds_tree.trees.trajectory import group_trajectories
 from tests.helpers.rollouts import rl_trajectories
 
 GROUPS, PER_GROUP = 9, 4
+HOST_ESTIMATORS = [name for name in ESTIMATORS.names() if name != "gae"]
+"""The estimators the host work computes ahead (``gae`` waits for the critic's values at the step)."""
 
 
 def step_groups() -> list[list]:
@@ -74,10 +79,11 @@ def same_items(plan, expected) -> bool:
     return True
 
 
-def rl_reference(groups: list[list], estimator: str, normalise: bool, mini_batches: int) -> dict:
-    """The whole step's advantages, normalisers and statistics as one process computes them."""
+def rl_reference(groups: list[list], estimator: str, normalise: bool, mini_batches: int, **settings) -> dict:
+    """The whole step's advantages, normalisers and statistics as one process computes them (``settings``: the
+    estimator's, :func:`~ds_tree.losses.advantages.estimate`)."""
     trajectories = [t for g in groups for t in g]
-    computed = estimate(trajectories, estimator, normalise)
+    computed = estimate(trajectories, estimator, normalise, **settings)
     masks = [t.loss_mask[1:] for t in trajectories]
     weight = float(sum(m.sum() for m in masks))
     mean = float(sum((m * a[1:]).sum() for m, a in zip(masks, computed.values, strict=True))) / weight
@@ -92,6 +98,39 @@ def rl_reference(groups: list[list], estimator: str, normalise: bool, mini_batch
     }
 
 
+GAE = {"gamma": 0.9, "lam": 0.8}
+"""``gae``'s settings here; its values are :func:`prefix_values`, a stand-in for a critic's."""
+
+
+def prefix_values(trajectory) -> np.ndarray:
+    """A value per token that is a function of the trajectory's prefix up to it (as a critic's is): the same on
+    every path through a tree token."""
+    return 0.01 * np.asarray(trajectory.input_ids, dtype=np.float64) + 0.001 * np.arange(len(trajectory))
+
+
+def gae_report(settings: PlanSettings, groups: list[list], rank: int, comm: Collectives) -> dict:
+    """``gae`` on this rank's share: the host work plans it without advantages, then each rank scores the tokens
+    its items own (:func:`prefix_values` for the critic's forward) and :func:`gae_advantages` merges the values
+    over the ranks holding each group and estimates."""
+    rule = AdvantageRule("gae", False, 1.0, **GAE)
+    host = rl_host_work(settings, rule, mini_batches=2, sample=True)(held_data(groups, rank, 2), comm)
+    scores = {id(t): np.full(len(t), np.nan) for group in host.groups for t in group.trajectories}
+    for plan in host.plans:
+        for row in plan.rows:
+            for trajectory, path in trajectory_copies(row):
+                mine = np.flatnonzero(path >= 0)
+                mine = mine[row.owned[path[mine]] & (row.pred_pos[path[mine]] >= 0)]
+                scores[id(trajectory)][mine] = prefix_values(trajectory)[mine]
+    done = gae_advantages(host.groups, scores, host.sample_groups, rule, 2, comm)
+    statistics = done.statistics
+    return {
+        "advantages": {t.source: done.held.by_trajectory[id(t)].tolist() for t in host.trajectories},
+        "statistics": [statistics.reward_mean, statistics.reward_std, statistics.advantage_mean]
+        + [statistics.advantage_std, statistics.singletons],
+        "sample_advantages": {t.source: done.sample_advantages[id(t)].tolist() for t in host.sample},
+    }
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -100,7 +139,8 @@ def _rank(rank: int, port: int, out: str) -> None:
     groups = step_groups()
     trajectories = [t for g in groups for t in g]
     report = {"plans": [], "received": [], "rl": {}}
-    for settings in settings_list(max(len(t) for t in trajectories)):
+    longest = max(len(t) for t in trajectories)
+    for settings in settings_list(longest):
         comm.received_bytes = 0
         plan, _ = plan_units(held_data(groups, rank, 2), settings, comm)
         expected = plan_step(trajectories, settings, 2).for_rank(rank)
@@ -109,7 +149,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         report["plans"].append(same and same_items(plan, expected))
         report["received"].append(comm.received_bytes)
     settings = PlanSettings(budget=max(len(t) for t in trajectories) + 30)
-    for estimator in ESTIMATORS.names():
+    report["gae"] = [gae_report(choice, groups, rank, comm) for choice in settings_list(longest)]
+    for estimator in HOST_ESTIMATORS:
         normalise = ESTIMATORS.get(estimator).normalise is not None
         rule = AdvantageRule(estimator, normalise, 1.0)
         host = rl_host_work(settings, rule, mini_batches=2, sample=True)(held_data(groups, rank, 2), comm)
@@ -148,7 +189,17 @@ def test_two_gloo_ranks_plan_and_score_only_what_they_hold(tmp_path):
                 assert received < all_gather, (received, all_gather)
     sample = [t.source for t in sample_groups([t for g in groups for t in g])]
     assert reports[0]["sample"] == reports[1]["sample"] == sample and sample
-    for estimator in ESTIMATORS.names():
+    trajectories = [t for g in groups for t in g]
+    gae = rl_reference(groups, "gae", False, 2, values={id(t): prefix_values(t) for t in trajectories}, **GAE)
+    for first, second in zip(reports[0]["gae"], reports[1]["gae"], strict=True):  # each layout of settings_list
+        held = first["advantages"] | second["advantages"]
+        assert set(held) == set(gae["advantages"])
+        for source, values in held.items():  # to the bit
+            assert values == gae["advantages"][source], source
+        assert first["statistics"] == second["statistics"] == gae["statistics"]
+        assert first["sample_advantages"] == second["sample_advantages"]
+        assert first["sample_advantages"] == {s: gae["advantages"][s] for s in sample}
+    for estimator in HOST_ESTIMATORS:
         normalise = ESTIMATORS.get(estimator).normalise is not None
         expected = rl_reference(groups, estimator, normalise, 2)
         first, second = reports[0]["rl"][estimator], reports[1]["rl"][estimator]

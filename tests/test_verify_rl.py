@@ -63,6 +63,7 @@ CASES = {
         "0.01",
     ],
     "tempo": ["--estimator", "tempo", "--normalise-advantages", "--tempo-coef", "0.7", "--kl-coef", "0.05"],
+    "sibling": ["--estimator", "sibling", "--normalise-advantages"],
 }
 
 
@@ -82,6 +83,58 @@ def test_rl_objective_tree_equals_flat_on_split_trees(data, capsys, estimator):
     assert (metrics["clip_dual"] > 0) == ("--dual-clip" in CASES[estimator]), metrics
     assert (metrics["kl_ref"] > 0) == ("--kl-coef" in CASES[estimator]), metrics
     assert report["aggregation"] == ("seq_mean_token_sum" if estimator == "treepo" else "token_mean")
+
+
+GAE = ["--objective", "ppo", "--estimator", "gae", "--gamma", "0.97", "--lam", "0.9", "--budget", "64"]
+CRITIC_ERRORS = (
+    "critic_loss_rel_err",
+    "critic_max_rel_grad_err",
+    "critic_max_abs_value_err",
+    "critic_max_rel_metric_err",
+)
+
+
+QWEN3 = str(ROOT / "configs/models/tiny_qwen3.json")
+CRITICS = {
+    "policy": ["--critic", "policy", "--value-clip", "0.05", "--dfs-chunk", "16"],
+    "model": ["--critic", QWEN3, "--value-clip", "0.05", "--dfs-chunk", "16"],
+    # a critic of its own beside a LoRA policy: on these values a pair inside the clip range once counted as
+    # clipped in one layout and not in the other (round-off), failing the metric comparison
+    "model-lora": ["--critic", MODEL, "--lora", "4"],
+}
+
+
+@pytest.mark.parametrize("critic", sorted(CRITICS))
+def test_ppo_with_a_learned_critic_tree_equals_flat_packed_and_walked(data, capsys, critic):
+    """``--estimator gae``: each layout's GAE from its own old critic's values; the policy's and the trained critic's
+    loss, metrics and every gradient against flat, on split trees and walked (``--dfs-chunk``). ``policy``: a value
+    head on the policy's trunk (its weight and bias the critic's parameters); ``model``: a critic of its own."""
+    code, report, _ = run(["--data", data, "--model", MODEL, *GAE, *CRITICS[critic]], capsys)
+    assert code == 0, report
+    source = CRITICS[critic][1]
+    assert report["passed"] and report["estimator"] == "gae" and report["critic"] == source and report["rows_tree"] > 3
+    clip = 0.05 if "--value-clip" in CRITICS[critic] else 0.2
+    assert (report["gamma"], report["lam"], report["value_clip"]) == (0.97, 0.9, clip)
+    walked = "--dfs-chunk" in CRITICS[critic]
+    errors = ("loss_rel_err", "max_rel_grad_err", *CRITIC_ERRORS)
+    errors += ("dfs_loss_rel_err", "dfs_max_rel_grad_err", *(f"dfs_{name}" for name in CRITIC_ERRORS)) if walked else ()
+    for error in errors:
+        assert report[error] < 1e-10, (error, report[error])
+    assert (report["critic_parameters"] == 2) == (critic == "policy"), report["critic_parameters"]
+    assert report["critic_loss_flat"] > 0 and report["metrics_flat"]["clip_low"] > 0
+    value_metrics = report["critic_metrics_flat"]  # the trained critic moved: some values leave their clip range
+    assert 0 < value_metrics["value_clipped"] < value_metrics["value_pairs"] == report["metrics_flat"]["tokens"]
+
+
+def test_a_wrong_tree_value_loss_exits_1(data, capsys, monkeypatch):
+    """Mutation of the critic's side alone: its (path, token) pairs drop the paths whose leaf a part does not hold."""
+    from ds_tree.objectives import critic
+
+    original = critic.trajectory_copies
+    monkeypatch.setattr(critic, "trajectory_copies", lambda row: [c for c in original(row) if c[1][-1] >= 0])
+    code, report, _ = run(["--data", data, "--model", MODEL, *GAE, "--critic", "policy"], capsys)
+    assert code == 1 and not report["passed"]
+    assert report["max_rel_grad_err"] < 1e-10 and report["critic_loss_rel_err"] > 1e-3, report
 
 
 def test_a_wrong_tree_objective_exits_1(data, capsys, monkeypatch):
@@ -109,6 +162,10 @@ def test_data_without_what_the_estimator_needs_exits_2(tmp_path, capsys, objecti
         (["--objective", "grpo", "--dual-clip", "0.5"], "dual_clip must be > 1"),
         (["--objective", "ppo", "--normalise-advantages"], "does not apply to the given estimator"),
         (["--objective", "grpo", "--tempo-coef", "0.5"], "applies to estimator tempo only (estimator is grpo)"),
+        (["--critic", "policy"], "--critic: only with --objective grpo or ppo"),
+        (["--objective", "ppo", "--estimator", "gae"], "estimator gae needs a learned critic"),
+        (["--objective", "grpo", "--lam", "0.5"], "objective.lam: only with objective.estimator gae"),
+        (["--objective", "ppo", "--estimator", "gae", "--critic", "policy", "--value-clip", "-1"], "value_clip >= 0"),
     ],
 )
 def test_contradictory_options_are_usage_errors(data, capsys, options, message):

@@ -22,7 +22,7 @@ from ds_tree.cli.choices import (  # registries: --help stays fast
     objectives,
 )
 from ds_tree.cli.common import POSITIVE_INT, finite_float
-from ds_tree.config import ConfigError, ObjectiveConfig, objective_strays
+from ds_tree.config import ConfigError, CriticSettings, ObjectiveConfig, objective_strays
 
 
 def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = False) -> argparse._ArgumentGroup:
@@ -51,6 +51,15 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
     group.add_argument("--kl-coef", type=finite_float, help="KL penalty to the reference policy (default 0)")
     group.add_argument("--kl-estimator", choices=KL_ESTIMATORS, help="per-token KL estimator (default k3)")
     group.add_argument("--entropy-coef", type=finite_float, help="entropy bonus (default 0)")
+    group.add_argument(
+        "--critic",
+        metavar="SOURCE",
+        help="gae: PPO's learned critic, a model config JSON, a model directory or `policy` (a value head on the "
+        "policy's trunk)",
+    )
+    group.add_argument("--gamma", type=finite_float, help="gae: discount per trained token (default 1)")
+    group.add_argument("--lam", type=finite_float, help="gae: GAE's lambda (default 0.95)")
+    group.add_argument("--value-clip", type=finite_float, help="gae: the value loss's clip range (default 0.2; 0: off)")
     if epochs:
         group.add_argument(
             "--ppo-epochs", type=POSITIVE_INT, help="update passes over each step's rollouts (default 1)"
@@ -88,9 +97,13 @@ RL_FIELDS = (
     "kl_estimator",
     "entropy_coef",
     "ppo_epochs",
+    "gamma",
+    "lam",
 )
 """ObjectiveConfig fields that the RL options set (argument ``--x-y`` sets field ``x_y``); all of them are
 in :data:`ds_tree.config.RL_ONLY_FIELDS`."""
+CRITIC_OPTIONS = {"critic": "source", "value_clip": "value_clip"}
+"""The options that set ``objective.critic``'s fields (:class:`ds_tree.config.CriticSettings`)."""
 
 
 SECTION_OPTIONS = {"distill": ("loss", "beta"), "dpo": ("beta", "loss", "label_smoothing", "pairs")}
@@ -125,8 +138,11 @@ def objective_config(
     contradiction. ``rl_only`` / ``sft_only`` name more of the command's options (``None`` unless given)."""
     options = vars(args)
     chosen = {name: options[name] for name in RL_FIELDS if options.get(name) is not None}
+    critic = {field: options[name] for name, field in CRITIC_OPTIONS.items() if options.get(name) is not None}
     try:
         chosen |= _sections(options)
+        if critic:
+            chosen["critic"] = CriticSettings(**critic)
     except ConfigError as error:
         parser.error(str(error))
     if args.objective == "sft":  # the config's rule (objective_strays) on the options given, plus the command's own
@@ -135,6 +151,7 @@ def objective_config(
             _flag(name) + ("-*" if name in SECTION_OPTIONS else "")
             for name in (*objective_strays("sft", chosen), *given)
         ]
+        stray += [_flag(name) for name in CRITIC_OPTIONS if options.get(name) is not None and _flag(name) not in stray]
         if stray:
             parser.error(f"{', '.join(stray)}: only with --objective grpo or ppo (or distill, dpo)")
         return None

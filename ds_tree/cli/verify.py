@@ -43,6 +43,12 @@ teacher's log-prob of every trained token (distill) or every pair's margin (dpo)
 model.lora; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
 trained policy's adapters perturbed, the KL reference the model with its adapters disabled).
 
+--estimator gae --critic SOURCE (--gamma, --lam, --value-clip) checks PPO with a learned critic
+(docs/RL.md): each layout scores the old critic's values on its own items for its GAE advantages, and
+the report compares the values, the policy's loss and gradients and the trained critic's value loss and
+every gradient (critic_* fields; dfs_critic_* with --dfs-chunk; under --sequence-parallel S the sums
+over the group). SOURCE `policy` is a value head on the policy's trunk (its head alone has gradients).
+
 Only the JSON report goes to stdout (pipe it to jq); logs and library warnings, the spawned
 ranks' included, go to stderr. Exits 1 when the errors exceed the dtype's tolerance, 2 on bad
 input (e.g. a reward missing for the estimator).
@@ -255,6 +261,9 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
                 normalise_advantages=objective.normalise_advantages,
                 tempo_coef=objective.tempo_coef,
                 settings=objective.rl_settings(),
+                critic=objective.critic,
+                gamma=objective.gamma,
+                lam=objective.lam,
                 perturbation=DEFAULT_PERTURBATION if args.perturbation is None else args.perturbation,
                 router_aux_loss_coef=args.router_aux_loss_coef,
                 **common,

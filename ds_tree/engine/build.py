@@ -80,15 +80,16 @@ def load_policy(config: Config, ds_config: dict, attention_engine: str) -> Polic
     return Policy(model, hf_deepspeed_config, sequence_parallel)
 
 
-def build_engine(model: torch.nn.Module, config: Config, ds_config: dict):
+def build_engine(model: torch.nn.Module, config: Config, ds_config: dict, *, lr: float | None = None):
     """The DeepSpeed engine of ``model`` with AdamW (over the adapters only under ``model.lora``) and the
-    learning-rate schedule, stepped once per optimizer update (RL: ``ppo_epochs x mini_batches`` a step)."""
+    learning-rate schedule, stepped once per optimizer update (RL: ``ppo_epochs x mini_batches`` a step).
+    ``lr``: the peak rate instead of ``optimizer.lr`` (PPO's critic, ``objective.critic.lr``), on the same schedule."""
     import deepspeed
 
     settings = config.optimizer
     optimizer = torch.optim.AdamW(
         trainable_parameters(model),
-        lr=settings.lr,
+        lr=settings.lr if lr is None else lr,
         betas=settings.betas,
         eps=settings.eps,
         weight_decay=settings.weight_decay,

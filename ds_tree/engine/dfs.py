@@ -408,12 +408,15 @@ def walk_scores(
 
 
 def walk_logprobs(
-    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu", head_chunk: int = 0
+    model, row: PackedRow, chunks: Chunks, targets: np.ndarray, *, device="cpu", head_chunk: int = 0, head=None
 ) -> Generator[None, None, np.ndarray]:
     """``log p`` of the row's ``targets`` (row indices) by :func:`walk_scores` (the old and reference
-    policies' log-probs of a walked row). Call inside :func:`chunk_attention`."""
+    policies' log-probs of a walked row). ``head``: what a forward gives per target instead of the log-probs
+    (:attr:`~ds_tree.engine.runners.RunContext.head`: a value model's values). Call inside :func:`chunk_attention`."""
 
     def score(model, inputs, predictors, labels) -> torch.Tensor:
+        if head is not None:
+            return head(model, inputs, predictors, labels, device, entropy=None, head_chunk=head_chunk)[0]
         return logprobs_at(model, inputs, predictors, labels, device, head_chunk=head_chunk)
 
     out = np.zeros(targets.size)

@@ -18,7 +18,8 @@ objective: a new kind is one runner and its registration (``RUNNERS.register(kin
 Every runner also gives no-grad log-probs of chosen targets (the RL objective's old and reference
 policies) and no-grad hidden states predicting them (on-policy distillation's teacher, whose head is
 applied beside the student's), and with :attr:`RunContext.collect_logprobs` the log-probs its forwards
-computed.
+computed. What a forward gives per target is :attr:`RunContext.head`'s: a causal LM's log-probs (and
+entropies), or a value model's values (:func:`~ds_tree.model_roles.values.values_at`, PPO's critic), whatever the kind.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ds_tree.engine.dfs import (
 )
 from ds_tree.losses.sft import weighted_nll
 from ds_tree.losses.terms import RowTerms
-from ds_tree.models.logprobs import hidden_states_at, logprobs_and_entropy_at, logprobs_at
+from ds_tree.models.logprobs import hidden_states_at, logprobs_and_entropy_at
 from ds_tree.models.moe import RouterAuxLoss, captured_router_logits
 from ds_tree.packing.rows import PackedRow
 from ds_tree.registries import RUNNERS
@@ -92,6 +93,10 @@ class RunContext:
     """Record every trajectory's log-probs at the items' targets in :attr:`StepOutput.trajectory_logprobs`
     (:func:`record_logprobs`), from the forwards with gradients: no extra forward, whatever the kind."""
     stats: WalkStats | None = None
+    head: Callable = logprobs_and_entropy_at
+    """What a forward gives per target: ``head(model, inputs, predictors, labels, device, entropy=, head_chunk=)
+    -> (per-target values, entropies or None)``; the LM's log-probs, or a value model's values
+    (:func:`~ds_tree.model_roles.values.values_at`)."""
 
 
 class Runner(Protocol):
@@ -120,12 +125,13 @@ def record_logprobs(output: StepOutput, row: PackedRow, by_token: np.ndarray) ->
         offset += part.n_tokens
 
 
-def _zero_loss(model, row, inputs, start: int, device, head_chunk: int = 0) -> torch.Tensor:
-    """A forward scoring one token with weight 0: an item (or chunk) with nothing to train still runs
-    forward and backward through every parameter, as ZeRO-3's collective gathers need."""
-    target = row.input_ids[start : start + 1]
-    logprobs = logprobs_at(model, inputs, np.zeros(1, np.int64), target, device, head_chunk=head_chunk)
-    return weighted_nll(logprobs, np.zeros(1))
+def _zero_loss(model, inputs, run: RunContext) -> torch.Tensor:
+    """A forward scoring one position with weight 0 (label 0: any model's head has one): an item (or chunk) with
+    nothing to train still runs forward and backward through every parameter, as ZeRO-3's collective gathers
+    need."""
+    one = np.zeros(1, np.int64)
+    outputs, _ = run.head(model, inputs, one, one, run.device, entropy=None, head_chunk=run.head_chunk)
+    return weighted_nll(outputs, np.zeros(1))
 
 
 class PackedRunner:
@@ -136,11 +142,11 @@ class PackedRunner:
             targets = terms.targets
             with captured_router_logits(model, enabled=run.router_aux is not None) as router_logits:
                 if targets.size == 0:
-                    loss, logp = _zero_loss(model, row, row, 0, run.device, run.head_chunk), None
+                    loss, logp = _zero_loss(model, row, run), None
                 else:
                     if np.any(row.pred_pos[targets] < 0):
                         raise ValueError("a target token has no prediction (a root's first token or padding)")
-                    logp, entropy = logprobs_and_entropy_at(
+                    logp, entropy = run.head(
                         model,
                         row,
                         row.pred_pos[targets],
@@ -172,17 +178,16 @@ class PackedRunner:
     @torch.no_grad()
     def logprobs(self, model, row, targets, run) -> np.ndarray:
         if targets.size == 0:
-            _zero_loss(model, row, row, 0, run.device, run.head_chunk)
+            _zero_loss(model, row, run)
             return np.zeros(0)
-        logprobs = logprobs_at(
-            model, row, row.pred_pos[targets], row.input_ids[targets], run.device, head_chunk=run.head_chunk
-        )
+        predictors, labels = row.pred_pos[targets], row.input_ids[targets]
+        logprobs, _ = run.head(model, row, predictors, labels, run.device, entropy=None, head_chunk=run.head_chunk)
         return logprobs.double().cpu().numpy()
 
     @torch.no_grad()
     def hidden_states(self, model, row, targets, run) -> torch.Tensor:
         if targets.size == 0:
-            _zero_loss(model, row, row, 0, run.device, run.head_chunk)  # the forward every rank makes
+            _zero_loss(model, row, run)  # the forward every rank makes
             return torch.zeros(0, device=run.device)
         return hidden_states_at(model, row, row.pred_pos[targets], run.device)
 
@@ -207,9 +212,9 @@ class WalkedRunner:
         def chunk_loss(index: int, inputs: ChunkInputs) -> torch.Tensor:
             mine = np.flatnonzero(target_chunk == index)
             if mine.size == 0:
-                return _zero_loss(model, row, inputs, int(chunks.tokens(index)[0]), run.device)
+                return _zero_loss(model, inputs, run)
             targets = terms.targets[mine]
-            logp, entropy = logprobs_and_entropy_at(
+            logp, entropy = run.head(
                 model,
                 inputs,
                 chunks.local(row.pred_pos[targets]),
@@ -239,7 +244,8 @@ class WalkedRunner:
 
     def logprobs(self, model, row, targets, run) -> np.ndarray:
         chunks = self.chunks(row, run)
-        return run_to_end(walk_logprobs(model, row, chunks, targets, device=run.device, head_chunk=run.head_chunk))
+        walked = walk_logprobs(model, row, chunks, targets, device=run.device, head_chunk=run.head_chunk, head=run.head)
+        return run_to_end(walked)
 
     def hidden_states(self, model, row, targets, run) -> torch.Tensor:
         chunks = self.chunks(row, run)

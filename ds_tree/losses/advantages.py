@@ -38,6 +38,21 @@ new tree estimator is one function and a registration.
   group that branches only at its root (plain GRPO samples that differ from their first completion
   token on) gets exactly GRPO, and along a path the TD terms sum to ``V(leaf) - V(root child)``
   (telescoping) when no trajectory ends inside another.
+- ``sibling`` (Sibling-GRPO, from V-STAR: Jiang et al. 2026, "Spend Search Where It Pays", arXiv 2602.10699): each
+  branch is scored against its siblings at each branch point of the group's trie. A node ``c`` whose parent has two
+  or more children (a branch point; the tries' roots are siblings when the group has several) has the value
+  ``R(c)``, the mean reward of the trajectories ending in its subtree, and the advantage
+  ``A(c) = R(c) - mean_{siblings s of c, c included} R(s)`` (each branch weighs once; ``/ std`` of the siblings'
+  values, sample std, when ``normalise``: GRPO within each sibling set). A token takes the advantage of the branch
+  it lies on: its node's, or the nearest ancestor's that is a branch (a node split only because a trajectory ends
+  there continues its branch); a token above every branch point (the shared prompt and any shared start) compares
+  with nothing and gets 0, which is also what GRPO's advantages sum to there. The advantage is a function of the
+  token, the same for every trajectory through it; a group that branches only at its root (plain GRPO samples) gets
+  exactly GRPO's advantage (Dr. GRPO's without ``normalise``).
+- ``gae`` (Schulman et al. 2016, arXiv 1506.02438): generalised advantage estimation along each path from the
+  values of PPO's learned critic (:mod:`ds_tree.losses.values`; ``objective.critic``), with ``gamma`` and ``lam``.
+  The values come with the settings (:attr:`EstimatorSettings.values`, from the critic's forward before the step's
+  updates); a trajectory alone in its group needs no peers.
 - ``given``: per-token advantages carried by the data (a trajectory's ``advantages`` array).
 
 A trajectory alone in its group has no baseline: it gets advantage 0 and is counted in
@@ -56,13 +71,14 @@ per-token values up by trajectory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from ds_tree.errors import DataError
+from ds_tree.losses.values import gae as path_gae
 from ds_tree.registries import ESTIMATORS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree, build_trees
@@ -93,6 +109,12 @@ class EstimatorSettings:
     """Divide by the reward standard deviation (the estimator says of what: group or batch)."""
     tempo_coef: float = 1.0
     """``tempo``: the coefficient of the branch-gated TD term (0: exactly GRPO)."""
+    values: Mapping[int, np.ndarray] | None = None
+    """``gae``: ``id(trajectory) -> the critic's value at each of its tokens`` (finite at its trained tokens)."""
+    gamma: float = 1.0
+    """``gae``: the discount per trained token."""
+    lam: float = 0.95
+    """``gae``: GAE's ``lambda``."""
 
 
 def _describe(trajectory: Trajectory) -> str:
@@ -357,6 +379,55 @@ def tempo(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     return group.in_group_order(per_tree)
 
 
+def _branch_advantages(tree: TokenTree, value: np.ndarray, root: float, normalise: bool) -> np.ndarray:
+    """Per node of ``tree``: the sibling-relative advantage of the branch it lies on (``sibling``, module doc).
+    ``value``: per node, the mean reward of its subtree's trajectories; ``root``: the root's own advantage (0,
+    or its advantage against the roots of the group's other tries)."""
+    children = tree.num_children()
+    relative = np.zeros(tree.n_nodes)
+    for parent in np.flatnonzero(children >= 2):
+        siblings = np.flatnonzero(tree.node_parent == parent)
+        relative[siblings] = _relative(value[siblings], normalise)
+    branch = np.full(tree.n_nodes, root)
+    for node in range(1, tree.n_nodes):  # pre-order: a lone child continues its parent's branch
+        parent = tree.node_parent[node]
+        branch[node] = relative[node] if children[parent] >= 2 else branch[parent]
+    return branch
+
+
+def _relative(values: np.ndarray, normalise: bool) -> np.ndarray:
+    """``values`` minus their mean (``/`` their sample std when ``normalise``); exactly 0 when they are equal."""
+    if np.all(values == values[0]):
+        return np.zeros(values.size)
+    centred = values - values.mean()
+    return centred / values.std(ddof=1) if normalise else centred
+
+
+@estimator(normalise="group")
+def sibling(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
+    """Each branch against its siblings at every branch point of the group's tries (Sibling-GRPO; module doc)."""
+    statistics = [node_statistics(tree, rewards) for tree, rewards in group.per_tree(group.rewards)]
+    roots = np.array([statistic.mean[0] for statistic in statistics])
+    per_tree = []
+    for statistic, root in zip(statistics, _relative(roots, settings.normalise), strict=True):
+        tree = statistic.tree
+        branch = _branch_advantages(tree, statistic.mean, root, settings.normalise)
+        token_node = np.repeat(np.arange(tree.n_nodes), tree.node_end - tree.node_start)
+        per_tree.append([branch[token_node[path]] for path in tree.paths])
+    return group.in_group_order(per_tree)
+
+
+@estimator(normalise=None, needs_peers=False)
+def gae(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
+    """GAE along each trajectory from the critic's values (module docstring; :func:`ds_tree.losses.values.gae`)."""
+    if settings.values is None:
+        raise ValueError("the gae advantage estimator needs the critic's values (objective.critic)")
+    return [
+        path_gae(settings.values[id(t)], t.loss_mask, reward, settings.gamma, settings.lam)[0]
+        for t, reward in zip(group.trajectories, group.rewards, strict=True)
+    ]
+
+
 @estimator(normalise=None, needs_rewards=False, needs_peers=False)
 def given(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """The per-token ``advantages`` each trajectory carries (same length as its ``input_ids``), as float64."""
@@ -377,12 +448,22 @@ def given(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
 
 
 def estimate(
-    trajectories: Sequence[Trajectory], estimator: str, normalise: bool = False, *, tempo_coef: float = 1.0
+    trajectories: Sequence[Trajectory],
+    estimator: str,
+    normalise: bool = False,
+    *,
+    tempo_coef: float = 1.0,
+    values: Mapping[int, np.ndarray] | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
 ) -> Advantages:
     """The advantages of ``trajectories`` by the estimator registered as ``estimator``
     (:data:`ds_tree.registries.ESTIMATORS`; an unknown name is a ValueError listing the registered ones): the
-    one dispatch the trainer, ``verify`` and ``bench`` share."""
-    computed = ESTIMATORS.get(estimator)(trajectories, normalise=normalise, tempo_coef=tempo_coef)
+    one dispatch the trainer, ``verify`` and ``bench`` share. ``values``, ``gamma``, ``lam``: ``gae``'s
+    (:class:`EstimatorSettings`)."""
+    computed = ESTIMATORS.get(estimator)(
+        trajectories, normalise=normalise, tempo_coef=tempo_coef, values=values, gamma=gamma, lam=lam
+    )
     computed.trajectories = trajectories
     return computed
 

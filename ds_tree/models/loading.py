@@ -19,6 +19,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForTokenClassification,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -208,8 +209,11 @@ def load_model(
     checkpoint_every: int = 0,
     device: torch.device | str | None = None,
     recurrent_kernels: str = "auto",
+    value_head: bool = False,
 ) -> PreTrainedModel:
-    """A causal LM with ``attn_implementation = tree_<attention>``, in training mode.
+    """A causal LM with ``attn_implementation = tree_<attention>``, in training mode; with ``value_head`` the
+    same trunk with a one-output token-classification head instead of the LM head, without dropout (a critic,
+    :mod:`ds_tree.model_roles.values`; its weights new, the trunk's loaded where ``source`` has them).
 
     ``attention: auto`` resolves (:func:`~ds_tree.attention.registry.resolve_engine`) for the device
     the model will *run* on, ``device``: the model is always built on the CPU here and moved by the
@@ -233,12 +237,22 @@ def load_model(
     config = load_config(source)
     check_layer_types(config)
     check_vision_model_type(config)
-    model_class = AutoModelForCausalLM
+    model_class, head = AutoModelForCausalLM, {}
     if is_vision_language(config):  # the tree engine for the language model only (ds_tree.models.vision)
+        if value_head:
+            raise ValueError(f"{source}: a vision-language model cannot be a value model (a critic); use a text model")
         model_class, implementation = AutoModelForImageTextToText, attention_implementations(implementation)
+    if value_head:
+        model_class, head = AutoModelForTokenClassification, {"num_labels": 1, "classifier_dropout": 0.0}
+        config.update(head)
     if has_weights(source):
         model = model_class.from_pretrained(
-            source, attn_implementation=implementation, dtype=dtype, local_files_only=True, trust_remote_code=False
+            source,
+            attn_implementation=implementation,
+            dtype=dtype,
+            local_files_only=True,
+            trust_remote_code=False,
+            **head,
         )
     else:
         torch.manual_seed(seed)

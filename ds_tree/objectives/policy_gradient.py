@@ -8,20 +8,22 @@ planned by the per-rank planner, the advantages of the groups this rank holds an
 rank's (:mod:`ds_tree.objectives.rl_statistics`); then each mini-batch's rows prepared
 (:func:`~ds_tree.objectives.rl_rows.prepare_rl_rows`: per-token sums, old and reference log-probs, the model
 before the step's updates being the old policy), and ``ppo_epochs`` passes of one optimizer update per
-mini-batch. ``grpo`` and ``ppo`` are this one objective; they differ only in the
+mini-batch. ``estimator: gae`` needs the critic's values as the step starts: its host work plans without
+advantages, and the step estimates them (:meth:`~ds_tree.objectives.critic.Critic.estimate`), each update then
+training the critic too. ``grpo`` and ``ppo`` are this one objective; they differ only in the
 default advantage estimator, which the config resolves (``grpo``: group-relative; ``ppo``: ``given``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ds_tree.config import ConfigError
-from ds_tree.engine.runners import RunContext, StepOutput, add_metrics, runner_of
+from ds_tree.engine.runners import RunContext, StepOutput, add_metrics
 from ds_tree.engine.self_check import CheckSettings, merge_over_group, sample_groups, tree_items
 from ds_tree.errors import DataError
 from ds_tree.losses.advantages import check_finite_statistics, estimate
@@ -36,6 +38,7 @@ from ds_tree.objectives.base import (
     check_sample,
     router_scalars,
 )
+from ds_tree.objectives.critic import Critic, CriticUpdate, returns_of, step_value_statistics
 from ds_tree.objectives.reference import KLReference
 from ds_tree.objectives.rl_rows import (
     RLRow,
@@ -45,14 +48,20 @@ from ds_tree.objectives.rl_rows import (
     rl_scalars,
     rl_terms,
     run_rl_rows,
-    trajectory_copies,
+    trajectory_scores,
 )
-from ds_tree.objectives.rl_statistics import AdvantageRule, HeldGroup, StepStatistics, held_advantages, step_sums
+from ds_tree.objectives.rl_statistics import (
+    AdvantageRule,
+    HeldGroup,
+    StepStatistics,
+    held_advantages,
+    step_sums,
+    unestimated,
+)
 from ds_tree.objectives.sampler_mismatch import mismatch_scalars
 from ds_tree.objectives.sft import Demonstrations
 from ds_tree.packing.exchange import Collectives
 from ds_tree.packing.plan import PlanSettings, RankPlan
-from ds_tree.packing.rows import PackedRow
 from ds_tree.packing.step_units import StepData, plan_units
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
@@ -68,6 +77,8 @@ class PolicyGradientStep(Prepared):
     """``id(trajectory) -> per-token advantages`` of the self-check's sample."""
     rows: list[list[RLRow]] = field(default_factory=list)
     """This rank's rows of each mini-batch with targets, per-token sums, old and reference log-probs."""
+    critic: dict[str, float] = field(default_factory=dict)
+    """``estimator: gae``: the critic's value statistics of the step (``critic/value_mean``, ...)."""
 
 
 @dataclass
@@ -84,6 +95,10 @@ class RLHost:
     trajectories: list[Trajectory]
     sample: list[Trajectory]
     sample_advantages: dict[int, np.ndarray]
+    groups: list[HeldGroup] = field(default_factory=list)
+    """The groups this rank holds (``estimator: gae`` estimates them at the step, from the critic's values)."""
+    sample_groups: list[list[Trajectory]] = field(default_factory=list)
+    """The whole groups holding the self-check's sample."""
 
 
 def rl_host_work(settings: PlanSettings, rule: AdvantageRule, mini_batches: int, sample: bool) -> HostWork:
@@ -99,15 +114,17 @@ def rl_host_work(settings: PlanSettings, rule: AdvantageRule, mini_batches: int,
             share = set(planner.share())  # each group counted by the rank that summarised it
             for unit, trees in planner.built.items():
                 groups.append(HeldGroup((batch, unit), trees.trajectories, unit in share))
-        held = held_advantages(groups, rule, comm)
+        held = unestimated(groups, rule) if rule.needs_values else held_advantages(groups, rule, comm)
         normalisers, statistics = step_sums(held, mini_batches, comm)
-        chosen, chosen_advantages = [], {}
+        chosen, chosen_advantages, whole = [], {}, []
         if sample:
             chosen, whole = check_sample(data, comm)
-            for group in whole:
+            for group in whole if not rule.needs_values else ():
                 chosen_advantages.update(zip(map(id, group), held.rule.of(group), strict=True))
         trajectories = [t for group in groups for t in group.trajectories]
-        return RLHost(plans, normalisers, held.by_trajectory, statistics, trajectories, chosen, chosen_advantages)
+        return RLHost(
+            plans, normalisers, held.by_trajectory, statistics, trajectories, chosen, chosen_advantages, groups, whole
+        )
 
     return work
 
@@ -118,6 +135,7 @@ class PolicyGradient(Objective):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.reference = KLReference(config)
+        self.critic = Critic(config)
         self.warmup = Demonstrations(config)
 
     def check_data(self, trajectories: list[Trajectory]) -> None:
@@ -128,8 +146,13 @@ class PolicyGradient(Objective):
                 f"({self.config.data.groups_per_step}): a mini-batch is a set of whole groups"
             )
         try:
+            zero_values = {id(t): np.zeros(len(t)) for t in trajectories}  # gae: its rewards checked, no critic yet
             computed = estimate(
-                trajectories, objective.estimator, objective.normalise_advantages, tempo_coef=objective.tempo_coef
+                trajectories,
+                objective.estimator,
+                objective.normalise_advantages,
+                tempo_coef=objective.tempo_coef,
+                values=zero_values if self.critic.enabled else None,
             )
             check_finite_statistics(trajectories, computed.values)
             if objective.old_logprobs == "data" or objective.importance_truncation:
@@ -147,9 +170,11 @@ class PolicyGradient(Objective):
 
     def check_resume(self, path, step: int) -> None:
         self.reference.check_resumable(path, step)
+        self.critic.check_resumable(path, step)
 
     def build(self, components: Components) -> None:
         self.reference.build(components.policy, components.ds_config, components.hf_deepspeed_config)
+        self.critic.build(components)
 
     def objective_of(self, step: int, context: StepContext) -> Objective:
         """A multi-turn run's warm-up and refresh steps sample nothing: SFT on demonstrations trains them."""
@@ -159,9 +184,19 @@ class PolicyGradient(Objective):
     def host_work(self, step: int, context: StepContext) -> HostWork:
         """``step``'s host work (:func:`rl_host_work`) with the settings of now."""
         objective = self.config.objective
-        rule = AdvantageRule(objective.estimator, objective.normalise_advantages, objective.tempo_coef)
         sample = context.wants_check(step)
-        return rl_host_work(context.layout.plan_settings(), rule, objective.mini_batches, sample)
+        return rl_host_work(context.layout.plan_settings(), self.rule(), objective.mini_batches, sample)
+
+    def rule(self) -> AdvantageRule:
+        """How the step's advantages are computed (``gae``: with the critic's values, :meth:`Critic.estimate`)."""
+        objective = self.config.objective
+        return AdvantageRule(
+            objective.estimator,
+            objective.normalise_advantages,
+            objective.tempo_coef,
+            gamma=objective.gamma,
+            lam=objective.lam,
+        )
 
     def prepare_step(self, step: int, context: StepContext) -> PolicyGradientStep:
         """``step``'s host work (its data's plans, advantages and statistics; offline data planned one step
@@ -170,6 +205,16 @@ class PolicyGradient(Objective):
         settings = self.config.objective.rl_settings()
         host = context.host_step(step, lambda at: self.host_work(at, context))
         done = host.result
+        values = None
+        if self.critic.enabled:  # GAE's baseline: the critic's values before the step's updates, computed now
+            estimated = self.critic.estimate(done.groups, done.plans, done.sample_groups, self.rule(), context)
+            values, statistics = estimated.values, estimated.statistics
+            done = replace(
+                done,
+                advantages=estimated.held.by_trajectory,
+                statistics=statistics,
+                sample_advantages=estimated.sample_advantages,
+            )
         rows = [
             prepare_rl_rows(
                 context.policy,
@@ -184,12 +229,21 @@ class PolicyGradient(Objective):
             )
             for plan, normalisers in zip(done.plans, done.normalisers, strict=True)
         ]
+        updates = [
+            Update(plan, [rl_terms(item, settings) for item in items])
+            for plan, items in zip(done.plans, rows, strict=True)
+        ]
+        critic = {}
+        if values is not None:  # each update also trains the critic on the same items
+            returns = returns_of(done.trajectories, done.advantages, values)
+            updates = [
+                CriticUpdate(u.plan, u.terms, self.critic.terms(u.plan, n, returns, values, settings), step + 1)
+                for u, n in zip(updates, done.normalisers, strict=True)
+            ]
+            critic = step_value_statistics(estimated.held.counted, values, returns)
         return PolicyGradientStep(
             done.trajectories,
-            [
-                Update(plan, [rl_terms(item, settings) for item in items])
-                for plan, items in zip(done.plans, rows, strict=True)
-            ],
+            updates,
             epochs=self.config.objective.ppo_epochs,
             problem=done.statistics.problem,  # every rank alike
             untrained=sum(n.total_tokens for n in done.normalisers) == 0,
@@ -198,6 +252,7 @@ class PolicyGradient(Objective):
             statistics=done.statistics,
             sample_advantages=done.sample_advantages,
             rows=rows,
+            critic=critic,
         )
 
     def check_inputs(self, prepared: PolicyGradientStep, context: StepContext) -> PolicyGradientCheck:
@@ -210,6 +265,14 @@ class PolicyGradient(Objective):
             reference=self.reference.model,
         )
 
+    def run_update(self, update: Update, context: StepContext) -> StepOutput:
+        """The policy's forward and backward of ``update``'s items; with a critic, then the critic's, and its
+        optimizer update (:meth:`~ds_tree.objectives.critic.Critic.run_update`)."""
+        output = super().run_update(update, context)
+        if isinstance(update, CriticUpdate):
+            self.critic.run_update(update, context)
+        return output
+
     def step_metrics(
         self, prepared: PolicyGradientStep, outputs: list[StepOutput], losses: list[float], context: StepContext
     ) -> dict[str, float]:
@@ -221,6 +284,8 @@ class PolicyGradient(Objective):
         scalars = rl_scalars(prepared.statistics.scalars(), global_metrics(metrics))
         scalars.update(router_scalars(outputs))
         scalars["rl/singleton_trajectories"] = float(prepared.statistics.singletons)
+        if self.critic.enabled:
+            scalars.update(self.critic.step_metrics(prepared.critic))
         online = context.online
         if online is not None:
             scalars.update(online.scalars)
@@ -234,10 +299,12 @@ class PolicyGradient(Objective):
 
     def save_state(self, path, step: int) -> None:
         self.reference.save(path, step)
+        self.critic.save(path, step)
 
     def load_state(self, path, step: int) -> None:
         if self.reference.copied(step):
             self.reference.load(path, step)
+        self.critic.load(path, step)
 
 
 class GRPO(PolicyGradient):
@@ -291,7 +358,7 @@ class PolicyGradientCheck:
         old = None
         if settings.old_logprobs != "data" and sample:
             items, _ = tree_items(sample, check.plan, check.sequence_parallel)
-            values = _tree_logprobs(model, sample, items, RunContext(check.device, check.head_chunk, check.dfs))
+            values = trajectory_scores(model, sample, items, RunContext(check.device, check.head_chunk, check.dfs))
             if check.sequence_parallel is not None:
                 values = merge_over_group(values, check.sequence_parallel.group)
             old = {id(t): v for t, v in zip(sample, values, strict=True)}
@@ -321,20 +388,3 @@ class PolicyGradientCheck:
             collect_logprobs=run.collect_logprobs,
             router_aux=run.router_aux,
         )
-
-
-@torch.no_grad()
-def _tree_logprobs(model, sample: list[Trajectory], items: list[PackedRow], run: RunContext) -> list[np.ndarray]:
-    """Per trajectory of the sample, ``log p`` of its tokens (index 0 unused, NaN) where this rank's items
-    predict them: each item's runner scores the tokens the item owns (a shard: those predicted from it)."""
-    index = {id(t): i for i, t in enumerate(sample)}
-    values = [np.full(len(t), np.nan) for t in sample]
-    for row in items:
-        targets = np.flatnonzero(row.owned & (row.pred_pos >= 0))
-        by_token = np.full(row.n_tokens + 1, np.nan)  # the last entry: tokens absent from the row
-        by_token[targets] = runner_of(row).logprobs(model, row, targets, run)
-        for trajectory, path in trajectory_copies(row):
-            found = by_token[path]  # -1 (absent) reads the NaN entry
-            known = ~np.isnan(found)
-            values[index[id(trajectory)]][known] = found[known]
-    return values

@@ -18,7 +18,7 @@ rank, even for a row without targets, because ZeRO-3 gathers parameters collecti
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 from ds_tree.engine.calls import NO_GRAD, in_process_group
 from ds_tree.engine.dfs import DfsSettings, WalkStats, dummy_call
 from ds_tree.engine.runners import RunContext, StepOutput, run_items, runner_of
+from ds_tree.engine.self_check import merge_over_group
 from ds_tree.errors import DataError
 from ds_tree.losses.rl import RLSettings, TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
@@ -213,7 +214,7 @@ def prepare_rl_rows(
         sums = row_sums(row, copies, advantages, settings, normalisers)
         targets = sums.active()
         if old_logprobs is not None:
-            logp_old = _given_logprobs(row.n_tokens, copies, old_logprobs)[targets]
+            logp_old = row_token_values(row.n_tokens, copies, old_logprobs)[targets]
         elif settings.old_logprobs == "data":
             logp_old = shared_sampler_logprobs(row.n_tokens, copies)[targets]
         else:
@@ -250,13 +251,57 @@ def even_out_forwards(model, rows: Sequence[PackedRow], run: RunContext) -> None
         dummy(NO_GRAD)
 
 
-def _given_logprobs(n_tokens: int, copies, given: dict[int, np.ndarray]) -> np.ndarray:
-    """Per row token, the log-prob ``given`` holds for the trajectories through it (NaN where none is)."""
+def row_token_values(n_tokens: int, copies, given: Mapping[int, np.ndarray]) -> np.ndarray:
+    """Per row token, the value ``given`` holds (``id(trajectory) -> one per token``) for the trajectories through
+    it, which must agree there (a function of the prefix: a log-prob, a critic's value); NaN where none is."""
     by_token = np.full(n_tokens, np.nan)
     for trajectory, path in copies:
         present = path >= 0
         by_token[path[present]] = given[id(trajectory)][present]
     return by_token
+
+
+def trained_tokens(n_tokens: int, copies) -> np.ndarray:
+    """Per row token, whether a trajectory through it trains it (its loss mask is not 0 there)."""
+    trained = np.zeros(n_tokens, dtype=bool)
+    for trajectory, path in copies:
+        present = np.flatnonzero(path >= 0)
+        trained[path[present[np.asarray(trajectory.loss_mask)[present] != 0]]] = True
+    return trained
+
+
+def trajectory_scores(
+    model, trajectories: Sequence[Trajectory], rows: Sequence[PackedRow], run: RunContext, *, trained_only: bool = False
+) -> list[np.ndarray]:
+    """Per trajectory, what ``run.head`` gives (log-probs, a critic's values) at each of its tokens (index 0 unused,
+    NaN) where this rank's items predict them: each item's runner scores the tokens the item owns (a shard: those
+    predicted from it), ``trained_only``: those a trajectory trains. No gradients; with ``run.dfs.lockstep`` the
+    forwards of a model that gathers collectively are evened out over the ranks first (:func:`even_out_forwards`).
+    :func:`merged_over_ranks` completes them with the other ranks' tokens."""
+    if run.dfs is not None and run.dfs.lockstep and in_process_group() and gathers_collectively(model):
+        even_out_forwards(model, rows, run)
+    index = {id(t): i for i, t in enumerate(trajectories)}
+    values = [np.full(len(t), np.nan) for t in trajectories]
+    for row in rows:
+        copies = trajectory_copies(row)
+        scored = row.owned & (row.pred_pos >= 0)
+        if trained_only:
+            scored &= trained_tokens(row.n_tokens, copies)
+        targets = np.flatnonzero(scored)
+        by_token = np.full(row.n_tokens + 1, np.nan)  # the last entry: tokens absent from the row
+        with torch.no_grad():
+            by_token[targets] = runner_of(row).logprobs(model, row, targets, run)
+        for trajectory, path in copies:
+            found = by_token[path]  # -1 (absent) reads the NaN entry
+            known = ~np.isnan(found)
+            values[index[id(trajectory)]][known] = found[known]
+    return values
+
+
+def merged_over_ranks(values: list[np.ndarray]) -> list[np.ndarray]:
+    """:func:`trajectory_scores` of every rank: each token is scored by the one rank owning its copy (NaN where no
+    rank did); unchanged without a process group of several ranks."""
+    return merge_over_group(values, None) if in_process_group() else values
 
 
 RLOutput = StepOutput

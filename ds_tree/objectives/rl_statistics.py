@@ -22,8 +22,8 @@ bit: the same terms summed in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -46,10 +46,26 @@ class AdvantageRule:
     tempo_coef: float
     scale: float | None = None
     """The step's batch standard deviation the advantages are divided by (None: none)."""
+    values: Mapping[int, np.ndarray] | None = field(default=None, compare=False)
+    """``gae``: ``id(trajectory) -> the critic's values`` (:meth:`~ds_tree.objectives.critic.Critic.estimate`)."""
+    gamma: float = 1.0
+    lam: float = 0.95
 
     def raw(self, group: Sequence[Trajectory]) -> Advantages:
         """The estimator on ``group`` (one unit's trajectories) without the batch normalisation."""
-        return ESTIMATORS.get(self.estimator).per_group(group, normalise=self.normalise, tempo_coef=self.tempo_coef)
+        return ESTIMATORS.get(self.estimator).per_group(
+            group,
+            normalise=self.normalise,
+            tempo_coef=self.tempo_coef,
+            values=self.values,
+            gamma=self.gamma,
+            lam=self.lam,
+        )
+
+    @property
+    def needs_values(self) -> bool:
+        """The estimator reads a critic's values (``gae``): its advantages wait for the step's forward."""
+        return self.estimator == "gae" and self.values is None
 
     def scaled(self, values: list[np.ndarray]) -> list[np.ndarray]:
         return values if self.scale is None else [v / self.scale for v in values]
@@ -106,7 +122,7 @@ def held_advantages(groups: Sequence[HeldGroup], rule: AdvantageRule, comm: Coll
         step = [value for _, value in in_step_order(comm, mine)]
         scalars = np.concatenate([s for s, _ in step] or [np.zeros(0)])
         with_peers = np.concatenate([p for _, p in step] or [np.zeros(0, dtype=bool)])
-        rule = AdvantageRule(rule.estimator, rule.normalise, rule.tempo_coef, batch_std(scalars, with_peers))
+        rule = replace(rule, scale=batch_std(scalars, with_peers))
     by_trajectory, counted = {}, []
     for group, computed in zip(groups, raw, strict=True):
         values = rule.scaled(computed.values)
@@ -115,6 +131,19 @@ def held_advantages(groups: Sequence[HeldGroup], rule: AdvantageRule, comm: Coll
             counted.append((group.key, group.trajectories, values))
     singletons = sum(computed.singletons for group, computed in zip(groups, raw, strict=True) if group.counted)
     return HeldAdvantages(rule, by_trajectory, counted, singletons)
+
+
+def unestimated(groups: Sequence[HeldGroup], rule: AdvantageRule) -> HeldAdvantages:
+    """Zero advantages of the groups this rank holds, for an estimator that waits for the step's critic values
+    (:attr:`AdvantageRule.needs_values`): what :func:`step_sums` reads of them ahead (the normalisers) is exact;
+    the statistics are the step's own once the advantages are (:func:`held_advantages` again)."""
+    by_trajectory, counted = {}, []
+    for group in groups:
+        values = [np.zeros(len(t)) for t in group.trajectories]
+        by_trajectory.update({id(t): v for t, v in zip(group.trajectories, values, strict=True)})
+        if group.counted:
+            counted.append((group.key, group.trajectories, values))
+    return HeldAdvantages(rule, by_trajectory, counted, 0)
 
 
 @dataclass

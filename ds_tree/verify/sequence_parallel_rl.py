@@ -18,6 +18,11 @@ group in chunks of ``C`` tokens, each rank forwarding one shard of every chunk
 (:mod:`ds_tree.engine.dfs_sequence_parallel`), in both passes (the old and reference policies'
 no-grad walks, then the loss walk). The two passes and the sums are the same code; only the plan
 and the walk settings differ.
+
+With ``estimator: gae`` the ranks also hold PPO's two critics (:class:`~ds_tree.verify.critic.CriticCheck`, Ulysses
+around a critic of its own; a head on the policy's trunk runs on the sequence-parallel trunk): the old critic's
+values are scored on the shards and merged over the group (each token by the one rank predicting it) for GAE, and
+the trained critic's value loss and gradients are summed over the group and compared with flat too.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.runners import StepOutput
 from ds_tree.losses.rl import SUMMED_METRICS, RLSettings
-from ds_tree.models.ulysses import enable_sequence_parallel
+from ds_tree.models.loading import load_config as load_model_config
+from ds_tree.models.ulysses import check_heads, enable_sequence_parallel
 from ds_tree.objectives.rl_rows import StepNormalisers, prepare_rl_rows, run_rl_rows, trajectory_copies
 from ds_tree.packing.modes import pack_trajectories
 from ds_tree.packing.plan import PlanSettings, plan_step
@@ -38,7 +44,14 @@ from ds_tree.packing.sequence_parallel import plan_sequence_parallel_rows
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from ds_tree.verify.sequence_parallel import check_group, group_gradients, router_aux_of, spawn_group
-from ds_tree.verify.tree_vs_flat import checked_advantages, metric_errors, rl_policies, run_rl_mode, verification_dtype
+from ds_tree.verify.tree_vs_flat import (
+    checked_advantages,
+    metric_errors,
+    perturb_parameters,
+    rl_policies,
+    run_rl_mode,
+    verification_dtype,
+)
 
 
 def sequence_parallel_rl_report(
@@ -59,14 +72,24 @@ def sequence_parallel_rl_report(
     threads: int = 1,
     dfs: DfsSettings | None = None,
     router_aux_loss_coef: float | None = None,
+    critic=None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
 ) -> dict:
     """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat
     (``dfs``: every tree walked by the group, its chunks sharded). An MoE model's objective includes its
     router load-balancing loss (docs/RL.md), weighted by ``router_aux_loss_coef`` (None: the model
-    config's), its value compared as well."""
+    config's), its value compared as well. ``estimator: gae``: ``critic`` (:class:`ds_tree.config.CriticSettings`),
+    ``gamma`` and ``lam`` as :func:`~ds_tree.verify.tree_vs_flat.compare_rl` (module docstring)."""
     verification_dtype(trajectories, dtype)
     check_group(trajectories, model_source, size, walked=dfs is not None)
-    checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)  # bad rewards fail before spawning
+    gae = estimator == "gae"
+    if gae and not critic.on_policy_trunk:  # a critic of its own is split over the group too
+        check_heads(load_model_config(critic.source), size, critic.source)
+    if gae:  # bad rewards fail before spawning (the critic's values are not known yet)
+        checked_advantages(trajectories, estimator, values={id(t): np.zeros(len(t)) for t in trajectories})
+    else:
+        checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)
     options = dict(
         model_source=str(model_source),
         size=size,
@@ -83,6 +106,9 @@ def sequence_parallel_rl_report(
         threads=threads,
         dfs=dfs,
         router_aux_loss_coef=router_aux_loss_coef,
+        critic=(critic.source, critic.value_clip) if gae else None,
+        gamma=gamma,
+        lam=lam,
     )
     return spawn_group(_rank, trajectories, options)
 
@@ -94,16 +120,47 @@ def _policies(options: dict, torch_dtype: torch.dtype):
     )
 
 
+def _critics(options: dict, old, model, torch_dtype: torch.dtype):
+    """The check's old and trained critic (:class:`~ds_tree.verify.critic.CriticCheck`), None without ``gae``."""
+    if options["critic"] is None:
+        return None
+    from ds_tree.verify.critic import CriticCheck
+
+    source, value_clip = options["critic"]
+    return CriticCheck.of(
+        source,
+        old_policy=old,
+        policy=model,
+        attention=options["attention"],
+        dtype=torch_dtype,
+        seed=options["seed"],
+        perturbation=options["perturbation"],
+        value_clip=value_clip,
+        gamma=options["gamma"],
+        lam=options["lam"],
+        perturb=perturb_parameters,
+    )
+
+
 def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | None:
     size, settings = options["size"], options["settings"]
     torch_dtype = verification_dtype(trajectories, options["dtype"])
     old, model = _policies(options, torch_dtype)
     for policy in (old, model):
         enable_sequence_parallel(policy, size)
-    advantages = checked_advantages(
-        trajectories, options["estimator"], options["normalise_advantages"], options["tempo_coef"]
-    ).by_trajectory()
     rows, sharded = _plan(trajectories, options, rank)
+    critics = _critics(options, old, model, torch_dtype)
+    values = None
+    if critics is None:
+        advantages = checked_advantages(
+            trajectories, options["estimator"], options["normalise_advantages"], options["tempo_coef"]
+        ).by_trajectory()
+    else:
+        for critic in (critics.old, critics.trained):
+            if hasattr(critic, "scorer"):  # a critic of its own scores the same shards; a head's trunk already does
+                enable_sequence_parallel(critic.scorer, size)
+        values = critics.values(trajectories, rows, options["dfs"])  # merged over the group
+        advantages = critics.advantages(trajectories, values)
     reference = old if settings.kl_coef else None
     normalisers = StepNormalisers.of(trajectories)
     dfs = options["dfs"]
@@ -113,9 +170,46 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | No
     losses, metrics = _group_sums(output)
     gradients = group_gradients(model)
     old_logprobs = _gathered_old_logprobs(trajectories, prepared)
+    critic = None
+    if critics is not None:
+        from ds_tree.losses.values import VALUE_METRICS
+        from ds_tree.verify.critic import CriticResult
+
+        critic_output = critics.run(trajectories, rows, values, advantages, settings, dfs)
+        value_metrics = critic_output.metrics or {}
+        sums = [critic_output.loss] + [value_metrics.get(name, 0.0) for name in VALUE_METRICS]
+        sums = torch.tensor(sums, dtype=torch.float64)
+        dist.all_reduce(sums)
+        summed = sums.tolist()
+        critic = CriticResult(
+            values, summed[0], group_gradients(critics.trained), dict(zip(VALUE_METRICS, summed[1:], strict=True))
+        )
     if rank != 0:
         return None
-    return _report(trajectories, options, advantages, losses, gradients, metrics, old_logprobs, sharded)
+    report = _report(trajectories, options, advantages, losses, gradients, metrics, old_logprobs, sharded)
+    return report if critic is None else _with_critic(report, trajectories, options, critic)
+
+
+def _with_critic(report: dict, trajectories: list[Trajectory], options: dict, parallel) -> dict:
+    """Process 0: the report with the critic's errors against its flat run from the same weights, in this process."""
+    from ds_tree.verify.critic import critic_errors
+
+    torch_dtype = verification_dtype(trajectories, options["dtype"])
+    old, model = _policies(options, torch_dtype)
+    critics = _critics(options, old, model, torch_dtype)
+    longest = max(len(t) for t in trajectories)
+    rows = pack_trajectories(trajectories, "flat", max(options["size"] * options["budget"], longest), options["block"])
+    values = critics.values(trajectories, rows, None, merged=False)  # the other ranks have returned
+    flat = critics.result(
+        trajectories, rows, values, critics.advantages(trajectories, values), options["settings"], None
+    )
+    errors = critic_errors(flat, parallel)
+    errors["critic_loss_sequence_parallel"] = errors.pop("critic_loss_tree")
+    tolerance = report["tolerance"]
+    source, value_clip = options["critic"]
+    passed = report["passed"] and all(value <= tolerance for name, value in errors.items() if name.endswith("_err"))
+    fields = {"critic": source, "gamma": options["gamma"], "lam": options["lam"], "value_clip": value_clip}
+    return {**report, **fields, **errors, "passed": passed}
 
 
 def _plan(trajectories: list[Trajectory], options: dict, rank: int) -> tuple[list, list]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ds_tree.attention.registry import has_backward
-from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
+from ds_tree.comparison import TOLERANCES, gradient_errors, metric_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings, trajectory_logprobs
 from ds_tree.losses.sft import Normalisers, check_objective
 from ds_tree.models.loading import DTYPES, load_model, parse_dtype
@@ -289,12 +289,14 @@ def rl_policies(
     return old, model
 
 
-def checked_advantages(trajectories: list[Trajectory], estimator: str, normalise: bool, tempo_coef: float = 1.0):
-    """The estimator's advantages (:func:`~ds_tree.losses.advantages.estimate`), statistics that overflow
-    float64 (rewards) refused as a data error."""
+def checked_advantages(
+    trajectories: list[Trajectory], estimator: str, normalise: bool = False, tempo_coef: float = 1.0, values=None
+):
+    """The estimator's advantages (:func:`~ds_tree.losses.advantages.estimate`; ``values``: ``gae``'s), statistics
+    that overflow float64 (rewards) refused as a data error."""
     from ds_tree.losses.advantages import check_finite_statistics, estimate
 
-    computed = estimate(trajectories, estimator, normalise, tempo_coef=tempo_coef)
+    computed = estimate(trajectories, estimator, normalise, tempo_coef=tempo_coef, values=values)
     check_finite_statistics(trajectories, computed.values)
     return computed
 
@@ -365,6 +367,9 @@ def compare_rl(
     dfs: DfsSettings | None = None,
     lora=None,
     router_aux_loss_coef: float | None = None,
+    critic=None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
 ) -> dict:
     """RL objective, tree vs flat: old log-probs, loss, metrics and every gradient (``ds-tree verify --objective``).
 
@@ -379,6 +384,10 @@ def compare_rl(
     disabled (the base model, as in training).
     An MoE model's objective includes its router load-balancing loss on the trained policy's routing
     (docs/RL.md), weighted by ``router_aux_loss_coef`` (None: the model config's), its value compared too.
+    ``estimator: gae``: ``critic`` (:class:`ds_tree.config.CriticSettings`) is PPO's learned critic, with ``gamma``
+    and ``lam``: each layout scores the old critic's values on its own items for its GAE advantages, and the trained
+    critic's values, value loss and every gradient are compared as well (``critic_*`` fields,
+    :mod:`ds_tree.verify.critic`).
     """
     from ds_tree.losses.rl import RLSettings
 
@@ -394,9 +403,37 @@ def compare_rl(
         from ds_tree.models.lora import AdaptersDisabled
 
         reference = AdaptersDisabled(model)
-    computed = checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)
-    advantages = computed.by_trajectory()
+    check = None
+    if estimator == "gae":
+        from ds_tree.verify.critic import CriticCheck
+
+        options = dict(attention=attention, dtype=torch_dtype, seed=seed, perturbation=perturbation)
+        check = CriticCheck.of(
+            critic.source,
+            old_policy=old_model,
+            policy=model,
+            value_clip=critic.value_clip,
+            gamma=gamma,
+            lam=lam,
+            perturb=perturb_parameters,
+            **options,
+        )
+        advantages, singletons = None, 0
+    else:
+        computed = checked_advantages(trajectories, estimator, normalise_advantages, tempo_coef)
+        advantages, singletons = computed.by_trajectory(), computed.singletons
     router_aux = RouterAuxLoss.of_model(model, router_aux_loss_coef, sum(len(t) for t in trajectories))
+    critics = {}
+
+    def layout_advantages(mode: str, walk: DfsSettings | None = None) -> dict[int, np.ndarray]:
+        """The advantages layout ``mode`` trains with: the estimator's, or GAE from its own critic values."""
+        if check is None:
+            return advantages
+        rows = pack_trajectories(trajectories, mode, budget, block)
+        values = check.values(trajectories, rows, walk)
+        computed = check.advantages(trajectories, values)
+        critics[mode] = check.result(trajectories, rows, values, computed, settings, walk)
+        return computed
 
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward
         old = {
@@ -419,7 +456,7 @@ def compare_rl(
             mode,
             budget,
             block,
-            advantages,
+            layout_advantages(mode),
             settings,
             head_chunk,
             router_aux=router_aux,
@@ -436,7 +473,7 @@ def compare_rl(
             "dfs",
             budget,
             block,
-            advantages,
+            layout_advantages("dfs", dfs),
             settings,
             head_chunk,
             dfs,
@@ -445,6 +482,13 @@ def compare_rl(
         rows = pack_trajectories(trajectories, "dfs", budget, block)
         old_walked = trajectory_logprobs(old_model, rows, dfs.chunk, head_chunk=head_chunk)
         walked = dfs_errors(flat, result, dfs, old["flat"], old_walked)
+    critic_report = {}
+    if check is not None:
+        from ds_tree.verify.critic import critic_errors
+
+        critic_report = critic_errors(critics["flat"], critics["tree"])
+        if "dfs" in critics:
+            critic_report |= critic_errors(critics["flat"], critics["dfs"], "dfs_")
 
     grad_errors = gradient_errors(flat.gradients, tree.gradients)
     errors_of_metrics = metric_errors(flat.metrics, tree.metrics)
@@ -465,8 +509,9 @@ def compare_rl(
         "lora_rank": lora.rank if lora is not None else 0,
         "estimator": estimator,
         **({"tempo_coef": tempo_coef} if estimator == "tempo" else {}),
+        **({"critic": critic.source, "gamma": gamma, "lam": lam, "value_clip": critic.value_clip} if check else {}),
         "aggregation": settings.aggregation,
-        "singleton_trajectories": computed.singletons,
+        "singleton_trajectories": singletons,
         "loss_flat": flat.loss,
         "loss_tree": tree.loss,
         "loss_rel_err": loss_rel_err,
@@ -488,13 +533,8 @@ def compare_rl(
             and max_metric_err <= tolerance
             and router_aux_rel_err <= tolerance
             and all(walked[name] <= tolerance for name in DFS_ERRORS if name in walked)
+            and all(value <= tolerance for name, value in critic_report.items() if name.endswith("_err"))
         ),
         **walked,
-    }
-
-
-def metric_errors(flat: dict[str, float], other: dict[str, float]) -> dict[str, float]:
-    """Relative error of each RL metric sum (absolute where the flat value is 0)."""
-    return {
-        name: relative_error(other.get(name, 0.0), value) if value else abs(other[name]) for name, value in flat.items()
+        **critic_report,
     }
