@@ -180,6 +180,18 @@ def test_eval_data_of_another_tokenizer_is_refused(tmp_path, tokenizer_dir) -> N
         prepare(config)
 
 
+def test_eval_data_with_a_path_over_the_row_budget_is_refused_unless_dfs_walks_it(tmp_path) -> None:
+    """Held-out paths obey the training data's rule (packing.budget), named at eval.data; dfs walks any length."""
+    data = write_forest(tmp_path / "data.jsonl")  # paths of at most 179 tokens
+    heldout = tmp_path / "heldout.jsonl"
+    record = {"group_id": "long", "input_ids": list(range(3, 303)), "loss_mask": [0] * 10 + [1] * 290}
+    heldout.write_text(json.dumps(record) + "\n")
+    config = write_config(tmp_path, data, eval={"data": str(heldout)})
+    with pytest.raises(ConfigError, match=r"eval.data: .* has 300 tokens, more than packing.budget \(256\)"):
+        prepare(config, "packing.budget=256")
+    assert prepare(config, "packing.budget=256", "packing.mode=dfs").evaluator is not None
+
+
 def test_dry_run_checks_the_eval_section(monkeypatch, capsys, tmp_path, tokenizer_dir) -> None:
     data = write_forest(tmp_path / "data.jsonl")
     config = write_config(tmp_path, data, eval={"data": str(tmp_path / "missing.jsonl")})

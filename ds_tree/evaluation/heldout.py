@@ -33,6 +33,7 @@ from ds_tree.objectives.rl_rows import even_out_forwards
 from ds_tree.objectives.sft import global_normalisers
 from ds_tree.packing.plan import RankPlan
 from ds_tree.packing.rows import PackedRow
+from ds_tree.run.dataset import path_limit
 from ds_tree.trees.trajectory import Trajectory, check_vocab
 from ds_tree.vocab.tokenizer import tokenizer_identity
 
@@ -131,9 +132,9 @@ def dataset_tokenizer(path: str) -> dict | None:
 def check_fits(trajectories: list[Trajectory], config: Config) -> None:
     """Every held-out path fits one row, as training data must (dfs walks take any length)."""
     size = config.parallel.sequence_parallel_size
-    budget = config.packing.budget * size
+    budget = path_limit(config)
     longest = max(trajectories, key=len)
-    if len(longest) > budget and not config.packing.uses_dfs:
+    if budget is not None and len(longest) > budget:
         raise ConfigError(
             f"eval.data: {longest.where} has {len(longest)} tokens, more than packing.budget"
             f"{' x parallel.sequence_parallel_size' if size > 1 else ''} ({budget}): every root-to-leaf path must "

@@ -90,11 +90,19 @@ def check_converted(config: Config, model_config, check_data: DataCheck | None, 
             check_data([t for group in groups for t in group])
 
 
+def path_limit(config: Config) -> int | None:
+    """The longest root-to-leaf path one row takes (a sequence-parallel group's under SP); None where dfs walks
+    paths of any length. Training and held-out data alike must fit it."""
+    if config.packing.uses_dfs:
+        return None
+    return config.packing.budget * config.parallel.sequence_parallel_size
+
+
 def check_longest(config: Config, tokens: int, where: str) -> None:
     """Every root-to-leaf path fits a row (a sequence-parallel group's under SP), unless dfs walks it."""
     size = config.parallel.sequence_parallel_size
-    budget = config.packing.budget * size
-    if tokens > budget and not config.packing.uses_dfs:  # dfs walks paths of any length
+    budget = path_limit(config)
+    if budget is not None and tokens > budget:
         limit = f"packing.budget ({budget})"
         if size > 1:
             limit = f"packing.budget x parallel.sequence_parallel_size ({config.packing.budget} x {size})"
