@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import yaml
 
 from ds_tree.cli import main as cli_main
@@ -39,20 +38,17 @@ from tests.helpers import ROOT
 from tests.helpers.configs import online_config, write_config
 from tests.helpers.data import write_forest
 from tests.helpers.launch import torchrun
+from tests.helpers.processes import one_rank_group
 from tests.helpers.runs import dry_run, prepare
 
 TINY = ROOT / "configs/models/tiny_llama.json"
 
 
-@pytest.fixture
-def one_rank_group():
+@pytest.fixture(name="one_rank_group")
+def one_rank_group_fixture():
     """A 1-rank gloo process group in this process (the evaluation's all-reduces)."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 # ------------------------------------------------------------------- pass@k

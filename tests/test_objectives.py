@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.config import load_config
@@ -21,6 +20,7 @@ from ds_tree.objectives.base import Components, StepContext
 from ds_tree.registries import ESTIMATORS, OBJECTIVES
 from ds_tree.trees.trajectory import group_trajectories
 from ds_tree.verify.tree_vs_flat import perturb_parameters
+from tests.helpers.processes import one_rank_group
 from tests.helpers.rollouts import rl_trajectories
 
 MODEL = "configs/models/tiny_llama.json"
@@ -49,12 +49,8 @@ smaller tree than the step's), the longest of 51 tokens."""
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
     """A 1-rank process group: the objectives sum their normalisers and metrics over the ranks."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 class PlainBackward:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from ds_tree.comparison import TOLERANCES, gradient_errors, relative_error
 from ds_tree.config import ConfigError, load_config
@@ -28,6 +27,7 @@ from ds_tree.objectives.base import StepContext
 from ds_tree.registries import OBJECTIVES
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.verify.tree_vs_flat import perturb_parameters
+from tests.helpers.processes import one_rank_group
 from tests.helpers.rollouts import rl_trajectories
 
 MODEL = "configs/models/tiny_llama.json"
@@ -38,12 +38,8 @@ GAE = ["objective.kind=ppo", "objective.estimator=gae", "objective.gamma=0.97", 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
     """A 1-rank process group: the objectives sum their normalisers and metrics over the ranks."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if started:
-        dist.destroy_process_group()
+    with one_rank_group():
+        yield
 
 
 class PlainUpdates:

@@ -112,3 +112,19 @@ def kill_leftovers() -> None:
     """Kill every group started since the last call whose launcher still runs."""
     while _started:
         kill_group(_started.pop())
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A 1-rank gloo process group in this process for the duration (none is started where one exists): what
+    code that sums over the ranks (normalisers, metrics, evaluations) needs outside a launcher."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()
