@@ -191,9 +191,7 @@ def test_two_ranks_sample_episodes_a_step_ahead_resume_and_verify_in_float64(tok
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
     config = yaml_config(tmp_path, tokenizer_dir)
     out = tmp_path / "runs.json"
-    torchrun(
-        "tests/distributed/online_resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2"
-    )
+    torchrun("tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2")
     runs = json.loads(out.read_text())
     first, resumed = runs["a"], runs["b"]
     records = {r["step"]: r for r in first["metrics"]}

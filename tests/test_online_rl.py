@@ -238,9 +238,7 @@ def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path,
         checkpoint={"every": 2, "keep_last": 3, "export_hf": False},
     )
     out = tmp_path / "runs.json"
-    torchrun(
-        "tests/distributed/online_resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2"
-    )
+    torchrun("tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2")
     runs = json.loads(out.read_text())
     first, resumed = runs["a"], runs["b"]
     assert first["start_step"] == 0 and resumed["start_step"] == 2

@@ -3,7 +3,9 @@
 The gradient itself is checked against the flat baseline in tests/test_rl_engine.py; here the
 trainer runs as a user starts it (``deepspeed --module ds_tree.train``) and its outputs are read:
 the ``rl/`` metrics, the console line, the checkpoint, a resumed run and the learning-rate schedule
-across it. Config errors of RL runs stop the dry run before any model exists.
+across it. PPO with a learned critic (``estimator: gae``) trains its critic's own engine and resumes
+it to the uninterrupted run's figures, bit for bit. Config errors of RL runs stop the dry run before
+any model exists.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ds_tree.run import checkpoint
 from tests.helpers import ROOT
 from tests.helpers.configs import write_config
 from tests.helpers.data import write_forest
-from tests.helpers.launch import environment, find_shellcheck, launch_training
+from tests.helpers.launch import environment, find_shellcheck, launch_training, torchrun
 from tests.helpers.runs import dry_run
 from tests.helpers.shared_data import SHARED_DATA, absent
 from tests.test_rl_engine import write_rollouts
@@ -113,6 +115,50 @@ def test_grpo_two_ranks_metrics_checkpoint_and_resume(tmp_path: Path) -> None:
     assert resumed[3]["optim/lr"] == pytest.approx(2e-2 * 3 / 4, rel=1e-12)
     assert all(math.isfinite(resumed[3][key]) for key in RL_KEYS), resumed[3]
     assert checkpoint.complete_tags(checkpoints)[-1] == "step_0000003"
+
+
+TIMED = ("time/", "throughput/", "memory/")
+"""Metrics of the machine, not of the run: a resumed step's may differ."""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["configs/models/tiny_qwen3.json", "policy"], ids=["own_model", "value_head"])
+def test_gae_trains_its_critic_and_resumes_to_the_uninterrupted_run(tmp_path: Path, critic: str) -> None:
+    """2 ranks, ZeRO-3, offline data (each step planned ahead on the planning thread): the critic, a model of its
+    own (its own DeepSpeed engine) or a value head on the policy's trunk, moves every step, is saved with each
+    checkpoint, and a run resumed from step 1's checkpoint gives step 2's figures of the uninterrupted run to the
+    bit: the policy's loss, the critic's value loss and statistics (tests/distributed/resume_check.py)."""
+    source = str(ROOT / critic) if critic.endswith(".json") else critic
+    gae = {"kind": "ppo", "estimator": "gae", "gamma": 0.97, "lam": 0.9, "critic": {"source": source, "lr": 0.01}}
+    config = write_config(
+        tmp_path,
+        write_rollouts(tmp_path / "rollouts.jsonl", groups=4),
+        max_steps=2,
+        packing={"budget": 200},  # trees split into parts
+        objective=gae,
+        optimizer={"lr": 2e-2, "schedule": "constant"},
+        checkpoint={"every": 1, "keep_last": 3, "export_hf": False},
+    )
+    out = tmp_path / "runs.json"
+    torchrun("tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "1")
+    runs = json.loads(out.read_text())
+    first, resumed = runs["a"], runs["b"]
+    assert first["start_step"] == 0 and resumed["start_step"] == 1
+    records = {record["step"]: record for record in first["metrics"]}
+    assert sorted(records) == [1, 2] and [record["step"] for record in resumed["metrics"]] == [2]
+    for record in records.values():
+        assert {"critic/loss", "critic/value_mean", "critic/explained_variance", "critic/grad_norm"} <= set(record)
+        assert all(math.isfinite(record[key]) for key in record if key.startswith("critic/")), record
+    assert sorted(first["critic_changes"]) == ["1", "2"] and min(first["critic_changes"].values()) > 0
+    assert records[2]["critic/value_mean"] != records[1]["critic/value_mean"]
+    again = resumed["metrics"][0]
+    figures = [key for key in records[2] if not key.startswith(TIMED)]
+    assert {"loss/train", "critic/loss", "critic/value_mean", "critic/explained_variance"} <= set(figures)
+    assert {key: again[key] for key in figures} == {key: records[2][key] for key in figures}
+    assert resumed["critic_changes"] == {"2": first["critic_changes"]["2"]}
+    for step in ("step_0000001", "step_0000002"):
+        assert (tmp_path / "run" / "checkpoints" / step / "critic").is_dir(), step
 
 
 def test_grpo_without_rewards_is_a_config_error_naming_the_trajectory(monkeypatch, capsys, tmp_path):

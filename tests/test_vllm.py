@@ -556,7 +556,7 @@ def test_two_rank_zero3_grpo_on_vllm_samples_a_step_ahead_and_resumes_from_the_c
 ) -> None:
     """max_staleness 1, sync_every 2: step s samples with the weights synced at or before step s - 1 while the
     ranks train; the importance weights use the sampler's log-probs (truncated, on recomputed old ones). A
-    second trainer resumes from the step-2 checkpoint in the same launch (tests/distributed/online_resume_check.py)."""
+    second trainer resumes from the step-2 checkpoint in the same launch (tests/distributed/resume_check.py)."""
     engine, _ = served
     config = online_config(
         tmp_path,
@@ -572,7 +572,7 @@ def test_two_rank_zero3_grpo_on_vllm_samples_a_step_ahead_and_resumes_from_the_c
     )  # fmt: skip
     out = tmp_path / "runs.json"
     torchrun(
-        "tests/distributed/online_resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2",
+        "tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2",
         timeout=540,
     )  # fmt: skip
     runs = json.loads(out.read_text())

@@ -1,11 +1,11 @@
-"""Run with 2 ranks: an online RL run, and a second one resumed from its middle checkpoint, in one launch.
+"""Run with 2 ranks: a run, and a second one resumed from its middle checkpoint, in one launch.
 
-Trainer A samples, scores and trains ``max_steps`` steps from scratch (the config saves a checkpoint
-at ``--resume-step``). Trainer B starts in its own output directory that holds a copy of that
-checkpoint, resumes from it and trains the remaining steps. Every step's sampled trajectories (token
-ids, rewards) of both are recorded, with each run's ``metrics.jsonl`` and, with a KL reference, the
-largest difference between its weights and the policy's as each step starts; rank 0 writes them to
-``--out`` as JSON for the test to compare.
+Trainer A trains ``max_steps`` steps from scratch (the config saves a checkpoint at ``--resume-step``); online,
+it samples and scores each step's groups. Trainer B starts in its own output directory that holds a copy of that
+checkpoint, resumes from it and trains the remaining steps. Each run's ``metrics.jsonl`` is recorded; online, every
+step's sampled trajectories (token ids, rewards) and, with a KL reference, the largest difference between its
+weights and the policy's as each step starts; with a critic (``estimator: gae``), the largest change of its weights
+over each step. Rank 0 writes them to ``--out`` as JSON for the test to compare.
 """
 
 from __future__ import annotations
@@ -30,16 +30,48 @@ def whole(module) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
+def largest_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    return max((after[name] - before[name]).abs().max().item() for name in before)
+
+
 def recorded_run(config, samples: dict[int, list]) -> dict:
     """Train ``config``; every sampled step's (token ids, reward) pairs go to ``samples``; its records back."""
     trainer = started_trainer(config)
+    reference_gaps, critic_changes = {}, {}
+    if trainer.online is not None:
+        record_samples(trainer, samples, reference_gaps)
+    critic = trainer.objective.critic.engine  # None without estimator gae
+    if critic is not None:
+        train_step = trainer.train_step
+
+        def recording_step(step):
+            before = whole(critic.module)  # a collective under ZeRO-3: every rank
+            scalars = train_step(step)
+            critic_changes[step + 1] = largest_change(before, whole(critic.module))
+            return scalars
+
+        trainer.train_step = recording_step
+    trainer.train()
+    trainer.metrics.close()
+    lines = (trainer.output_dir / "metrics.jsonl").read_text().splitlines() if trainer.rank == 0 else []
+    metrics = [json.loads(line) for line in lines if line]
+    return {
+        "start_step": trainer.start_step,
+        "metrics": metrics,
+        "reference_gaps": reference_gaps,
+        "critic_changes": critic_changes,
+    }
+
+
+def record_samples(trainer, samples: dict[int, list], reference_gaps: dict[int, float]) -> None:
+    """Online: each step's sampled (token ids, reward) pairs into ``samples``, the KL reference's gap to the
+    policy as the step starts into ``reference_gaps``."""
     sample = trainer.online.step_units
-    reference_gaps = {}
 
     def recording(step, policy):
         if trainer.objective.reference.model is not None:  # a collective: every rank
             weights, reference = whole(policy), whole(reference_module(trainer.objective.reference.model))
-            reference_gaps[step + 1] = max((reference[n] - weights[n]).abs().max().item() for n in weights)
+            reference_gaps[step + 1] = largest_change(weights, reference)
         data = sample(step, policy)
         mine = {unit: [[t.input_ids.tolist(), t.reward] for t in group] for unit, group in data.units.held.items()}
         every = [None] * dist.get_world_size()
@@ -49,11 +81,6 @@ def recorded_run(config, samples: dict[int, list]) -> dict:
         return data
 
     trainer.online.step_units = recording
-    trainer.train()
-    trainer.metrics.close()
-    lines = (trainer.output_dir / "metrics.jsonl").read_text().splitlines() if trainer.rank == 0 else []
-    metrics = [json.loads(line) for line in lines if line]
-    return {"start_step": trainer.start_step, "metrics": metrics, "reference_gaps": reference_gaps}
 
 
 def main() -> None:
