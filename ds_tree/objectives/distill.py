@@ -31,13 +31,13 @@ import torch.distributed as dist
 from ds_tree.config import ConfigError
 from ds_tree.engine.calls import in_process_group
 from ds_tree.engine.runners import RunContext, StepOutput, run_items, runner_of
-from ds_tree.engine.self_check import sample_groups
 from ds_tree.losses.distill import FULL_VOCABULARY, divergence
 from ds_tree.losses.rl import RLSettings, TokenSums
 from ds_tree.losses.terms import RowTerms
 from ds_tree.model_roles.teacher import check_teacher, head_of
 from ds_tree.models.logprobs import HeadOf
 from ds_tree.objectives.base import Components, Objective, Prepared, StepContext, Update, router_scalars
+from ds_tree.objectives.policy_gradient import rl_host_work
 from ds_tree.objectives.reference import frozen_model
 from ds_tree.objectives.rl_rows import (
     RLRow,
@@ -49,9 +49,10 @@ from ds_tree.objectives.rl_rows import (
     row_sums,
     trajectory_copies,
 )
+from ds_tree.objectives.rl_statistics import StepStatistics
 from ds_tree.objectives.sft import Demonstrations
 from ds_tree.packing.rows import PackedRow
-from ds_tree.trees.trajectory import Trajectory, group_trajectories
+from ds_tree.trees.trajectory import Trajectory
 
 DISTILL_METRICS = ("tokens", "divergence")
 """The metric sums of a distillation pass over trained tokens (``divergence``: the loss's per token; the
@@ -224,6 +225,8 @@ class DistillStep(Prepared):
 
     rows: list[list] = field(default_factory=list)
     """This rank's prepared rows of each mini-batch."""
+    statistics: StepStatistics | None = None
+    """The step's reward statistics over every rank's groups (``reward_mean`` NaN: no rewards)."""
 
 
 class Distill(Objective):
@@ -266,26 +269,38 @@ class Distill(Objective):
         return self.warmup if online is not None and not online.samples(step) else self
 
     def prepare_step(self, step: int, context: StepContext) -> DistillStep:
+        """``step``'s host work, the RL step's without advantages (:func:`rl_host_work`: mini-batches of whole
+        groups, this rank's items of each, their normalisers and the reward statistics over the ranks; offline
+        data planned one step ahead, online this rank's own rollouts), then this rank's rows of each mini-batch
+        scored by the teacher and the student as the step starts."""
         objective = self.config.objective
-        trajectories = context.trajectories(step)
-        batches = mini_batches(trajectories, objective.mini_batches)
-        plans = [context.plan(batch) for batch in batches]
+        settings = context.layout.plan_settings()
+        host = context.host_step(
+            step, lambda at: rl_host_work(settings, None, objective.mini_batches, context.wants_check(at))
+        )
+        done = host.result
         run = RunContext(context.policy.device, self.config.model.head_chunk, context.layout.dfs_settings())
         rows = [
-            prepare_distill_rows(
-                context.policy, self.teacher, plan.rows, self.settings, StepNormalisers.of(batch), run, self.head
-            )
-            for plan, batch in zip(plans, batches, strict=True)
+            prepare_distill_rows(context.policy, self.teacher, plan.rows, self.settings, normalisers, run, self.head)
+            for plan, normalisers in zip(done.plans, done.normalisers, strict=True)
         ]
         updates = [
             Update(plan, [distill_terms(item, self.settings, self.head) for item in items])
-            for plan, items in zip(plans, rows, strict=True)
+            for plan, items in zip(done.plans, rows, strict=True)
         ]
-        untrained = StepNormalisers.of(trajectories).total_tokens == 0
-        return DistillStep(trajectories, updates, epochs=objective.ppo_epochs, untrained=untrained, rows=rows)
+        return DistillStep(
+            done.trajectories,
+            updates,
+            epochs=objective.ppo_epochs,
+            untrained=sum(n.total_tokens for n in done.normalisers) == 0,
+            check_sample=done.sample,
+            planning=host.scalars(),
+            rows=rows,
+            statistics=done.statistics,
+        )
 
     def check_inputs(self, prepared: DistillStep, context: StepContext) -> DistillCheck:
-        return DistillCheck(sample_groups(prepared.trajectories), self.settings, self.teacher, self.head)
+        return DistillCheck(prepared.check_sample, self.settings, self.teacher, self.head)
 
     def step_metrics(
         self, prepared: DistillStep, outputs: list[StepOutput], losses: list[float], context: StepContext
@@ -294,19 +309,13 @@ class Distill(Objective):
         (online: the student's), the router loss's and online RL's ``rollout/`` scalars."""
         sums = summed_metrics(prepared.rows, outputs, self.settings)
         scalars = {"distill/divergence": sums["divergence"] / sums["tokens"] if sums["tokens"] else float("nan")}
-        rewards = np.array([t.reward for t in prepared.trajectories if t.reward is not None], dtype=np.float64)
-        if rewards.size:
-            scalars |= {"distill/reward_mean": float(rewards.mean()), "distill/reward_std": float(rewards.std())}
+        statistics = prepared.statistics
+        if not np.isnan(statistics.reward_mean):  # NaN: no trajectory of the step has a reward
+            scalars |= {"distill/reward_mean": statistics.reward_mean, "distill/reward_std": statistics.reward_std}
         scalars.update(router_scalars(outputs))
         if context.online is not None:
             scalars.update(context.online.scalars)
         return scalars
-
-
-def mini_batches(trajectories: list[Trajectory], count: int) -> list[list[Trajectory]]:
-    """``count`` mini-batches of whole groups, in the step's order (every rank alike)."""
-    groups = group_trajectories(trajectories)
-    return [[t for g in chunk for t in groups[g]] for chunk in np.array_split(np.arange(len(groups)), count)]
 
 
 @dataclass

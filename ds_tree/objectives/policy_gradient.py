@@ -101,10 +101,11 @@ class RLHost:
     """The whole groups holding the self-check's sample."""
 
 
-def rl_host_work(settings: PlanSettings, rule: AdvantageRule, mini_batches: int, sample: bool) -> HostWork:
+def rl_host_work(settings: PlanSettings, rule: AdvantageRule | None, mini_batches: int, sample: bool) -> HostWork:
     """The host work of an RL step: mini-batches of whole groups in step order, each planned by the per-rank
     planner; the advantages of the groups this rank holds; the mini-batches' normalisers and the step's
-    statistics summed over the ranks; with ``sample`` the self-check's sample and its advantages."""
+    statistics summed over the ranks; with ``sample`` the self-check's sample and its advantages. ``rule`` None:
+    no advantages (zeros, as ``gae``'s ahead of its critic): on-policy distillation's come from its teacher."""
 
     def work(data: StepData, comm: Collectives) -> RLHost:
         plans, groups = [], []
@@ -114,12 +115,13 @@ def rl_host_work(settings: PlanSettings, rule: AdvantageRule, mini_batches: int,
             share = set(planner.share())  # each group counted by the rank that summarised it
             for unit, trees in planner.built.items():
                 groups.append(HeldGroup((batch, unit), trees.trajectories, unit in share))
-        held = unestimated(groups, rule) if rule.needs_values else held_advantages(groups, rule, comm)
+        estimated = rule is not None and not rule.needs_values
+        held = held_advantages(groups, rule, comm) if estimated else unestimated(groups, rule)
         normalisers, statistics = step_sums(held, mini_batches, comm)
         chosen, chosen_advantages, whole = [], {}, []
         if sample:
             chosen, whole = check_sample(data, comm)
-            for group in whole if not rule.needs_values else ():
+            for group in whole if estimated else ():
                 chosen_advantages.update(zip(map(id, group), held.rule.of(group), strict=True))
         trajectories = [t for group in groups for t in group.trajectories]
         return RLHost(

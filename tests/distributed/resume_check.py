@@ -3,9 +3,9 @@
 Trainer A trains ``max_steps`` steps from scratch (the config saves a checkpoint at ``--resume-step``); online,
 it samples and scores each step's groups. Trainer B starts in its own output directory that holds a copy of that
 checkpoint, resumes from it and trains the remaining steps. Each run's ``metrics.jsonl`` is recorded; online, every
-step's sampled trajectories (token ids, rewards) and, with a KL reference, the largest difference between its
-weights and the policy's as each step starts; with a critic (``estimator: gae``), the largest change of its weights
-over each step. Rank 0 writes them to ``--out`` as JSON for the test to compare.
+step's sampled trajectories (token ids, rewards, loss masks) and, with a KL reference, the largest difference
+between its weights and the policy's as each step starts; with a critic (``estimator: gae``), the largest change of
+its weights over each step. Rank 0 writes them to ``--out`` as JSON for the test to compare.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ds_tree.engine.reference import reference_module
+from ds_tree.objectives.policy_gradient import PolicyGradient
 from ds_tree.run import checkpoint
 from ds_tree.train import exit_now
 from tests.distributed.common import check_arguments, started_trainer
@@ -35,12 +36,13 @@ def largest_change(before: dict[str, torch.Tensor], after: dict[str, torch.Tenso
 
 
 def recorded_run(config, samples: dict[int, list]) -> dict:
-    """Train ``config``; every sampled step's (token ids, reward) pairs go to ``samples``; its records back."""
+    """Train ``config``; every sampled step's (token ids, reward, loss mask) go to ``samples``; its records back."""
     trainer = started_trainer(config)
     reference_gaps, critic_changes = {}, {}
     if trainer.online is not None:
         record_samples(trainer, samples, reference_gaps)
-    critic = trainer.objective.critic.engine  # None without estimator gae
+    policy_gradient = isinstance(trainer.objective, PolicyGradient)  # grpo, ppo: a critic with estimator gae
+    critic = trainer.objective.critic.engine if policy_gradient else None
     if critic is not None:
         train_step = trainer.train_step
 
@@ -63,17 +65,22 @@ def recorded_run(config, samples: dict[int, list]) -> dict:
     }
 
 
+def sampled(trajectory) -> list:
+    return [trajectory.input_ids.tolist(), trajectory.reward, trajectory.loss_mask.tolist()]
+
+
 def record_samples(trainer, samples: dict[int, list], reference_gaps: dict[int, float]) -> None:
-    """Online: each step's sampled (token ids, reward) pairs into ``samples``, the KL reference's gap to the
+    """Online: each step's sampled (token ids, reward, loss mask) into ``samples``, the KL reference's gap to the
     policy as the step starts into ``reference_gaps``."""
     sample = trainer.online.step_units
+    objective = trainer.objective
 
     def recording(step, policy):
-        if trainer.objective.reference.model is not None:  # a collective: every rank
-            weights, reference = whole(policy), whole(reference_module(trainer.objective.reference.model))
-            reference_gaps[step + 1] = largest_change(weights, reference)
+        reference = objective.reference.model if isinstance(objective, PolicyGradient) else None
+        if reference is not None:  # a collective: every rank
+            reference_gaps[step + 1] = largest_change(whole(policy), whole(reference_module(reference)))
         data = sample(step, policy)
-        mine = {unit: [[t.input_ids.tolist(), t.reward] for t in group] for unit, group in data.units.held.items()}
+        mine = {unit: [sampled(t) for t in group] for unit, group in data.units.held.items()}
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)  # each rank holds its own slots' groups
         held = {unit: group for groups in every for unit, group in groups.items()}
