@@ -107,14 +107,17 @@ GAE = ["--objective", "ppo", "--estimator", "gae", "--gamma", "0.97", "--lam", "
 def test_verify_ppo_with_a_learned_critic_under_sequence_parallelism_equals_flat(tmp_path: Path, critic: str) -> None:
     """``--estimator gae`` at S = 2 (2 spawned ranks each): the old critic's values scored on the shards and merged
     over the group for GAE, the trained critic's value loss, metrics and gradients summed over the group, against
-    one process's flat run. ``policy``: a head on the sequence-parallel trunk, sharded rows; ``model``: a critic of
-    its own under Ulysses, every tree walked by the group (``--dfs-chunk``)."""
+    one process's flat run. ``policy``: a head on the sequence-parallel trunk of a LoRA policy (``--lora 4``, the
+    adapters' gradients compared; a plain trunk's head in one process: tests/test_verify_rl.py), sharded rows;
+    ``model``: a critic of its own under Ulysses, every tree walked by the group (``--dfs-chunk``)."""
     data = write_rl_cases(tmp_path / "rl.jsonl")
     model = one_kv_head_model(tmp_path / "model.json")
     source = "policy" if critic == "policy" else str(model)
-    walked = [] if critic == "policy" else ["--dfs-chunk", str(BUDGET)]
-    report = verify(data, model, *GAE, "--critic", source, *walked)
+    options = ["--lora", "4"] if critic == "policy" else ["--dfs-chunk", str(BUDGET)]
+    report = verify(data, model, *GAE, "--critic", source, *options)
     assert report["passed"] and report["estimator"] == "gae" and report["critic"] == source
+    if critic == "policy":  # the adapters' gradients (the frozen base has none)
+        assert report["lora_rank"] == 4 and ".lora_" in report["worst_parameter"], report["worst_parameter"]
     assert report["longest_trajectory"] > BUDGET, report
     assert report["sharded_rows"] >= 2 if critic == "policy" else report["walked_trees"] >= 2, report
     for error in ("loss_rel_err", "max_rel_grad_err", "max_abs_old_logprob_err", *CRITIC_ERRORS):

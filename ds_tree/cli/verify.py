@@ -41,7 +41,8 @@ teacher's log-prob of every trained token (distill) or every pair's margin (dpo)
 
 --lora R puts LoRA adapters of rank R on every linear layer of the decoder (PEFT, as
 model.lora; docs/LORA.md), with random A and B, and compares the adapters' gradients (RL: the
-trained policy's adapters perturbed, the KL reference the model with its adapters disabled).
+trained policy's adapters perturbed, the KL reference the model with its adapters disabled). With
+--sequence-parallel S it checks the RL objectives (grpo, ppo) only.
 
 --estimator gae --critic SOURCE (--gamma, --lam, --value-clip) checks PPO with a learned critic
 (docs/RL.md): each layout scores the old critic's values on its own items for its GAE advantages, and
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         parser.error(
             f"--attention {args.attention} has no backward on the CPU: it checks the sft objective in one process only"
         )
-    if args.lora and args.sequence_parallel > 1:
-        parser.error("--lora checks single-process modes (not --sequence-parallel)")
+    if args.lora and args.sequence_parallel > 1 and args.objective not in ("grpo", "ppo"):
+        parser.error("--lora with --sequence-parallel checks the RL objectives only (--objective grpo or ppo)")
     objective = objective_config(parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy"))
     with stdout_to_stderr():
         code, report = run(args, objective)
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace, objective: ObjectiveConfig | None) -> tuple[in
             report = {"objective": objective.kind}
             if args.sequence_parallel > 1:
                 report |= sequence_parallel_rl_report(
-                    trajectories, args.model, size=args.sequence_parallel, dfs=dfs, **rl
+                    trajectories, args.model, size=args.sequence_parallel, dfs=dfs, lora=lora, **rl
                 )
             else:
                 report |= compare_rl(trajectories, args.model, dfs=dfs, lora=lora, **rl)

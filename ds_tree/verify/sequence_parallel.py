@@ -153,11 +153,12 @@ def settings_model(settings: dict, torch_dtype: torch.dtype):
 
 
 def group_gradients(model) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient summed over the group (in place, each rank having backpropagated its
-    own terms), by parameter name."""
-    for parameter in model.parameters():
+    """Every trained parameter's gradient summed over the group (in place, each rank having backpropagated its
+    own terms), by parameter name (with LoRA the adapters': the frozen base has none)."""
+    trained = {name: parameter for name, parameter in model.named_parameters() if parameter.requires_grad}
+    for parameter in trained.values():
         dist.all_reduce(parameter.grad)
-    return {name: parameter.grad for name, parameter in model.named_parameters()}
+    return {name: parameter.grad for name, parameter in trained.items()}
 
 
 def _rank(rank: int, trajectories: list[Trajectory], settings: dict) -> dict | None:

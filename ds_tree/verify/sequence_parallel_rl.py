@@ -75,12 +75,15 @@ def sequence_parallel_rl_report(
     critic=None,
     gamma: float = 1.0,
     lam: float = 0.95,
+    lora=None,
 ) -> dict:
     """Loss, gradient, metric and old log-prob errors of the RL objective at S = ``size`` against flat
     (``dfs``: every tree walked by the group, its chunks sharded). An MoE model's objective includes its
     router load-balancing loss (docs/RL.md), weighted by ``router_aux_loss_coef`` (None: the model
     config's), its value compared as well. ``estimator: gae``: ``critic`` (:class:`ds_tree.config.CriticSettings`),
-    ``gamma`` and ``lam`` as :func:`~ds_tree.verify.tree_vs_flat.compare_rl` (module docstring)."""
+    ``gamma`` and ``lam`` as :func:`~ds_tree.verify.tree_vs_flat.compare_rl` (module docstring). ``lora``
+    (:class:`ds_tree.config.LoraSettings`): adapters on both policies, their gradients compared
+    (:func:`~ds_tree.verify.tree_vs_flat.rl_policies`)."""
     verification_dtype(trajectories, dtype)
     check_group(trajectories, model_source, size, walked=dfs is not None)
     gae = estimator == "gae"
@@ -109,6 +112,7 @@ def sequence_parallel_rl_report(
         critic=(critic.source, critic.value_clip) if gae else None,
         gamma=gamma,
         lam=lam,
+        lora=lora,
     )
     return spawn_group(_rank, trajectories, options)
 
@@ -116,7 +120,12 @@ def sequence_parallel_rl_report(
 def _policies(options: dict, torch_dtype: torch.dtype):
     """The old policy (no gradients) and the trained one, moved off it (:func:`rl_policies`)."""
     return rl_policies(
-        options["model_source"], options["attention"], torch_dtype, options["seed"], options["perturbation"]
+        options["model_source"],
+        options["attention"],
+        torch_dtype,
+        options["seed"],
+        options["perturbation"],
+        lora=options["lora"],
     )
 
 
@@ -297,6 +306,8 @@ def _report(trajectories, options, advantages, losses, gradients, metrics, old_l
         **_layout(options, sharded),
         "dtype": options["dtype"],
         "attention": options["attention"],
+        "lora_rank": options["lora"].rank if options["lora"] is not None else 0,
+        "parameters_compared": len(errors),
         "estimator": options["estimator"],
         **({"tempo_coef": options["tempo_coef"]} if options["estimator"] == "tempo" else {}),
         "aggregation": settings.aggregation,
