@@ -185,6 +185,25 @@ def test_reward_functions_by_name_or_import_path() -> None:
         digit_parity.reward(RewardRequest("?", "1", {}))
 
 
+def test_parity_preference_records_prefer_the_asked_parity() -> None:
+    """Each record's chosen answer scores 1 under the task's reward and its rejected one 0, as many digits each;
+    the same seed gives the same records, another seed others; a prompt without a parity is refused."""
+    prompts = [{"prompt": "even:", "metadata": {"parity": "even"}}, {"prompt": "odd:", "metadata": {"parity": "odd"}}]
+    records = digit_parity.preference_records(prompts, pairs_per_prompt=3, seed=7)
+    assert [r["prompt"] for r in records] == ["even:"] * 3 + ["odd:"] * 3
+    for record, prompt in zip(records, [prompts[0]] * 3 + [prompts[1]] * 3, strict=True):
+        score = {
+            side: digit_parity.reward(RewardRequest(prompt["prompt"], record[side], prompt["metadata"]))
+            for side in ("chosen", "rejected")
+        }
+        assert score == {"chosen": 1.0, "rejected": 0.0}
+        assert len(record["chosen"].split()) == len(record["rejected"].split()) in range(3, 9)
+    assert records == digit_parity.preference_records(prompts, pairs_per_prompt=3, seed=7)
+    assert records != digit_parity.preference_records(prompts, pairs_per_prompt=3, seed=8)
+    with pytest.raises(ValueError, match="metadata\\['parity'\\]"):
+        digit_parity.preference_records([{"prompt": "?", "metadata": {"parity": "both"}}], pairs_per_prompt=1)
+
+
 # ------------------------------------------------------------------ metrics
 def trajectory(prompt: int, completion: int, reward: float | None, source: str) -> Trajectory:
     ids = np.arange(prompt + completion) + 5
