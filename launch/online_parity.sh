@@ -5,10 +5,12 @@
 #   COMPARE=sampler   (default; docs/RL.md, "Online RL"): tree sampling against independent sampling of
 #                     the same 8 leaves per prompt.
 #   COMPARE=estimator (docs/RL.md, "Tree estimators compared"): tree sampling, one run per advantage
-#                     estimator in ESTIMATORS.
+#                     estimator in ESTIMATORS. `gae` (docs/RL.md, "PPO with a learned critic") trains a critic
+#                     of its own: CRITIC (a model config, random init) at CRITIC_LR, advantages not normalised.
 # Extra arguments are config overrides for every run (key=value), e.g. max_steps=10.
 # A run whose output directory already holds its last checkpoint is not trained again.
 # Environment: COMPARE [sampler], SEEDS ["0"], ESTIMATORS ["grpo treepo tempo"],
+# CRITIC [configs/models/tiny_llama.json], CRITIC_LR [2e-4],
 # RUN [runs/online_parity, or runs/online_estimators], PLOT [docs/bench/online_rl.png, or
 # docs/bench/online_estimators.png], NGPU [2], MASTER_PORT [29500].
 set -euo pipefail
@@ -41,15 +43,18 @@ for variant in "${variants[@]}"; do
   if [ "$COMPARE" = sampler ]; then
     independent=false
     if [ "$variant" = independent ]; then independent=true; fi
-    override="rollout.independent=$independent"
+    overrides=("rollout.independent=$independent")
+  elif [ "$variant" = gae ]; then
+    overrides=(objective.estimator=gae objective.normalise_advantages=false
+      "objective.critic.source=${CRITIC:-configs/models/tiny_llama.json}" "objective.critic.lr=${CRITIC_LR:-2e-4}")
   else
-    override="objective.estimator=$variant"
+    overrides=("objective.estimator=$variant")
   fi
   runs=()
   for seed in $SEEDS; do
     output="$RUN/$variant-seed$seed"
     NGPU=${NGPU:-2} bash launch/train.sh configs/online_parity_cpu.yaml "model.tokenizer=$RUN/tokenizer" \
-      "output_dir=$output" "$override" "model.seed=$seed" "rollout.seed=$seed" "$@"
+      "output_dir=$output" "${overrides[@]}" "model.seed=$seed" "rollout.seed=$seed" "$@"
     runs+=("$output")
   done
   curves+=("$variant=$(IFS=,; echo "${runs[*]}")")
