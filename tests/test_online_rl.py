@@ -355,12 +355,13 @@ def test_plot_online_averages_seeds_and_names_bad_runs(tmp_path: Path, capsys) -
     assert "tree: the runs do not have the same steps" in capsys.readouterr().err
 
 
-def test_demo_script_parses_and_is_shellcheck_clean() -> None:
+@pytest.mark.parametrize("name", ["online_parity.sh", "distill_parity.sh", "dpo_parity.sh"])
+def test_demo_script_parses_and_is_shellcheck_clean(name: str) -> None:
     import subprocess
 
     from tests.helpers.launch import find_shellcheck
 
-    script = ROOT / "launch" / "online_parity.sh"
+    script = ROOT / "launch" / name
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
     shellcheck = find_shellcheck()
     if shellcheck is None:
