@@ -375,7 +375,8 @@ class ObjectiveConfig:
     default); docs/RL.md compares them."""
     normalise_advantages: bool = False
     """Divide advantages by the reward standard deviation (``grpo`` and ``tempo``: of the group;
-    ``treepo``: of the batch). Off: Dr. GRPO's unnormalised advantages."""
+    ``treepo``: of the batch). Off: Dr. GRPO's unnormalised advantages. ``gae``: whiten the per-token advantages
+    over the step's trained tokens (mean 0, std 1; the critic's returns use them before whitening)."""
     tempo_coef: float = 1.0
     """``tempo``: coefficient of the branch-gated TD term, ``A_t = a_i + tempo_coef * (V(s_<=t) - V(s_<t))``
     at branching tokens (docs/RL.md); 0 gives exactly GRPO."""
@@ -533,8 +534,6 @@ class ObjectiveConfig:
                 )
         if not (0 < self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError(f"objective: gamma must be in (0, 1] and lam in [0, 1], got {self.gamma}, {self.lam}")
-        if gae and self.normalise_advantages:
-            raise ConfigError("objective.normalise_advantages does not apply to the gae estimator")
 
     @property
     def is_rl(self) -> bool:

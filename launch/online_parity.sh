@@ -6,11 +6,12 @@
 #                     the same 8 leaves per prompt.
 #   COMPARE=estimator (docs/RL.md, "Tree estimators compared"): tree sampling, one run per advantage
 #                     estimator in ESTIMATORS. `gae` (docs/RL.md, "PPO with a learned critic") trains a critic
-#                     of its own: CRITIC (a model config, random init) at CRITIC_LR, advantages not normalised.
+#                     of its own: CRITIC (a model config, random init) at CRITIC_LR, its advantages whitened over
+#                     the step (GAE_WHITEN=false: not normalised).
 # Extra arguments are config overrides for every run (key=value), e.g. max_steps=10.
 # A run whose output directory already holds its last checkpoint is not trained again.
 # Environment: COMPARE [sampler], SEEDS ["0"], ESTIMATORS ["grpo treepo tempo"],
-# CRITIC [configs/models/tiny_llama.json], CRITIC_LR [2e-4],
+# CRITIC [configs/models/tiny_llama.json], CRITIC_LR [2e-4], GAE_WHITEN [true],
 # RUN [runs/online_parity, or runs/online_estimators], PLOT [docs/bench/online_rl.png, or
 # docs/bench/online_estimators.png], NGPU [2], MASTER_PORT [29500].
 set -euo pipefail
@@ -45,7 +46,7 @@ for variant in "${variants[@]}"; do
     if [ "$variant" = independent ]; then independent=true; fi
     overrides=("rollout.independent=$independent")
   elif [ "$variant" = gae ]; then
-    overrides=(objective.estimator=gae objective.normalise_advantages=false
+    overrides=(objective.estimator=gae "objective.normalise_advantages=${GAE_WHITEN:-true}"
       "objective.critic.source=${CRITIC:-configs/models/tiny_llama.json}" "objective.critic.lr=${CRITIC_LR:-2e-4}")
   else
     overrides=("objective.estimator=$variant")

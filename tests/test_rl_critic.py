@@ -170,7 +170,6 @@ def test_gae_lambda_one_is_the_return_minus_the_value() -> None:
         (["objective.critic.lr=1e-3"], r"objective\.critic: only with objective\.kind grpo or ppo"),
         ([*GAE, "objective.critic.source=policy", "objective.critic.lr=0"], "lr must be > 0"),
         ([*GAE, "objective.critic.source=policy", "objective.gamma=0"], r"gamma must be in \(0, 1\]"),
-        ([*GAE, "objective.critic.source=policy", "objective.normalise_advantages=true"], "does not apply to the gae"),
     ],
 )
 def test_bad_critic_settings_are_refused_at_config_time(overrides: list[str], message: str) -> None:

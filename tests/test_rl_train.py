@@ -130,6 +130,7 @@ def test_gae_trains_its_critic_and_resumes_to_the_uninterrupted_run(tmp_path: Pa
     bit: the policy's loss, the critic's value loss and statistics (tests/distributed/resume_check.py)."""
     source = str(ROOT / "configs/models/tiny_qwen3.json")  # a value head is built and saved the same way
     gae = {"kind": "ppo", "estimator": "gae", "gamma": 0.97, "lam": 0.9, "critic": {"source": source, "lr": 0.01}}
+    gae["normalise_advantages"] = True  # whitened over the step: mean 0, std 1
     config = write_config(
         tmp_path,
         write_rollouts(tmp_path / "rollouts.jsonl", groups=4),
@@ -149,6 +150,7 @@ def test_gae_trains_its_critic_and_resumes_to_the_uninterrupted_run(tmp_path: Pa
     for record in records.values():
         assert {"critic/loss", "critic/value_mean", "critic/explained_variance", "critic/grad_norm"} <= set(record)
         assert all(math.isfinite(record[key]) for key in record if key.startswith("critic/")), record
+        assert abs(record["rl/advantage_mean"]) < 1e-12 and abs(record["rl/advantage_std"] - 1) < 1e-12, record
     assert sorted(first["critic_changes"]) == ["1", "2"] and min(first["critic_changes"].values()) > 0
     assert records[2]["critic/value_mean"] != records[1]["critic/value_mean"]
     again = resumed["metrics"][0]

@@ -113,7 +113,8 @@ def test_verify_ppo_with_a_learned_critic_under_sequence_parallelism_equals_flat
     data = write_rl_cases(tmp_path / "rl.jsonl")
     model = one_kv_head_model(tmp_path / "model.json")
     source = "policy" if critic == "policy" else str(model)
-    options = ["--lora", "4"] if critic == "policy" else ["--dfs-chunk", str(BUDGET)]
+    # a critic of its own: the policy's advantages whitened over the step (the critic's returns from the raw ones)
+    options = ["--lora", "4"] if critic == "policy" else ["--dfs-chunk", str(BUDGET), "--normalise-advantages"]
     report = verify(data, model, *GAE, "--critic", source, *options)
     assert report["passed"] and report["estimator"] == "gae" and report["critic"] == source
     if critic == "policy":  # the adapters' gradients (the frozen base has none)

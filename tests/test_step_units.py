@@ -108,11 +108,11 @@ def prefix_values(trajectory) -> np.ndarray:
     return 0.01 * np.asarray(trajectory.input_ids, dtype=np.float64) + 0.001 * np.arange(len(trajectory))
 
 
-def gae_report(settings: PlanSettings, groups: list[list], rank: int, comm: Collectives) -> dict:
+def gae_report(settings: PlanSettings, groups: list[list], rank: int, comm: Collectives, normalise: bool) -> dict:
     """``gae`` on this rank's share: the host work plans it without advantages, then each rank scores the tokens
     its items own (:func:`prefix_values` for the critic's forward) and :func:`gae_advantages` merges the values
-    over the ranks holding each group and estimates."""
-    rule = AdvantageRule("gae", False, 1.0, **GAE)
+    over the ranks holding each group and estimates (``normalise``: whitened over the step's trained tokens)."""
+    rule = AdvantageRule("gae", normalise, 1.0, **GAE)
     host = rl_host_work(settings, rule, mini_batches=2, sample=True)(held_data(groups, rank, 2), comm)
     scores = {id(t): np.full(len(t), np.nan) for group in host.groups for t in group.trajectories}
     for plan in host.plans:
@@ -128,6 +128,7 @@ def gae_report(settings: PlanSettings, groups: list[list], rank: int, comm: Coll
         "statistics": [statistics.reward_mean, statistics.reward_std, statistics.advantage_mean]
         + [statistics.advantage_std, statistics.singletons],
         "sample_advantages": {t.source: done.sample_advantages[id(t)].tolist() for t in host.sample},
+        "unscaled": {t.source: done.held.unscaled[id(t)].tolist() for t in host.trajectories},
     }
 
 
@@ -149,7 +150,8 @@ def _rank(rank: int, port: int, out: str) -> None:
         report["plans"].append(same and same_items(plan, expected))
         report["received"].append(comm.received_bytes)
     settings = PlanSettings(budget=max(len(t) for t in trajectories) + 30)
-    report["gae"] = [gae_report(choice, groups, rank, comm) for choice in settings_list(longest)]
+    for normalise in (False, True):
+        report[f"gae-{normalise}"] = [gae_report(c, groups, rank, comm, normalise) for c in settings_list(longest)]
     for estimator in HOST_ESTIMATORS:
         normalise = ESTIMATORS.get(estimator).normalise is not None
         rule = AdvantageRule(estimator, normalise, 1.0)
@@ -190,15 +192,22 @@ def test_two_gloo_ranks_plan_and_score_only_what_they_hold(tmp_path):
     sample = [t.source for t in sample_groups([t for g in groups for t in g])]
     assert reports[0]["sample"] == reports[1]["sample"] == sample and sample
     trajectories = [t for g in groups for t in g]
-    gae = rl_reference(groups, "gae", False, 2, values={id(t): prefix_values(t) for t in trajectories}, **GAE)
-    for first, second in zip(reports[0]["gae"], reports[1]["gae"], strict=True):  # each layout of settings_list
-        held = first["advantages"] | second["advantages"]
-        assert set(held) == set(gae["advantages"])
-        for source, values in held.items():  # to the bit
-            assert values == gae["advantages"][source], source
-        assert first["statistics"] == second["statistics"] == gae["statistics"]
-        assert first["sample_advantages"] == second["sample_advantages"]
-        assert first["sample_advantages"] == {s: gae["advantages"][s] for s in sample}
+    values = {id(t): prefix_values(t) for t in trajectories}
+    raw = rl_reference(groups, "gae", False, 2, values=values, **GAE)["advantages"]
+    for normalise in (False, True):  # whitened: the step's per-token mean and std, summed over ranks in step order
+        gae = rl_reference(groups, "gae", normalise, 2, values=values, **GAE)
+        assert (gae["advantages"] == raw) != normalise
+        if normalise:
+            assert abs(gae["statistics"][2]) < 1e-12 and abs(gae["statistics"][3] - 1) < 1e-12, gae["statistics"]
+        for first, second in zip(reports[0][f"gae-{normalise}"], reports[1][f"gae-{normalise}"], strict=True):
+            held = first["advantages"] | second["advantages"]  # each layout of settings_list
+            assert set(held) == set(gae["advantages"])
+            for source, advantages in held.items():  # to the bit
+                assert advantages == gae["advantages"][source], source
+            assert first["unscaled"] | second["unscaled"] == raw  # the critic's returns are A + V of these
+            assert first["statistics"] == second["statistics"] == gae["statistics"]
+            assert first["sample_advantages"] == second["sample_advantages"]
+            assert first["sample_advantages"] == {s: gae["advantages"][s] for s in sample}
     for estimator in HOST_ESTIMATORS:
         normalise = ESTIMATORS.get(estimator).normalise is not None
         expected = rl_reference(groups, estimator, normalise, 2)

@@ -97,7 +97,8 @@ CRITIC_ERRORS = (
 QWEN3 = str(ROOT / "configs/models/tiny_qwen3.json")
 CRITICS = {
     "policy": ["--critic", "policy", "--value-clip", "0.05", "--dfs-chunk", "16"],
-    "model": ["--critic", QWEN3, "--value-clip", "0.05", "--dfs-chunk", "16"],
+    # whitened advantages (the step's per-token mean and std) for the policy, the critic's returns from the raw ones
+    "model": ["--critic", QWEN3, "--value-clip", "0.05", "--dfs-chunk", "16", "--normalise-advantages"],
     # a critic of its own beside a LoRA policy: on these values a pair inside the clip range once counted as
     # clipped in one layout and not in the other (round-off), failing the metric comparison
     "model-lora": ["--critic", MODEL, "--lora", "4"],

@@ -52,7 +52,11 @@ new tree estimator is one function and a registration.
 - ``gae`` (Schulman et al. 2016, arXiv 1506.02438): generalised advantage estimation along each path from the
   values of PPO's learned critic (:mod:`ds_tree.losses.values`; ``objective.critic``), with ``gamma`` and ``lam``.
   The values come with the settings (:attr:`EstimatorSettings.values`, from the critic's forward before the step's
-  updates); a trajectory alone in its group needs no peers.
+  updates); a trajectory alone in its group needs no peers. With ``normalise`` the advantages are whitened over the
+  batch, as PPO trainers do: ``(A - mean) / std`` at every trained token, the mean and the (population) standard
+  deviation taken over the batch's (trajectory, trained token) pairs weighted by the loss mask, as flat counts them
+  (:func:`token_moments`; ``rl/advantage_mean`` and ``rl/advantage_std`` become 0 and 1). The returns the critic
+  learns stay ``A + V`` of the advantages before whitening.
 - ``given``: per-token advantages carried by the data (a trajectory's ``advantages`` array).
 
 A trajectory alone in its group has no baseline: it gets advantage 0 and is counted in
@@ -220,9 +224,9 @@ class Estimator:
 
     name: str
     group_advantages: GroupEstimator
-    normalise: Literal["group", "batch", None]
-    """What ``normalise`` divides by: the group's reward std, the batch's advantage std, or nothing
-    (``normalise`` is then refused)."""
+    normalise: Literal["group", "batch", "token", None]
+    """What ``normalise`` divides by: the group's reward std, the batch's advantage std, the batch's per-token
+    advantages' mean and std (:func:`token_moments`), or nothing (``normalise`` is then refused)."""
     needs_rewards: bool = True
     needs_peers: bool = True
     """A trajectory alone in its group gets 0 (no baseline) and is counted as a singleton."""
@@ -232,6 +236,8 @@ class Estimator:
         computed = self.per_group(trajectories, normalise=normalise, **settings)
         if normalise and self.normalise == "batch":
             computed.values = _batch_normalised(computed.values, computed.with_peers)
+        if normalise and self.normalise == "token":
+            computed.values = batch_whitened(trajectories, computed.values)
         return computed
 
     def per_group(self, trajectories: Sequence[Trajectory], *, normalise: bool = False, **settings) -> Advantages:
@@ -289,6 +295,58 @@ def _batch_normalised(values: list[np.ndarray], with_peers: np.ndarray) -> list[
     """Divide by :func:`batch_std` of the batch (nothing when it is None)."""
     std = batch_std(trajectory_scalars(values), with_peers)
     return values if std is None else [v / std for v in values]
+
+
+def token_sums(loss_mask: np.ndarray, advantages: np.ndarray) -> tuple[float, float]:
+    """One trajectory's share of the batch's per-token advantage mean: ``(sum m_t A_t, sum m_t)`` over its tokens
+    ``t >= 1`` (``m``: the loss mask), the terms ``rl/advantage_mean`` sums."""
+    mask = np.asarray(loss_mask, dtype=np.float64)[1:]
+    return float((mask * advantages[1:]).sum()), float(mask.sum())
+
+
+def token_deviations(loss_mask: np.ndarray, advantages: np.ndarray, mean: float) -> float:
+    """One trajectory's share of the batch's per-token advantage variance: ``sum m_t (A_t - mean)^2``."""
+    return float((np.asarray(loss_mask, dtype=np.float64)[1:] * (advantages[1:] - mean) ** 2).sum())
+
+
+def token_moments(sums: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(mean, total weight)`` of the batch's per-token advantages from each trajectory's :func:`token_sums`
+    (in batch order); None when no token is trained."""
+    weight = sum(w for _, w in sums)
+    return None if weight == 0 else (sum(x for x, _ in sums) / weight, weight)
+
+
+def whitening(moments: tuple[float, float], deviations: Sequence[float]) -> tuple[float, float] | None:
+    """``(mean, std)`` the advantages are whitened with, from :func:`token_moments` and each trajectory's
+    :func:`token_deviations`; None when the advantages are all equal (nothing to divide by: left as they are)."""
+    mean, weight = moments
+    std = (sum(deviations) / weight) ** 0.5
+    return (mean, std) if std > 0 else None
+
+
+def whitened(
+    loss_masks: Sequence[np.ndarray], values: Sequence[np.ndarray], moments: tuple[float, float] | None
+) -> list[np.ndarray]:
+    """``(A - mean) / std`` at each trajectory's trained tokens (loss mask not 0, ``t >= 1``), others as they are."""
+    if moments is None:
+        return list(values)
+    mean, std = moments
+    out = []
+    for mask, advantages in zip(loss_masks, values, strict=True):
+        trained = np.asarray(mask) != 0
+        trained[:1] = False
+        out.append(np.where(trained, (advantages - mean) / std, advantages))
+    return out
+
+
+def batch_whitened(trajectories: Sequence[Trajectory], values: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``values`` (per-token advantages of ``trajectories``) whitened over the batch (:func:`token_moments`,
+    :func:`whitening`, :func:`whitened`; a run sums the same terms over the ranks in step order)."""
+    masks = [t.loss_mask for t in trajectories]
+    moments = token_moments([token_sums(m, a) for m, a in zip(masks, values, strict=True)])
+    if moments is not None:
+        moments = whitening(moments, [token_deviations(m, a, moments[0]) for m, a in zip(masks, values, strict=True)])
+    return whitened(masks, values, moments)
 
 
 def _per_token(group: GroupTrie, scalars: np.ndarray) -> list[np.ndarray]:
@@ -417,7 +475,7 @@ def sibling(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     return group.in_group_order(per_tree)
 
 
-@estimator(normalise=None, needs_peers=False)
+@estimator(normalise="token", needs_peers=False)
 def gae(group: GroupTrie, settings: EstimatorSettings) -> list[np.ndarray]:
     """GAE along each trajectory from the critic's values (module docstring; :func:`ds_tree.losses.values.gae`)."""
     if settings.values is None:

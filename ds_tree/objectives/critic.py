@@ -256,8 +256,8 @@ def gae_advantages(
     held = held_advantages(groups, rule, comm)
     _, statistics = step_sums(held, mini_batches, comm)
     sample_advantages = {}
-    for group in sample:
-        sample_advantages.update(zip(map(id, group), rule.of(group), strict=True))
+    for group in sample:  # the step's whitening too (held.rule's)
+        sample_advantages.update(zip(map(id, group), held.rule.of(group), strict=True))
     return Estimated(values, held, statistics, sample_advantages)
 
 

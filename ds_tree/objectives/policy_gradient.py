@@ -237,7 +237,7 @@ class PolicyGradient(Objective):
         ]
         critic = {}
         if values is not None:  # each update also trains the critic on the same items
-            returns = returns_of(done.trajectories, done.advantages, values)
+            returns = returns_of(done.trajectories, estimated.held.unscaled, values)  # not whitened
             updates = [
                 CriticUpdate(u.plan, u.terms, self.critic.terms(u.plan, n, returns, values, settings), step + 1)
                 for u, n in zip(updates, done.normalisers, strict=True)

@@ -10,6 +10,10 @@ the step's groups (mini-batch, then group). So:
   the per-trajectory advantages over the step: the ranks gather each counted trajectory's advantage (one
   number a trajectory) and every rank computes :func:`~ds_tree.losses.advantages.batch_std` of the step's, in
   step order;
+- ``gae`` with ``normalise_advantages`` whitens its per-token advantages by the step's mean and standard deviation
+  over trained (trajectory, token) pairs: the ranks gather each counted trajectory's two sums
+  (:func:`~ds_tree.losses.advantages.token_sums`), then its squared deviations from the step's mean, as the
+  statistics below do;
 - the mini-batches' normalisers (:class:`~ds_tree.objectives.rl_rows.StepNormalisers`) and the reward and
   advantage statistics the step reports and checks (``rl/reward_*``, ``rl/advantage_*``, the non-finite check
   of :func:`~ds_tree.losses.advantages.non_finite_statistics`) are sums over trajectories: the ranks gather
@@ -27,7 +31,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ds_tree.losses.advantages import Advantages, batch_std, trajectory_scalars
+from ds_tree.losses.advantages import (
+    Advantages,
+    batch_std,
+    token_deviations,
+    token_moments,
+    token_sums,
+    trajectory_scalars,
+    whitened,
+    whitening,
+)
 from ds_tree.objectives.rl_rows import StepNormalisers
 from ds_tree.packing.exchange import Collectives
 from ds_tree.registries import ESTIMATORS
@@ -46,6 +59,8 @@ class AdvantageRule:
     tempo_coef: float
     scale: float | None = None
     """The step's batch standard deviation the advantages are divided by (None: none)."""
+    moments: tuple[float, float] | None = None
+    """``gae`` whitened: the step's per-token advantage ``(mean, std)`` (None: none)."""
     values: Mapping[int, np.ndarray] | None = field(default=None, compare=False)
     """``gae``: ``id(trajectory) -> the critic's values`` (:meth:`~ds_tree.objectives.critic.Critic.estimate`)."""
     gamma: float = 1.0
@@ -67,16 +82,24 @@ class AdvantageRule:
         """The estimator reads a critic's values (``gae``): its advantages wait for the step's forward."""
         return self.estimator == "gae" and self.values is None
 
-    def scaled(self, values: list[np.ndarray]) -> list[np.ndarray]:
+    def scaled(self, trajectories: Sequence[Trajectory], values: list[np.ndarray]) -> list[np.ndarray]:
+        """``values`` (the estimator's, of ``trajectories``) with the step's batch scale or whitening applied."""
+        if self.moments is not None:
+            return whitened([t.loss_mask for t in trajectories], values, self.moments)
         return values if self.scale is None else [v / self.scale for v in values]
 
     def of(self, group: Sequence[Trajectory]) -> list[np.ndarray]:
         """The step's advantages of ``group``'s trajectories (its order)."""
-        return self.scaled(self.raw(group).values)
+        return self.scaled(group, self.raw(group).values)
 
     @property
     def batch(self) -> bool:
         return self.normalise and ESTIMATORS.get(self.estimator).normalise == "batch"
+
+    @property
+    def per_token(self) -> bool:
+        """The advantages are whitened over the step's trained tokens (``gae`` with ``normalise``)."""
+        return self.normalise and ESTIMATORS.get(self.estimator).normalise == "token"
 
 
 @dataclass
@@ -99,6 +122,8 @@ class HeldAdvantages:
     """The counted groups with their advantages (the statistics' terms)."""
     singletons: int
     """Trajectories alone in their group, over the counted groups (this rank's share)."""
+    unscaled: dict[int, np.ndarray] = field(default_factory=dict)
+    """The estimator's advantages before the batch scale or whitening (``gae``'s returns are ``A + V`` of these)."""
 
 
 def in_step_order(comm: Collectives, mine: dict[Key, object]) -> list[tuple[Key, object]]:
@@ -123,14 +148,35 @@ def held_advantages(groups: Sequence[HeldGroup], rule: AdvantageRule, comm: Coll
         scalars = np.concatenate([s for s, _ in step] or [np.zeros(0)])
         with_peers = np.concatenate([p for _, p in step] or [np.zeros(0, dtype=bool)])
         rule = replace(rule, scale=batch_std(scalars, with_peers))
-    by_trajectory, counted = {}, []
+    if rule.per_token:
+        rule = replace(rule, moments=step_whitening(groups, raw, comm))
+    by_trajectory, unscaled, counted = {}, {}, []
     for group, computed in zip(groups, raw, strict=True):
-        values = rule.scaled(computed.values)
+        values = rule.scaled(group.trajectories, computed.values)
         by_trajectory.update({id(t): v for t, v in zip(group.trajectories, values, strict=True)})
+        unscaled.update({id(t): v for t, v in zip(group.trajectories, computed.values, strict=True)})
         if group.counted:
             counted.append((group.key, group.trajectories, values))
     singletons = sum(computed.singletons for group, computed in zip(groups, raw, strict=True) if group.counted)
-    return HeldAdvantages(rule, by_trajectory, counted, singletons)
+    return HeldAdvantages(rule, by_trajectory, counted, singletons, unscaled)
+
+
+def step_whitening(
+    groups: Sequence[HeldGroup], raw: Sequence[Advantages], comm: Collectives
+) -> tuple[float, float] | None:
+    """The step's per-token advantage ``(mean, std)`` over every rank's counted groups
+    (:func:`~ds_tree.losses.advantages.whitening`): each counted trajectory's sums, then its squared deviations from
+    the mean, gathered in step order (two gathers of a number or two a trajectory)."""
+    counted = [(g, computed.values) for g, computed in zip(groups, raw, strict=True) if g.counted]
+    sums = {g.key: [token_sums(t.loss_mask, a) for t, a in zip(g.trajectories, v, strict=True)] for g, v in counted}
+    moments = token_moments([x for _, group in in_step_order(comm, sums) for x in group])
+    if moments is None:
+        return None
+    deviations = {
+        g.key: [token_deviations(t.loss_mask, a, moments[0]) for t, a in zip(g.trajectories, v, strict=True)]
+        for g, v in counted
+    }
+    return whitening(moments, [x for _, group in in_step_order(comm, deviations) for x in group])
 
 
 def unestimated(groups: Sequence[HeldGroup], rule: AdvantageRule) -> HeldAdvantages:

@@ -20,7 +20,7 @@ import torch
 from ds_tree.comparison import gradient_errors, metric_errors, relative_error
 from ds_tree.engine.dfs import DfsSettings
 from ds_tree.engine.runners import RunContext, StepOutput, run_items
-from ds_tree.losses.advantages import check_finite_statistics, estimate
+from ds_tree.losses.advantages import batch_whitened, check_finite_statistics, estimate
 from ds_tree.losses.rl import RLSettings
 from ds_tree.model_roles.values import TrunkValueHead, load_value_model, policy_trunk, values_at
 from ds_tree.objectives.critic import critic_values, returns_of, value_item_terms
@@ -116,6 +116,17 @@ class CriticCheck:
         """:meth:`run` on one process: the loss, gradients and metric sums."""
         output = self.run(trajectories, rows, values, advantages, settings, dfs)
         return CriticResult(values, output.loss, self.gradients(), output.metrics or {})
+
+
+def policy_advantages(
+    trajectories: list[Trajectory], advantages: dict[int, np.ndarray], normalise: bool
+) -> dict[int, np.ndarray]:
+    """What the policy trains with: GAE's ``advantages``, whitened over the batch with ``normalise``
+    (:func:`~ds_tree.losses.advantages.batch_whitened`); the critic's returns keep them as they are."""
+    if not normalise:
+        return advantages
+    values = batch_whitened(trajectories, [advantages[id(t)] for t in trajectories])
+    return {id(t): v for t, v in zip(trajectories, values, strict=True)}
 
 
 def critic_errors(flat: CriticResult, other: CriticResult, prefix: str = "") -> dict:

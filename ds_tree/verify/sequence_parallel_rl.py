@@ -165,11 +165,14 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | No
             trajectories, options["estimator"], options["normalise_advantages"], options["tempo_coef"]
         ).by_trajectory()
     else:
+        from ds_tree.verify.critic import policy_advantages
+
         for critic in (critics.old, critics.trained):
             if hasattr(critic, "scorer"):  # a critic of its own scores the same shards; a head's trunk already does
                 enable_sequence_parallel(critic.scorer, size)
         values = critics.values(trajectories, rows, options["dfs"])  # merged over the group
-        advantages = critics.advantages(trajectories, values)
+        returns_from = critics.advantages(trajectories, values)
+        advantages = policy_advantages(trajectories, returns_from, options["normalise_advantages"])
     reference = old if settings.kl_coef else None
     normalisers = StepNormalisers.of(trajectories)
     dfs = options["dfs"]
@@ -184,7 +187,7 @@ def _rank(rank: int, trajectories: list[Trajectory], options: dict) -> dict | No
         from ds_tree.losses.values import VALUE_METRICS
         from ds_tree.verify.critic import CriticResult
 
-        critic_output = critics.run(trajectories, rows, values, advantages, settings, dfs)
+        critic_output = critics.run(trajectories, rows, values, returns_from, settings, dfs)
         value_metrics = critic_output.metrics or {}
         sums = [critic_output.loss] + [value_metrics.get(name, 0.0) for name in VALUE_METRICS]
         sums = torch.tensor(sums, dtype=torch.float64)

@@ -405,7 +405,7 @@ def compare_rl(
         reference = AdaptersDisabled(model)
     check = None
     if estimator == "gae":
-        from ds_tree.verify.critic import CriticCheck
+        from ds_tree.verify.critic import CriticCheck, policy_advantages
 
         options = dict(attention=attention, dtype=torch_dtype, seed=seed, perturbation=perturbation)
         check = CriticCheck.of(
@@ -433,7 +433,7 @@ def compare_rl(
         values = check.values(trajectories, rows, walk)
         computed = check.advantages(trajectories, values)
         critics[mode] = check.result(trajectories, rows, values, computed, settings, walk)
-        return computed
+        return policy_advantages(trajectories, computed, normalise_advantages)
 
     with torch.no_grad():  # old log-probs per trajectory, tree forward against flat forward
         old = {
