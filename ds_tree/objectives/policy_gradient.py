@@ -281,7 +281,8 @@ class PolicyGradient(Objective):
         for output in outputs:
             if output.metrics is not None:
                 metrics = add_metrics(metrics, output.metrics)
-        scalars = rl_scalars(prepared.statistics.scalars(), global_metrics(metrics))
+        cppo = self.config.objective.cppo.enabled
+        scalars = rl_scalars(prepared.statistics.scalars(), global_metrics(metrics), cppo=cppo)
         scalars.update(router_scalars(outputs))
         scalars["rl/singleton_trajectories"] = float(prepared.statistics.singletons)
         if self.critic.enabled:
