@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.comparison import gradient_errors
+from ds_tree.config import ConfigError, load_config
 from ds_tree.losses.cppo import CPPOSettings, kept_sums, row_pairs
 from ds_tree.losses.rl import KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.packing.parts import split_tree, whole_tree
@@ -454,3 +455,32 @@ def test_cppo_mask_is_not_blind():
     trajectories = _fixed_forest(np.random.default_rng(7))
     with pytest.raises(AssertionError):
         _check_cppo(trajectories, 11, "grpo", "token_mean", 20, CPPO, tree_cppo=replace(CPPO, budget=1e9))
+
+
+GRPO_CPPO = ["objective.kind=grpo", "objective.cppo.enabled=true"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["objective.cppo.enabled=true"], r"objective\.cppo: only with objective\.kind grpo or ppo \(kind is sft\)"),
+        (["objective.kind=grpo", "objective.cppo.budget=0.1"], r"objective\.cppo\.budget: only with .*enabled: true"),
+        ([*GRPO_CPPO, "objective.cppo.delta=0"], r"objective\.cppo\.delta must be > 0"),
+        ([*GRPO_CPPO, "objective.cppo.w_min=1.5"], r"objective\.cppo\.w_min must be in \(0, 1\]"),
+        ([*GRPO_CPPO, "objective.cppo.budget=-1"], r"objective\.cppo\.budget must be >= 0"),
+        ([*GRPO_CPPO, "objective.cppo.divergence=js"], r"objective\.cppo\.divergence must be one of tv, kl"),
+        ([*GRPO_CPPO, "objective.dual_clip=2"], r"objective\.dual_clip: CPPO's mask replaces the ratio clip"),
+        ([*GRPO_CPPO, "objective.importance_truncation=2"], r"objective\.importance_truncation: not combined"),
+        ([*GRPO_CPPO, "packing.mode=dfs"], r"objective\.cppo: .* packed rows only"),
+        ([*GRPO_CPPO, "parallel.sequence_parallel_size=2"], r"objective\.cppo: .* packed rows only"),
+    ],
+)
+def test_bad_cppo_settings_are_refused_at_config_time(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny_cpu.yaml", overrides)
+
+
+def test_cppo_settings_reach_the_loss():
+    objective = load_config("configs/tiny_cpu.yaml", [*GRPO_CPPO, "objective.cppo.w_min=0.5"]).objective
+    assert objective.rl_settings().cppo == CPPOSettings(w_min=0.5)
+    assert load_config("configs/tiny_cpu.yaml", ["objective.kind=grpo"]).objective.rl_settings().cppo is None
