@@ -484,3 +484,15 @@ def test_cppo_settings_reach_the_loss():
     objective = load_config("configs/tiny_cpu.yaml", [*GRPO_CPPO, "objective.cppo.w_min=0.5"]).objective
     assert objective.rl_settings().cppo == CPPOSettings(w_min=0.5)
     assert load_config("configs/tiny_cpu.yaml", ["objective.kind=grpo"]).objective.rl_settings().cppo is None
+
+
+def test_console_line_shows_cppos_masked_fraction_instead_of_the_clip():
+    from ds_tree.run.metrics import console_line
+
+    scalars = {"loss/train": 0.5, "optim/lr": 1e-3, "optim/grad_norm": 1.0, "time/step_s": 1.0}
+    scalars |= {"throughput/flat_tokens_per_s": 10.0, "throughput/unique_tokens_per_s": 5.0}
+    scalars |= {"tree/por": 0.5, "tree/err": 0.5, "rl/reward_mean": 0.25, "rl/approx_kl": 0.01, "rl/entropy": 2.0}
+    scalars |= {"rl/clip_frac_low": 0.0, "rl/clip_frac_high": 0.0}
+    assert "clip 0.000/0.000" in console_line(1, 2, scalars)
+    line = console_line(1, 2, scalars | {"rl/cppo_masked_frac": 0.125})
+    assert "masked 0.125" in line and "clip" not in line
