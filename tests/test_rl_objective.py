@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from ds_tree.comparison import gradient_errors
 from ds_tree.config import ConfigError, load_config
-from ds_tree.losses.cppo import CPPOSettings, kept_sums, row_pairs
+from ds_tree.losses.cppo import CPPOSettings, kept_sums, row_divergence, row_pairs
 from ds_tree.losses.rl import KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.packing.parts import split_tree, whole_tree
 from ds_tree.registries import AGGREGATIONS, ESTIMATORS
@@ -356,9 +356,10 @@ def _cppo_tree_side(parts, items, tensors, cppo):
         targets = np.union1d(sums.active(), trained)
         old = tensors["old"].detach().numpy()[source][targets]
         logp = tensors["logp"][source[targets]]
-        pairs = row_pairs(targets, *columns, owned)
-        kept, part_masked = kept_sums(pairs, logp.detach().numpy(), old, cppo)
-        sums = replace(sums.take(targets), positive=kept, negative=np.zeros_like(kept))
+        pairs = row_pairs(*columns, owned)
+        divergence, rising = row_divergence(source.size, targets, logp.detach().numpy(), old, cppo.divergence)
+        kept, part_masked = kept_sums(pairs, divergence, rising, cppo)
+        sums = replace(sums.take(targets), positive=kept[targets], negative=np.zeros(targets.size))
         loss, _ = ppo_tree_loss(
             logp,
             old,
@@ -471,8 +472,8 @@ GRPO_CPPO = ["objective.kind=grpo", "objective.cppo.enabled=true"]
         ([*GRPO_CPPO, "objective.cppo.divergence=js"], r"objective\.cppo\.divergence must be one of tv, kl"),
         ([*GRPO_CPPO, "objective.dual_clip=2"], r"objective\.dual_clip: CPPO's mask replaces the ratio clip"),
         ([*GRPO_CPPO, "objective.importance_truncation=2"], r"objective\.importance_truncation: not combined"),
-        ([*GRPO_CPPO, "packing.mode=dfs"], r"objective\.cppo: .* packed rows only"),
-        ([*GRPO_CPPO, "parallel.sequence_parallel_size=2"], r"objective\.cppo: .* packed rows only"),
+        ([*GRPO_CPPO, "packing.mode=dfs"], r"objective\.cppo: .* a dfs walk does chunk by chunk; not built yet"),
+        ([*GRPO_CPPO, "packing.over_budget=dfs"], r"objective\.cppo: .* a dfs walk does chunk by chunk; not built yet"),
     ],
 )
 def test_bad_cppo_settings_are_refused_at_config_time(overrides, message):

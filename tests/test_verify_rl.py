@@ -171,7 +171,7 @@ def test_data_without_what_the_estimator_needs_exits_2(tmp_path, capsys, objecti
         (["--objective", "grpo", "--cppo-delta", "0.1"], "objective.cppo.delta: only with objective.cppo.enabled"),
         (["--objective", "grpo", "--cppo", "--eps-high", "0.28"], "CPPO's mask replaces the ratio clip"),
         (["--objective", "grpo", "--cppo", "--cppo-w-min", "0"], "objective.cppo.w_min must be in (0, 1]"),
-        (["--objective", "grpo", "--cppo", "--dfs-chunk", "16"], "--cppo: its mask is checked on packed rows only"),
+        (["--objective", "grpo", "--cppo", "--dfs-chunk", "16"], "--cppo: its mask is not built for dfs walks yet"),
     ],
 )
 def test_contradictory_options_are_usage_errors(data, capsys, options, message):
@@ -223,9 +223,9 @@ def test_cppo_with_a_part_s_own_length_exits_1(data, capsys, monkeypatch):
     position weights then differ from flat's, which sees whole paths): the check fails."""
     original = rl_rows.row_pairs
 
-    def prefix_length(targets, paths, *rest):
-        pairs = original(targets, paths, *rest)
-        pairs.trained = np.array([slot.size for slot in pairs.slots], dtype=np.int64)
+    def prefix_length(*columns):
+        pairs = original(*columns)
+        pairs.trained = np.array([tokens.size for tokens in pairs.tokens], dtype=np.int64)
         return pairs
 
     monkeypatch.setattr(rl_rows, "row_pairs", prefix_length)

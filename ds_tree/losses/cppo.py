@@ -92,68 +92,74 @@ def path_keep(divergence: np.ndarray, moves_away: np.ndarray, trained: int, sett
 
 @dataclass
 class CPPOPairs:
-    """The (path copy, trained token) pairs of one packed row that the mask needs, grouped by copy.
+    """The (path copy, trained token) pairs of one packed row (or shard) that the mask needs, grouped by copy.
 
     Built once per row (:func:`row_pairs`); every update evaluates them on its own log-probs
     (:func:`kept_sums`)."""
 
-    slots: list[np.ndarray]
-    """Per copy, the target slot (index into the row's targets) of each of its trained tokens in the row, in
-    path order: the prefix its mask reads."""
+    tokens: list[np.ndarray]
+    """Per copy, the row index of each of its trained tokens in the row, in path order: the prefix its mask
+    reads."""
     trained: np.ndarray
     """Per copy, ``T``: the path's trained tokens in all."""
     counted: list[np.ndarray]
-    """Per copy, for each slot, whether the pair is counted in this row (its copy owns the token)."""
+    """Per copy, for each token, whether the pair is counted in this row (its copy owns the token)."""
     scaled: list[np.ndarray]
-    """Per copy, for each slot, ``c A`` (0 where not counted)."""
+    """Per copy, for each token, ``c A`` (0 where not counted)."""
     masks: list[np.ndarray]
-    """Per copy, for each slot, the loss mask ``m`` (metrics; 0 where not counted)."""
+    """Per copy, for each token, the loss mask ``m`` (metrics; 0 where not counted)."""
 
 
 def row_pairs(
-    targets: np.ndarray,
     paths: Sequence[np.ndarray],
     loss_masks: Sequence[np.ndarray],
     coefficients: Sequence[np.ndarray],
     advantages: Sequence[np.ndarray],
     owned: np.ndarray,
 ) -> CPPOPairs:
-    """The pairs of a row whose ``targets`` (sorted row indices) include every trained token of every copy.
-
-    ``paths``, ``loss_masks``, ``coefficients``, ``advantages`` and ``owned`` as for
+    """The pairs of a row: ``paths``, ``loss_masks``, ``coefficients``, ``advantages`` and ``owned`` as for
     :func:`ds_tree.losses.rl.token_sums` (a copy's tokens in the row are a prefix of its path)."""
-    slots, trained, counted, scaled, masks = [], [], [], [], []
+    tokens, trained, counted, scaled, masks = [], [], [], [], []
     for path, mask, coefficient, advantage in zip(paths, loss_masks, coefficients, advantages, strict=True):
         path, mask = np.asarray(path, dtype=np.int64), np.asarray(mask, dtype=np.float64).copy()
         mask[:1] = 0.0
         on = np.flatnonzero((mask != 0) & (path >= 0))
-        slot = np.searchsorted(targets, path[on])
-        if np.any(slot >= targets.size) or np.any(targets[np.minimum(slot, targets.size - 1)] != path[on]):
-            raise ValueError("cppo needs every trained token of the row among its targets")
         mine = np.asarray(owned, dtype=bool)[path[on]]
-        slots.append(slot)
+        tokens.append(path[on])
         trained.append(int(np.count_nonzero(mask)))
         counted.append(mine)
         scaled.append(np.where(mine, np.asarray(coefficient, dtype=np.float64)[on] * np.asarray(advantage)[on], 0.0))
         masks.append(np.where(mine, mask[on], 0.0))
-    return CPPOPairs(slots, np.asarray(trained, dtype=np.int64), counted, scaled, masks)
+    return CPPOPairs(tokens, np.asarray(trained, dtype=np.int64), counted, scaled, masks)
+
+
+def row_divergence(
+    n_tokens: int, targets: np.ndarray, logp: np.ndarray, logp_old: np.ndarray, divergence: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per row token, ``D`` and the sign of ``logp - logp_old`` at ``targets`` (NaN elsewhere), from this update's
+    ``logp`` and the old ``logp_old`` there."""
+    by_token = np.full((2, n_tokens), np.nan)
+    by_token[0, targets] = token_divergence(logp, logp_old, divergence)
+    by_token[1, targets] = np.sign(np.asarray(logp, dtype=np.float64) - np.asarray(logp_old, dtype=np.float64))
+    return by_token[0], by_token[1]
 
 
 def kept_sums(
-    pairs: CPPOPairs, logp: np.ndarray, logp_old: np.ndarray, settings: CPPOSettings
+    pairs: CPPOPairs, divergence: np.ndarray, rising: np.ndarray, settings: CPPOSettings
 ) -> tuple[np.ndarray, float]:
-    """Per target slot, ``sum_i c_i keep_i A_i`` over the pairs counted there, and the masked pairs' loss-mask sum
-    (``rl/cppo_masked_frac``'s numerator), from this update's ``logp`` and the old ``logp_old`` per slot."""
-    divergence = token_divergence(logp, logp_old, settings.divergence)
-    rising = np.sign(np.asarray(logp, dtype=np.float64) - np.asarray(logp_old, dtype=np.float64))
-    total = np.zeros(np.asarray(logp).size)
+    """Per row token, ``sum_i c_i keep_i A_i`` over the pairs counted there, and the masked pairs' loss-mask sum
+    (``rl/cppo_masked_frac``'s numerator), from :func:`row_divergence` (known at every trained token of a copy
+    that counts a pair)."""
+    total = np.zeros(divergence.size)
     masked = 0.0
-    for slot, trained, counted, scaled, mask in zip(
-        pairs.slots, pairs.trained, pairs.counted, pairs.scaled, pairs.masks, strict=True
+    for tokens, trained, counted, scaled, mask in zip(
+        pairs.tokens, pairs.trained, pairs.counted, pairs.scaled, pairs.masks, strict=True
     ):
         if not counted.any():
             continue
-        keep = path_keep(divergence[slot], scaled * rising[slot] > 0, int(trained), settings)
-        np.add.at(total, slot, np.where(keep, scaled, 0.0))
+        if np.any(np.isnan(divergence[tokens])):
+            raise ValueError("cppo needs the divergence at every trained token of a path's prefix in the row")
+        keep = path_keep(divergence[tokens], scaled * rising[tokens] > 0, int(trained), settings)
+        np.add.at(total, tokens, np.where(keep, scaled, 0.0))
         masked += float(mask[~keep].sum())
     return total, masked

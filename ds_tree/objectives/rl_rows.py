@@ -30,7 +30,7 @@ from ds_tree.engine.dfs import DfsSettings, WalkStats, dummy_call
 from ds_tree.engine.runners import RunContext, StepOutput, run_items, runner_of
 from ds_tree.engine.self_check import merge_over_group
 from ds_tree.errors import DataError
-from ds_tree.losses.cppo import CPPOPairs, kept_sums, row_pairs
+from ds_tree.losses.cppo import CPPOPairs, kept_sums, row_divergence, row_pairs
 from ds_tree.losses.rl import RLSettings, TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
 from ds_tree.models.moe import RouterAuxLoss
@@ -140,21 +140,16 @@ def copy_coefficients(
 
 
 def cppo_targets(row: PackedRow, copies, active: np.ndarray) -> np.ndarray:
-    """CPPO's targets: ``active`` and every token of the row a copy trains (a pair's prefix, owned or not)."""
+    """CPPO's targets: ``active`` and every token of the row a copy trains (a pair's prefix, owned or not) that the
+    row predicts (a shard: those predicted inside it; the group completes them, :func:`cppo_mask_sums`)."""
     return np.union1d(active, np.flatnonzero(trained_tokens(row.n_tokens, copies) & (row.pred_pos >= 0)))
 
 
 def cppo_pairs(
-    row: PackedRow,
-    copies,
-    targets: np.ndarray,
-    advantages: dict[int, np.ndarray],
-    settings: RLSettings,
-    normalisers: StepNormalisers,
+    row: PackedRow, copies, advantages: dict[int, np.ndarray], settings: RLSettings, normalisers: StepNormalisers
 ) -> CPPOPairs:
     """The row's pairs for CPPO's mask (:func:`ds_tree.losses.cppo.row_pairs`)."""
     return row_pairs(
-        targets,
         [path for _, path in copies],
         [t.loss_mask for t, _ in copies],
         copy_coefficients(copies, settings, normalisers),
@@ -262,7 +257,7 @@ def prepare_rl_rows(
             by_token = np.full(row.n_tokens, np.nan)
             by_token[targets] = logp_old
             sums = row_sums(row, copies, advantages, settings, normalisers, logp_old=by_token)
-        pairs = None if settings.cppo is None else cppo_pairs(row, copies, targets, advantages, settings, normalisers)
+        pairs = None if settings.cppo is None else cppo_pairs(row, copies, advantages, settings, normalisers)
         prepared.append(RLRow(row, targets, sums.take(targets), logp_old, None, pairs))
     if reference is not None:
         if lockstep and gathers_collectively(reference):
@@ -362,7 +357,7 @@ def targets_loss(
     if settings.cppo is not None:
         if np.arange(item.targets.size)[select].size != item.targets.size:
             raise ValueError("cppo scores a row's targets in one forward (packed rows only, not dfs or shards)")
-        kept, masked = kept_sums(item.cppo, logp.detach().double().cpu().numpy(), item.logp_old, settings.cppo)
+        kept, masked = cppo_mask_sums(item, logp.detach().double().cpu().numpy(), settings)
         sums = replace(sums, positive=kept, negative=np.zeros_like(kept))
     loss, metrics = ppo_tree_loss(
         logp,
@@ -381,6 +376,31 @@ def targets_loss(
     if masked is not None:
         metrics["cppo_masked"] = masked
     return loss, metrics
+
+
+def cppo_mask_sums(item: RLRow, logp: np.ndarray, settings: RLSettings) -> tuple[np.ndarray, float]:
+    """CPPO's per-target sums ``sum_i c_i keep_i A_i`` of ``item`` and its masked count, from this update's ``logp``
+    at its targets. A sequence-parallel shard scores only the targets predicted inside it: the divergences of the
+    whole row are summed over its group first (each trained token is predicted in one shard), one all-reduce per
+    shard, made by every rank of the group for the same row in the same order, as its forward's all-to-alls are."""
+    divergence, rising = row_divergence(item.row.n_tokens, item.targets, logp, item.logp_old, settings.cppo.divergence)
+    if item.row.kind == "shard":
+        divergence, rising = _over_group(divergence, rising)
+    kept, masked = kept_sums(item.cppo, divergence, rising, settings.cppo)
+    return kept[item.targets], masked
+
+
+def _over_group(divergence: np.ndarray, rising: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row token, the value of the one shard of the sequence-parallel group that knows it (NaN where none)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    known = ~np.isnan(divergence)
+    values = torch.tensor(np.stack([np.where(known, divergence, 0.0), np.where(known, rising, 0.0), known]))
+    dist.all_reduce(values, group=parallel_state_sp.get_sequence_parallel_group())
+    whole = values.numpy()
+    missing = whole[2] == 0
+    return np.where(missing, np.nan, whole[0]), np.where(missing, np.nan, whole[1])
 
 
 def rl_terms(item: RLRow, settings: RLSettings) -> RowTerms:
