@@ -71,7 +71,7 @@ class RLRow:
     logp_ref: np.ndarray | None
     cppo: CPPOPairs | None = None
     """With CPPO: the row's (path copy, trained token) pairs its mask reads (``targets`` then hold every trained
-    token of the row, owned or not: a pair's prefix)."""
+    token the row predicts, owned or not: a pair's prefix, :func:`cppo_targets`)."""
 
 
 def trajectory_copies(row: PackedRow) -> list[tuple[Trajectory, np.ndarray]]:
@@ -356,7 +356,7 @@ def targets_loss(
     masked = None
     if settings.cppo is not None:
         if np.arange(item.targets.size)[select].size != item.targets.size:
-            raise ValueError("cppo scores a row's targets in one forward (packed rows only, not dfs or shards)")
+            raise ValueError("cppo scores a row's (or shard's) targets in one forward: not built for dfs walks")
         kept, masked = cppo_mask_sums(item, logp.detach().double().cpu().numpy(), settings)
         sums = replace(sums, positive=kept, negative=np.zeros_like(kept))
     loss, metrics = ppo_tree_loss(
