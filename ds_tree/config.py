@@ -1174,11 +1174,11 @@ class Config:
                     f"with over_budget: dfs), or leave them out (mode is {packing.mode}, over_budget "
                     f"{packing.over_budget})"
                 )
-        if self.objective.cppo.enabled and packing.uses_dfs:
+        if self.objective.cppo.enabled and packing.uses_dfs and self.parallel.sequence_parallel_size > 1:
             raise ConfigError(
-                "objective.cppo: its mask reads each path's whole prefix when the path's tokens are scored, which a "
-                "dfs walk does chunk by chunk; not built yet: set packing.mode tree (over_budget other than dfs) or "
-                "flat, or objective.cppo.enabled: false"
+                "objective.cppo: its mask on trees walked by a sequence-parallel group (dfs walks with "
+                "parallel.sequence_parallel_size > 1) is not built yet; set packing.mode tree with over_budget "
+                "sequence_parallel, or sequence_parallel_size: 1, or objective.cppo.enabled: false"
             )
         rollout = self.rollout
         if not rollout.enabled:

@@ -151,7 +151,7 @@ def test_rl_under_sequence_parallelism_passes_the_dry_run_with_dfs_too(tmp_path:
     Trainer(load_config(config_path, ["packing.over_budget=dfs"])).prepare()  # long trees walked by the group
     cppo = ["objective.cppo.enabled=true"]
     Trainer(load_config(config_path, cppo)).prepare()  # CPPO's mask on sharded rows: the group sums the prefix
-    with pytest.raises(ConfigError, match=r"objective\.cppo: .* a dfs walk does chunk by chunk; not built yet"):
+    with pytest.raises(ConfigError, match=r"objective\.cppo: its mask on trees walked by a sequence-parallel group"):
         load_config(config_path, [*cppo, "packing.over_budget=dfs"])
     # every tree walked by the group, its chunks sharded (ds-tree verify --dfs-chunk C --sequence-parallel 2)
     Trainer(load_config(config_path, ["packing.mode=dfs", "objective.kl_coef=0.1"])).prepare()

@@ -171,7 +171,7 @@ def test_data_without_what_the_estimator_needs_exits_2(tmp_path, capsys, objecti
         (["--objective", "grpo", "--cppo-delta", "0.1"], "objective.cppo.delta: only with objective.cppo.enabled"),
         (["--objective", "grpo", "--cppo", "--eps-high", "0.28"], "CPPO's mask replaces the ratio clip"),
         (["--objective", "grpo", "--cppo", "--cppo-w-min", "0"], "objective.cppo.w_min must be in (0, 1]"),
-        (["--objective", "grpo", "--cppo", "--dfs-chunk", "16"], "--cppo: its mask is not built for dfs walks yet"),
+        (["--objective", "grpo", "--cppo", "--dfs-chunk", "16", "--sequence-parallel", "2"], "walks sharded over"),
     ],
 )
 def test_contradictory_options_are_usage_errors(data, capsys, options, message):
@@ -202,16 +202,20 @@ CPPO += ["--budget", "64"]
 keeps some pairs and the budget decides others (measured: 103 of 352 masked)."""
 
 
-@pytest.mark.parametrize("divergence", ["tv", "kl"])
-def test_cppo_tree_equals_flat_on_split_trees(data, capsys, divergence):
-    """CPPO's mask on split trees: some pairs masked, some not, and the tree's loss, gradients and masked count
-    are flat's."""
+@pytest.mark.parametrize(
+    ("divergence", "walk"), [("tv", ["--dfs-chunk", "16"]), ("kl", ["--dfs-chunk", "16", "--dfs-recompute"])]
+)
+def test_cppo_tree_and_dfs_equal_flat_on_split_trees(data, capsys, divergence, walk):
+    """CPPO's mask on split trees and on walked ones (its no-grad walk first, then the update's, with or without
+    recompute): some pairs masked, some not, and the loss, gradients and masked count are flat's."""
     scale = ["--cppo-delta", "2e-7", "--cppo-budget", "2e-8"] if divergence == "kl" else []  # KL ~ (pi - mu)^2 / mu
-    code, report, _ = run(["--data", data, "--model", MODEL, *CPPO, "--cppo-divergence", divergence, *scale], capsys)
+    argv = ["--data", data, "--model", MODEL, *CPPO, "--cppo-divergence", divergence, *scale, *walk]
+    code, report, _ = run(argv, capsys)
     assert code == 0, report
     assert report["rows_tree"] > 3  # the trees were split into parts: prefix copies carry the budget's prefix
-    for error in ("loss_rel_err", "max_rel_grad_err", "max_rel_metric_err"):
+    for error in ("loss_rel_err", "max_rel_grad_err", "max_rel_metric_err", "dfs_loss_rel_err"):
         assert report[error] < 1e-10, (error, report[error])
+    assert report["dfs_max_rel_grad_err"] < 1e-10 and report["dfs_max_rel_metric_err"] < 1e-10, report
     metrics = report["metrics_flat"]
     assert 0 < metrics["cppo_masked"] < metrics["tokens"], metrics
     assert metrics["clip_low"] == metrics["clip_high"] == 0  # the mask replaces the clip

@@ -163,9 +163,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     objective = objective_config(parser, args)
     if args.sequence_parallel > 1 and objective is not None and objective.kind in ("distill", "dpo"):
         parser.error(f"--sequence-parallel: --objective {objective.kind} is timed in one process (no S ranks)")
-    walks = "dfs" in {mode.strip() for mode in args.modes.split(",")}
-    if objective is not None and objective.cppo.enabled and walks:
-        parser.error("--cppo: its mask is not built for dfs walks yet (mode dfs)")
     if args.sequence_parallel > 1:
         measure = sequence_parallel_measure(args, objective)
     else:

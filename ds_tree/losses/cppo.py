@@ -146,12 +146,12 @@ def row_divergence(
 
 def kept_sums(
     pairs: CPPOPairs, divergence: np.ndarray, rising: np.ndarray, settings: CPPOSettings
-) -> tuple[np.ndarray, float]:
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row token, ``sum_i c_i keep_i A_i`` over the pairs counted there, and the masked pairs' loss-mask sum
     (``rl/cppo_masked_frac``'s numerator), from :func:`row_divergence` (known at every trained token of a copy
     that counts a pair)."""
     total = np.zeros(divergence.size)
-    masked = 0.0
+    masked = np.zeros(divergence.size)
     for tokens, trained, counted, scaled, mask in zip(
         pairs.tokens, pairs.trained, pairs.counted, pairs.scaled, pairs.masks, strict=True
     ):
@@ -161,5 +161,5 @@ def kept_sums(
             raise ValueError("cppo needs the divergence at every trained token of a path's prefix in the row")
         keep = path_keep(divergence[tokens], scaled * rising[tokens] > 0, int(trained), settings)
         np.add.at(total, tokens, np.where(keep, scaled, 0.0))
-        masked += float(mask[~keep].sum())
+        np.add.at(masked, tokens, np.where(keep, 0.0, mask))
     return total, masked

@@ -72,6 +72,9 @@ class RLRow:
     cppo: CPPOPairs | None = None
     """With CPPO: the row's (path copy, trained token) pairs its mask reads (``targets`` then hold every trained
     token the row predicts, owned or not: a pair's prefix, :func:`cppo_targets`)."""
+    cppo_mask: tuple[np.ndarray, np.ndarray] | None = None
+    """With CPPO on a walked row: the update's mask sums per target (kept ``c A``, masked loss mask), from a no-grad
+    walk before the update's (:func:`walked_cppo_masks`), since a walk scores the targets chunk by chunk."""
 
 
 def trajectory_copies(row: PackedRow) -> list[tuple[Trajectory, np.ndarray]]:
@@ -355,9 +358,12 @@ def targets_loss(
     sums = item.sums.take(select) if isinstance(select, np.ndarray) else item.sums
     masked = None
     if settings.cppo is not None:
-        if np.arange(item.targets.size)[select].size != item.targets.size:
-            raise ValueError("cppo scores a row's (or shard's) targets in one forward: not built for dfs walks")
-        kept, masked = cppo_mask_sums(item, logp.detach().double().cpu().numpy(), settings)
+        if item.cppo_mask is not None:  # a walked row: the mask of the update, from its no-grad walk
+            kept, masked = (values[select] for values in item.cppo_mask)
+        elif np.arange(item.targets.size)[select].size != item.targets.size:
+            raise ValueError("cppo scores a row's (or shard's) targets in one forward, or walks it first")
+        else:
+            kept, masked = cppo_mask_sums(item, logp.detach().double().cpu().numpy(), settings)
         sums = replace(sums, positive=kept, negative=np.zeros_like(kept))
     loss, metrics = ppo_tree_loss(
         logp,
@@ -374,12 +380,12 @@ def targets_loss(
         ratio_clip=settings.cppo is None,
     )
     if masked is not None:
-        metrics["cppo_masked"] = masked
+        metrics["cppo_masked"] = float(masked.sum())
     return loss, metrics
 
 
-def cppo_mask_sums(item: RLRow, logp: np.ndarray, settings: RLSettings) -> tuple[np.ndarray, float]:
-    """CPPO's per-target sums ``sum_i c_i keep_i A_i`` of ``item`` and its masked count, from this update's ``logp``
+def cppo_mask_sums(item: RLRow, logp: np.ndarray, settings: RLSettings) -> tuple[np.ndarray, np.ndarray]:
+    """CPPO's per-target sums ``sum_i c_i keep_i A_i`` of ``item`` and its masked counts, from this update's ``logp``
     at its targets. A sequence-parallel shard scores only the targets predicted inside it: the divergences of the
     whole row are summed over its group first (each trained token is predicted in one shard), one all-reduce per
     shard, made by every rank of the group for the same row in the same order, as its forward's all-to-alls are."""
@@ -387,7 +393,24 @@ def cppo_mask_sums(item: RLRow, logp: np.ndarray, settings: RLSettings) -> tuple
     if item.row.kind == "shard":
         divergence, rising = _over_group(divergence, rising)
     kept, masked = kept_sums(item.cppo, divergence, rising, settings.cppo)
-    return kept[item.targets], masked
+    return kept[item.targets], masked[item.targets]
+
+
+def walked_cppo_masks(model, prepared: Sequence[RLRow], settings: RLSettings, run: RunContext) -> None:
+    """Sets CPPO's mask of this update on the walked rows of ``prepared`` (:attr:`RLRow.cppo_mask`; nothing without
+    dfs walks): a walk scores a tree chunk by chunk (with ``dfs_recompute`` a chunk's loss after its children's),
+    so the current policy's log-probs at a walked row's targets come from a no-grad walk first, one more per
+    walked row and update. With ``run.dfs.lockstep`` (ZeRO-3) the ranks' walks are evened out first, as the old
+    policy's are: every rank calls this before every update."""
+    if run.dfs is None:
+        return
+    walked = [item for item in prepared if item.row.kind == "walked"]
+    if run.dfs.lockstep and in_process_group() and gathers_collectively(model):
+        even_out_forwards(model, [item.row for item in walked], run)
+    for item in walked:
+        with torch.no_grad():
+            logp = runner_of(item.row).logprobs(model, item.row, item.targets, run)
+        item.cppo_mask = cppo_mask_sums(item, logp, settings)
 
 
 def _over_group(divergence: np.ndarray, rising: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -437,6 +460,8 @@ def run_rl_rows(
     run = RunContext(device, head_chunk, dfs, router_aux, collect_logprobs, stats)
     if backward_for is None:
         backward_for = lambda _: backward or (lambda loss: None)  # noqa: E731
+    if settings.cppo is not None:
+        walked_cppo_masks(model, prepared, settings, run)
     rows = [item.row for item in prepared]
     return run_items(model, rows, [rl_terms(item, settings) for item in prepared], run, backward_for)
 
