@@ -1174,12 +1174,6 @@ class Config:
                     f"with over_budget: dfs), or leave them out (mode is {packing.mode}, over_budget "
                     f"{packing.over_budget})"
                 )
-        if self.objective.cppo.enabled and packing.uses_dfs and self.parallel.sequence_parallel_size > 1:
-            raise ConfigError(
-                "objective.cppo: its mask on trees walked by a sequence-parallel group (dfs walks with "
-                "parallel.sequence_parallel_size > 1) is not built yet; set packing.mode tree with over_budget "
-                "sequence_parallel, or sequence_parallel_size: 1, or objective.cppo.enabled: false"
-            )
         rollout = self.rollout
         if not rollout.enabled:
             nested = ("enabled", "env", "vllm")

@@ -472,7 +472,6 @@ GRPO_CPPO = ["objective.kind=grpo", "objective.cppo.enabled=true"]
         ([*GRPO_CPPO, "objective.cppo.divergence=js"], r"objective\.cppo\.divergence must be one of tv, kl"),
         ([*GRPO_CPPO, "objective.dual_clip=2"], r"objective\.dual_clip: CPPO's mask replaces the ratio clip"),
         ([*GRPO_CPPO, "objective.importance_truncation=2"], r"objective\.importance_truncation: not combined"),
-        ([*GRPO_CPPO, "packing.mode=dfs", "parallel.sequence_parallel_size=2"], r"objective\.cppo: .* not built yet"),
     ],
 )
 def test_bad_cppo_settings_are_refused_at_config_time(overrides, message):

@@ -171,7 +171,6 @@ def test_data_without_what_the_estimator_needs_exits_2(tmp_path, capsys, objecti
         (["--objective", "grpo", "--cppo-delta", "0.1"], "objective.cppo.delta: only with objective.cppo.enabled"),
         (["--objective", "grpo", "--cppo", "--eps-high", "0.28"], "CPPO's mask replaces the ratio clip"),
         (["--objective", "grpo", "--cppo", "--cppo-w-min", "0"], "objective.cppo.w_min must be in (0, 1]"),
-        (["--objective", "grpo", "--cppo", "--dfs-chunk", "16", "--sequence-parallel", "2"], "walks sharded over"),
     ],
 )
 def test_contradictory_options_are_usage_errors(data, capsys, options, message):

@@ -159,10 +159,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.lora and args.sequence_parallel > 1:
         parser.error("--lora checks single-process modes (not --sequence-parallel)")
     objective = objective_config(parser, args, rl_only=("perturbation",), sft_only=("normalisation", "policy"))
-    if objective is not None and objective.cppo.enabled and args.dfs_chunk is not None and args.sequence_parallel > 1:
-        parser.error(
-            "--cppo: its mask is not built for walks sharded over a group yet (--dfs-chunk with --sequence-parallel)"
-        )
     with stdout_to_stderr():
         code, report = run(args, objective)
     if report is not None:

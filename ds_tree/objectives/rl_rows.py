@@ -145,7 +145,8 @@ def copy_coefficients(
 def cppo_targets(row: PackedRow, copies, active: np.ndarray) -> np.ndarray:
     """CPPO's targets: ``active`` and every token of the row a copy trains (a pair's prefix, owned or not) that the
     row predicts (a shard: those predicted inside it; the group completes them, :func:`cppo_mask_sums`)."""
-    return np.union1d(active, np.flatnonzero(trained_tokens(row.n_tokens, copies) & (row.pred_pos >= 0)))
+    predicted = row.predicted_here() if row.kind == "walked_shard" else row.pred_pos >= 0
+    return np.union1d(active, np.flatnonzero(trained_tokens(row.n_tokens, copies) & predicted))
 
 
 def cppo_pairs(
@@ -390,10 +391,16 @@ def cppo_mask_sums(item: RLRow, logp: np.ndarray, settings: RLSettings) -> tuple
     whole row are summed over its group first (each trained token is predicted in one shard), one all-reduce per
     shard, made by every rank of the group for the same row in the same order, as its forward's all-to-alls are."""
     divergence, rising = row_divergence(item.row.n_tokens, item.targets, logp, item.logp_old, settings.cppo.divergence)
-    if item.row.kind == "shard":
+    if item.row.kind in SHARDED:
         divergence, rising = _over_group(divergence, rising)
     kept, masked = kept_sums(item.cppo, divergence, rising, settings.cppo)
     return kept[item.targets], masked[item.targets]
+
+
+SHARDED = ("shard", "walked_shard")
+"""Row kinds a sequence-parallel group computes together, each rank scoring the targets of its own shards."""
+WALKED = ("walked", "walked_shard")
+"""Row kinds scored chunk by chunk (:func:`walked_cppo_masks`)."""
 
 
 def walked_cppo_masks(model, prepared: Sequence[RLRow], settings: RLSettings, run: RunContext) -> None:
@@ -404,7 +411,7 @@ def walked_cppo_masks(model, prepared: Sequence[RLRow], settings: RLSettings, ru
     policy's are: every rank calls this before every update."""
     if run.dfs is None:
         return
-    walked = [item for item in prepared if item.row.kind == "walked"]
+    walked = [item for item in prepared if item.row.kind in WALKED]
     if run.dfs.lockstep and in_process_group() and gathers_collectively(model):
         even_out_forwards(model, [item.row for item in walked], run)
     for item in walked:
