@@ -67,6 +67,7 @@ BestMode = Literal["auto", "max", "min"]
 DistillLoss = Literal["reverse_kl_sampled", "kl", "jsd", "reverse_kl"]  # ds_tree.losses.distill.LOSSES
 DPOLoss = Literal["sigmoid", "ipo"]  # ds_tree.losses.dpo.LOSSES
 DPOPairs = Literal["siblings"]  # ds_tree.trees.pairs.PAIRINGS
+CPPODivergence = Literal["tv", "kl"]  # ds_tree.losses.cppo.DIVERGENCES
 
 
 TEMPO_COEF_MAX = 1e6
@@ -94,6 +95,7 @@ RL_ONLY_FIELDS = (
     "gamma",
     "lam",
     "critic",
+    "cppo",
 )
 """``objective`` fields that only an RL objective (``kind`` grpo or ppo) uses."""
 SFT_ONLY_FIELDS = ("normalisation", "policy")
@@ -360,6 +362,32 @@ POLICY_TRUNK = "policy"
 
 
 @dataclass
+class CPPOConfig:
+    """``objective.cppo``: CPPO's token mask in place of the ratio clip (docs/RL.md, "CPPO"; Mao et al. 2026,
+    arXiv 2606.10968): a position-weighted threshold and a cumulative prefix budget on the divergence from the
+    old policy of each trained token, on DPPO's unclipped surrogate ``A r``."""
+
+    enabled: bool = False
+    """Mask by CPPO's rule instead of clipping the ratio (``eps_low``, ``eps_high``, ``dual_clip`` then unused)."""
+    delta: float = 0.15
+    """The token threshold on ``w_k D_k`` (> 0; the paper: 0.15 for dense models, 0.2 for MoE)."""
+    w_min: float = 0.8
+    """The position weight of a path's last trained token, in (0, 1]; the first has 1, linear between."""
+    budget: float = 0.02
+    """``delta_b``: the drift a prefix may accumulate per unit of position weight (>= 0)."""
+    divergence: CPPODivergence = "tv"
+    """``D_k`` of the sampled token: ``tv`` ``|pi - pi_old|`` (DPPO's binary TV) or ``kl`` (the binary KL)."""
+
+    def __post_init__(self) -> None:
+        if not self.delta > 0:
+            raise ConfigError(f"objective.cppo.delta must be > 0, got {self.delta}")
+        if not 0 < self.w_min <= 1:
+            raise ConfigError(f"objective.cppo.w_min must be in (0, 1], got {self.w_min}")
+        if not self.budget >= 0:
+            raise ConfigError(f"objective.cppo.budget must be >= 0, got {self.budget}")
+
+
+@dataclass
 class ObjectiveConfig:
     kind: ObjectiveKind = "sft"
     """``sft``: weighted next-token loss (``normalisation``, ``policy``). ``grpo`` / ``ppo``: the clipped
@@ -441,6 +469,8 @@ class ObjectiveConfig:
     partitioned as the KL reference is, in every layout."""
     distill: DistillSettings = field(default_factory=DistillSettings)
     dpo: DPOSettings = field(default_factory=DPOSettings)
+    cppo: CPPOConfig = field(default_factory=CPPOConfig)
+    """RL: CPPO's prefix-budget mask instead of the ratio clip (``objective.cppo.enabled``)."""
 
     def __post_init__(self) -> None:
         from ds_tree.losses.sft import check_objective
@@ -513,6 +543,29 @@ class ObjectiveConfig:
         if self.estimator in ("given", "rloo") and self.normalise_advantages:
             raise ConfigError(f"objective.normalise_advantages does not apply to the {self.estimator} estimator")
         self._check_critic()
+        self._check_cppo(given)
+
+    def _check_cppo(self, given: list[str]) -> None:
+        """``objective.cppo``'s fields need it enabled; enabled, it replaces the ratio clip and is not combined with
+        importance truncation."""
+        if not self.cppo.enabled:
+            stray = off_default(self.cppo)
+            if stray and self.is_rl:
+                raise ConfigError(
+                    f"objective.cppo.{', objective.cppo.'.join(stray)}: only with objective.cppo.enabled: true"
+                )
+            return
+        clipped = [name for name in ("eps_low", "eps_high", "dual_clip") if name in given]
+        if clipped:
+            raise ConfigError(
+                f"objective.{', objective.'.join(clipped)}: CPPO's mask replaces the ratio clip "
+                "(objective.cppo.enabled); leave them out"
+            )
+        if self.importance_truncation:
+            raise ConfigError(
+                "objective.importance_truncation: not combined with objective.cppo (its divergence is measured "
+                "against the old policy); set it to 0 or cppo.enabled: false"
+            )
 
     def _check_critic(self) -> None:
         """``gae`` and its critic go together; ``gamma``, ``lam`` and the critic's fields need both."""
@@ -564,7 +617,17 @@ class ObjectiveConfig:
             entropy_coef=self.entropy_coef,
             old_logprobs=self.old_logprobs,
             importance_truncation=self.importance_truncation or None,
+            cppo=self.cppo_settings(),
         )
+
+    def cppo_settings(self):
+        """CPPO's parameters (:class:`ds_tree.losses.cppo.CPPOSettings`), None when it is off."""
+        from ds_tree.losses.cppo import CPPOSettings
+
+        if not self.cppo.enabled:
+            return None
+        c = self.cppo
+        return CPPOSettings(delta=c.delta, w_min=c.w_min, budget=c.budget, divergence=c.divergence)
 
 
 GAE_DEFAULTS = {"gamma": 1.0, "lam": 0.95}

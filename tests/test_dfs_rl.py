@@ -178,6 +178,30 @@ def test_two_ranks_dfs_zero2_and_zero3_match_single_process_flat(tmp_path: Path,
         assert run["loss_rel_err"] < 1e-5 and run["max_rel_grad_err"] < 1e-5, run
 
 
+@pytest.mark.distributed
+def test_two_ranks_dfs_with_cppo_match_single_process_flat(tmp_path: Path) -> None:
+    """CPPO's mask in walks: one more no-grad walk of each walked row per update (its mask), evened out over the
+    ranks under ZeRO-3 like the old policy's walks, since the ranks walk different trees; the steps equal the flat
+    single process's."""
+    data = write_rewarded_forest(tmp_path / "forest.jsonl")
+    stages = [str(write_accumulating_ds_config(tmp_path / f"ds{s}.json", s)) for s in (2, 3)]
+    config = write_config(
+        tmp_path,
+        data,
+        objective={"kind": "grpo", "cppo": {"enabled": True}},
+        packing={"mode": "dfs", "budget": 150, "dfs_chunk": 64, "dfs_recompute": True},
+        distributed={"timeout_s": 60},
+    )
+    out = tmp_path / "report.json"
+    torchrun("tests/distributed/dfs_rl_check.py", "--config", str(config), "--out", str(out), "--deepspeed", *stages)
+    report = json.loads(out.read_text())
+    for run in report["runs"]:
+        if run["objective"] == "grpo":
+            assert run["kinds_per_rank"][0] != run["kinds_per_rank"][1], run
+            assert run["loss_rel_err"] < 1e-5 and run["max_rel_grad_err"] < 1e-5, run
+    assert np.isfinite(report["train_step"]["loss"]) and report["train_step"]["grad_norm"] > 0
+
+
 def test_bench_times_rl_in_dfs_mode(tmp_path: Path) -> None:
     from ds_tree.cli.bench import main as bench_main
 

@@ -16,6 +16,8 @@ the norm check by orders of magnitude (test_wrong_restoration_weight_fails_the_g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ds_tree.comparison import gradient_errors
+from ds_tree.config import ConfigError, load_config
+from ds_tree.losses.cppo import CPPOSettings, kept_sums, row_divergence, row_pairs
 from ds_tree.losses.rl import KL_ESTIMATORS, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.packing.parts import split_tree, whole_tree
 from ds_tree.registries import AGGREGATIONS, ESTIMATORS
@@ -330,3 +334,164 @@ def test_argument_checks():
         token_sums(
             2, [np.array([0, 1])], [np.ones(2)], [np.ones(2)], [np.ones(2)], np.ones(2, dtype=bool), truncation=2.0
         )
+
+
+# ------------------------------------------------------------------------------- CPPO
+
+CPPO = CPPOSettings(delta=0.2, w_min=0.7, budget=0.05)
+CPPO_KL = CPPOSettings(delta=0.3, w_min=0.9, budget=0.1, divergence="kl")
+
+
+def _cppo_tree_side(parts, items, tensors, cppo):
+    """CPPO's tree side per part as a packed row computes it: every trained token of the row scored, each (copy,
+    trained token) pair's keep from the row's log-probs, folded into the per-token sums, the loss unclipped."""
+    total, masked = 0.0, 0.0
+    for source, owned in parts:
+        to_row = np.full(tensors["logp"].numel(), -1)
+        to_row[source] = np.arange(source.size)
+        copies = [(to_row[path], *rest[:3]) for path, *rest in items if np.any(to_row[path] >= 0)]
+        columns = [list(column) for column in zip(*copies, strict=True)]
+        sums = token_sums(source.size, *columns, owned)
+        trained = np.concatenate([path[1:][(mask[1:] != 0) & (path[1:] >= 0)] for path, mask, *_ in copies])
+        targets = np.union1d(sums.active(), trained)
+        old = tensors["old"].detach().numpy()[source][targets]
+        logp = tensors["logp"][source[targets]]
+        pairs = row_pairs(*columns, owned)
+        divergence, rising = row_divergence(source.size, targets, logp.detach().numpy(), old, cppo.divergence)
+        kept, part_masked = kept_sums(pairs, divergence, rising, cppo)
+        sums = replace(sums.take(targets), positive=kept[targets], negative=np.zeros(targets.size))
+        loss, _ = ppo_tree_loss(
+            logp,
+            old,
+            sums,
+            logp_ref=tensors["ref"][source[targets]],
+            kl_coef=KL_COEF,
+            entropy=tensors["entropy"][source[targets]],
+            entropy_coef=ENTROPY_COEF,
+            ratio_clip=False,
+        )
+        total, masked = total + loss, masked + part_masked.sum()
+    return total, masked
+
+
+def _cppo_flat_side(items, tensors, cppo):
+    """CPPO written out per trajectory (arXiv 2606.10968, Eq. 8-11) with a loop over its trained tokens; returns the
+    loss, its terms' magnitude, the masked pairs' loss-mask sum and how often each clause decided."""
+    total = tensors["logp"][:0].sum() + tensors["entropy"][:0].sum()
+    magnitude, masked = 0.0, 0.0
+    regimes = {"back": 0, "within": 0, "over_delta": 0, "over_budget": 0}
+    for path, mask, coefficient, advantage, _ in items:
+        trained = [k for k in range(1, path.size) if mask[k] != 0]
+        big_t = len(trained)
+        spent = allowed = 0.0
+        for position, k in enumerate(trained, start=1):
+            t = path[k]
+            logp, old = tensors["logp"][t], float(tensors["old"][t])
+            pi, mu = float(torch.exp(logp.detach())), np.exp(old)
+            if cppo.divergence == "tv":
+                divergence = abs(pi - mu)
+            else:
+                divergence = mu * np.log(mu / pi) + (1 - mu) * np.log((1 - mu) / (1 - pi))
+            weight = cppo.w_min + (1 - cppo.w_min) * (big_t - position) / max(big_t - 1, 1)
+            threshold = min(cppo.delta, cppo.delta + cppo.budget * allowed - spent)
+            drift = weight * divergence
+            if advantage[k] * (pi / mu - 1) <= 0:
+                keep, regime = True, "back"
+            elif drift <= threshold:
+                keep, regime = True, "within"
+            else:
+                keep, regime = False, "over_delta" if drift > cppo.delta else "over_budget"
+            regimes[regime] += 1
+            spent, allowed = spent + drift, allowed + weight
+            kl = torch.exp(tensors["ref"][t] - logp) - 1 - (tensors["ref"][t] - logp)
+            surrogate = torch.exp(logp - old) * advantage[k] if keep else logp * 0
+            term = coefficient[k] * (-surrogate + KL_COEF * kl - ENTROPY_COEF * tensors["entropy"][t])
+            total = total + term
+            magnitude += abs(term.item())
+            masked += 0.0 if keep else float(mask[k])
+    return total, magnitude, masked, regimes
+
+
+def _check_cppo(trajectories, seed, estimator, aggregation, budget, cppo, tree_cppo=None):
+    rng = np.random.default_rng(seed)
+    trees, offsets, items = _prepare(trajectories, rng, estimator, aggregation)
+    values = _values(int(offsets[-1]), items, rng)
+    values["old"] = np.minimum(values["old"], -0.02)  # probabilities (the binary KL reads 1 - pi_old)
+    parts = _parts(trees, offsets, budget)
+    tree_tensors, flat_tensors = (
+        {name: torch.tensor(v, requires_grad=name in GRADIENTS) for name, v in values.items()} for _ in range(2)
+    )
+    tree_loss, tree_masked = _cppo_tree_side(parts, items, tree_tensors, tree_cppo or cppo)
+    flat_loss, magnitude, flat_masked, regimes = _cppo_flat_side(items, flat_tensors, cppo)
+    assert abs(tree_loss.item() - flat_loss.item()) <= RTOL * magnitude
+    errors = gradient_errors(_gradients(flat_loss, flat_tensors), _gradients(tree_loss, tree_tensors))
+    assert max(errors.values()) <= RTOL, errors
+    assert tree_masked == pytest.approx(flat_masked, rel=RTOL)
+    return parts, regimes
+
+
+@pytest.mark.parametrize("cppo", [CPPO, CPPO_KL], ids=["tv", "kl"])
+@pytest.mark.parametrize("estimator", ["grpo", "given"])
+@SETTINGS
+@given(trajectories=forests(), seed=st.integers(0, 2**32 - 1), split=st.booleans())
+def test_cppo_tree_equals_flat(trajectories, seed, split, estimator, cppo):
+    """CPPO's mask, per (path, token) with the path's own length, folded into the tree's sums: tree == flat."""
+    budget = longest(trajectories) if split else None
+    _check_cppo(trajectories, seed, estimator, "seq_mean_token_mean", budget, cppo)
+
+
+@pytest.mark.parametrize("cppo", [CPPO, CPPO_KL], ids=["tv", "kl"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS.names())
+def test_cppo_fixed_forest_exercises_every_clause(aggregation, cppo):
+    """On trees split into parts with advantages of both signs, every clause of the mask decides somewhere: kept
+    stepping back, kept within the threshold, masked over delta, and masked by the prefix budget alone."""
+    trajectories = _fixed_forest(np.random.default_rng(7))
+    parts, regimes = _check_cppo(trajectories, 11, "grpo", aggregation, 20, cppo)
+    assert any(not owned.all() for _, owned in parts), "no duplicated prefix token"
+    assert all(regimes.values()), regimes
+
+
+def test_cppo_mask_is_not_blind():
+    """The comparison fails when the tree side ignores the prefix budget (a mask of the token threshold alone)."""
+    trajectories = _fixed_forest(np.random.default_rng(7))
+    with pytest.raises(AssertionError):
+        _check_cppo(trajectories, 11, "grpo", "token_mean", 20, CPPO, tree_cppo=replace(CPPO, budget=1e9))
+
+
+GRPO_CPPO = ["objective.kind=grpo", "objective.cppo.enabled=true"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["objective.cppo.enabled=true"], r"objective\.cppo: only with objective\.kind grpo or ppo \(kind is sft\)"),
+        (["objective.kind=grpo", "objective.cppo.budget=0.1"], r"objective\.cppo\.budget: only with .*enabled: true"),
+        ([*GRPO_CPPO, "objective.cppo.delta=0"], r"objective\.cppo\.delta must be > 0"),
+        ([*GRPO_CPPO, "objective.cppo.w_min=1.5"], r"objective\.cppo\.w_min must be in \(0, 1\]"),
+        ([*GRPO_CPPO, "objective.cppo.budget=-1"], r"objective\.cppo\.budget must be >= 0"),
+        ([*GRPO_CPPO, "objective.cppo.divergence=js"], r"objective\.cppo\.divergence must be one of tv, kl"),
+        ([*GRPO_CPPO, "objective.dual_clip=2"], r"objective\.dual_clip: CPPO's mask replaces the ratio clip"),
+        ([*GRPO_CPPO, "objective.importance_truncation=2"], r"objective\.importance_truncation: not combined"),
+    ],
+)
+def test_bad_cppo_settings_are_refused_at_config_time(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/tiny_cpu.yaml", overrides)
+
+
+def test_cppo_settings_reach_the_loss():
+    objective = load_config("configs/tiny_cpu.yaml", [*GRPO_CPPO, "objective.cppo.w_min=0.5"]).objective
+    assert objective.rl_settings().cppo == CPPOSettings(w_min=0.5)
+    assert load_config("configs/tiny_cpu.yaml", ["objective.kind=grpo"]).objective.rl_settings().cppo is None
+
+
+def test_console_line_shows_cppos_masked_fraction_instead_of_the_clip():
+    from ds_tree.run.metrics import console_line
+
+    scalars = {"loss/train": 0.5, "optim/lr": 1e-3, "optim/grad_norm": 1.0, "time/step_s": 1.0}
+    scalars |= {"throughput/flat_tokens_per_s": 10.0, "throughput/unique_tokens_per_s": 5.0}
+    scalars |= {"tree/por": 0.5, "tree/err": 0.5, "rl/reward_mean": 0.25, "rl/approx_kl": 0.01, "rl/entropy": 2.0}
+    scalars |= {"rl/clip_frac_low": 0.0, "rl/clip_frac_high": 0.0}
+    assert "clip 0.000/0.000" in console_line(1, 2, scalars)
+    line = console_line(1, 2, scalars | {"rl/cppo_masked_frac": 0.125})
+    assert "masked 0.125" in line and "clip" not in line

@@ -99,6 +99,25 @@ def test_verify_rl_under_sequence_parallelism_equals_flat_in_float64(tmp_path: P
     assert metrics["kl_ref"] > 0 and metrics["clip_dual"] > 0 and metrics["entropy"] > 0, metrics
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("walked", [False, True], ids=["sharded-rows", "sharded-walks"])
+def test_verify_cppo_under_sequence_parallelism_equals_flat(tmp_path: Path, walked: bool) -> None:
+    """CPPO at S = 2 (2 spawned ranks): a shard scores only the targets predicted inside it, so a path's prefix
+    drift crosses the shard boundary; the group sums the row's divergences before each shard's mask (a walk sharded
+    over the group: after one more no-grad walk). Thresholds at the scale of the random model's divergences, so
+    that the mask keeps some pairs and masks others."""
+    data = write_rl_cases(tmp_path / "rl.jsonl")
+    model = one_kv_head_model(tmp_path / "model.json")
+    cppo = ["--cppo", "--cppo-delta", "4e-4", "--cppo-budget", "1e-4", "--cppo-w-min", "0.3"]
+    report = verify(data, model, "--objective", "grpo", *cppo, *(["--dfs-chunk", str(BUDGET)] if walked else []))
+    assert report["passed"], report
+    assert report["walked_trees"] >= 2 if walked else report["sharded_rows"] >= 2, report
+    for error in ("loss_rel_err", "max_rel_grad_err", "max_rel_metric_err"):
+        assert report[error] <= 1e-10, (error, report[error])
+    metrics = report["metrics_flat"]
+    assert 0 < metrics["cppo_masked"] < metrics["tokens"], metrics
+
+
 GAE = ["--objective", "ppo", "--estimator", "gae", "--gamma", "0.97", "--lam", "0.9", "--value-clip", "0.05"]
 
 
@@ -137,6 +156,9 @@ def test_rl_under_sequence_parallelism_passes_the_dry_run_with_dfs_too(tmp_path:
     Trainer(load_config(config_path)).prepare()
     Trainer(load_config(config_path, ["objective.kl_coef=0.1", "objective.estimator=treepo"])).prepare()
     Trainer(load_config(config_path, ["packing.over_budget=dfs"])).prepare()  # long trees walked by the group
+    cppo = ["objective.cppo.enabled=true"]
+    Trainer(load_config(config_path, cppo)).prepare()  # CPPO's mask on sharded rows: the group sums the prefix
+    Trainer(load_config(config_path, [*cppo, "packing.over_budget=dfs"])).prepare()  # and walked by the group
     # every tree walked by the group, its chunks sharded (ds-tree verify --dfs-chunk C --sequence-parallel 2)
     Trainer(load_config(config_path, ["packing.mode=dfs", "objective.kl_coef=0.1"])).prepare()
     with pytest.raises(

@@ -12,6 +12,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ds_tree.cli.verify import main
@@ -167,6 +168,10 @@ def test_data_without_what_the_estimator_needs_exits_2(tmp_path, capsys, objecti
         (["--objective", "ppo", "--estimator", "gae"], "estimator gae needs a learned critic"),
         (["--objective", "grpo", "--lam", "0.5"], "objective.lam: only with objective.estimator gae"),
         (["--objective", "ppo", "--estimator", "gae", "--critic", "policy", "--value-clip", "-1"], "value_clip >= 0"),
+        (["--cppo"], "--cppo-*: only with --objective grpo or ppo"),
+        (["--objective", "grpo", "--cppo-delta", "0.1"], "objective.cppo.delta: only with objective.cppo.enabled"),
+        (["--objective", "grpo", "--cppo", "--eps-high", "0.28"], "CPPO's mask replaces the ratio clip"),
+        (["--objective", "grpo", "--cppo", "--cppo-w-min", "0"], "objective.cppo.w_min must be in (0, 1]"),
     ],
 )
 def test_contradictory_options_are_usage_errors(data, capsys, options, message):
@@ -189,3 +194,44 @@ def test_grpo_on_a_converted_tot_game24_slice(tmp_path, tokenizer_dir, capsys):
     assert report["passed"] and report["n_trajectories"] == 24 and report["singleton_trajectories"] == 0
     assert report["ideal_speedup"] > 2.5  # the prompt is shared, not a degenerate slice
     assert report["metrics_flat"]["clip_low"] > 0 and report["metrics_flat"]["clip_high"] > 0
+
+
+CPPO = ["--objective", "grpo", "--cppo", "--cppo-delta", "4e-4", "--cppo-budget", "1e-4", "--cppo-w-min", "0.3"]
+CPPO += ["--budget", "64"]
+"""Thresholds at the scale of a random 1000-token model's divergences (its probabilities are ~1e-3), where the mask
+keeps some pairs and the budget decides others (measured: 103 of 352 masked)."""
+
+
+@pytest.mark.parametrize(
+    ("divergence", "walk"), [("tv", ["--dfs-chunk", "16"]), ("kl", ["--dfs-chunk", "16", "--dfs-recompute"])]
+)
+def test_cppo_tree_and_dfs_equal_flat_on_split_trees(data, capsys, divergence, walk):
+    """CPPO's mask on split trees and on walked ones (its no-grad walk first, then the update's, with or without
+    recompute): some pairs masked, some not, and the loss, gradients and masked count are flat's."""
+    scale = ["--cppo-delta", "2e-7", "--cppo-budget", "2e-8"] if divergence == "kl" else []  # KL ~ (pi - mu)^2 / mu
+    argv = ["--data", data, "--model", MODEL, *CPPO, "--cppo-divergence", divergence, *scale, *walk]
+    code, report, _ = run(argv, capsys)
+    assert code == 0, report
+    assert report["rows_tree"] > 3  # the trees were split into parts: prefix copies carry the budget's prefix
+    for error in ("loss_rel_err", "max_rel_grad_err", "max_rel_metric_err", "dfs_loss_rel_err"):
+        assert report[error] < 1e-10, (error, report[error])
+    assert report["dfs_max_rel_grad_err"] < 1e-10 and report["dfs_max_rel_metric_err"] < 1e-10, report
+    metrics = report["metrics_flat"]
+    assert 0 < metrics["cppo_masked"] < metrics["tokens"], metrics
+    assert metrics["clip_low"] == metrics["clip_high"] == 0  # the mask replaces the clip
+    assert report["metrics_tree"]["cppo_masked"] == metrics["cppo_masked"]
+
+
+def test_cppo_with_a_part_s_own_length_exits_1(data, capsys, monkeypatch):
+    """Mutation: a part holding a path's prefix takes the prefix's trained tokens for the path's length T (the
+    position weights then differ from flat's, which sees whole paths): the check fails."""
+    original = rl_rows.row_pairs
+
+    def prefix_length(*columns):
+        pairs = original(*columns)
+        pairs.trained = np.array([tokens.size for tokens in pairs.tokens], dtype=np.int64)
+        return pairs
+
+    monkeypatch.setattr(rl_rows, "row_pairs", prefix_length)
+    code, report, _ = run(["--data", data, "--model", MODEL, *CPPO], capsys)
+    assert code == 1 and not report["passed"]

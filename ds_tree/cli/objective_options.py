@@ -3,9 +3,10 @@
 
 The RL options map one to one onto :class:`ds_tree.config.ObjectiveConfig` fields, so the command
 line gets the config's defaults and checks (``--dual-clip 0`` is off, as ``dual_clip: 0`` is in a
-config); ``--teacher`` sets ``objective.teacher``, ``--distill-X`` and ``--dpo-X`` the fields ``X`` of the
-``objective.distill`` and ``objective.dpo`` sections. An RL option given with ``--objective sft``, an SFT
-option with an RL objective, or an option of another objective is a usage error rather than silently ignored.
+config); ``--teacher`` sets ``objective.teacher``, ``--distill-X``, ``--dpo-X`` and ``--cppo-X`` the fields
+``X`` of the ``objective.distill``, ``objective.dpo`` and ``objective.cppo`` sections (``--cppo`` sets
+``cppo.enabled``). An RL option given with ``--objective sft``, an SFT option with an RL objective, or an option
+of another objective is a usage error rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -60,6 +61,17 @@ def add_objective_arguments(parser: argparse.ArgumentParser, *, epochs: bool = F
     group.add_argument("--gamma", type=finite_float, help="gae: discount per trained token (default 1)")
     group.add_argument("--lam", type=finite_float, help="gae: GAE's lambda (default 0.95)")
     group.add_argument("--value-clip", type=finite_float, help="gae: the value loss's clip range (default 0.2; 0: off)")
+    group.add_argument(
+        "--cppo",
+        dest="cppo_enabled",
+        action="store_true",
+        default=None,
+        help="CPPO's prefix-budget mask instead of the ratio clip (objective.cppo; docs/RL.md)",
+    )
+    group.add_argument("--cppo-delta", type=finite_float, help="cppo: the token threshold (default 0.15)")
+    group.add_argument("--cppo-w-min", type=finite_float, help="cppo: the last token's position weight (default 0.8)")
+    group.add_argument("--cppo-budget", type=finite_float, help="cppo: the prefix budget delta_b (default 0.02)")
+    group.add_argument("--cppo-divergence", choices=("tv", "kl"), help="cppo: tv or the binary kl (default tv)")
     if epochs:
         group.add_argument(
             "--ppo-epochs", type=POSITIVE_INT, help="update passes over each step's rollouts (default 1)"
@@ -106,7 +118,11 @@ CRITIC_OPTIONS = {"critic": "source", "value_clip": "value_clip"}
 """The options that set ``objective.critic``'s fields (:class:`ds_tree.config.CriticSettings`)."""
 
 
-SECTION_OPTIONS = {"distill": ("loss", "beta"), "dpo": ("beta", "loss", "label_smoothing", "pairs")}
+SECTION_OPTIONS = {
+    "distill": ("loss", "beta"),
+    "dpo": ("beta", "loss", "label_smoothing", "pairs"),
+    "cppo": ("enabled", "delta", "w_min", "budget", "divergence"),
+}
 """The nested sections' fields the options set (argument ``--distill-loss`` sets ``distill.loss``)."""
 
 
@@ -116,10 +132,10 @@ def _flag(name: str) -> str:
 
 def _sections(options: dict) -> dict:
     """``teacher`` and the ``distill`` / ``dpo`` sections the options give (only those given)."""
-    from ds_tree.config import DistillSettings, DPOSettings
+    from ds_tree.config import CPPOConfig, DistillSettings, DPOSettings
 
     chosen = {"teacher": options["teacher"]} if options.get("teacher") is not None else {}
-    for section, kind in (("distill", DistillSettings), ("dpo", DPOSettings)):
+    for section, kind in (("distill", DistillSettings), ("dpo", DPOSettings), ("cppo", CPPOConfig)):
         values = {name: options.get(f"{section}_{name}") for name in SECTION_OPTIONS[section]}
         values = {name: value for name, value in values.items() if value is not None}
         if values:

@@ -33,10 +33,21 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from ds_tree.losses.cppo import CPPOSettings
 from ds_tree.registries import AGGREGATIONS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
-SUMMED_METRICS = ("tokens", "clip_low", "clip_high", "clip_dual", "ratio_sum", "approx_kl", "kl_ref", "entropy")
+SUMMED_METRICS = (
+    "tokens",
+    "clip_low",
+    "clip_high",
+    "clip_dual",
+    "ratio_sum",
+    "approx_kl",
+    "kl_ref",
+    "entropy",
+    "cppo_masked",
+)
 """The metrics of :func:`ppo_tree_loss` that add up over micro-batches and ranks (the other, ``ratio_max``,
 by max)."""
 
@@ -55,6 +66,8 @@ class RLSettings:
     entropy_coef: float = 0.0
     old_logprobs: str = "recompute"
     importance_truncation: float | None = None
+    cppo: CPPOSettings | None = None
+    """CPPO's mask in place of the ratio clip (:mod:`ds_tree.losses.cppo`); None: the clipped objective."""
 
 
 def aggregation_token_mean(mask: np.ndarray, total_tokens: float, sequences: float, constant: float | None) -> float:
@@ -238,8 +251,12 @@ def ppo_tree_loss(
     kl_estimator: str = "k3",
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    ratio_clip: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss ``L`` of the module docstring on one set of target tokens, and metric sums.
+
+    ``ratio_clip=False``: ``g(r, A) = r A`` (no clip, the clip metrics 0), the surrogate CPPO masks
+    (:mod:`ds_tree.losses.cppo`: the mask is already folded into ``sums``).
 
     ``logp`` (differentiable), ``logp_old``, ``logp_ref``, ``entropy`` (of the predicted
     distribution, differentiable) and ``sums`` are aligned per target token. Returns a 0-dim loss
@@ -264,11 +281,14 @@ def ppo_tree_loss(
 
     log_ratio = logp - tensor(logp_old)
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
-    upper = torch.minimum(ratio, clipped)
-    lower = torch.maximum(ratio, clipped)
-    if dual_clip is not None:
-        lower = lower.clamp(max=dual_clip)
+    if ratio_clip:
+        clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+        upper = torch.minimum(ratio, clipped)
+        lower = torch.maximum(ratio, clipped)
+        if dual_clip is not None:
+            lower = lower.clamp(max=dual_clip)
+    else:
+        upper = lower = ratio
     loss = -(tensor(sums.positive) * upper + tensor(sums.negative) * lower).sum()
     weight = tensor(sums.weight)
     kl = None if logp_ref is None else kl_penalty(logp, tensor(logp_ref), kl_estimator)
@@ -279,6 +299,8 @@ def ppo_tree_loss(
 
     with torch.no_grad():
         tokens, positive, negative = tensor(sums.tokens), tensor(sums.positive_tokens), tensor(sums.negative_tokens)
+        if not ratio_clip:
+            positive, negative, dual_clip = positive * 0, negative * 0, None
         ratio, log_ratio = ratio.detach(), log_ratio.detach()
         zero = ratio.new_zeros(())
         trained = ratio[tokens != 0]

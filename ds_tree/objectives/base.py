@@ -109,6 +109,9 @@ class Update:
     """This rank's items (and the update's token counts, every rank's)."""
     terms: list[RowTerms]
     """Each item's share of the objective, in ``plan.rows`` order."""
+    items: list = field(default_factory=list)
+    """The objective's prepared items behind ``terms``, in ``plan.rows`` order, where its hooks need them before
+    the update's forwards (RL: :class:`~ds_tree.objectives.rl_rows.RLRow`, for CPPO's mask on walked rows)."""
 
 
 @dataclass

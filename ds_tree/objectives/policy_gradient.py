@@ -49,6 +49,7 @@ from ds_tree.objectives.rl_rows import (
     rl_terms,
     run_rl_rows,
     trajectory_scores,
+    walked_cppo_masks,
 )
 from ds_tree.objectives.rl_statistics import (
     AdvantageRule,
@@ -232,14 +233,20 @@ class PolicyGradient(Objective):
             for plan, normalisers in zip(done.plans, done.normalisers, strict=True)
         ]
         updates = [
-            Update(plan, [rl_terms(item, settings) for item in items])
+            Update(plan, [rl_terms(item, settings) for item in items], items)
             for plan, items in zip(done.plans, rows, strict=True)
         ]
         critic = {}
         if values is not None:  # each update also trains the critic on the same items
             returns = returns_of(done.trajectories, estimated.held.unscaled, values)  # not whitened
             updates = [
-                CriticUpdate(u.plan, u.terms, self.critic.terms(u.plan, n, returns, values, settings), step + 1)
+                CriticUpdate(
+                    u.plan,
+                    u.terms,
+                    u.items,
+                    critic_terms=self.critic.terms(u.plan, n, returns, values, settings),
+                    step=step + 1,
+                )
                 for u, n in zip(updates, done.normalisers, strict=True)
             ]
             critic = step_value_statistics(estimated.held.counted, values, returns)
@@ -270,6 +277,9 @@ class PolicyGradient(Objective):
     def run_update(self, update: Update, context: StepContext) -> StepOutput:
         """The policy's forward and backward of ``update``'s items; with a critic, then the critic's, and its
         optimizer update (:meth:`~ds_tree.objectives.critic.Critic.run_update`)."""
+        settings = self.config.objective.rl_settings()
+        if settings.cppo is not None:  # CPPO's mask of this update on walked rows (a no-grad walk of each first)
+            walked_cppo_masks(context.policy, update.items, settings, context.run())
         output = super().run_update(update, context)
         if isinstance(update, CriticUpdate):
             self.critic.run_update(update, context)
@@ -283,7 +293,8 @@ class PolicyGradient(Objective):
         for output in outputs:
             if output.metrics is not None:
                 metrics = add_metrics(metrics, output.metrics)
-        scalars = rl_scalars(prepared.statistics.scalars(), global_metrics(metrics))
+        cppo = self.config.objective.cppo.enabled
+        scalars = rl_scalars(prepared.statistics.scalars(), global_metrics(metrics), cppo=cppo)
         scalars.update(router_scalars(outputs))
         scalars["rl/singleton_trajectories"] = float(prepared.statistics.singletons)
         if self.critic.enabled:

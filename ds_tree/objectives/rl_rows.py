@@ -19,7 +19,7 @@ rank, even for a row without targets, because ZeRO-3 gathers parameters collecti
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from ds_tree.engine.dfs import DfsSettings, WalkStats, dummy_call
 from ds_tree.engine.runners import RunContext, StepOutput, run_items, runner_of
 from ds_tree.engine.self_check import merge_over_group
 from ds_tree.errors import DataError
+from ds_tree.losses.cppo import CPPOPairs, kept_sums, row_divergence, row_pairs
 from ds_tree.losses.rl import RLSettings, TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
 from ds_tree.models.moe import RouterAuxLoss
@@ -68,6 +69,12 @@ class RLRow:
     """Per-target sums (aligned with ``targets``)."""
     logp_old: np.ndarray
     logp_ref: np.ndarray | None
+    cppo: CPPOPairs | None = None
+    """With CPPO: the row's (path copy, trained token) pairs its mask reads (``targets`` then hold every trained
+    token the row predicts, owned or not: a pair's prefix, :func:`cppo_targets`)."""
+    cppo_mask: tuple[np.ndarray, np.ndarray] | None = None
+    """With CPPO on a walked row: the update's mask sums per target (kept ``c A``, masked loss mask), from a no-grad
+    walk before the update's (:func:`walked_cppo_masks`), since a walk scores the targets chunk by chunk."""
 
 
 def trajectory_copies(row: PackedRow) -> list[tuple[Trajectory, np.ndarray]]:
@@ -101,16 +108,7 @@ def row_sums(
 ) -> TokenSums:
     """Per-token sums of ``row`` (all its tokens); with ``logp_old`` (per row token) and truncation, IS-weighted."""
     masks = [t.loss_mask for t, _ in copies]
-    coefficients = [
-        trajectory_coefficients(
-            t.loss_mask,
-            settings.aggregation,
-            total_tokens=normalisers.total_tokens,
-            sequences=normalisers.sequences,
-            constant=settings.aggregation_constant,
-        )
-        for t, _ in copies
-    ]
+    coefficients = copy_coefficients(copies, settings, normalisers)
     weighted = settings.importance_truncation is not None and logp_old is not None
     sampler = None
     if weighted:
@@ -125,6 +123,42 @@ def row_sums(
         logp_old=logp_old if weighted else None,
         sampler_logprobs=sampler,
         truncation=settings.importance_truncation if weighted else None,
+    )
+
+
+def copy_coefficients(
+    copies: list[tuple[Trajectory, np.ndarray]], settings: RLSettings, normalisers: StepNormalisers
+) -> list[np.ndarray]:
+    """Per copy, its trajectory's aggregation coefficients ``c_it``."""
+    return [
+        trajectory_coefficients(
+            t.loss_mask,
+            settings.aggregation,
+            total_tokens=normalisers.total_tokens,
+            sequences=normalisers.sequences,
+            constant=settings.aggregation_constant,
+        )
+        for t, _ in copies
+    ]
+
+
+def cppo_targets(row: PackedRow, copies, active: np.ndarray) -> np.ndarray:
+    """CPPO's targets: ``active`` and every token of the row a copy trains (a pair's prefix, owned or not) that the
+    row predicts (a shard: those predicted inside it; the group completes them, :func:`cppo_mask_sums`)."""
+    predicted = row.predicted_here() if row.kind == "walked_shard" else row.pred_pos >= 0
+    return np.union1d(active, np.flatnonzero(trained_tokens(row.n_tokens, copies) & predicted))
+
+
+def cppo_pairs(
+    row: PackedRow, copies, advantages: dict[int, np.ndarray], settings: RLSettings, normalisers: StepNormalisers
+) -> CPPOPairs:
+    """The row's pairs for CPPO's mask (:func:`ds_tree.losses.cppo.row_pairs`)."""
+    return row_pairs(
+        [path for _, path in copies],
+        [t.loss_mask for t, _ in copies],
+        copy_coefficients(copies, settings, normalisers),
+        [advantages[id(t)] for t, _ in copies],
+        row.owned,
     )
 
 
@@ -213,6 +247,10 @@ def prepare_rl_rows(
         copies = trajectory_copies(row)
         sums = row_sums(row, copies, advantages, settings, normalisers)
         targets = sums.active()
+        if settings.cppo is not None:
+            if settings.importance_truncation is not None:
+                raise ValueError("cppo is not combined with importance truncation")
+            targets = cppo_targets(row, copies, targets)
         if old_logprobs is not None:
             logp_old = row_token_values(row.n_tokens, copies, old_logprobs)[targets]
         elif settings.old_logprobs == "data":
@@ -223,7 +261,8 @@ def prepare_rl_rows(
             by_token = np.full(row.n_tokens, np.nan)
             by_token[targets] = logp_old
             sums = row_sums(row, copies, advantages, settings, normalisers, logp_old=by_token)
-        prepared.append(RLRow(row, targets, sums.take(targets), logp_old, None))
+        pairs = None if settings.cppo is None else cppo_pairs(row, copies, advantages, settings, normalisers)
+        prepared.append(RLRow(row, targets, sums.take(targets), logp_old, None, pairs))
     if reference is not None:
         if lockstep and gathers_collectively(reference):
             even_out_forwards(reference, rows, run)
@@ -315,11 +354,22 @@ def targets_loss(
     item: RLRow,
     select: np.ndarray | slice = slice(None),
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """:func:`ppo_tree_loss` of ``item``'s targets ``select`` (``logp`` and ``entropy`` computed at them)."""
-    return ppo_tree_loss(
+    """:func:`ppo_tree_loss` of ``item``'s targets ``select`` (``logp`` and ``entropy`` computed at them); with CPPO,
+    of all of them at once (the mask reads each pair's prefix), the mask folded into the sums."""
+    sums = item.sums.take(select) if isinstance(select, np.ndarray) else item.sums
+    masked = None
+    if settings.cppo is not None:
+        if item.cppo_mask is not None:  # a walked row: the mask of the update, from its no-grad walk
+            kept, masked = (values[select] for values in item.cppo_mask)
+        elif np.arange(item.targets.size)[select].size != item.targets.size:
+            raise ValueError("cppo scores a row's (or shard's) targets in one forward, or walks it first")
+        else:
+            kept, masked = cppo_mask_sums(item, logp.detach().double().cpu().numpy(), settings)
+        sums = replace(sums, positive=kept, negative=np.zeros_like(kept))
+    loss, metrics = ppo_tree_loss(
         logp,
         item.logp_old[select],
-        item.sums.take(select) if isinstance(select, np.ndarray) else item.sums,
+        sums,
         eps_low=settings.eps_low,
         eps_high=settings.eps_high,
         dual_clip=settings.dual_clip,
@@ -328,7 +378,59 @@ def targets_loss(
         kl_estimator=settings.kl_estimator,
         entropy=entropy,
         entropy_coef=settings.entropy_coef,
+        ratio_clip=settings.cppo is None,
     )
+    if masked is not None:
+        metrics["cppo_masked"] = float(masked.sum())
+    return loss, metrics
+
+
+def cppo_mask_sums(item: RLRow, logp: np.ndarray, settings: RLSettings) -> tuple[np.ndarray, np.ndarray]:
+    """CPPO's per-target sums ``sum_i c_i keep_i A_i`` of ``item`` and its masked counts, from this update's ``logp``
+    at its targets. A sequence-parallel shard scores only the targets predicted inside it: the divergences of the
+    whole row are summed over its group first (each trained token is predicted in one shard), one all-reduce per
+    shard, made by every rank of the group for the same row in the same order, as its forward's all-to-alls are."""
+    divergence, rising = row_divergence(item.row.n_tokens, item.targets, logp, item.logp_old, settings.cppo.divergence)
+    if item.row.kind in SHARDED:
+        divergence, rising = _over_group(divergence, rising)
+    kept, masked = kept_sums(item.cppo, divergence, rising, settings.cppo)
+    return kept[item.targets], masked[item.targets]
+
+
+SHARDED = ("shard", "walked_shard")
+"""Row kinds a sequence-parallel group computes together, each rank scoring the targets of its own shards."""
+WALKED = ("walked", "walked_shard")
+"""Row kinds scored chunk by chunk (:func:`walked_cppo_masks`)."""
+
+
+def walked_cppo_masks(model, prepared: Sequence[RLRow], settings: RLSettings, run: RunContext) -> None:
+    """Sets CPPO's mask of this update on the walked rows of ``prepared`` (:attr:`RLRow.cppo_mask`; nothing without
+    dfs walks): a walk scores a tree chunk by chunk (with ``dfs_recompute`` a chunk's loss after its children's),
+    so the current policy's log-probs at a walked row's targets come from a no-grad walk first, one more per
+    walked row and update. With ``run.dfs.lockstep`` (ZeRO-3) the ranks' walks are evened out first, as the old
+    policy's are: every rank calls this before every update."""
+    if run.dfs is None:
+        return
+    walked = [item for item in prepared if item.row.kind in WALKED]
+    if run.dfs.lockstep and in_process_group() and gathers_collectively(model):
+        even_out_forwards(model, [item.row for item in walked], run)
+    for item in walked:
+        with torch.no_grad():
+            logp = runner_of(item.row).logprobs(model, item.row, item.targets, run)
+        item.cppo_mask = cppo_mask_sums(item, logp, settings)
+
+
+def _over_group(divergence: np.ndarray, rising: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row token, the value of the one shard of the sequence-parallel group that knows it (NaN where none)."""
+    import torch.distributed as dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    known = ~np.isnan(divergence)
+    values = torch.tensor(np.stack([np.where(known, divergence, 0.0), np.where(known, rising, 0.0), known]))
+    dist.all_reduce(values, group=parallel_state_sp.get_sequence_parallel_group())
+    whole = values.numpy()
+    missing = whole[2] == 0
+    return np.where(missing, np.nan, whole[0]), np.where(missing, np.nan, whole[1])
 
 
 def rl_terms(item: RLRow, settings: RLSettings) -> RowTerms:
@@ -365,11 +467,13 @@ def run_rl_rows(
     run = RunContext(device, head_chunk, dfs, router_aux, collect_logprobs, stats)
     if backward_for is None:
         backward_for = lambda _: backward or (lambda loss: None)  # noqa: E731
+    if settings.cppo is not None:
+        walked_cppo_masks(model, prepared, settings, run)
     rows = [item.row for item in prepared]
     return run_items(model, rows, [rl_terms(item, settings) for item in prepared], run, backward_for)
 
 
-def rl_scalars(statistics: dict[str, float], metrics: dict[str, float]) -> dict[str, float]:
+def rl_scalars(statistics: dict[str, float], metrics: dict[str, float], *, cppo: bool = False) -> dict[str, float]:
     """``rl/`` scalars as the flat batch computes them: ``statistics``, the reward and advantage ones
     (:meth:`~ds_tree.objectives.rl_statistics.StepStatistics.scalars`: rewards per trajectory, advantages per
     trained (trajectory, token)), and the loss metrics per trained token summed over the step's updates."""
@@ -377,6 +481,8 @@ def rl_scalars(statistics: dict[str, float], metrics: dict[str, float]) -> dict[
 
     def per_token(name: str) -> float:
         return metrics[name] / tokens if tokens else 0.0
+
+    masked = {"rl/cppo_masked_frac": per_token("cppo_masked")} if cppo else {}  # CPPO's mask, when it is on
 
     return {
         **statistics,
@@ -388,4 +494,5 @@ def rl_scalars(statistics: dict[str, float], metrics: dict[str, float]) -> dict[
         "rl/approx_kl": per_token("approx_kl"),
         "rl/kl_ref": per_token("kl_ref"),
         "rl/entropy": per_token("entropy"),
+        **masked,
     }

@@ -53,6 +53,10 @@ class DfsRowShard(DfsRow):
     def layout_parts(self) -> list[TreePart]:
         return self.row_parts
 
+    def predicted_here(self) -> np.ndarray:
+        """Per row token, whether this rank's shards predict it (``pred_pos`` stays row-global)."""
+        return predicted_in_shard(self, self.chunk, self.size, self.position)
+
 
 def shard_length(chunk_tokens: np.ndarray | int, size: int) -> np.ndarray | int:
     """Tokens of each shard of a chunk of ``chunk_tokens`` real tokens padded to a multiple of ``size``."""
@@ -71,11 +75,17 @@ def chunk_shard_of(chunks: Chunks, n_tokens: int, size: int) -> np.ndarray:
     return shard
 
 
-def shard_walked_row(row: DfsRow, chunk: int, size: int, position: int) -> DfsRowShard:
-    """Position ``position``'s :class:`DfsRowShard` of ``row`` walked in chunks of ``chunk`` tokens."""
+def predicted_in_shard(row: DfsRow, chunk: int, size: int, position: int) -> np.ndarray:
+    """Per token of ``row`` walked in chunks of ``chunk`` tokens by ``size`` ranks, whether shard ``position``
+    predicts it."""
     shard_of = chunk_shard_of(row_chunks(row, chunk), row.n_tokens, size)
     predicted = row.pred_pos >= 0
-    here = predicted & (shard_of[np.where(predicted, row.pred_pos, 0)] == position)
+    return predicted & (shard_of[np.where(predicted, row.pred_pos, 0)] == position)
+
+
+def shard_walked_row(row: DfsRow, chunk: int, size: int, position: int) -> DfsRowShard:
+    """Position ``position``'s :class:`DfsRowShard` of ``row`` walked in chunks of ``chunk`` tokens."""
+    here = predicted_in_shard(row, chunk, size, position)
     arrays = {name: getattr(row, name) for name in TOKEN_FIELDS}
     for name, spec in TOKEN_FIELDS.items():
         if spec.kind is ArrayKind.WEIGHT:

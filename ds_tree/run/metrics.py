@@ -97,13 +97,16 @@ class MetricsLogger:
 
 
 def console_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
-    """One grep-able line per step (RL runs add reward, clip fractions and KL; distillation its divergence and
-    the reward, where there is one; DPO the margin and the accuracy)."""
+    """One grep-able line per step (RL runs add reward, clip fractions (CPPO: the masked fraction) and KL;
+    distillation its divergence and the reward, where there is one; DPO the margin and the accuracy)."""
     rl = ""
     if "rl/reward_mean" in scalars:
+        trust = f"clip {scalars['rl/clip_frac_low']:.3f}/{scalars['rl/clip_frac_high']:.3f}"
+        if "rl/cppo_masked_frac" in scalars:  # CPPO's mask replaces the clip
+            trust = f"masked {scalars['rl/cppo_masked_frac']:.3f}"
         rl = (
-            f" reward {scalars['rl/reward_mean']:.4f} clip {scalars['rl/clip_frac_low']:.3f}/"
-            f"{scalars['rl/clip_frac_high']:.3f} kl {scalars['rl/approx_kl']:.2e} entropy {scalars['rl/entropy']:.3f}"
+            f" reward {scalars['rl/reward_mean']:.4f} {trust} kl {scalars['rl/approx_kl']:.2e}"
+            f" entropy {scalars['rl/entropy']:.3f}"
         )
     if "distill/divergence" in scalars:
         reward = scalars.get("rollout/reward_mean", scalars.get("distill/reward_mean"))

@@ -253,13 +253,14 @@ def _group_sums(output: StepOutput) -> tuple[tuple[float, float | None], dict[st
 
 def _gathered_old_logprobs(trajectories: list[Trajectory], prepared) -> tuple[np.ndarray, np.ndarray]:
     """``(values, counts)`` over the concatenated tokens of ``trajectories``: the old log-prob of every
-    token some rank scored (a target of one of its items), summed over the group with how often."""
+    token some rank scored (an owned target of one of its items), summed over the group with how often."""
     offsets = np.concatenate([[0], np.cumsum([len(t) for t in trajectories])])
     index_of = {id(t): i for i, t in enumerate(trajectories)}
     values, counts = np.zeros(offsets[-1]), np.zeros(offsets[-1])
     for item in prepared:
         by_token = np.full(item.row.n_tokens, np.nan)
         by_token[item.targets] = item.logp_old
+        by_token[~item.row.owned] = np.nan  # a context copy (CPPO scores a split tree's prefix copies for its mask)
         for trajectory, path in trajectory_copies(item.row):
             here = np.flatnonzero(path[1:] >= 0) + 1
             scored = here[~np.isnan(by_token[path[here]])]
