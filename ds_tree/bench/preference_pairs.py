@@ -8,6 +8,12 @@ is the turn as it was, rejected another assistant turn's text in its place (a pl
 place). Every record carries the group id, so ``ds-tree convert --format preference`` makes one tree per
 conversation: its history once, each pair's answers siblings at their own turn. A flat trainer computes the
 history twice per pair, and twice more under the reference.
+
+``max_message_chars`` cuts every message's text to its first characters before the pairs are chosen, so
+their histories can be timed flat on a CPU: in agent data most of the shared history is one long message
+(tau2-telecom's system prompt is a 23 k-character policy, ~12 k of a history's ~13 k tokens). The cut is
+made once per conversation, so every turn stays, each record's history is still a prefix of the next, and
+the tree keeps its shape with a shorter stem. ``tools/history_pairs.py`` runs it from the command line.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ds_tree.data.jsonl import read_jsonl, write_jsonl
+from ds_tree.errors import DataError
 
 
 def history_pairs(conversation: list[dict], pairs: int) -> list[tuple[list[dict], dict, dict]]:
@@ -33,11 +40,28 @@ def history_pairs(conversation: list[dict], pairs: int) -> list[tuple[list[dict]
     return found
 
 
-def write_history_pairs(trials: str | Path, output: str | Path, pairs: int = 3) -> dict:
-    """The preference records of every group's first trial in ``trials`` (module docstring) to ``output``."""
+def cut_messages(conversation: list[dict], max_chars: int | None) -> list[dict]:
+    """``conversation`` with every text ``content`` cut to its first ``max_chars`` characters (``None``: as
+    it is); tool calls and other fields are kept."""
+    if max_chars is None:
+        return conversation
+    cut = lambda content: content[:max_chars] if isinstance(content, str) else content  # noqa: E731
+    return [message | {"content": cut(message["content"])} if "content" in message else message
+            for message in conversation]  # fmt: skip
+
+
+def write_history_pairs(
+    trials: str | Path, output: str | Path, pairs: int = 3, max_message_chars: int | None = None
+) -> dict:
+    """The preference records of every group's first trial in ``trials`` (module docstring) to ``output``,
+    its messages cut to ``max_message_chars``. A DataError naming ``file:line`` for a record without
+    ``group_id`` or ``messages``."""
     first: dict[str, list[dict]] = {}
-    for _, record in read_jsonl(Path(trials)):
-        first.setdefault(str(record["group_id"]), record["messages"])
+    for where, record in read_jsonl(Path(trials)):
+        missing = [field for field in ("group_id", "messages") if field not in record]
+        if missing:
+            raise DataError(f"{where}: no {' or '.join(missing)} (a chat trial: group_id, messages)")
+        first.setdefault(str(record["group_id"]), cut_messages(record["messages"], max_message_chars))
     records = [
         {"group_id": group, "prompt": history, "chosen": [chosen], "rejected": [rejected]}
         for group, conversation in first.items()
