@@ -11,6 +11,8 @@ tests/test_sequence_parallel_rl.py (``verify --sequence-parallel 2``).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -27,8 +29,10 @@ from ds_tree.objectives.base import StepContext
 from ds_tree.registries import OBJECTIVES
 from ds_tree.trees.trajectory import Trajectory, group_trajectories
 from ds_tree.verify.tree_vs_flat import perturb_parameters
+from tests.helpers import ROOT
 from tests.helpers.processes import one_rank_group
 from tests.helpers.rollouts import rl_trajectories
+from tests.helpers.runs import prepare
 
 MODEL = "configs/models/tiny_llama.json"
 TOLERANCE = TOLERANCES[torch.float64]
@@ -185,3 +189,39 @@ def test_gae_estimator_needs_the_critics_values() -> None:
         estimate([trajectory], "gae")
     computed = estimate([trajectory], "gae", values={id(trajectory): np.zeros(3)}, gamma=1.0, lam=1.0)
     assert computed.values[0].tolist() == [0.0, 1.0, 1.0] and computed.singletons == 0  # no peers needed
+
+
+def critic_config(tmp_path, **changes) -> str:
+    """tiny_llama's config with ``changes``, as a critic's source."""
+    config = json.loads((ROOT / MODEL).read_text()) | changes
+    path = tmp_path / "critic.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_a_critic_of_a_smaller_vocabulary_is_refused(tmp_path):
+    """The critic embeds the policy's token ids: a vocabulary smaller than the policy's does not fit."""
+    overrides = [*GAE, f"objective.critic.source={critic_config(tmp_path, vocab_size=512)}"]
+    with pytest.raises(ConfigError, match=r"objective\.critic\.source: .* has a vocabulary of 512 tokens, model\.sou"):
+        prepare(ROOT / "configs/tiny_cpu.yaml", *overrides, f"data.path={tmp_path / 'none.jsonl'}")
+
+
+def test_a_critic_with_another_tokenizer_is_refused(tmp_path, tokenizer_dir):
+    from ds_tree.vocab.tokenizer import build_tokenizer
+
+    critic = tmp_path / "critic"
+    load_model(MODEL, attention="torch", seed=3).save_pretrained(critic)
+    build_tokenizer(512).save_pretrained(critic)  # same model vocabulary (1024), another tokenizer
+    overrides = [*GAE, f"objective.critic.source={critic}", f"model.tokenizer={tokenizer_dir}"]
+    with pytest.raises(ConfigError, match=r"objective\.critic\.source: the tokenizer of .* is not the policy's"):
+        prepare(ROOT / "configs/tiny_cpu.yaml", *overrides, f"data.path={tmp_path / 'none.jsonl'}")
+
+
+def test_a_critic_whose_heads_do_not_split_under_sequence_parallelism_is_refused(tmp_path):
+    from ds_tree.objectives.critic import Critic
+
+    source = critic_config(tmp_path)  # 4 attention heads: not split over 3 ranks
+    config = load_config("configs/tiny_cpu.yaml", [*GAE, f"objective.critic.source={source}"])
+    config.parallel.sequence_parallel_size = 3
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=3: model\.source .*critic\.json has 4 attention"):
+        Critic(config)

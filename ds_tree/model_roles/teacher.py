@@ -12,18 +12,13 @@ tokenizer: its vocabulary size is all there is to compare.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from ds_tree.data.convert import load_tokenizer
-from ds_tree.errors import ConfigError, DataError, HubError
-from ds_tree.hub import TOKENIZER_FILES, is_hub_id, local_path
-from ds_tree.models.loading import check_hub_weights, load_config
+from ds_tree.errors import ConfigError
+from ds_tree.model_roles.compatibility import check_same_tokenizer, role_config
+from ds_tree.models.loading import load_config
 from ds_tree.models.logprobs import SOFTCAP, HeadOf, check_head_chunking
-from ds_tree.models.token_mixing import check_layer_types
 from ds_tree.models.ulysses import check_heads
-from ds_tree.vocab.tokenizer import tokenizer_identity
 
 FULL_VOCABULARY = ("kl", "jsd", "reverse_kl")
 """ds_tree.losses.distill.FULL_VOCABULARY: the losses comparing whole distributions."""
@@ -36,10 +31,8 @@ def check_teacher(config) -> None:
     objective = config.objective
     if objective.kind != "distill":
         return
+    teacher = role_config(objective.teacher, "objective.teacher")
     try:
-        teacher = load_config(objective.teacher)
-        check_layer_types(teacher)
-        check_hub_weights(objective.teacher)
         student = load_config(config.model.source)
     except (OSError, ValueError) as error:
         raise ConfigError(f"objective.teacher: {error}") from None
@@ -62,34 +55,13 @@ def check_teacher(config) -> None:
     _check_tokenizers(config)
 
 
-def _tokenizer_dir(source: str) -> Path | None:
-    """The directory holding ``source``'s tokenizer files (``tokenizer.json``), if any."""
-    if not source:
-        return None
-    try:
-        path = local_path(source, TOKENIZER_FILES) if is_hub_id(source) else Path(source)
-    except HubError:
-        return None
-    return path if path.is_dir() and (path / "tokenizer.json").is_file() else None
-
-
 def _check_tokenizers(config) -> None:
     """The teacher's tokenizer is the student's, where both have one (module docstring)."""
-    teacher_dir = _tokenizer_dir(config.objective.teacher)
-    student_dir = _tokenizer_dir(config.model.tokenizer) or _tokenizer_dir(config.model.source)
-    if teacher_dir is None or student_dir is None:
-        return
-    try:
-        teacher, student = (tokenizer_identity(load_tokenizer(path)) for path in (teacher_dir, student_dir))
-    except DataError as error:
-        raise ConfigError(f"objective.teacher: {error}") from None
-    if teacher["serialised_sha256"] != student["serialised_sha256"]:
-        raise ConfigError(
-            f"objective.teacher: the tokenizer of {config.objective.teacher} ({teacher['vocab_size']} tokens, "
-            f"sha256 {teacher['serialised_sha256'][:12]}) is not the student's ({student_dir}: "
-            f"{student['vocab_size']} tokens, sha256 {student['serialised_sha256'][:12]}); distillation compares "
-            "the two models' probabilities of the same token ids: use a teacher with the student's tokenizer"
-        )
+    why = (
+        "distillation compares the two models' probabilities of the same token ids: use a teacher with the "
+        "student's tokenizer"
+    )
+    check_same_tokenizer(config, config.objective.teacher, "objective.teacher", "student", why)
 
 
 @torch.no_grad()

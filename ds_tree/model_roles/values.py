@@ -25,6 +25,37 @@ import numpy as np
 import torch
 from transformers.modeling_outputs import TokenClassifierOutput
 
+from ds_tree.errors import ConfigError
+from ds_tree.model_roles.compatibility import check_same_tokenizer, role_config
+from ds_tree.models.loading import load_config
+from ds_tree.models.ulysses import check_heads
+
+CRITIC_FIELD = "objective.critic.source"
+
+
+def check_critic(config) -> None:
+    """A critic of its own (``objective.critic.source`` not ``policy``) fits the policy, before any model is built:
+    its config readable, its heads split under sequence parallelism, a vocabulary that holds the policy's token
+    ids (it embeds them) and, where both have one, the policy's tokenizer
+    (:mod:`ds_tree.model_roles.compatibility`): a :class:`ConfigError` naming the field."""
+    source = config.objective.critic.source
+    critic = role_config(source, CRITIC_FIELD)
+    check_heads(critic, config.parallel.sequence_parallel_size, source)
+    try:
+        policy = load_config(config.model.source)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{CRITIC_FIELD}: {error}") from None
+    critic_vocab, policy_vocab = critic.get_text_config().vocab_size, policy.get_text_config().vocab_size
+    if critic_vocab < policy_vocab:
+        raise ConfigError(
+            f"{CRITIC_FIELD}: {source} has a vocabulary of {critic_vocab} tokens, model.source {policy_vocab}: the "
+            "critic reads the policy's token ids, so it needs at least the policy's vocabulary (use a critic with "
+            "the policy's tokenizer, or critic.source: policy)"
+        )
+    why = "the critic reads the policy's token ids: use a critic with the policy's tokenizer"
+    check_same_tokenizer(config, source, CRITIC_FIELD, "policy", why)
+
+
 VALUE_HEAD = "score"
 """The head's module name in transformers' token-classification models (and :class:`TrunkValueHead`)."""
 

@@ -37,7 +37,7 @@ from ds_tree.engine.updates import Updates
 from ds_tree.losses.rl import RLSettings, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
 from ds_tree.losses.values import VALUE_METRICS, ValuePairs, value_loss
-from ds_tree.model_roles.values import TrunkValueHead, load_value_model, policy_trunk, values_at
+from ds_tree.model_roles.values import TrunkValueHead, check_critic, load_value_model, policy_trunk, values_at
 from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.objectives.base import Components, StepContext, Update
 from ds_tree.objectives.rl_rows import (
@@ -272,6 +272,8 @@ class Critic:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        if self.enabled and not config.objective.critic.on_policy_trunk:
+            check_critic(config)  # before any model is built
         self.engine = None
         """The critic's DeepSpeed engine; None without ``estimator: gae``, or a plain module (tests, ``verify``)."""
         self.updates: Updates | None = None
