@@ -33,7 +33,7 @@ from ds_tree.trees.pairs import preference_pairs, sibling_pairs
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_trees
 from tests.helpers.configs import online_config
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import resumed_runs
 from tests.helpers.rollouts import RolloutShape, rl_records
 from tests.helpers.runs import prepare
 
@@ -152,10 +152,7 @@ def test_online_distillation_scores_the_students_own_trees_with_the_teacher(tmp_
         optimizer={"lr": 2e-2, "schedule": "constant"},
         checkpoint={"every": 1, "keep_last": 2, "export_hf": False},
     )
-    out = tmp_path / "runs.json"
-    torchrun("tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "1")
-    runs = json.loads(out.read_text())
-    first, resumed = runs["a"], runs["b"]
+    first, resumed = resumed_runs(config, 1)
     records = {record["step"]: record for record in first["metrics"]}
     assert sorted(records) == [1, 2] and [record["step"] for record in resumed["metrics"]] == [2]
     for step, record in records.items():

@@ -21,7 +21,7 @@ from ds_tree.envs.secret_tool import LoudSecretToolEnv
 from ds_tree.rollout.ahead import AheadSampler, sampling_version, version_used
 from ds_tree.rollout.env import ToolEnvironment
 from tests.helpers import ROOT
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import resumed_runs
 from tests.test_multiturn import CALL, TASK, ScriptedSampler, runner
 
 MULTITURN_CPU = ROOT / "configs/multiturn_cpu.yaml"
@@ -190,10 +190,7 @@ def test_two_ranks_sample_episodes_a_step_ahead_resume_and_verify_in_float64(tok
 
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks(4, 0)))
     config = yaml_config(tmp_path, tokenizer_dir)
-    out = tmp_path / "runs.json"
-    torchrun("tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2")
-    runs = json.loads(out.read_text())
-    first, resumed = runs["a"], runs["b"]
+    first, resumed = resumed_runs(config, 2)
     records = {r["step"]: r for r in first["metrics"]}
     assert sorted(first["samples"]) == ["2", "4"] and sorted(resumed["samples"]) == ["4"]
     for step, version in ((2, 0), (4, 2)):

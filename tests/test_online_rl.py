@@ -23,7 +23,7 @@ from ds_tree.trees.trajectory import Trajectory
 from tests.helpers import ROOT
 from tests.helpers.configs import PARITY, online_config, without_data, write_config
 from tests.helpers.data import write_prompts
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import resumed_runs, torchrun
 from tests.helpers.runs import dry_run
 
 ROLLOUT_KEYS = {
@@ -256,10 +256,7 @@ def test_two_ranks_sample_train_and_resume_to_the_same_next_step(tmp_path: Path,
         optimizer={"lr": 2e-2, "schedule": "constant"},
         checkpoint={"every": 2, "keep_last": 3, "export_hf": False},
     )
-    out = tmp_path / "runs.json"
-    torchrun("tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2")
-    runs = json.loads(out.read_text())
-    first, resumed = runs["a"], runs["b"]
+    first, resumed = resumed_runs(config, 2)
     assert first["start_step"] == 0 and resumed["start_step"] == 2
     assert sorted(first["samples"]) == ["1", "2", "3"] and sorted(resumed["samples"]) == ["3"]
     # The resumed run samples exactly what the uninterrupted one did at step 3: tokens and rewards.

@@ -24,7 +24,7 @@ from ds_tree.run import checkpoint
 from tests.helpers import ROOT
 from tests.helpers.configs import write_config
 from tests.helpers.data import write_forest
-from tests.helpers.launch import environment, find_shellcheck, launch_training, torchrun
+from tests.helpers.launch import environment, find_shellcheck, launch_training, resumed_runs
 from tests.helpers.runs import dry_run
 from tests.helpers.shared_data import SHARED_DATA, absent
 from tests.test_rl_engine import write_rollouts
@@ -140,10 +140,7 @@ def test_gae_trains_its_critic_and_resumes_to_the_uninterrupted_run(tmp_path: Pa
         optimizer={"lr": 2e-2, "schedule": "constant"},
         checkpoint={"every": 1, "keep_last": 3, "export_hf": False},
     )
-    out = tmp_path / "runs.json"
-    torchrun("tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "1")
-    runs = json.loads(out.read_text())
-    first, resumed = runs["a"], runs["b"]
+    first, resumed = resumed_runs(config, 1)
     assert first["start_step"] == 0 and resumed["start_step"] == 1
     records = {record["step"]: record for record in first["metrics"]}
     assert sorted(records) == [1, 2] and [record["step"] for record in resumed["metrics"]] == [2]

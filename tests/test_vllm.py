@@ -46,7 +46,7 @@ from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import build_forest
 from tests.helpers import ROOT
 from tests.helpers.configs import online_config
-from tests.helpers.launch import torchrun
+from tests.helpers.launch import resumed_runs
 from tests.helpers.processes import check_marked
 
 MODEL = ROOT / "configs/models/tiny_llama_vllm.json"
@@ -570,13 +570,7 @@ def test_two_rank_zero3_grpo_on_vllm_samples_a_step_ahead_and_resumes_from_the_c
         optimizer={"lr": 2e-2, "schedule": "constant"},
         checkpoint={"every": 2, "keep_last": 3, "export_hf": False},
     )  # fmt: skip
-    out = tmp_path / "runs.json"
-    torchrun(
-        "tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step", "2",
-        timeout=540,
-    )  # fmt: skip
-    runs = json.loads(out.read_text())
-    first, resumed = runs["a"], runs["b"]
+    first, resumed = resumed_runs(config, 2, timeout=540)
     records = first["metrics"]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[0]["optim/grad_norm"] > 0  # step 1 trained: the sync before step 3 moved the server

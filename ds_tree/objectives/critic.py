@@ -34,7 +34,7 @@ from ds_tree.config import Config
 from ds_tree.engine.build import build_engine, model_dtype
 from ds_tree.engine.runners import RunContext, StepOutput, add_metrics, run_items
 from ds_tree.engine.updates import Updates
-from ds_tree.losses.rl import RLSettings, trajectory_coefficients
+from ds_tree.losses.rl import RLSettings
 from ds_tree.losses.terms import RowTerms
 from ds_tree.losses.values import VALUE_METRICS, ValuePairs, value_loss
 from ds_tree.model_roles.values import TrunkValueHead, check_critic, load_value_model, policy_trunk, values_at
@@ -42,6 +42,7 @@ from ds_tree.models.ulysses import enable_sequence_parallel
 from ds_tree.objectives.base import Components, StepContext, Update
 from ds_tree.objectives.rl_rows import (
     StepNormalisers,
+    copy_coefficients,
     merged_over_ranks,
     row_token_values,
     trajectory_copies,
@@ -121,16 +122,7 @@ def item_pairs(row, returns: dict[int, np.ndarray], settings: RLSettings, normal
     """The (path, trained token) pairs of ``row``'s owned tokens, each with its return and the policy loss's
     coefficient (:func:`~ds_tree.losses.rl.trajectory_coefficients` of the update's normalisers)."""
     copies = trajectory_copies(row)
-    coefficients = [
-        trajectory_coefficients(
-            t.loss_mask,
-            settings.aggregation,
-            total_tokens=normalisers.total_tokens,
-            sequences=normalisers.sequences,
-            constant=settings.aggregation_constant,
-        )
-        for t, _ in copies
-    ]
+    coefficients = copy_coefficients(copies, settings, normalisers)
     return ValuePairs.of_row(
         row.owned,
         [path for _, path in copies],

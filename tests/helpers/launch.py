@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -47,6 +48,18 @@ def torchrun(script: str, *args: str, ranks: int = 2, timeout: int = 300) -> Non
     ]
     result = run_group(command, timeout, env=environment())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def resumed_runs(config: Path, resume_step: int, timeout: int = 300) -> tuple[dict, dict]:
+    """``tests/distributed/resume_check.py`` on 2 ranks for ``config``: the uninterrupted run and the run resumed
+    from ``resume_step``'s checkpoint, each as the script records it (start step, metrics, samples, ...)."""
+    out = Path(config).parent / "runs.json"
+    torchrun(
+        "tests/distributed/resume_check.py", "--config", str(config), "--out", str(out), "--resume-step",
+        str(resume_step), timeout=timeout,
+    )  # fmt: skip
+    runs = json.loads(out.read_text())
+    return runs["a"], runs["b"]
 
 
 def launch_training(
