@@ -224,9 +224,9 @@ class _Terms:
     trained: list[float]
     """``trained_tokens`` (the normalisers')."""
     weights: list[float]
-    """``loss_mask[1:].sum()``."""
+    """``loss_mask[1:].sum()`` (:func:`~ds_tree.losses.advantages.token_sums`)."""
     weighted: list[float]
-    """``(loss_mask[1:] * advantages[1:]).sum()``."""
+    """``(loss_mask[1:] * advantages[1:]).sum()`` (:func:`~ds_tree.losses.advantages.token_sums`)."""
     finite: bool
 
 
@@ -237,14 +237,13 @@ def step_sums(
     counted groups (two gathers of a few numbers per trajectory; module docstring)."""
     mine = {}
     for key, trajectories, values in held.counted:
-        masks = [t.loss_mask[1:] for t in trajectories]
         with np.errstate(over="ignore", invalid="ignore"):
-            weighted = [float((m * a[1:]).sum()) for m, a in zip(masks, values, strict=True)]
+            sums = [token_sums(t.loss_mask, a) for t, a in zip(trajectories, values, strict=True)]
         mine[key] = _Terms(
             [t.reward for t in trajectories],
             [t.trained_tokens for t in trajectories],
-            [m.sum() for m in masks],
-            weighted,
+            [w for _, w in sums],
+            [x for x, _ in sums],
             all(np.all(np.isfinite(a)) for a in values),
         )
     keyed = in_step_order(comm, mine)
@@ -258,7 +257,7 @@ def step_sums(
     with np.errstate(over="ignore", invalid="ignore"):
         mean = sum(x for terms in step for x in terms.weighted) / weight if weight else 0.0
         deviations = {
-            key: [float((t.loss_mask[1:] * (a[1:] - mean) ** 2).sum()) for t, a in zip(group, values, strict=True)]
+            key: [token_deviations(t.loss_mask, a, mean) for t, a in zip(group, values, strict=True)]
             for key, group, values in held.counted
         }
         spread = sum(x for _, values in in_step_order(comm, deviations) for x in values)
