@@ -86,6 +86,7 @@ from ds_tree.losses.values import gae as path_gae
 from ds_tree.registries import ESTIMATORS
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree, build_trees
+from ds_tree.trees.weights import predicted_mask
 
 
 @dataclass
@@ -333,8 +334,7 @@ def whitened(
     mean, std = moments
     out = []
     for mask, advantages in zip(loss_masks, values, strict=True):
-        trained = np.asarray(mask) != 0
-        trained[:1] = False
+        trained = predicted_mask(mask) != 0
         out.append(np.where(trained, (advantages - mean) / std, advantages))
     return out
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ds_tree.trees.weights import predicted_mask
+
 DIVERGENCES = ("tv", "kl")
 
 
@@ -121,8 +123,7 @@ def row_pairs(
     :func:`ds_tree.losses.rl.token_sums` (a copy's tokens in the row are a prefix of its path)."""
     tokens, trained, counted, scaled, masks = [], [], [], [], []
     for path, mask, coefficient, advantage in zip(paths, loss_masks, coefficients, advantages, strict=True):
-        path, mask = np.asarray(path, dtype=np.int64), np.asarray(mask, dtype=np.float64).copy()
-        mask[:1] = 0.0
+        path, mask = np.asarray(path, dtype=np.int64), predicted_mask(mask)
         on = np.flatnonzero((mask != 0) & (path >= 0))
         mine = np.asarray(owned, dtype=bool)[path[on]]
         tokens.append(path[on])

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ds_tree.trees.weights import predicted_mask
+
 LOSSES = ("sigmoid", "ipo")
 
 
@@ -57,8 +59,7 @@ class DPOLoss:
 def sequence_mask(trajectory, averaged: bool) -> np.ndarray:
     """``m_s``: the trajectory's trained-token weights in ``z_s`` (its loss mask, token 0 never predicted;
     ``averaged``: over their sum)."""
-    mask = np.asarray(trajectory.loss_mask, dtype=np.float64).copy()
-    mask[:1] = 0.0
+    mask = predicted_mask(trajectory.loss_mask)
     total = mask.sum()
     return mask / total if averaged and total > 0 else mask
 

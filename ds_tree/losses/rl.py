@@ -35,6 +35,7 @@ import torch
 
 from ds_tree.losses.cppo import CPPOSettings
 from ds_tree.registries import AGGREGATIONS
+from ds_tree.trees.weights import predicted_mask
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SUMMED_METRICS = (
@@ -117,8 +118,7 @@ def trajectory_coefficients(
     ``sequences`` = trajectories with ``T_i > 0``. A zero denominator (nothing trained in the step) gives
     all-zero coefficients.
     """
-    mask = np.asarray(loss_mask, dtype=np.float64).copy()
-    mask[:1] = 0.0
+    mask = predicted_mask(loss_mask)
     denominator = AGGREGATIONS.get(aggregation)(mask, total_tokens, sequences, constant)
     return mask / denominator if denominator > 0 else np.zeros_like(mask)
 

@@ -62,6 +62,7 @@ from ds_tree.packing.exchange import Collectives
 from ds_tree.packing.plan import RankPlan
 from ds_tree.run import checkpoint
 from ds_tree.trees.trajectory import Trajectory
+from ds_tree.trees.weights import predicted_mask
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +255,7 @@ def gae_advantages(
 
 
 def _trained(trajectory: Trajectory) -> np.ndarray:
-    trained = np.asarray(trajectory.loss_mask) != 0
-    trained[:1] = False
-    return trained
+    return predicted_mask(trajectory.loss_mask) != 0
 
 
 class Critic:

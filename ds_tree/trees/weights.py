@@ -20,6 +20,13 @@ import numpy as np
 from ds_tree.trees.trajectory import Trajectory
 
 
+def predicted_mask(loss_mask: np.ndarray) -> np.ndarray:
+    """``loss_mask`` as the loss reads it: a float64 copy with ``m_0 = 0`` (the first token is never predicted)."""
+    mask = np.asarray(loss_mask, dtype=np.float64).copy()
+    mask[:1] = 0.0
+    return mask
+
+
 def restoration_sums(
     trajectories: Sequence[Trajectory], paths: Sequence[np.ndarray], n_tokens: int
 ) -> dict[str, np.ndarray]:
@@ -29,8 +36,7 @@ def restoration_sums(
     seq_mean_sum = np.zeros(n_tokens)
     mask_max = np.zeros(n_tokens)
     for trajectory, path in zip(trajectories, paths, strict=True):
-        coefficients = trajectory.loss_mask.copy()
-        coefficients[0] = 0.0  # the first token is never predicted
+        coefficients = predicted_mask(trajectory.loss_mask)
         mask_sum[path] += coefficients
         trained = coefficients.sum()
         if trained > 0:
