@@ -22,6 +22,7 @@ from ds_tree.config import ConfigError, config_to_dict, load_config
 from ds_tree.run import checkpoint, run_dir
 from ds_tree.run.checkpoint import CheckpointError
 from ds_tree.run.metrics import MetricsLogger
+from tests.helpers.processes import one_rank_group
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,8 +185,6 @@ def test_a_save_never_writes_through_a_link_out_of_the_run(tmp_path: Path) -> No
     """Issue 42 #3: with ``checkpoints/zero_to_fp32.py`` a link to a file elsewhere, a save overwrote
     that file. Links planted under every name a save, the metrics or the lock write are removed or
     refused, never followed: the files outside stay as they were, and the save completes."""
-    import torch.distributed as dist
-
     from ds_tree.run import run_lock
 
     outside = tmp_path / "outside"
@@ -203,14 +202,8 @@ def test_a_save_never_writes_through_a_link_out_of_the_run(tmp_path: Path) -> No
     (directory / ".partial-step_0000001").symlink_to(outside / "folder")
     (run / "metrics.jsonl").symlink_to(victims["metrics"])
     (run / run_lock.LOCK_FILE).symlink_to(victims["lock"])
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_group():
         tag = checkpoint.save(_Engine(), directory, 1, {}, {"world_size": 1}, keep_last=2)
-    finally:
-        if started:
-            dist.destroy_process_group()
     logger = MetricsLogger(run, enabled=True, resume_step=0)
     logger.log(1, {"loss/train": 0.5})
     with pytest.raises(ConfigError, match=rf"{run_lock.LOCK_FILE}: a symbolic link .*remove it"):

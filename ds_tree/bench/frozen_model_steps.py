@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from ds_tree.bench.clock import synchronize
 from ds_tree.engine.dfs import DfsSettings, WalkStats
 from ds_tree.engine.runners import RunContext, run_items
 from ds_tree.losses.dpo import DPOLoss, pair_statistics
@@ -88,17 +89,17 @@ class FrozenModel:
             targets = sum(t.targets.size for t in terms)
             update = lambda: run_items(model, rows, terms, run, backward_for)  # noqa: E731
             epochs = 1
-        _synchronize(device)
+        synchronize(device)
         old_done = time.perf_counter()
         forward_backward = optimizer_time = 0.0
         for _ in range(epochs):
             epoch_started = time.perf_counter()
             update()
-            _synchronize(device)
+            synchronize(device)
             computed = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            _synchronize(device)
+            synchronize(device)
             forward_backward += computed - epoch_started
             optimizer_time += time.perf_counter() - computed
         done = time.perf_counter()
@@ -115,8 +116,3 @@ class FrozenModel:
             "calls": stats.chunks // epochs if walk else len(rows),
             "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
         }
-
-
-def _synchronize(device: str) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(device)

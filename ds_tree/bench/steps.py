@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from ds_tree.bench.clock import synchronize
 from ds_tree.bench.frozen_model_steps import FROZEN_MODEL_KINDS, FrozenModel
 from ds_tree.bench.vision import TowerCounter, distinct_images, patch_weight, row_images, tower_seconds_per_patch
 from ds_tree.config import ObjectiveConfig
@@ -121,12 +122,6 @@ def row_counts(rows) -> dict:
         "visible_pairs": sum(part.visible_pairs for row in rows for part in row.parts),
         **row_images(rows),
     }
-
-
-def synchronize(device: str) -> None:
-    """Wait for a GPU's queued work before reading a clock (nothing to wait for on the CPU)."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize(device)
 
 
 def step_once(
