@@ -32,7 +32,7 @@ export TOKENIZERS_PARALLELISM=false
 # Two pytest workers (pytest-xdist), each running one test file at a time. With OMP_NUM_THREADS=1 a
 # single-process test keeps one core busy, so one worker left the other core idle for much of the
 # suite: measured on 2 cores, 28 min in one process (a busy machine), 10-11 min on two workers (fresh
-# clones; ~19 min by 2026-11-28, issue 51; 25 min for 1929 tests after issues 52-54; 27.5 min for 1987 after issue 53). A test file stays
+# clones; ~19 min by 2026-11-28, issue 51; 25 min for 1929 tests after issues 52-54; 27.5 min for 1950 tests (37 skipped) after issue 53). A test file stays
 # on one worker, so its module-scoped fixtures (the vLLM server, the SLURM cluster) are started once.
 # The fast tier: 1849 tests in 4 min 15 s on 2 quiet cores (2026-11-28; docs/DEVELOPING.md).
 # PYTEST_WORKERS=0 runs everything in one process.
