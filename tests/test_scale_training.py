@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from ds_tree.comparison import TOLERANCES, relative_error
 from ds_tree.data import load_trajectories
 from ds_tree.data.tree_dataset import save_tree_dataset
 from ds_tree.engine.plan_ahead import DELAY_VARIABLE
@@ -108,8 +110,14 @@ RECORDED = {
 """Per case and step, the figures the whole-step planner gave: ``record_old_figures`` run with main 1873069 (``git
 archive 1873069`` unpacked, its path the ``checkout``), 2 ranks on the CPU."""
 
-COMPARED = ("loss/train", "tree/micro_batches", "tree/por", "tree/err", "rl/reward_mean", "rl/advantage_mean")
-COMPARED += ("rl/advantage_std", "rl/clip_frac_low", "rl/clip_frac_high", "rl/approx_kl", "rl/entropy")
+HOST_FIGURES = ("tree/micro_batches", "tree/por", "tree/err", "rl/reward_mean", "rl/advantage_mean", "rl/advantage_std")
+"""Figures the host computes from the plan and the rewards (float64, no model): equal to the bit on any machine."""
+MODEL_FIGURES = ("loss/train", "rl/clip_frac_low", "rl/clip_frac_high", "rl/approx_kl", "rl/entropy")
+"""Figures of the float32 model's forward: the same items on the same ranks give the same sums, but a CPU rounds
+float32 matmuls its own way (the figures above were recorded on another machine; on an AMD EPYC with AVX2 the same
+commit gives loss/train 6.944731175899506 for 6.944731116294861 at step 2 of sft_converted, 8.6e-9 relative, and the
+GRPO loss, a sum of terms of both signs, 1.8e-7), so they are held to float32 round-off (TOLERANCES[float32])."""
+COMPARED = HOST_FIGURES + MODEL_FIGURES
 
 
 def case_config(tmp_path: Path, name: str) -> Path:
@@ -147,11 +155,17 @@ def record_old_figures(tmp_path: Path, checkout: str) -> dict:
 
 
 def assert_recorded(name: str, by_step: dict[int, dict]) -> None:
-    """Every recorded figure of every step, to the bit (the same items on the same ranks: the same sums)."""
+    """Every recorded figure of every step: the host's to the bit, the model's to float32 round-off (the same items
+    on the same ranks; that every rank's items are the whole-step plan's is checked exactly, without a model, in
+    tests/test_distributed_plan.py)."""
     assert sorted(by_step) == sorted(RECORDED[name])
+    tolerance = TOLERANCES[torch.float32]
     for step, expected in RECORDED[name].items():
         found = {key: by_step[step][key] for key in expected}
-        assert found == expected, (name, step, found, expected)
+        host = {key: value for key, value in expected.items() if key in HOST_FIGURES}
+        assert {key: found[key] for key in host} == host, (name, step, found, expected)
+        errors = {key: relative_error(found[key], value) for key, value in expected.items() if key in MODEL_FIGURES}
+        assert errors and max(errors.values()) <= tolerance, (name, step, errors, found, expected)
 
 
 @pytest.mark.distributed
