@@ -33,12 +33,10 @@ from ds_tree.losses.terms import RowTerms, sft_terms
 from ds_tree.objectives.base import Components, Objective, Prepared, StepContext, Update, router_scalars
 from ds_tree.objectives.reference import frozen_model
 from ds_tree.objectives.rl_rows import even_out_forwards, gathers_collectively, trajectory_copies
+from ds_tree.packing.distributed import SHARED_KINDS
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.pairs import preference_pairs
 from ds_tree.trees.trajectory import Trajectory
-
-SHARDED_KINDS = ("shard", "walked_shard")
-"""Work items whose sums a sequence-parallel group shares (each rank scores the targets its shard predicts)."""
 
 
 @dataclass
@@ -215,7 +213,7 @@ class DPOCheck:
 
     def run(self, model, items, group_items, backward, run: RunContext) -> StepOutput:
         pairs = Pairs.of(self.sample, self.merge, self.loss)
-        sharded = any(row.kind in SHARDED_KINDS for row in items)
+        sharded = any(row.kind in SHARED_KINDS for row in items)
         group, first = None, True
         if sharded:
             from deepspeed.runtime.sequence_parallel import parallel_state_sp

@@ -34,6 +34,7 @@ from ds_tree.losses.cppo import CPPOPairs, kept_sums, row_divergence, row_pairs
 from ds_tree.losses.rl import RLSettings, TokenSums, ppo_tree_loss, token_sums, trajectory_coefficients
 from ds_tree.losses.terms import RowTerms
 from ds_tree.models.moe import RouterAuxLoss
+from ds_tree.packing.distributed import SHARED_KINDS
 from ds_tree.packing.rows import PackedRow
 from ds_tree.trees.trajectory import Trajectory
 from ds_tree.trees.trie import TokenTree
@@ -145,8 +146,7 @@ def copy_coefficients(
 def cppo_targets(row: PackedRow, copies, active: np.ndarray) -> np.ndarray:
     """CPPO's targets: ``active`` and every token of the row a copy trains (a pair's prefix, owned or not) that the
     row predicts (a shard: those predicted inside it; the group completes them, :func:`cppo_mask_sums`)."""
-    predicted = row.predicted_here() if row.kind == "walked_shard" else row.pred_pos >= 0
-    return np.union1d(active, np.flatnonzero(trained_tokens(row.n_tokens, copies) & predicted))
+    return np.union1d(active, np.flatnonzero(trained_tokens(row.n_tokens, copies) & row.predicted_here()))
 
 
 def cppo_pairs(
@@ -391,14 +391,12 @@ def cppo_mask_sums(item: RLRow, logp: np.ndarray, settings: RLSettings) -> tuple
     whole row are summed over its group first (each trained token is predicted in one shard), one all-reduce per
     shard, made by every rank of the group for the same row in the same order, as its forward's all-to-alls are."""
     divergence, rising = row_divergence(item.row.n_tokens, item.targets, logp, item.logp_old, settings.cppo.divergence)
-    if item.row.kind in SHARDED:
+    if item.row.kind in SHARED_KINDS:  # each rank scored the targets of its own shards
         divergence, rising = _over_group(divergence, rising)
     kept, masked = kept_sums(item.cppo, divergence, rising, settings.cppo)
     return kept[item.targets], masked[item.targets]
 
 
-SHARDED = ("shard", "walked_shard")
-"""Row kinds a sequence-parallel group computes together, each rank scoring the targets of its own shards."""
 WALKED = ("walked", "walked_shard")
 """Row kinds scored chunk by chunk (:func:`walked_cppo_masks`)."""
 

@@ -34,6 +34,11 @@ class PackedRow(TokenArrays):
         """The parts laid out in the row's tokens, in order (a sequence-parallel shard: its whole row's)."""
         return self.parts
 
+    def predicted_here(self) -> np.ndarray:
+        """Per row token, whether this rank scores its prediction (a shard's ``pred_pos`` is -1 outside it; a walked
+        shard's stays row-global and it overrides this)."""
+        return self.pred_pos >= 0
+
     def trajectory_paths(self) -> list[tuple[TreePart, int, np.ndarray]]:
         """``(part, trajectory id in its tree, row indices of its tokens)`` for every trajectory."""
         out = []
